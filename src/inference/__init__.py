@@ -1,0 +1,1 @@
+"""`rl inference`: vLLM's OpenAI-compatible server plus asyncrl's admin routes."""

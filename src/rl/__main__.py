@@ -1,0 +1,3 @@
+from rl.cli import main
+
+main()

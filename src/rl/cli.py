@@ -1,0 +1,112 @@
+"""The `rl` command: one subcommand per program, all reading the same config.
+
+    rl run @ configs/demo.toml                  # all three, locally
+    rl inference @ configs/demo.toml            # or each in its own terminal / host
+    rl orchestrator @ configs/demo.toml
+    rl trainer @ configs/demo.toml              # torchrun --nproc-per-node 2 -m trainer @ ...
+    rl trainer @ configs/demo.toml --trainer.optim.lr 1e-4 --dry-run
+
+Programs are imported only after the config parsed, so `--help` and config errors are instant.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Callable
+
+import typer
+
+from rl.config import ConfigError, RunConfig, load_config
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="asyncrl: asynchronous RL post-training. Each command takes '@ cfg.toml' "
+    "(several compose left to right), '--table.key value' overrides and '--dry-run'.",
+)
+_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+def setup_logging(program: str) -> None:
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s {program} %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+        force=True,
+    )
+
+
+def resolve(argv: list[str], program: str) -> RunConfig:
+    """Parse and validate, or exit 2 with one line naming the culprit. --dry-run prints and exits."""
+    try:
+        cfg, dry_run = load_config(argv)
+    except ConfigError as e:
+        typer.echo(f"rl {program}: {e}", err=True)
+        raise typer.Exit(2) from None
+    if dry_run:
+        from rl.config_doc import render_toml
+
+        typer.echo(render_toml(cfg))
+        raise typer.Exit(0)
+    return cfg
+
+
+def _program(program: str, argv: list[str], main: Callable[[RunConfig], object]) -> None:
+    cfg = resolve(argv, program)
+    setup_logging(program)
+    from rl.config_doc import save_resolved
+
+    save_resolved(cfg, program)
+    code = main(cfg)
+    raise typer.Exit(int(code or 0))
+
+
+@app.command(context_settings=_ARGS)
+def inference(ctx: typer.Context) -> None:
+    """Start a vLLM server with the admin routes (/health, /update_weights)."""
+
+    def main(cfg: RunConfig) -> None:
+        from inference.server import main as serve
+
+        serve(cfg)
+
+    _program("inference", ctx.args, main)
+
+
+@app.command(context_settings=_ARGS)
+def orchestrator(ctx: typer.Context) -> None:
+    """Generate rollouts, score them, and hand batches to the trainer within the async bound."""
+
+    def main(cfg: RunConfig) -> None:
+        from orchestrator.main import main as run
+
+        run(cfg)
+
+    _program("orchestrator", ctx.args, main)
+
+
+@app.command(context_settings=_ARGS)
+def trainer(ctx: typer.Context) -> None:
+    """Train with FSDP2 on each batch and publish weights/step_n (use torchrun for several ranks)."""
+
+    def main(cfg: RunConfig) -> None:
+        from trainer.main import main as run
+
+        run(cfg)
+
+    _program("trainer", ctx.args, main)
+
+
+@app.command(context_settings=_ARGS)
+def run(ctx: typer.Context) -> None:
+    """Start inference, orchestrator and trainer locally; stop all if one fails."""
+    cfg = resolve(ctx.args, "run")
+    from rl.launcher import launch
+
+    raise typer.Exit(launch(cfg, ctx.args))
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,37 @@
+"""The resolved config as TOML with each key's docstring as a comment: what `--dry-run` prints
+and what each program saves as output_dir/config/<program>.toml when it starts."""
+
+from __future__ import annotations
+
+import tomli_w
+from pydantic import BaseModel
+
+from rl.config import RunConfig, to_toml_dict
+from rl.rundir import RunDir, write_file_atomic
+
+
+def _render(model: BaseModel, data: dict, prefix: str) -> list[str]:
+    lines: list[str] = []
+    tables: list[tuple[str, BaseModel, dict]] = []
+    for name, field in type(model).model_fields.items():
+        if name not in data:
+            continue  # unset optional key
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            tables.append((f"{prefix}{name}", value, data[name]))
+            continue
+        lines += [f"# {line.strip()}" for line in (field.description or "").splitlines()]
+        lines.append(tomli_w.dumps({name: data[name]}).strip())
+    for table, sub, subdata in tables:
+        lines += ["", f"[{table}]"] + _render(sub, subdata, f"{table}.")
+    return lines
+
+
+def render_toml(cfg: RunConfig) -> str:
+    return "\n".join(_render(cfg, to_toml_dict(cfg), "")) + "\n"
+
+
+def save_resolved(cfg: RunConfig, program: str) -> None:
+    run = RunDir(cfg.output_dir)
+    run.make()
+    write_file_atomic(run.config_file(program), render_toml(cfg).encode())

@@ -1,0 +1,125 @@
+"""The run directory: the one thing the three programs share (see docs/architecture.md).
+
+    <output_dir>/
+      config/<program>.toml   resolved config each program started with
+      rollouts/step_<n>/      batch n: written under a temporary name, then renamed
+      weights/step_<n>/       HF safetensors + config + tokenizer; STABLE written last
+      logs/<program>.log
+      metrics.jsonl
+
+Readers act only on complete items: a rollouts/step_<n> directory exists only once whole (rename
+is atomic), and a weights directory counts only once it holds STABLE. Nothing here uses file
+locks or inotify, so the protocol holds on network filesystems too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+STABLE = "STABLE"
+_STEP = re.compile(r"^step_(\d+)$")
+
+
+class RunDir:
+    def __init__(self, root: Path | str):
+        self.root = Path(root)
+
+    @property
+    def rollouts(self) -> Path:
+        return self.root / "rollouts"
+
+    @property
+    def weights(self) -> Path:
+        return self.root / "weights"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    def rollout_dir(self, step: int) -> Path:
+        return self.rollouts / f"step_{step}"
+
+    def weights_dir(self, step: int) -> Path:
+        return self.weights / f"step_{step}"
+
+    def config_file(self, program: str) -> Path:
+        return self.root / "config" / f"{program}.toml"
+
+    def make(self) -> None:
+        for d in (self.rollouts, self.weights, self.logs, self.root / "config"):
+            d.mkdir(parents=True, exist_ok=True)
+
+    def latest_stable_weights(self) -> int | None:
+        """Highest n whose weights/step_n holds STABLE, or None."""
+        steps = [n for n in _steps(self.weights) if (self.weights_dir(n) / STABLE).exists()]
+        return max(steps, default=None)
+
+    def rollout_steps(self) -> list[int]:
+        return sorted(_steps(self.rollouts))
+
+    def weight_steps(self) -> list[int]:
+        return sorted(_steps(self.weights))
+
+    def append_metrics(self, record: dict) -> None:
+        record = {"time": time.time(), **record}
+        # One write() of one line with O_APPEND: lines from the two writers never interleave.
+        with open(self.metrics, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def _steps(parent: Path) -> list[int]:
+    if not parent.is_dir():
+        return []
+    return [int(m.group(1)) for p in parent.iterdir() if (m := _STEP.match(p.name))]
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file_atomic(path: Path, data: bytes) -> None:
+    """Write to a temporary sibling, fsync, rename: readers see the old file or the whole new one."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def publish_dir(tmp: Path, final: Path) -> None:
+    """Make a fully written temporary directory visible under its final name in one rename."""
+    for p in tmp.iterdir():
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+
+
+def mark_stable(directory: Path) -> None:
+    """Written last: everything else in the directory is complete and durable before it."""
+    for p in directory.iterdir():
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    write_file_atomic(directory / STABLE, b"")
+
+
+def remove_quietly(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
