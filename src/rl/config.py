@@ -93,11 +93,12 @@ class OrchestratorConfig(Section):
     server_wait_timeout_s: float = Field(600, gt=0)
     """Longest to wait for a server to become healthy at start-up before giving up."""
 
+    trainer_timeout_s: float = Field(3600, gt=0)
+    """Longest to wait on the trainer for a new weights version (the async bound, the final
+    version) before giving up."""
+
     poll_interval_s: float = Field(0.1, gt=0)
     """How often the run directory is checked for new weights."""
-
-    keep_rollouts: int = Field(4, ge=1)
-    """Batches kept on disk behind the trainer; older ones are deleted."""
 
 
 class OptimConfig(Section):
@@ -136,8 +137,15 @@ class TrainerConfig(Section):
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype of the FSDP2 mixed-precision policy (parameters stay float32)."""
 
+    torch_threads: int = Field(0, ge=0)
+    """CPU threads for torch in the trainer; 0 keeps torch's default. On a small machine shared
+    with the inference engine, 1 avoids the two fighting over cores."""
+
     batch_timeout_s: float = Field(3600, gt=0)
     """Longest to wait for the next batch before giving up (a heartbeat is logged meanwhile)."""
+
+    keep_rollouts: int = Field(2, ge=1)
+    """Consumed batches kept on disk (for inspection); older ones are deleted."""
 
     keep_weights: int = Field(3, ge=1)
     """Weight versions kept on disk; older ones are deleted once newer ones are STABLE."""
@@ -169,7 +177,13 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
-        m = self.orchestrator.max_off_policy_steps
+        o = self.orchestrator
+        if o.max_in_flight_groups < o.prompts_per_step:
+            raise ValueError(
+                f"orchestrator.max_in_flight_groups ({o.max_in_flight_groups}) must be >= "
+                f"orchestrator.prompts_per_step ({o.prompts_per_step}), or no batch could fill"
+            )
+        m = o.max_off_policy_steps
         if m is not None and m < self.max_async_level:
             raise ValueError(
                 f"orchestrator.max_off_policy_steps ({m}) must be >= max_async_level "

@@ -1,0 +1,1 @@
+"""`rl orchestrator`: rollouts, rewards, advantages and the async rule, batch by batch."""

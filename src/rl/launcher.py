@@ -1,0 +1,184 @@
+"""`rl run @ cfg.toml`: the three programs as local child processes, one log each, one status
+line per step, fail-fast.
+
+Each child gets exactly the launcher's own arguments, so it resolves the same config a user would
+get starting it by hand. Children run in their own sessions: Ctrl-C reaches only the launcher,
+which then stops them in order (SIGTERM, then SIGKILL of the whole process group, which takes
+vLLM's engine processes along).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+
+from rl.config import RunConfig
+from rl.rundir import RunDir
+
+PROGRAMS = ("inference", "trainer", "orchestrator")
+STOP_GRACE_S = 15.0
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log: Path
+
+
+def _die_with_parent() -> None:
+    """In the child: ask Linux to SIGTERM it when the launcher dies, even by SIGKILL."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: Ctrl-C and SIGTERM still stop the children through the launcher
+
+
+def _start(name: str, argv: list[str], run: RunDir) -> Child:
+    log = run.logs / f"{name}.log"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rl", name, *argv],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True, preexec_fn=_die_with_parent,
+        )
+    return Child(name, proc, log)
+
+
+def _stop(children: list[Child]) -> None:
+    for c in children:
+        if c.proc.poll() is None:
+            os.killpg(c.proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for c in children:
+        try:
+            c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        try:  # whatever is left of the group (vLLM's engine core, workers)
+            os.killpg(c.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        c.proc.wait()
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return ""
+
+
+class MetricsFollower:
+    """Reads the lines appended to metrics.jsonl since the last call."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset = path, 0
+
+    def new_records(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1  # a line still being written waits for the next call
+        self.offset += end
+        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+
+
+def status_line(step: int, total: int, orch: dict, train: dict) -> str:
+    return (
+        f"step {step}/{total} | reward {orch.get('reward_mean', float('nan')):.3f} "
+        f"| staleness {orch.get('staleness_mean', float('nan')):.2f} "
+        f"| {orch.get('tokens_per_s', 0):.0f} tok/s "
+        f"| loss {train.get('loss', float('nan')):+.4f} "
+        f"| trainer waited {train.get('wait_s', 0):.2f}s, orchestrator waited {orch.get('wait_s', 0):.2f}s"
+    )
+
+
+def summarize(run: RunDir, console: Console) -> None:
+    """First-5 vs last-5 mean reward, and the reward curve as a PNG in the run directory."""
+    records = [r for r in MetricsFollower(run.metrics).new_records() if r.get("program") == "orchestrator"]
+    if not records:
+        return
+    rewards = [r["reward_mean"] for r in sorted(records, key=lambda r: r["step"])]
+    first, last = sum(rewards[:5]) / len(rewards[:5]), sum(rewards[-5:]) / len(rewards[-5:])
+    console.print(f"mean reward: first 5 steps {first:.3f}, last 5 steps {last:.3f} ({last - first:+.3f})")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(1, len(rewards) + 1), rewards, label="batch mean reward")
+    window = 5
+    if len(rewards) >= window:
+        smooth = [sum(rewards[i - window:i]) / window for i in range(window, len(rewards) + 1)]
+        ax.plot(range(window, len(rewards) + 1), smooth, label=f"trailing {window}-step mean")
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean sampled reward")
+    ax.legend()
+    fig.tight_layout()
+    out = run.root / "reward_curve.png"
+    fig.savefig(out, dpi=100)
+    console.print(f"reward curve: {out}")
+
+
+def launch(cfg: RunConfig, argv: list[str]) -> int:
+    run = RunDir(cfg.output_dir)
+    run.make()
+    console = Console(stderr=True)
+
+    def on_sigterm(*_):
+        raise KeyboardInterrupt  # stop the children as Ctrl-C would
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    children = [_start(name, argv, run) for name in PROGRAMS]
+    console.print(f"started {', '.join(f'{c.name} (pid {c.proc.pid})' for c in children)}; logs in {run.logs}")
+    follower = MetricsFollower(run.metrics)
+    latest: dict[str, dict] = {"orchestrator": {}, "trainer": {}}
+    shown = 0
+    code = 0
+    try:
+        with console.status("waiting for the first batch (vLLM takes ~30 s to start)") as spinner:
+            while True:
+                for rec in follower.new_records():
+                    latest[rec.get("program", "")] = rec
+                train = latest["trainer"]
+                if train.get("step", 0) > shown:
+                    shown = train["step"]
+                    orch = latest["orchestrator"]
+                    console.print(f"{time.strftime('%H:%M:%S')} {status_line(shown, cfg.max_steps, orch, train)}",
+                                  soft_wrap=True, highlight=False, markup=False)
+                    spinner.update(f"training: step {shown}/{cfg.max_steps}")
+                done = {c.name: c.proc.poll() for c in children}
+                failed = [c for c in children if done[c.name] not in (None, 0)
+                          or (c.name == "inference" and done[c.name] is not None)]
+                if failed:
+                    c = failed[0]
+                    console.print(f"[red]rl run: {c.name} exited with code {done[c.name]}; "
+                                  f"stopping the others. Last lines of {c.log}:[/red]")
+                    console.print(_tail(c.log), markup=False, highlight=False)
+                    code = 1
+                    break
+                if done["trainer"] == 0 and done["orchestrator"] == 0:
+                    break
+                time.sleep(0.5)
+    except KeyboardInterrupt:
+        console.print("interrupted: stopping all programs")
+        code = 130
+    finally:
+        _stop(children)
+    if code == 0:
+        summarize(run, console)
+    return code

@@ -1,0 +1,1 @@
+"""`rl trainer`: FSDP2 policy-gradient training on the orchestrator's batches."""

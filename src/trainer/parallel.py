@@ -1,0 +1,35 @@
+"""Process group and FSDP2 sharding: the only place that knows about ranks and sharding.
+
+One process (`rl trainer`) gets a world of one; under torchrun the usual environment variables
+give the rank and world. gloo on CPU, NCCL on GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+def init_distributed() -> torch.device:
+    if torch.cuda.is_available():
+        backend, device = "nccl", torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        backend, device = "gloo", torch.device("cpu")
+    if "RANK" in os.environ:  # torchrun
+        dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return device
+
+
+def apply_fsdp(model: torch.nn.Module, compute_dtype: torch.dtype) -> None:
+    """Shard each decoder layer, then the root (embeddings, final norm, lm_head: tied weights
+    must land in the same FSDP group, which the root is)."""
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)

@@ -1,0 +1,64 @@
+"""Config: composition, overrides, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from conftest import rl_command
+from rl.config import ConfigError, load_config
+
+
+def run_rl(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(rl_command(*args), capture_output=True, text=True, timeout=60)
+
+
+def test_files_compose_left_to_right_and_flags_win(write_toml):
+    a = write_toml('model = "m"\nmax_steps = 5\n[trainer.optim]\nlr = 1e-4\n', "a.toml")
+    b = write_toml("max_steps = 7\n[orchestrator]\ngroup_size = 4\n", "b.toml")
+    cfg, dry = load_config(["@", str(a), f"@{b}", "--trainer.optim.lr", "2e-5", "--seed=3"])
+    assert (cfg.max_steps, cfg.orchestrator.group_size, cfg.trainer.optim.lr, cfg.seed) == (7, 4, 2e-5, 3)
+    assert cfg.trainer.optim.betas == (0.9, 0.99)  # untouched defaults survive the merge
+    assert not dry
+
+
+def test_off_policy_steps_default_to_async_level(write_toml):
+    cfg, _ = load_config(["@", str(write_toml('model = "m"\nmax_async_level = 3\n'))])
+    assert cfg.off_policy_steps == 3
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--trainer.optim.lrr", "1"], "unknown config key: trainer.optim.lrr"),
+    (["--max_steps", "many"], "config key max_steps"),
+    (["--orchestrator.max_off_policy_steps", "0", "--max_async_level", "2"], "must be >= max_async_level"),
+    (["--orchestrator.max_in_flight_groups", "2"], "orchestrator.max_in_flight_groups"),
+])
+def test_bad_values_raise_one_line_naming_the_key(write_toml, args, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(["@", str(write_toml('model = "m"\n')), *args])
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("text, args, message", [
+    ('model = "m"\nbogus = 1\n', [], "unknown config key: bogus"),
+    ('model = "m"\n[trainer]\nmicro_batch_size = "x"\n', [], "trainer.micro_batch_size"),
+    ("max_steps = 3\n", [], "missing config key: model"),
+    ("model = \n", [], "invalid TOML"),
+    ('model = "m"\n', ["@", "no/such/file.toml"], "config file not found: no/such/file.toml"),
+])
+def test_cli_errors_exit_2_with_one_line(write_toml, text, args, message):
+    result = run_rl("trainer", "@", str(write_toml(text)), *args)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_dry_run_prints_resolved_config_with_docs(write_toml):
+    result = run_rl("orchestrator", "@", str(write_toml('model = "m"\n')), "--orchestrator.group_size", "5", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert "group_size = 5" in result.stdout
+    assert "# Completions per prompt" in result.stdout
+    assert "[trainer.optim]" in result.stdout

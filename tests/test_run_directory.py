@@ -1,0 +1,68 @@
+"""Atomic batch files with checksums, and STABLE as the only signal that weights are complete."""
+
+from __future__ import annotations
+
+import pytest
+
+from rl.batch import Batch, BatchError, Sample
+from rl.rundir import RunDir, mark_stable, write_file_atomic
+
+
+def make_batch(step: int = 1) -> Batch:
+    samples = [
+        Sample([5, 6, 7], [8, 9], [-0.5, -1.5], advantage=0.25, reward=0.75, version=0),
+        Sample([5], [8, 9, 10], [-0.1, -0.2, -0.3], advantage=-0.25, reward=0.25, version=1),
+    ]
+    return Batch.from_samples(step, 0.7, samples)
+
+
+def test_batch_round_trip(tmp_path):
+    make_batch(3).write(tmp_path / "step_3")
+    b = Batch.read(tmp_path / "step_3")
+    assert (b.step, b.temperature, b.num_samples) == (3, pytest.approx(0.7), 2)
+    assert b.tokens.tolist() == [5, 6, 7, 8, 9, 5, 8, 9, 10]
+    assert b.loss_mask.tolist() == [0, 0, 0, 1, 1, 0, 1, 1, 1]
+    assert b.logprobs.tolist() == pytest.approx([0, 0, 0, -0.5, -1.5, 0, -0.1, -0.2, -0.3])
+    assert b.versions.tolist() == [0, 1]
+    assert [b.tokens[s].tolist() for s in b.sample_slices()] == [[5, 6, 7, 8, 9], [5, 8, 9, 10]]
+
+
+def test_batch_write_leaves_no_partial_directory(tmp_path):
+    make_batch().write(tmp_path / "step_1")
+    assert [p.name for p in tmp_path.iterdir()] == ["step_1"]  # the temporary name is gone
+    assert sorted(p.name for p in (tmp_path / "step_1").iterdir()) == ["batch.safetensors", "meta.json"]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "remove"])
+def test_damaged_batch_is_refused_naming_the_file(tmp_path, damage):
+    make_batch().write(tmp_path / "step_1")
+    data = tmp_path / "step_1" / "batch.safetensors"
+    raw = data.read_bytes()
+    if damage == "truncate":
+        data.write_bytes(raw[: len(raw) // 2])
+    elif damage == "flip":
+        data.write_bytes(raw[:-1] + bytes([raw[-1] ^ 0xFF]))
+    else:
+        data.unlink()
+    with pytest.raises(BatchError, match="batch.safetensors"):
+        Batch.read(tmp_path / "step_1")
+
+
+def test_only_stable_weights_count(tmp_path):
+    run = RunDir(tmp_path)
+    run.make()
+    for n in (1, 2, 3):
+        run.weights_dir(n).mkdir()
+        write_file_atomic(run.weights_dir(n) / "model.safetensors", b"x")
+    assert run.latest_stable_weights() is None
+    mark_stable(run.weights_dir(1))
+    mark_stable(run.weights_dir(2))
+    assert run.latest_stable_weights() == 2  # step_3 is still being written
+
+
+def test_atomic_write_replaces_whole_file(tmp_path):
+    target = tmp_path / "f"
+    write_file_atomic(target, b"old")
+    write_file_atomic(target, b"new contents")
+    assert target.read_bytes() == b"new contents"
+    assert [p.name for p in tmp_path.iterdir()] == ["f"]
