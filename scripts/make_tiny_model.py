@@ -68,13 +68,13 @@ def encode_batch(tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Tenso
 
 
 @torch.no_grad()
-def greedy_reward(model, tokenizer, rows: list[dict]) -> float:
+def mean_reward(model, tokenizer, rows: list[dict], sample: bool = False) -> float:
     model.eval()
     total = 0.0
     for row in rows:
         ids = torch.tensor([tokenizer.encode(row["prompt"])])
         out = model.generate(
-            ids, max_new_tokens=reverse.MAX_LEN + 2, do_sample=False,
+            ids, max_new_tokens=reverse.MAX_LEN + 2, do_sample=sample, temperature=1.0, top_k=0,
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         )
         text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
@@ -89,8 +89,9 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=0.45, help="stop at this greedy reward")
     ap.add_argument("--max-steps", type=int, default=3000)
     ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--label-smoothing", type=float, default=0.3)
     args = ap.parse_args()
 
     torch.manual_seed(args.seed)
@@ -105,12 +106,18 @@ def main() -> None:
     score = 0.0
     for step in range(1, args.max_steps + 1):
         ids, labels = encode_batch(tokenizer, [reverse.make_row(rng) for _ in range(args.batch_size)])
-        loss = model(input_ids=ids, labels=labels).loss
+        logits = model(input_ids=ids).logits[:, :-1]
+        # Label smoothing keeps the sampling distribution broad: the model's greedy answer has
+        # partial skill while its samples at T=1 are much worse, the regime where RL's gains
+        # show quickly (TRL's reference model: 0.50 greedy, 0.21 sampled).
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+            ignore_index=-100, label_smoothing=args.label_smoothing)
         loss.backward()
         opt.step()
         opt.zero_grad()
-        if step % 25 == 0:
-            score = greedy_reward(model, tokenizer, eval_rows)
+        if step % 10 == 0:
+            score = mean_reward(model, tokenizer, eval_rows)
             print(f"step {step} loss {loss.item():.3f} greedy reward {score:.3f}", flush=True)
             if score >= args.target:
                 break
@@ -118,7 +125,9 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out, safe_serialization=True)
     tokenizer.save_pretrained(args.out)
-    print(f"saved {args.out} (greedy reward {score:.3f})")
+    torch.manual_seed(args.seed)
+    sampled = mean_reward(model, tokenizer, eval_rows, sample=True)
+    print(f"saved {args.out}: greedy reward {score:.3f}, sampled (T=1) {sampled:.3f}")
 
 
 if __name__ == "__main__":

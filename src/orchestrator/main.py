@@ -195,7 +195,7 @@ class Orchestrator:
         server.in_flight += 1
         try:
             group = await self.generate(server, row, version)
-        except (httpx.HTTPError, KeyError, ValueError) as e:
+        except Exception as e:  # a server error, a malformed answer, a reward that raised
             self.counters.failed += 1
             log.warning("group failed on %s (%s: %s); prompt requeued", server.url, type(e).__name__, e)
             self.requeued.append(row)

