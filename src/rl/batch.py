@@ -21,7 +21,7 @@ import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from rl.rundir import publish_dir, write_file_atomic
+from rl.rundir import publish_dir
 
 FORMAT = "asyncrl.batch.v1"
 
@@ -97,8 +97,10 @@ class Batch:
         }
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-        write_file_atomic(tmp / "batch.safetensors", payload)
-        write_file_atomic(tmp / "meta.json", json.dumps(meta).encode())
+        # Plain writes: nobody reads the temporary directory, and publish_dir fsyncs every file
+        # once before the rename that makes the batch visible.
+        (tmp / "batch.safetensors").write_bytes(payload)
+        (tmp / "meta.json").write_text(json.dumps(meta))
         publish_dir(tmp, final)
 
     @classmethod

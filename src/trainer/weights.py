@@ -6,7 +6,6 @@ A server freshly started on weights/step_n serves exactly what /update_weights l
 
 from __future__ import annotations
 
-import logging
 import shutil
 import time
 from pathlib import Path
@@ -16,8 +15,6 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from rl.rundir import RunDir, mark_stable, remove_quietly
-
-log = logging.getLogger("trainer")
 
 # Small files that make a weights directory a loadable HF model on its own.
 _COPIED = ("*.json", "*.txt", "*.model", "*.jinja")
