@@ -10,8 +10,9 @@ from rl.rundir import RunDir, mark_stable, write_file_atomic
 
 def make_batch(step: int = 1) -> Batch:
     samples = [
-        Sample([5, 6, 7], [8, 9], [-0.5, -1.5], advantage=0.25, reward=0.75, version=0),
-        Sample([5], [8, 9, 10], [-0.1, -0.2, -0.3], advantage=-0.25, reward=0.25, version=1),
+        Sample.single_turn([5, 6, 7], [8, 9], [-0.5, -1.5], [0, 0], reward=0.75, advantage=0.25),
+        # An in-flight weight update landed after its first token: versions 1 then 2.
+        Sample.single_turn([5], [8, 9, 10], [-0.1, -0.2, -0.3], [1, 2, 2], reward=0.25, advantage=-0.25),
     ]
     return Batch.from_samples(step, 0.7, samples)
 
@@ -23,7 +24,9 @@ def test_batch_round_trip(tmp_path):
     assert b.tokens.tolist() == [5, 6, 7, 8, 9, 5, 8, 9, 10]
     assert b.loss_mask.tolist() == [0, 0, 0, 1, 1, 0, 1, 1, 1]
     assert b.logprobs.tolist() == pytest.approx([0, 0, 0, -0.5, -1.5, 0, -0.1, -0.2, -0.3])
-    assert b.versions.tolist() == [0, 1]
+    assert b.advantages.tolist() == [0, 0, 0, 0.25, 0.25, 0, -0.25, -0.25, -0.25]
+    assert b.token_versions.tolist() == [-1, -1, -1, 0, 0, -1, 1, 2, 2]
+    assert b.versions.tolist() == [0, 1]  # the oldest token of each sample
     assert [b.tokens[s].tolist() for s in b.sample_slices()] == [[5, 6, 7, 8, 9], [5, 8, 9, 10]]
 
 

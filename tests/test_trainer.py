@@ -33,7 +33,7 @@ def write_batches(run: RunDir, steps: int) -> None:
         with torch.no_grad():
             logp = torch.log_softmax(base(input_ids=ids).logits[0, :-1], -1)
         per_token = logp[torch.arange(ids.shape[1] - 1), ids[0, 1:]][len(PROMPT) - 1:].tolist()
-        return Sample(PROMPT, completion, per_token, adv, reward=0.5 + adv, version=0)
+        return Sample.single_turn(PROMPT, completion, per_token, [0] * len(completion), reward=0.5 + adv, advantage=adv)
     for n in range(1, steps + 1):
         Batch.from_samples(n, 1.0, [sample(GOOD, 0.5), sample(BAD, -0.5)] * 4).write(run.rollout_dir(n))
 

@@ -1,14 +1,18 @@
-"""The orchestrator: keeps groups in flight on the inference servers, scores them, and hands
-batches to the trainer under the async rule.
+"""The orchestrator: keeps groups generating on the inference servers, scores them, and hands
+batches to the trainer under the async rule (rl/async_rule.py).
 
     rl orchestrator @ configs/demo.toml
 
-Three concurrent loops share one event loop:
-  - `produce`: keeps up to max_in_flight_groups groups generating (one request of n=group_size
-    completions per prompt), each tagged with the version serving when it was sent;
-  - `sync_weights`: watches weights/ for a new STABLE version and loads it into every server;
-  - `run` (the main loop): for n = 1..max_steps, waits for the async bound, takes the freshest
-    finished groups, drops stale ones (their prompts go back to the queue), writes batch n.
+Concurrent loops on one event loop:
+  - `produce`: starts groups (orchestrator/rollouts.py) on the least-loaded server while fewer
+    than max_in_flight_groups are in flight or finished-unbatched, and only groups that can still
+    land in a batch under the off-policy bound m;
+  - `follow_weights`: loads each new STABLE weights version into every server;
+  - `pool.heal`: retries servers taken out of rotation;
+  - `run` (the main loop), for n = 1..max_steps: waits until version >= n-1-k serves on every
+    server in rotation, takes the oldest fresh finished groups, hands batch n over, checkpoints,
+    and cancels in-flight groups that batch n+1 could no longer accept (aborted on their server,
+    prompts requeued).
 """
 
 from __future__ import annotations
@@ -16,19 +20,22 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import httpx
+import aiohttp
 
-from orchestrator.advantages import group_advantages
-from orchestrator.scoring import load_callable, score
-from rl.admin_client import AdminClient, AdminError
-from rl.async_rule import can_hand_over, is_fresh, min_serving_version
-from rl.batch import Batch, Sample
+from orchestrator.prompts import Prompt, PromptQueue, decode_state, encode_state
+from orchestrator.rollouts import Aborted, Group, Rollouts, RowError
+from orchestrator.scoring import Reward, Teacher, load_callable
+from orchestrator.servers import Server, ServerPool
+from rl.async_rule import can_hand_over, is_fresh, min_serving_version, oldest_usable_version
+from rl.batch import Batch
 from rl.config import RunConfig
-from rl.rundir import RunDir
+from rl.inference_api import GenerateRequest, GenerateResponse, InferenceClient, InferenceError
+from rl.rundir import RunDir, mark_stable, remove_quietly, write_file_atomic
+from rl.transport import BatchSender
 
 log = logging.getLogger("orchestrator")
 
@@ -36,57 +43,96 @@ HEARTBEAT_S = 30.0
 
 
 @dataclass
-class Server:
-    admin: AdminClient
-    version: int = 0
-    in_flight: int = 0
-
-    @property
-    def url(self) -> str:
-        return self.admin.url
-
-
-@dataclass
-class Group:
-    row: dict
+class InFlight:
+    prompt: Prompt
+    server: Server
     version: int
-    samples: list[Sample]
-    completion_tokens: int
+    """Version the server served when the group started: no token of it is older."""
+    requests: set[str] = field(default_factory=set)
+    task: asyncio.Task | None = None
+    cancelled: bool = False
 
 
 @dataclass
 class Counters:
     """Since the previous batch."""
-    completion_tokens: int = 0
-    dropped_stale: int = 0
+    model_tokens: int = 0
+    cancelled: int = 0
     failed: int = 0
+    failed_requests: int = 0
+    filtered: int = 0
+    dropped_stale: int = 0
     started: float = field(default_factory=time.monotonic)
 
 
 class Orchestrator:
-    def __init__(self, cfg: RunConfig, client: httpx.AsyncClient):
-        self.cfg = cfg
-        self.ocfg = cfg.orchestrator
+    def __init__(self, cfg: RunConfig, session: aiohttp.ClientSession):
+        self.cfg, self.o = cfg, cfg.orchestrator
         self.run_dir = RunDir(cfg.output_dir)
-        self.client = client
-        token = cfg.inference.api_token
-        self.servers = [Server(AdminClient(url, client, token)) for url in cfg.urls]
-        self.reward_fn = load_callable(self.ocfg.reward, "orchestrator.reward")
-        self.rows = iter(load_callable(self.ocfg.dataset, "orchestrator.dataset")(cfg.seed))
-        self.requeued: collections.deque[dict] = collections.deque()
+        self.pool = ServerPool(cfg.urls, session, cfg.inference.api_token, cfg.inference.reload_timeout_s,
+                               self.o.server_retry_max_s, self.o.in_flight_updates)
+        self.rollouts = self._make_rollouts(session)
+        self.sender = BatchSender(cfg.transport, self.run_dir)
+        self.next_step, cursor, pending = self._resume_point()
+        self.queue = PromptQueue(self._rows(), cursor, pending)
+        self.in_flight: dict[str, InFlight] = {}
         self.finished: list[Group] = []
-        self.in_flight: set[asyncio.Task] = set()
-        self.changed = asyncio.Condition()  # a group finished or a new version serves
-        self.next_step = 1
-        self.model_name = ""
+        self.changed = asyncio.Condition()  # a group finished, a batch left, a version serves
         self.counters = Counters()
         self.background: list[asyncio.Task] = []
+        # Request ids must not collide with a previous orchestrator's still running on a server.
+        self.tag, self.seq = secrets.token_hex(3), 0
 
-    # --- state everyone waits on ---------------------------------------------------------
+    def _make_rollouts(self, session: aiohttp.ClientSession) -> Rollouts:
+        from transformers import AutoTokenizer  # heavy import, only where needed
 
-    @property
-    def serving_version(self) -> int:
-        return min(s.version for s in self.servers)
+        o = self.o
+        env = load_callable(o.environment, "orchestrator.environment")() if o.environment else None
+        reward = Reward(o.reward, o.reward_timeout_s, session) if o.reward and env is None else None
+        teacher = None
+        if o.teacher_url:
+            teacher = Teacher(InferenceClient(o.teacher_url, session, self.cfg.inference.api_token),
+                              o.teacher_coef, o.request_timeout_s)
+        tokenizer = AutoTokenizer.from_pretrained(self.cfg.model)
+        return Rollouts(self.cfg, tokenizer, reward, teacher, env)
+
+    def _rows(self):
+        if self.rollouts.env is not None:
+            return iter(self.rollouts.env.dataset(self.cfg.seed))
+        return iter(load_callable(self.o.dataset, "orchestrator.dataset")(self.cfg.seed))
+
+    # --- checkpoint and resume -----------------------------------------------------------
+
+    def _resume_point(self) -> tuple[int, int, list[Prompt]]:
+        """(next step, data cursor, pending prompts): a fresh start, or where the last
+        checkpoint left off."""
+        saved = self.run_dir.checkpoint_steps("orchestrator")
+        on_disk = self.run_dir.rollout_steps()
+        if not saved:
+            if on_disk:
+                raise SystemExit(f"output_dir {self.run_dir.root} holds batches but no orchestrator checkpoint; "
+                                 "remove it or choose another output_dir")
+            return 1, 0, []
+        path = self.run_dir.checkpoint_dir(saved[-1]) / "orchestrator" / "state.json"
+        step, cursor, pending = decode_state(path.read_bytes())
+        # A crash between handing batch n over and checkpointing it: batch n is out, its prompts
+        # are still listed as pending and go out again; batch numbers stay contiguous.
+        handed = max(on_disk, default=step) if self.cfg.transport.kind == "filesystem" else step
+        log.info("resuming after batch %d from %s: %d rows drawn, %d pending prompts re-issued",
+                 max(step, handed), path, cursor, len(pending))
+        return max(step, handed) + 1, cursor, pending
+
+    def checkpoint(self, step: int) -> None:
+        pending = [*self.queue.requeued, *(g.prompt for g in self.in_flight.values()),
+                   *(g.prompt for g in self.finished)]
+        directory = self.run_dir.checkpoint_dir(step) / "orchestrator"
+        directory.mkdir(parents=True, exist_ok=True)
+        write_file_atomic(directory / "state.json", encode_state(step, self.queue.cursor, pending))
+        mark_stable(directory)
+        for old in self.run_dir.checkpoint_steps("orchestrator")[:-self.o.keep_checkpoints]:
+            remove_quietly(self.run_dir.checkpoint_dir(old) / "orchestrator")
+
+    # --- waiting, visibly -----------------------------------------------------------------
 
     async def notify(self) -> None:
         async with self.changed:
@@ -94,6 +140,8 @@ class Orchestrator:
 
     async def wait_until(self, predicate, what: str, timeout_s: float) -> float:
         """Wait for `predicate()`, logging what it waits for; returns seconds waited."""
+        if predicate():
+            return 0.0
         start = last_beat = time.monotonic()
         async with self.changed:
             while not predicate():
@@ -113,201 +161,229 @@ class Orchestrator:
                     pass
         return time.monotonic() - start
 
-    # --- servers and weights -------------------------------------------------------------
+    # --- weights ---------------------------------------------------------------------------
 
-    async def connect(self) -> None:
-        deadline = time.monotonic() + self.ocfg.server_wait_timeout_s
-        for server in self.servers:
-            last_beat = 0.0
-            while True:
-                try:
-                    server.version = (await server.admin.health())["version"]
-                    break
-                except AdminError as e:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(
-                            f"inference server {server.url} not healthy after "
-                            f"{self.ocfg.server_wait_timeout_s:.0f} s "
-                            f"(orchestrator.server_wait_timeout_s): {e}") from None
-                    if time.monotonic() - last_beat > 10:
-                        log.info("waiting for inference server %s to come up", server.url)
-                        last_beat = time.monotonic()
-                    await asyncio.sleep(1.0)
-        self.model_name = await self.servers[0].admin.model_name()
-        await self.load_current_version()
-        log.info("connected to %d server(s), serving version %d, model %s",
-                 len(self.servers), self.serving_version, self.model_name)
-
-    async def load_current_version(self) -> None:
-        """Make every server serve this run's current version (the newest STABLE weights, or
-        the base model): a server kept from an earlier run may report any version."""
+    def latest_weights(self) -> tuple[int, object]:
         latest = self.run_dir.latest_stable_weights()
-        version, path = (0, self.cfg.model) if latest is None else (latest, self.run_dir.weights_dir(latest))
-        for s in self.servers:
-            if s.version != version:
-                log.info("server %s reports version %d; loading version %d", s.url, s.version, version)
-                await s.admin.update_weights(str(Path(path).resolve()), version,
-                                             timeout=self.cfg.inference.reload_timeout_s)
-                s.version = version
+        return (0, self.cfg.model) if latest is None else (latest, self.run_dir.weights_dir(latest))
 
-    async def sync_weights(self) -> None:
-        """Load each newly STABLE weights version into every server."""
+    async def follow_weights(self) -> None:
         while True:
-            latest = self.run_dir.latest_stable_weights()
-            if latest is not None and latest > self.serving_version:
-                path = str(self.run_dir.weights_dir(latest).resolve())
-                stale = [s for s in self.servers if s.version < latest]
-                results = await asyncio.gather(*(
-                    s.admin.update_weights(path, latest, timeout=self.cfg.inference.reload_timeout_s)
-                    for s in stale))
-                for s, r in zip(stale, results):
-                    s.version = latest
-                log.info("version %d serving on %d server(s) (reload %.3f s)",
-                         latest, len(stale), max(r["reload_s"] for r in results))
+            version, path = self.latest_weights()
+            if version > self.pool.version or any(s.version != version for s in self.pool.in_rotation):
+                await self.pool.load(version, path)
                 await self.notify()
-            await asyncio.sleep(self.ocfg.poll_interval_s)
+            await asyncio.sleep(self.o.poll_interval_s)
 
-    # --- generation ----------------------------------------------------------------------
-
-    def next_row(self) -> dict:
-        return self.requeued.popleft() if self.requeued else next(self.rows)
+    # --- groups ----------------------------------------------------------------------------
 
     def may_start_group(self) -> bool:
         queued = len(self.in_flight) + len(self.finished)
-        if queued >= self.ocfg.max_in_flight_groups:
+        if queued >= self.o.max_in_flight_groups or not self.pool.in_rotation:
             return False
-        # The batch this group will most likely land in: the ones queued ahead fill earlier
-        # batches. If the serving version is already too old for that batch the group would
-        # only be thrown away, so wait for newer weights instead.
-        target = self.next_step + queued // self.ocfg.prompts_per_step
-        return is_fresh(self.serving_version, target, self.cfg.off_policy_steps)
+        # The batch this group would most likely land in: the ones queued ahead fill earlier
+        # batches. If the serving version is already too old for it, the group would only be
+        # thrown away: wait for newer weights instead.
+        target = self.next_step + queued // self.o.prompts_per_step
+        return is_fresh(self.pool.serving_version, target, self.cfg.off_policy_steps)
 
     async def produce(self) -> None:
         while True:
             await self.wait_until(self.may_start_group, "room for a new group", float("inf"))
-            server = min(self.servers, key=lambda s: s.in_flight)
-            task = asyncio.create_task(self.run_group(server, self.next_row()))
-            self.in_flight.add(task)
-            task.add_done_callback(self.in_flight.discard)
+            server = self.pool.pick()
+            self.seq += 1
+            gid = f"{self.tag}-{self.seq}"
+            g = InFlight(self.queue.take(), server, server.version)
+            g.task = asyncio.create_task(self.run_group(gid, g), name=gid)
+            self.in_flight[gid] = g
 
-    async def run_group(self, server: Server, row: dict) -> None:
-        version = server.version
-        server.in_flight += 1
+    async def run_group(self, gid: str, g: InFlight) -> None:
+        async def generate(request: GenerateRequest) -> GenerateResponse:
+            g.requests.add(request.request_id)
+            self.pool.begin(g.server)
+            try:
+                return await g.server.client.generate(request, self.o.request_timeout_s)
+            finally:
+                self.pool.end(g.server)
+                g.requests.discard(request.request_id)
+
+        group = None
         try:
-            group = await self.generate(server, row, version)
-        except Exception as e:  # a server error, a malformed answer, a reward that raised
-            self.counters.failed += 1
-            log.warning("group failed on %s (%s: %s); prompt requeued", server.url, type(e).__name__, e)
-            self.requeued.append(row)
-            await asyncio.sleep(1.0)  # a failing server must not turn this into a busy loop
-            return
+            group = await self.rollouts.group(g.prompt, gid, generate)
+        except asyncio.CancelledError:
+            raise
+        except (InferenceError, Aborted) as e:  # the server's fault, not the prompt's
+            if not g.cancelled:
+                self.counters.failed_requests += 1
+                self.pool.fail(g.server, str(e))
+                self.queue.give_back(g.prompt)
+        except RowError as e:
+            self.counters.failed += self.o.group_size
+            log.warning("group %s dropped: %s", gid, e)
+        except Exception as e:  # a teacher that is down, a tokenizer that chokes: requeue, go on
+            self.counters.failed += self.o.group_size
+            log.warning("group %s failed (%s: %s); prompt requeued", gid, type(e).__name__, e)
+            self.queue.give_back(g.prompt)
         finally:
-            server.in_flight -= 1
-        self.finished.append(group)
-        self.counters.completion_tokens += group.completion_tokens
+            if not g.cancelled:
+                self.in_flight.pop(gid, None)
+        if g.cancelled or group is None:
+            await self.notify()
+            return
+        self.counters.failed += group.failed
+        if not group.samples:
+            pass
+        elif self.o.filter_zero_variance and self.rollouts.teacher is None and len(set(group.rewards)) == 1:
+            self.counters.filtered += 1
+        else:
+            self.finished.append(group)
+            self.counters.model_tokens += group.model_tokens
         await self.notify()
 
-    async def generate(self, server: Server, row: dict, version: int) -> Group:
-        o = self.ocfg
-        r = await self.client.post(f"{server.url}/v1/completions", timeout=o.request_timeout_s, json={
-            "model": self.model_name, "prompt": row["prompt"], "n": o.group_size,
-            "max_tokens": o.max_tokens, "temperature": o.temperature,
-            "logprobs": 0, "return_token_ids": True,
-        })
-        r.raise_for_status()
-        choices = r.json()["choices"]
-        rewards = [await score(self.reward_fn, row["prompt"], c["text"], row) for c in choices]
-        advantages = group_advantages(rewards, o.normalize_advantages)
-        samples = []
-        for c, reward, adv in zip(choices, rewards, advantages):
-            logprobs = c["logprobs"]["token_logprobs"]
-            if len(logprobs) != len(c["token_ids"]):
-                raise ValueError(f"{len(logprobs)} logprobs for {len(c['token_ids'])} tokens")
-            samples.append(Sample(c["prompt_token_ids"], c["token_ids"], logprobs, adv, reward, version))
-        return Group(row, version, samples, sum(len(s.completion_ids) for s in samples))
+    async def cancel_hopeless(self) -> None:
+        """Cancel in-flight groups the next batch could no longer accept: their oldest token
+        is older than the off-policy bound allows. Their requests are aborted on the server
+        (freeing its slots for useful work) and their prompts go back to the queue."""
+        m = self.cfg.off_policy_steps
+        doomed = [(gid, g) for gid, g in self.in_flight.items() if not is_fresh(g.version, self.next_step, m)]
+        for gid, g in doomed:
+            g.cancelled = True
+            del self.in_flight[gid]
+            self.queue.give_back(g.prompt)
+            self.counters.cancelled += 1
+        await asyncio.gather(*(self.abort(g) for _, g in doomed))
+        for _, g in doomed:
+            g.task.cancel()
+        if doomed:
+            log.info("cancelled %d in-flight group(s) older than version %d (max_off_policy_steps=%d); "
+                     "prompts requeued", len(doomed), oldest_usable_version(self.next_step, m), m)
 
-    # --- batches -------------------------------------------------------------------------
+    async def abort(self, g: InFlight) -> None:
+        if not g.requests:
+            return
+        try:
+            await g.server.client.abort(sorted(g.requests))
+        except InferenceError as e:  # the client side still lets go; say the server may not have
+            log.warning("abort on %s failed: %s", g.server.url, e)
+
+    # --- batches ---------------------------------------------------------------------------
 
     def drop_stale(self, step: int) -> None:
         keep = []
         for g in self.finished:
-            if is_fresh(g.version, step, self.cfg.off_policy_steps):
+            if is_fresh(g.oldest_version, step, self.cfg.off_policy_steps):
                 keep.append(g)
             else:
-                self.requeued.append(g.row)
+                self.queue.give_back(g.prompt)
                 self.counters.dropped_stale += 1
         self.finished = keep
 
     def batch_ready(self, step: int) -> bool:
         self.drop_stale(step)
-        return len(self.finished) >= self.ocfg.prompts_per_step
+        return len(self.finished) >= self.o.prompts_per_step
 
     async def make_batch(self, step: int) -> None:
         k = self.cfg.max_async_level
-        waited = await self.wait_until(
-            lambda: can_hand_over(step, [s.version for s in self.servers], k),
-            f"version {min_serving_version(step, k)} to serve (max_async_level={k}) before batch {step}",
-            self.ocfg.trainer_timeout_s)
-        waited += await self.wait_until(
-            lambda: self.batch_ready(step), f"{self.ocfg.prompts_per_step} groups for batch {step}",
-            self.ocfg.trainer_timeout_s)
-        # Oldest first: they are the closest to going stale.
-        self.finished.sort(key=lambda g: g.version)
-        groups = self.finished[: self.ocfg.prompts_per_step]
-        self.finished = self.finished[self.ocfg.prompts_per_step:]
-        samples = [s for g in groups for s in g.samples]
-        Batch.from_samples(step, self.ocfg.temperature, samples).write(self.run_dir.rollout_dir(step))
-        self.next_step = step + 1
-        await self.notify()
-        self.report(step, samples, waited)
 
-    def report(self, step: int, samples: list[Sample], waited: float) -> None:
+        def versions_ok() -> bool:
+            return can_hand_over(step, self.pool.serving_versions(), k)
+
+        trainer_wait = await self.wait_until(
+            versions_ok, f"version {min_serving_version(step, k)} to serve on every server "
+            f"(max_async_level={k}) before batch {step}", self.o.trainer_timeout_s)
+        group_wait = await self.wait_until(
+            lambda: self.batch_ready(step), f"{self.o.prompts_per_step} groups for batch {step}",
+            self.o.trainer_timeout_s)
+        # Both again, at once: a server may have left or rejoined rotation meanwhile.
+        await self.wait_until(lambda: versions_ok() and self.batch_ready(step), f"batch {step}",
+                              self.o.trainer_timeout_s)
+        # Oldest first: they are the closest to going stale.
+        self.finished.sort(key=lambda g: g.oldest_version)
+        groups = self.finished[: self.o.prompts_per_step]
+        self.finished = self.finished[self.o.prompts_per_step:]
+        samples = [s for g in groups for s in g.samples]
+        batch = Batch.from_samples(step, self.o.temperature, samples)
+        await self.sender.send(batch, self.o.trainer_timeout_s)
+        self.checkpoint(step)
+        self.next_step = step + 1
+        await self.cancel_hopeless()
+        await self.notify()
+        self.report(batch, groups, trainer_wait, group_wait)
+
+    def report(self, batch: Batch, groups: list[Group], trainer_wait: float, group_wait: float) -> None:
         c, self.counters = self.counters, Counters()
         elapsed = max(time.monotonic() - c.started, 1e-9)
-        staleness = [step - 1 - s.version for s in samples]
-        rewards = [s.reward for s in samples]
+        step = batch.step
+        staleness = [step - 1 - int(v) for v in batch.versions]
+        rewards = [float(r) for r in batch.rewards]
+        servers = max(len(self.pool.in_rotation), 1)
         record = {
             "program": "orchestrator", "step": step,
             "reward_mean": sum(rewards) / len(rewards),
             "staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
-            "staleness_hist": dict(collections.Counter(staleness)),
-            "tokens_per_s": c.completion_tokens / elapsed, "wait_s": waited,
-            "dropped_stale": c.dropped_stale, "failed": c.failed,
-            "in_flight": len(self.in_flight), "serving_version": self.serving_version,
+            "staleness_hist": {str(s): n for s, n in sorted(collections.Counter(staleness).items())},
+            "tokens_per_s": c.model_tokens / elapsed,
+            "wait_s": trainer_wait + group_wait, "trainer_wait_frac": trainer_wait / elapsed,
+            "group_wait_s": group_wait, "inference_idle_frac": self.pool.take_idle_s() / (elapsed * servers),
+            "cancelled": c.cancelled, "failed": c.failed, "failed_requests": c.failed_requests,
+            "filtered": c.filtered, "dropped_stale": c.dropped_stale,
+            "in_flight": len(self.in_flight), "buffered": len(self.finished),
+            "serving_version": self.pool.serving_version, "servers_in_rotation": len(self.pool.in_rotation),
         }
         self.run_dir.append_metrics(record)
-        log.info("batch %d reward %.3f staleness %.2f (max %d) %.0f tok/s waited %.2fs in-flight %d dropped %d failed %d",
+        log.info("batch %d reward %.3f staleness %.2f (max %d) %.0f tok/s | waited trainer %.2fs groups %.2fs "
+                 "| in-flight %d idle %.0f%% | cancelled %d failed %d filtered %d stale %d",
                  step, record["reward_mean"], record["staleness_mean"], record["staleness_max"],
-                 record["tokens_per_s"], waited, record["in_flight"], c.dropped_stale, c.failed)
+                 record["tokens_per_s"], trainer_wait, group_wait, record["in_flight"],
+                 100 * record["inference_idle_frac"], c.cancelled, c.failed + c.failed_requests,
+                 c.filtered, c.dropped_stale)
+
+    # --- the run ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.pool.connect(self.o.server_wait_timeout_s)
+        version, path = self.latest_weights()
+        await self.pool.load(version, path)
+        if not self.pool.in_rotation:
+            raise RuntimeError(f"no inference server could load version {version} from {path}")
+        log.info("connected to %d server(s), serving version %d; first batch %d",
+                 len(self.pool.servers), self.pool.serving_version, self.next_step)
+        self.background = [asyncio.create_task(self.follow_weights(), name="follow_weights"),
+                           asyncio.create_task(self.pool.heal(), name="heal"),
+                           asyncio.create_task(self.produce(), name="produce")]
 
     async def run(self) -> None:
-        if self.run_dir.rollout_steps():
-            raise SystemExit(f"output_dir {self.run_dir.root} already holds batches from an earlier run; "
-                             "remove it or choose another output_dir")
-        await self.connect()
-        self.background = [asyncio.create_task(self.sync_weights(), name="sync_weights"),
-                           asyncio.create_task(self.produce(), name="produce")]
         try:
-            for step in range(1, self.cfg.max_steps + 1):
+            await self.start()
+            for step in range(self.next_step, self.cfg.max_steps + 1):
                 await self.make_batch(step)
             # Serve the final policy before stopping, so the run ends with it loaded.
             final = self.cfg.max_steps
-            await self.wait_until(lambda: self.serving_version >= final,
-                                  f"final version {final} to serve", self.ocfg.trainer_timeout_s)
-            log.info("done: %d batches; version %d serving", final, self.serving_version)
+            await self.wait_until(lambda: self.pool.serving_version >= final,
+                                  f"final version {final} to serve", self.o.trainer_timeout_s)
+            log.info("done: %d batches; version %d serving", final, self.pool.serving_version)
         finally:
-            for t in [*self.background, *self.in_flight]:
-                t.cancel()
-            await asyncio.gather(*self.background, *self.in_flight, return_exceptions=True)
+            await self.stop()
+
+    async def stop(self) -> None:
+        """Abort what is still generating (servers outlive the orchestrator), stop the loops."""
+        groups = list(self.in_flight.values())
+        for g in groups:
+            g.cancelled = True
+        await asyncio.gather(*(self.abort(g) for g in groups), return_exceptions=True)
+        tasks = [*self.background, *(g.task for g in groups if g.task)]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.sender.close()
 
 
 async def _main(cfg: RunConfig) -> None:
-    limits = httpx.Limits(max_connections=cfg.orchestrator.max_in_flight_groups + 8)
-    async with httpx.AsyncClient(limits=limits) as client:
-        await Orchestrator(cfg, client).run()
+    connector = aiohttp.TCPConnector(limit=cfg.orchestrator.max_in_flight_groups * cfg.orchestrator.group_size + 16)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        await Orchestrator(cfg, session).run()
 
 
 def main(cfg: RunConfig) -> None:
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the log
     RunDir(cfg.output_dir).make()
     asyncio.run(_main(cfg))

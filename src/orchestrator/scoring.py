@@ -1,14 +1,28 @@
-"""Rewards and datasets named in the config as `module:function`."""
+"""Scoring is an interface: a reward is a Python callable, an HTTP endpoint, or nothing; a
+teacher model adds a per-token signal (on-policy distillation). The rest of the pipeline only
+sees numbers.
+
+A reward that raises or times out fails that one rollout (None here); the caller counts it and
+the run goes on.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
+import logging
 from collections.abc import Callable
+
+import aiohttp
+
+from rl.inference_api import GenerateRequest, InferenceClient
+
+log = logging.getLogger("orchestrator")
 
 
 def load_callable(spec: str, key: str) -> Callable:
-    """Resolve "package.module:function"; errors name the config key."""
+    """Resolve "package.module:name"; errors name the config key."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ValueError(f"{key}: {spec!r} is not of the form 'module:function'")
@@ -18,13 +32,77 @@ def load_callable(spec: str, key: str) -> Callable:
         raise ValueError(f"{key}: cannot import {module_name!r} ({e})") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"{key}: {module_name!r} has no function {attr!r}")
+        raise ValueError(f"{key}: {module_name!r} has no callable {attr!r}")
     return fn
 
 
-async def score(reward_fn: Callable, prompt: str, completion: str, row: dict) -> float:
-    """Call a sync or async reward function."""
-    value = reward_fn(prompt, completion, row)
-    if inspect.isawaitable(value):
-        value = await value
-    return float(value)
+class Reward:
+    """Scores a group's completions; returns one float or None (failed) per completion."""
+
+    def __init__(self, spec: str, timeout_s: float, session: aiohttp.ClientSession):
+        self.spec, self.timeout_s, self.session = spec, timeout_s, session
+        self.url = spec if spec.startswith(("http://", "https://")) else None
+        self.fn = None if self.url else load_callable(spec, "orchestrator.reward")
+        self.is_async = self.fn is not None and inspect.iscoroutinefunction(self.fn)
+
+    async def score(self, prompt: str, completions: list[str], row: dict) -> list[float | None]:
+        if self.url:
+            return list(await asyncio.gather(*(self._http(prompt, c, row) for c in completions)))
+        if self.is_async:
+            return list(await asyncio.gather(*(self._async(prompt, c, row) for c in completions)))
+        # One thread hop per group, not per completion: a slow or hung reward cannot stall the
+        # event loop, and the timeout still applies (the thread is abandoned, the rollouts fail).
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(self._sync_all, prompt, completions, row),
+                                          self.timeout_s)
+        except TimeoutError:
+            log.warning("reward %s timed out after %.0f s (orchestrator.reward_timeout_s)", self.spec, self.timeout_s)
+            return [None] * len(completions)
+
+    def _sync_all(self, prompt: str, completions: list[str], row: dict) -> list[float | None]:
+        out = []
+        for c in completions:
+            try:
+                out.append(float(self.fn(prompt, c, row)))
+            except Exception as e:
+                log.warning("reward %s raised %s: %s", self.spec, type(e).__name__, e)
+                out.append(None)
+        return out
+
+    async def _async(self, prompt: str, completion: str, row: dict) -> float | None:
+        try:
+            return float(await asyncio.wait_for(self.fn(prompt, completion, row), self.timeout_s))
+        except Exception as e:
+            log.warning("reward %s failed: %s: %s", self.spec, type(e).__name__, e)
+            return None
+
+    async def _http(self, prompt: str, completion: str, row: dict) -> float | None:
+        try:
+            async with self.session.post(self.url, json={"prompt": prompt, "completion": completion, "row": row},
+                                         timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as r:
+                r.raise_for_status()
+                return float((await r.json())["reward"])
+        except Exception as e:
+            log.warning("reward endpoint %s failed: %s: %s", self.url, type(e).__name__, e)
+            return None
+
+
+class Teacher:
+    """A teacher model on its own inference server. For on-policy distillation the student's
+    own tokens are scored: the teacher's logprob of each sampled token minus the student's is a
+    per-token estimate of -KL(student || teacher), maximised by the policy gradient."""
+
+    def __init__(self, client: InferenceClient, coef: float, timeout_s: float):
+        self.client, self.coef, self.timeout_s = client, coef, timeout_s
+
+    async def logprobs(self, request_id: str, tokens: list[int]) -> list[float | None]:
+        response = await self.client.generate(GenerateRequest(
+            request_id=request_id, prompt_token_ids=tokens, max_tokens=1, temperature=1.0,
+            prompt_logprobs=True), self.timeout_s)
+        if response.prompt_logprobs is None or len(response.prompt_logprobs) != len(tokens):
+            raise ValueError(f"teacher {self.client.url} returned no prompt logprobs for {len(tokens)} tokens")
+        return response.prompt_logprobs
+
+    def advantages(self, teacher_lp: list[float | None], logprobs: list[float], loss_mask: list[int]) -> list[float]:
+        return [self.coef * (t - s) if m and t is not None else 0.0
+                for t, s, m in zip(teacher_lp, logprobs, loss_mask)]

@@ -1,12 +1,15 @@
 """The batch wire format between orchestrator and trainer (never pickle).
 
-A batch is a directory rollouts/step_<n>/ holding
-  batch.safetensors  flat tensors: every sample's prompt+completion tokens back to back
-  meta.json          step, sample count, temperature, and the sha256 of batch.safetensors
+A batch is two blobs, the same over either transport (rl/transport.py):
+  meta.json          step, sample count, temperature, and the sha256 of the tensors
+  batch.safetensors  flat tensors: every sample's tokens back to back
 
-Per sample: `tokens` (prompt then completion), `loss_mask` (1 on completion tokens),
-`logprobs` (the inference engine's logprob of each completion token, 0 elsewhere), and
-`lengths`, `advantages`, `rewards`, `versions` (the policy version that generated it).
+Per token: `tokens` (prompt, then model and environment turns), `loss_mask` (1 on tokens the
+model sampled), `logprobs` (the inference engine's logprob of each sampled token, 0 elsewhere),
+`advantages` (per token: a group-relative reward is spread over the sample's tokens, a teacher's
+reverse KL differs token by token), `token_versions` (the policy version that sampled each token,
+-1 on tokens the model did not sample). Per sample: `lengths`, `rewards`, and `versions`, the
+OLDEST version among its tokens: the staleness bound is a statement about the oldest token.
 """
 
 from __future__ import annotations
@@ -23,21 +26,42 @@ from safetensors.numpy import save as st_save
 
 from rl.rundir import publish_dir
 
-FORMAT = "asyncrl.batch.v1"
+FORMAT = "asyncrl.batch.v2"
 
 
 class BatchError(Exception):
-    """A batch that is missing, truncated or fails its checksum; the message names the file."""
+    """A batch that is missing, truncated or fails its checksum; the message names the source."""
 
 
 @dataclass
 class Sample:
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    completion_logprobs: list[float]
-    advantage: float
+    """One trajectory: a prompt and one or more model turns (with environment turns between)."""
+
+    tokens: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    advantages: list[float]
+    versions: list[int]
     reward: float
-    version: int
+
+    @classmethod
+    def single_turn(cls, prompt_ids: list[int], completion_ids: list[int], logprobs: list[float],
+                    versions: list[int], reward: float, advantage: float) -> Sample:
+        if not len(completion_ids) == len(logprobs) == len(versions):
+            raise ValueError(f"{len(completion_ids)} tokens, {len(logprobs)} logprobs, {len(versions)} versions")
+        p, c = len(prompt_ids), len(completion_ids)
+        return cls(list(prompt_ids) + list(completion_ids), [0] * p + [1] * c,
+                   [0.0] * p + list(logprobs), [0.0] * p + [advantage] * c,
+                   [-1] * p + list(versions), reward)
+
+    @property
+    def oldest_version(self) -> int:
+        """Oldest version among the sampled tokens (a sample with none is as new as can be)."""
+        return min((v for v, m in zip(self.versions, self.loss_mask) if m), default=1 << 62)
+
+    @property
+    def num_model_tokens(self) -> int:
+        return sum(self.loss_mask)
 
 
 @dataclass
@@ -47,10 +71,11 @@ class Batch:
     tokens: np.ndarray  # int64 [total_tokens]
     loss_mask: np.ndarray  # uint8 [total_tokens]
     logprobs: np.ndarray  # float32 [total_tokens]
+    advantages: np.ndarray  # float32 [total_tokens]
+    token_versions: np.ndarray  # int64 [total_tokens]
     lengths: np.ndarray  # int64 [num_samples]
-    advantages: np.ndarray  # float32 [num_samples]
     rewards: np.ndarray  # float32 [num_samples]
-    versions: np.ndarray  # int64 [num_samples]
+    versions: np.ndarray  # int64 [num_samples], oldest token version
 
     @property
     def num_samples(self) -> int:
@@ -58,36 +83,38 @@ class Batch:
 
     @classmethod
     def from_samples(cls, step: int, temperature: float, samples: list[Sample]) -> Batch:
-        tokens, mask, logprobs = [], [], []
-        for s in samples:
-            assert len(s.completion_ids) == len(s.completion_logprobs)
-            tokens += s.prompt_ids + s.completion_ids
-            mask += [0] * len(s.prompt_ids) + [1] * len(s.completion_ids)
-            logprobs += [0.0] * len(s.prompt_ids) + list(s.completion_logprobs)
+        for i, s in enumerate(samples):
+            n = len(s.tokens)
+            if not len(s.loss_mask) == len(s.logprobs) == len(s.advantages) == len(s.versions) == n:
+                raise ValueError(f"sample {i}: per-token fields differ in length from its {n} tokens")
+
+        def cat(field: str, dtype) -> np.ndarray:
+            return np.asarray([x for s in samples for x in getattr(s, field)], dtype=dtype)
+
         return cls(
             step=step,
             temperature=temperature,
-            tokens=np.asarray(tokens, dtype=np.int64),
-            loss_mask=np.asarray(mask, dtype=np.uint8),
-            logprobs=np.asarray(logprobs, dtype=np.float32),
-            lengths=np.asarray([len(s.prompt_ids) + len(s.completion_ids) for s in samples], dtype=np.int64),
-            advantages=np.asarray([s.advantage for s in samples], dtype=np.float32),
+            tokens=cat("tokens", np.int64),
+            loss_mask=cat("loss_mask", np.uint8),
+            logprobs=cat("logprobs", np.float32),
+            advantages=cat("advantages", np.float32),
+            token_versions=cat("versions", np.int64),
+            lengths=np.asarray([len(s.tokens) for s in samples], dtype=np.int64),
             rewards=np.asarray([s.reward for s in samples], dtype=np.float32),
-            versions=np.asarray([s.version for s in samples], dtype=np.int64),
+            versions=np.asarray([s.oldest_version for s in samples], dtype=np.int64),
         )
 
     def sample_slices(self) -> list[slice]:
         ends = np.cumsum(self.lengths)
         return [slice(int(e - n), int(e)) for e, n in zip(ends, self.lengths)]
 
-    _TENSORS = ("tokens", "loss_mask", "logprobs", "lengths", "advantages", "rewards", "versions")
+    _TENSORS = ("tokens", "loss_mask", "logprobs", "advantages", "token_versions", "lengths", "rewards", "versions")
 
-    def to_bytes(self) -> bytes:
-        return st_save({k: getattr(self, k) for k in self._TENSORS}, metadata={"format": FORMAT})
+    # --- encoding: the same two blobs on disk and on the wire ---------------------------------
 
-    def write(self, final: Path) -> None:
-        """Write batch `step` to `final` atomically (temporary directory, then one rename)."""
-        payload = self.to_bytes()
+    def encode(self) -> tuple[bytes, bytes]:
+        """(meta JSON, safetensors payload)."""
+        payload = st_save({k: getattr(self, k) for k in self._TENSORS}, metadata={"format": FORMAT})
         meta = {
             "format": FORMAT,
             "step": self.step,
@@ -95,33 +122,48 @@ class Batch:
             "temperature": self.temperature,
             "sha256": hashlib.sha256(payload).hexdigest(),
         }
+        return json.dumps(meta).encode(), payload
+
+    @classmethod
+    def decode(cls, meta_bytes: bytes, payload: bytes, source: str, meta_source: str | None = None) -> Batch:
+        """Inverse of encode; `source` (the payload's file, a socket address) and `meta_source`
+        (the meta's, if elsewhere) name the culprit in errors."""
+        meta_source = meta_source or source
+        try:
+            meta = json.loads(meta_bytes)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise BatchError(f"{meta_source}: not valid JSON ({e})") from None
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+            raise BatchError(f"{meta_source}: format {got!r}, expected {FORMAT!r}")
+        if hashlib.sha256(payload).hexdigest() != meta.get("sha256"):
+            raise BatchError(f"{source}: checksum mismatch (truncated or corrupted)")
+        arrays = st_load(payload)
+        missing = [k for k in cls._TENSORS if k not in arrays]
+        if missing:
+            raise BatchError(f"{source}: missing tensors {missing}")
+        batch = cls(step=int(meta["step"]), temperature=float(meta["temperature"]), **{k: arrays[k] for k in cls._TENSORS})
+        if int(batch.lengths.sum()) != len(batch.tokens):
+            raise BatchError(f"{source}: lengths do not add up to the token count")
+        return batch
+
+    def write(self, final: Path) -> None:
+        """Write the batch to directory `final` atomically (temporary directory, then one rename)."""
+        meta, payload = self.encode()
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
         # Plain writes: nobody reads the temporary directory, and publish_dir fsyncs every file
         # once before the rename that makes the batch visible.
         (tmp / "batch.safetensors").write_bytes(payload)
-        (tmp / "meta.json").write_text(json.dumps(meta))
+        (tmp / "meta.json").write_bytes(meta)
         publish_dir(tmp, final)
 
     @classmethod
     def read(cls, directory: Path) -> Batch:
         meta_path, data_path = directory / "meta.json", directory / "batch.safetensors"
         try:
-            meta = json.loads(meta_path.read_text())
+            meta = meta_path.read_bytes()
             payload = data_path.read_bytes()
         except FileNotFoundError as e:
             raise BatchError(f"incomplete batch: {e.filename} is missing") from None
-        except json.JSONDecodeError as e:
-            raise BatchError(f"{meta_path}: not valid JSON ({e})") from None
-        if meta.get("format") != FORMAT:
-            raise BatchError(f"{meta_path}: format {meta.get('format')!r}, expected {FORMAT!r}")
-        if hashlib.sha256(payload).hexdigest() != meta.get("sha256"):
-            raise BatchError(f"{data_path}: checksum mismatch (truncated or corrupted)")
-        arrays = st_load(payload)
-        missing = [k for k in cls._TENSORS if k not in arrays]
-        if missing:
-            raise BatchError(f"{data_path}: missing tensors {missing}")
-        batch = cls(step=int(meta["step"]), temperature=float(meta["temperature"]), **{k: arrays[k] for k in cls._TENSORS})
-        if int(batch.lengths.sum()) != len(batch.tokens):
-            raise BatchError(f"{data_path}: lengths do not add up to the token count")
-        return batch
+        return cls.decode(meta, payload, str(data_path), str(meta_path))

@@ -4,6 +4,7 @@
       config/<program>.toml   resolved config each program started with
       rollouts/step_<n>/      batch n: written under a temporary name, then renamed
       weights/step_<n>/       HF safetensors + config + tokenizer; STABLE written last
+      checkpoints/step_<n>/   orchestrator/ (and trainer/) state after step n
       logs/<program>.log
       metrics.jsonl
 
@@ -38,6 +39,10 @@ class RunDir:
         return self.root / "weights"
 
     @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
     def logs(self) -> Path:
         return self.root / "logs"
 
@@ -50,6 +55,13 @@ class RunDir:
 
     def weights_dir(self, step: int) -> Path:
         return self.weights / f"step_{step}"
+
+    def checkpoint_dir(self, step: int) -> Path:
+        return self.checkpoints / f"step_{step}"
+
+    def checkpoint_steps(self, program: str) -> list[int]:
+        """Steps with a complete checkpoint of `program`."""
+        return sorted(n for n in _steps(self.checkpoints) if (self.checkpoint_dir(n) / program / STABLE).exists())
 
     def config_file(self, program: str) -> Path:
         return self.root / "config" / f"{program}.toml"

@@ -1,35 +1,42 @@
-"""From rollouts/step_n on disk to padded micro-batch tensors on this rank."""
+"""From a handed-over batch (rl/transport.py) to padded micro-batch tensors on this rank."""
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from rl.batch import Batch
-from rl.rundir import RunDir
-
-log = logging.getLogger("trainer")
-
-HEARTBEAT_S = 30.0
+from rl.transport import BatchReceiver
 
 
-def wait_for_batch(run: RunDir, step: int, timeout_s: float, poll_s: float = 0.05) -> tuple[Batch, float]:
-    """Block until rollouts/step_<step> exists (it appears whole, by rename); returns it and the
-    seconds waited. Logs a heartbeat while waiting so a stalled orchestrator is visible."""
-    path = run.rollout_dir(step)
-    start = last_beat = time.monotonic()
-    while not path.exists():
-        now = time.monotonic()
-        if now - start > timeout_s:
-            raise TimeoutError(f"no batch {step} at {path} after {timeout_s:.0f} s (trainer.batch_timeout_s); is the orchestrator running?")
-        if now - last_beat > HEARTBEAT_S:
-            log.info("waiting for batch %d (%s) for %.0f s", step, path, now - start)
-            last_beat = now
-        time.sleep(poll_s)
-    return Batch.read(path), time.monotonic() - start
+def receive_batch(receiver: BatchReceiver, step: int, timeout_s: float, device: torch.device) -> tuple[Batch, float]:
+    """Batch `step` on every rank, and the seconds waited for it.
+
+    Over the filesystem every rank reads the directory itself. Over ZMQ only rank 0 holds the
+    socket; it passes the raw bytes on (a length, then a uint8 tensor), so the other ranks
+    decode exactly what rank 0 checked, and no rank ever unpickles anything.
+    """
+    if receiver.cfg.kind == "filesystem" or dist.get_world_size() == 1:
+        (meta, payload), waited = receiver.receive(step, timeout_s)
+        return Batch.decode(meta, payload, receiver.source(step)), waited
+    start = time.monotonic()
+    if dist.get_rank() == 0:
+        (meta, payload), _ = receiver.receive(step, timeout_s)
+        sizes = torch.tensor([len(meta), len(payload)], dtype=torch.int64, device=device)
+    else:
+        sizes = torch.zeros(2, dtype=torch.int64, device=device)
+    dist.broadcast(sizes, src=0)
+    if dist.get_rank() == 0:
+        blob = torch.frombuffer(bytearray(meta + payload), dtype=torch.uint8).to(device)
+    else:
+        blob = torch.empty(int(sizes.sum()), dtype=torch.uint8, device=device)
+    dist.broadcast(blob, src=0)
+    data = blob.cpu().numpy().tobytes()
+    n = int(sizes[0])
+    return Batch.decode(data[:n], data[n:], receiver.source(step)), time.monotonic() - start
 
 
 @dataclass
@@ -38,7 +45,7 @@ class MicroBatch:
     attention_mask: torch.Tensor  # [B, T]
     loss_mask: torch.Tensor  # [B, T-1] float: 1 where the predicted token is trained on
     inference_logprobs: torch.Tensor  # [B, T-1]
-    advantages: torch.Tensor  # [B, 1]
+    advantages: torch.Tensor  # [B, T-1]: per token (a teacher's signal differs token by token)
 
 
 def rank_micro_batches(batch: Batch, rank: int, world: int, micro_batch_size: int, pad_id: int) -> list[MicroBatch]:
@@ -61,13 +68,14 @@ def rank_micro_batches(batch: Batch, rank: int, world: int, micro_batch_size: in
         attn = torch.zeros((len(chunk), width), dtype=torch.long)
         mask = torch.zeros((len(chunk), width))
         old = torch.zeros((len(chunk), width))
+        adv = torch.zeros((len(chunk), width))
         for row, (s, _) in enumerate(chunk):
             n = s.stop - s.start
             tokens[row, :n] = torch.from_numpy(batch.tokens[s])
             attn[row, :n] = 1
             mask[row, :n] = torch.from_numpy(batch.loss_mask[s].astype("float32"))
             old[row, :n] = torch.from_numpy(batch.logprobs[s])
-        adv = torch.tensor([[float(batch.advantages[i])] for _, i in chunk])
+            adv[row, :n] = torch.from_numpy(batch.advantages[s])
         # Shift by one: position t predicts token t+1.
-        out.append(MicroBatch(tokens, attn, mask[:, 1:], old[:, 1:], adv))
+        out.append(MicroBatch(tokens, attn, mask[:, 1:], old[:, 1:], adv[:, 1:]))
     return out

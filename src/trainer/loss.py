@@ -35,7 +35,7 @@ def clipped_pg_loss(
     clip_low: float,
     clip_high: float,
 ) -> LossOutput:
-    """All inputs [B, T] aligned on the predicted token; `advantages` broadcast per sample."""
+    """All inputs [B, T] aligned on the predicted token (advantages per token)."""
     log_ratio = (logprobs - inference_logprobs) * mask
     ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages

@@ -17,7 +17,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from rl.config import RunConfig
 from rl.rundir import RunDir, remove_quietly
-from trainer.data import MicroBatch, rank_micro_batches, wait_for_batch
+from rl.transport import BatchReceiver
+from trainer.data import MicroBatch, rank_micro_batches, receive_batch
 from trainer.loss import clipped_pg_loss, token_logprobs
 from trainer.parallel import apply_fsdp, init_distributed
 from trainer.weights import gather_full_state_dict, prune_weights, write_weights
@@ -57,31 +58,41 @@ class Trainer:
 
     def train(self) -> None:
         self.check_fresh()
-        for step in range(1, self.cfg.max_steps + 1):
-            batch, waited = wait_for_batch(self.run, step, self.cfg.trainer.batch_timeout_s)
-            start = time.perf_counter()
-            stats = self.train_step(rank_micro_batches(
-                batch, self.rank, self.world, self.cfg.trainer.micro_batch_size, self.pad_id
-            ), batch.temperature)
-            step_s = time.perf_counter() - start
-            write_s = self.publish(step)
-            if self.rank == 0:
-                record = {
-                    "program": "trainer", "step": step, "wait_s": waited, "step_s": step_s,
-                    "write_s": write_s, "tokens": int(batch.loss_mask.sum()),
-                    "max_staleness": int(step - 1 - batch.versions.min()),
-                    **stats,
-                }
-                self.run.append_metrics(record)
-                log.info(
-                    "step %d loss %.4f grad_norm %.3f clipped %.3f kl %.2e | waited %.2fs step %.2fs write %.2fs",
-                    step, stats["loss"], stats["grad_norm"], stats["clipped_frac"],
-                    stats["mismatch_kl"], waited, step_s, write_s,
-                )
-                for old in self.run.rollout_steps():
-                    if old <= step - self.cfg.trainer.keep_rollouts:
-                        remove_quietly(self.run.rollout_dir(old))
+        # Under ZMQ only rank 0 binds the socket (receive_batch shares the bytes).
+        receiver = BatchReceiver(self.cfg.transport, self.run) if (
+            self.cfg.transport.kind == "filesystem" or self.rank == 0) else None
+        try:
+            for step in range(1, self.cfg.max_steps + 1):
+                self.train_one(receiver, step)
+        finally:
+            if receiver is not None:
+                receiver.close()
         log.info("done: %d steps", self.cfg.max_steps)
+
+    def train_one(self, receiver: BatchReceiver | None, step: int) -> None:
+        batch, waited = receive_batch(receiver, step, self.cfg.trainer.batch_timeout_s, self.device)
+        start = time.perf_counter()
+        stats = self.train_step(rank_micro_batches(
+            batch, self.rank, self.world, self.cfg.trainer.micro_batch_size, self.pad_id
+        ), batch.temperature)
+        step_s = time.perf_counter() - start
+        write_s = self.publish(step)
+        if self.rank == 0:
+            record = {
+                "program": "trainer", "step": step, "wait_s": waited, "step_s": step_s,
+                "write_s": write_s, "tokens": int(batch.loss_mask.sum()),
+                "max_staleness": int(step - 1 - batch.versions.min()),
+                **stats,
+            }
+            self.run.append_metrics(record)
+            log.info(
+                "step %d loss %.4f grad_norm %.3f clipped %.3f kl %.2e | waited %.2fs step %.2fs write %.2fs",
+                step, stats["loss"], stats["grad_norm"], stats["clipped_frac"],
+                stats["mismatch_kl"], waited, step_s, write_s,
+            )
+            for old in self.run.rollout_steps():
+                if old <= step - self.cfg.trainer.keep_rollouts:
+                    remove_quietly(self.run.rollout_dir(old))
 
     def train_step(self, micro_batches: list[MicroBatch], temperature: float) -> dict:
         # Normalise by the loss tokens of the whole batch (all ranks): every token weighs the same

@@ -1,0 +1,156 @@
+"""The inference servers as the orchestrator sees them: which version each serves, how many
+requests each has in flight, which are in rotation.
+
+A server that fails a request is taken out of rotation at once (its groups are requeued by the
+caller) and health-checked with exponential backoff; it rejoins only after it serves the pool's
+current version, so the async rule (every server in rotation serves >= n-1-k) never regresses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from rl.inference_api import InferenceClient, InferenceError
+
+log = logging.getLogger("orchestrator")
+
+
+@dataclass
+class Server:
+    client: InferenceClient
+    version: int = 0
+    in_flight: int = 0
+    healthy: bool = True
+    backoff_s: float = 1.0
+    retry_at: float = 0.0
+    idle_s: float = 0.0
+    idle_since: float | None = field(default_factory=time.monotonic)
+
+    @property
+    def url(self) -> str:
+        return self.client.url
+
+
+class ServerPool:
+    def __init__(self, urls: list[str], session: aiohttp.ClientSession, token: str | None,
+                 reload_timeout_s: float, retry_max_s: float, in_flight_updates: bool):
+        self.servers = [Server(InferenceClient(u, session, token)) for u in urls]
+        self.reload_timeout_s, self.retry_max_s = reload_timeout_s, retry_max_s
+        self.mode = "keep" if in_flight_updates else "wait"
+        self.version, self.path = 0, ""  # what every server in rotation must serve
+
+    # --- rotation and load ---------------------------------------------------------------
+
+    @property
+    def in_rotation(self) -> list[Server]:
+        return [s for s in self.servers if s.healthy]
+
+    def serving_versions(self) -> list[int]:
+        return [s.version for s in self.in_rotation]
+
+    @property
+    def serving_version(self) -> int:
+        """Oldest version any server in rotation serves (-1 with none in rotation)."""
+        return min(self.serving_versions(), default=-1)
+
+    def pick(self) -> Server | None:
+        return min(self.in_rotation, key=lambda s: s.in_flight, default=None)
+
+    def begin(self, s: Server) -> None:
+        if s.in_flight == 0 and s.idle_since is not None:
+            s.idle_s += time.monotonic() - s.idle_since
+            s.idle_since = None
+        s.in_flight += 1
+
+    def end(self, s: Server) -> None:
+        s.in_flight -= 1
+        if s.in_flight == 0:
+            s.idle_since = time.monotonic()
+
+    def take_idle_s(self) -> float:
+        """Server-seconds spent with nothing in flight since the previous call (servers in
+        rotation only: a dead server is not idle capacity)."""
+        now, total = time.monotonic(), 0.0
+        for s in self.in_rotation:
+            if s.idle_since is not None:
+                s.idle_s += now - s.idle_since
+                s.idle_since = now
+            total += s.idle_s
+        for s in self.servers:
+            s.idle_s = 0.0
+        return total
+
+    def fail(self, s: Server, reason: str) -> None:
+        if not s.healthy:
+            return
+        s.healthy, s.retry_at = False, time.monotonic() + s.backoff_s
+        log.warning("server %s out of rotation (%s); %d of %d left, retry in %.0f s",
+                    s.url, reason, len(self.in_rotation), len(self.servers), s.backoff_s)
+
+    # --- start-up, weights, health -------------------------------------------------------
+
+    async def connect(self, timeout_s: float) -> None:
+        """Wait until every server answers /health (servers start in ~30 s on a CPU)."""
+        deadline, last_beat = time.monotonic() + timeout_s, time.monotonic()
+        pending = list(self.servers)
+        while pending:
+            results = await asyncio.gather(*(s.client.health() for s in pending), return_exceptions=True)
+            for s, r in zip(list(pending), results):
+                if not isinstance(r, BaseException):
+                    s.version = r["version"]
+                    pending.remove(s)
+            if not pending:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"inference server(s) {', '.join(s.url for s in pending)} not healthy "
+                                   f"after {timeout_s:.0f} s (orchestrator.server_wait_timeout_s)")
+            if time.monotonic() - last_beat > 10:
+                log.info("waiting for inference server(s) %s to come up", ", ".join(s.url for s in pending))
+                last_beat = time.monotonic()
+            await asyncio.sleep(1.0)
+
+    async def load(self, version: int, path: Path) -> None:
+        """Make every server in rotation serve `version`; a server that fails leaves rotation."""
+        self.version, self.path = version, str(path.resolve())
+        stale = [s for s in self.in_rotation if s.version != version]
+        results = await asyncio.gather(*(
+            s.client.update_weights(self.path, version, self.mode, self.reload_timeout_s) for s in stale),
+            return_exceptions=True)
+        reload_s = []
+        for s, r in zip(stale, results):
+            if isinstance(r, BaseException):
+                self.fail(s, f"weight update to version {version} failed: {r}")
+            else:
+                s.version = version
+                reload_s.append(r.get("reload_s", 0.0))
+        if reload_s:
+            log.info("version %d serving on %d server(s) (reload %.3f s, mode %s)",
+                     version, len(reload_s), max(reload_s), self.mode)
+
+    async def heal(self) -> None:
+        """Forever: retry servers out of rotation, with backoff; bring them to the current
+        version before they take requests again."""
+        while True:
+            now = time.monotonic()
+            for s in self.servers:
+                if s.healthy or now < s.retry_at:
+                    continue
+                try:
+                    s.version = (await s.client.health())["version"]
+                    if s.version != self.version and self.path:
+                        await s.client.update_weights(self.path, self.version, self.mode, self.reload_timeout_s)
+                        s.version = self.version
+                except InferenceError as e:
+                    s.backoff_s = min(2 * s.backoff_s, self.retry_max_s)
+                    s.retry_at = time.monotonic() + s.backoff_s
+                    log.warning("server %s still down (%s); retry in %.0f s", s.url, e, s.backoff_s)
+                    continue
+                s.healthy, s.backoff_s, s.idle_since = True, 1.0, time.monotonic()
+                log.info("server %s back in rotation, serving version %d", s.url, s.version)
+            await asyncio.sleep(0.2)
