@@ -1,12 +1,23 @@
-"""`rl inference @ cfg.toml`: vLLM's OpenAI-compatible server with asyncrl's admin routes.
+"""`rl inference @ cfg.toml`: vLLM's OpenAI-compatible server with asyncrl's own routes.
 
     rl inference @ configs/demo.toml
 
 This is the one module that touches vLLM's server internals (pinned: vllm 0.32). It builds the
-app exactly as `vllm serve` does, then puts the project's own routes in front:
+app exactly as `vllm serve` does, then puts the project's routes (the contract in
+rl/inference_api.py) in front:
 
-  GET  /health           engine health plus the policy version now serving
-  POST /update_weights   {"path", "version"}: reload in place, answer once the new weights serve
+  POST /generate         token ids in, token ids + logprobs + per-token policy versions out,
+                         straight on the engine (AsyncLLM.generate), not through the OpenAI layer
+  POST /abort            abort the engine requests of those /generate calls
+  POST /update_weights   {"path", "version", "mode"}: pause the engine ("wait": running requests
+                         finish first; "keep": they are frozen between two decode steps), reload
+                         in place, resume; answers once the new weights serve
+  GET  /health           engine health, the version now serving, engine requests running
+
+Per-token versions: each engine request keeps switch points (token index, version); an update
+reads from the workers how many tokens each in-flight request had sampled before the reload and
+appends (that count, new version). Requests still queued in the engine keep their older tag
+(see AdminRoutes.switch).
 
 vLLM's dev-mode routes (/collective_rpc and friends) stay off: they would let any client run
 methods on the workers.
@@ -22,23 +33,34 @@ import time
 from pathlib import Path
 
 from fastapi import APIRouter, FastAPI, HTTPException, Request
-from pydantic import BaseModel
 
 from rl.config import RunConfig
+from rl.inference_api import (
+    AbortRequest,
+    GeneratedSample,
+    GenerateRequest,
+    GenerateResponse,
+    UpdateWeightsRequest,
+)
 from rl.rundir import RunDir
 
 log = logging.getLogger("inference")
 
 EXTENSION = "inference.worker_extension.WeightReloadExtension"
+FINISH_REASONS = ("stop", "length", "abort")
 
 
-class UpdateWeights(BaseModel):
-    path: str
-    version: int
+class Generation:
+    """One /generate call: the engine requests "<request_id>-<i>" of its n samples."""
+
+    def __init__(self, request_id: str, n: int):
+        self.engine_ids = [f"{request_id}-{i}" for i in range(n)]
+        self.aborted = False
 
 
 class AdminRoutes:
-    """The admin surface and the state it guards (the version now serving)."""
+    """The project's routes and the state they share: the version now serving, the /generate
+    calls in progress and the version switch points of their engine requests."""
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -47,6 +69,14 @@ class AdminRoutes:
         # Weights load only from the run's weights/ and the starting model's directory.
         self.roots = [RunDir(cfg.output_dir).weights.resolve(), Path(cfg.model).resolve()]
         self.lock = asyncio.Lock()
+        # Cleared during an update: /generate calls wait on it before reading the version, so a
+        # request registered at version v samples its first token with v's weights.
+        self.serving = asyncio.Event()
+        self.serving.set()
+        self.reloads = 0
+        self.generations: dict[str, Generation] = {}
+        # Engine request id -> [(first token index, version that samples from there on), ...].
+        self.switches: dict[str, list[tuple[int, int]]] = {}
         self.engine = None
 
     def check_token(self, request: Request) -> None:
@@ -67,36 +97,166 @@ class AdminRoutes:
             raise HTTPException(422, f"path: {path} holds no *.safetensors")
         return resolved
 
+    def check_generate(self, body: GenerateRequest) -> None:
+        # Checked here, not left to the engine: its errors name neither the field nor seq_len.
+        prompt_len, limit = len(body.prompt_token_ids), self.cfg.seq_len
+        if prompt_len + body.max_tokens > limit:
+            raise HTTPException(400, f"max_tokens: prompt ({prompt_len} tokens) + max_tokens "
+                                     f"({body.max_tokens}) exceeds seq_len {limit}")
+        vocab = self.engine.model_config.get_vocab_size()
+        for field in ("prompt_token_ids", "stop_token_ids"):
+            bad = [t for t in getattr(body, field) if not 0 <= t < vocab]
+            if bad:
+                raise HTTPException(400, f"{field}: token ids {bad[:5]} outside the vocabulary "
+                                         f"[0, {vocab})")
+
+    async def sample(self, gen: Generation, i: int, body: GenerateRequest, prompt, version: int
+                     ) -> tuple[GeneratedSample, list[float | None] | None]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        engine_id = gen.engine_ids[i]
+        # Checked right before engine.generate, which registers the request before its first
+        # suspension: an /abort that ran earlier is seen here, a later one reaches the engine.
+        if gen.aborted:
+            return GeneratedSample(token_ids=[], logprobs=[], versions=[], finish_reason="abort"), None
+        params = SamplingParams(
+            n=1, temperature=body.temperature, top_p=body.top_p, max_tokens=body.max_tokens,
+            stop_token_ids=body.stop_token_ids, logprobs=0,
+            # One sample scores the prompt: the samples share it, and asking on all n would
+            # compute it n times instead of sharing the prefix cache.
+            prompt_logprobs=0 if body.prompt_logprobs and i == 0 else None,
+            output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False,
+        )
+        switches = self.switches[engine_id] = [(0, version)]
+        try:
+            async for out in self.engine.generate(prompt, params, engine_id):
+                final = out
+        finally:
+            del self.switches[engine_id]
+        c = final.outputs[0]
+        if c.finish_reason not in FINISH_REASONS:
+            raise HTTPException(500, f"engine request {engine_id} finished with {c.finish_reason}")
+        tokens = list(c.token_ids)
+        versions = [version] * len(tokens)
+        for start, v in switches[1:]:
+            versions[start:] = [v] * max(0, len(tokens) - start)
+        sample = GeneratedSample(
+            token_ids=tokens, logprobs=[c.logprobs[j][t].logprob for j, t in enumerate(tokens)],
+            versions=versions, finish_reason=c.finish_reason,
+        )
+        prompt_logprobs = None
+        if params.prompt_logprobs is not None and final.prompt_logprobs is not None:
+            prompt_logprobs = [None if d is None else d[t].logprob
+                               for d, t in zip(final.prompt_logprobs, body.prompt_token_ids)]
+        return sample, prompt_logprobs
+
     def router(self) -> APIRouter:
+        from vllm.inputs.engine import tokens_input
+
         router = APIRouter()
 
         @router.get("/health")
         async def health() -> dict:
             await self.engine.check_health()
-            return {"status": "ok", "version": self.version, "path": self.path}
+            return {"status": "ok", "version": self.version, "path": self.path,
+                    "running": len(self.switches)}
+
+        @router.post("/generate")
+        async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
+            self.check_token(request)
+            self.check_generate(body)
+            if body.request_id in self.generations:
+                raise HTTPException(409, f"request_id: {body.request_id} is already generating")
+            gen = self.generations[body.request_id] = Generation(body.request_id, body.n)
+            try:
+                await self.serving.wait()
+                # Salted per reload: the prefix cache cannot always be reset (an in-flight
+                # update keeps running requests' blocks), and KV computed by older weights must
+                # not seed a request tagged with the new version. Rendered input (not a raw
+                # TokensPrompt) keeps vLLM off its tokenizer thread pool.
+                prompt = tokens_input(body.prompt_token_ids, cache_salt=f"reload-{self.reloads}")
+                # A TaskGroup: if one sample fails, the others are cancelled, which aborts
+                # their engine requests instead of leaving them running for nobody.
+                async with asyncio.TaskGroup() as group:
+                    tasks = [group.create_task(self.sample(gen, i, body, prompt, self.version))
+                             for i in range(body.n)]
+            except* Exception as failed:
+                raise failed.exceptions[0] from None  # what the exception handlers understand
+            finally:
+                del self.generations[body.request_id]
+            results = [t.result() for t in tasks]
+            return GenerateResponse(samples=[s for s, _ in results],
+                                    prompt_logprobs=results[0][1] if body.prompt_logprobs else None)
+
+        @router.post("/abort")
+        async def abort(body: AbortRequest, request: Request) -> dict:
+            self.check_token(request)
+            gens = [self.generations[r] for r in set(body.request_ids) if r in self.generations]
+            for gen in gens:
+                gen.aborted = True
+            if gens:
+                # External ids: vLLM aborts every internal request made from each.
+                await self.engine.abort([e for gen in gens for e in gen.engine_ids])
+            return {"aborted": len(gens)}
 
         @router.post("/update_weights")
-        async def update_weights(body: UpdateWeights, request: Request) -> dict:
+        async def update_weights(body: UpdateWeightsRequest, request: Request) -> dict:
             self.check_token(request)
             path = self.confine(body.path)
             async with self.lock:
+                self.serving.clear()
                 start = time.perf_counter()
                 try:
-                    await self.engine.collective_rpc(
-                        "asyncrl_reload_weights",
-                        timeout=self.cfg.inference.reload_timeout_s,
-                        args=(str(path),),
-                    )
+                    await self.engine.pause_generation(mode=body.mode, clear_cache=False)
+                    # reload_s counts from here: the time nothing generates ("wait" drains first,
+                    # generating as it goes).
+                    paused = time.perf_counter()
+                    try:
+                        sampled = await self.engine.collective_rpc(
+                            "asyncrl_reload_weights",
+                            timeout=self.cfg.inference.reload_timeout_s,
+                            args=(str(path),),
+                        )
+                        switched = self.switch(sampled[0], body.version)
+                        self.reloads += 1
+                        # Cached KV was computed by the old weights. This fails (vLLM logs it)
+                        # while running requests hold blocks, hence the per-reload cache salt.
+                        await self.engine.reset_prefix_cache()
+                        self.version, self.path = body.version, str(path)
+                    finally:
+                        # A failed reload must not leave the engine paused.
+                        await self.engine.resume_generation()
                 except TimeoutError:
                     raise HTTPException(504, f"reload of {path} timed out") from None
-                # Cached KV was computed by the old weights; reusing it would mix versions.
-                await self.engine.reset_prefix_cache()
-                self.version, self.path = body.version, str(path)
-                seconds = time.perf_counter() - start
-            log.info("now serving version %d from %s (reload %.3f s)", body.version, path, seconds)
-            return {"version": self.version, "reload_s": seconds}
+                finally:
+                    self.serving.set()
+                seconds = time.perf_counter() - paused
+            log.info("now serving version %d from %s (mode %s: paused after %.3f s, reload %.3f s, "
+                     "%d requests switched)", body.version, path, body.mode, paused - start,
+                     seconds, switched)
+            return {"version": self.version, "reload_s": seconds, "switched": switched}
 
         return router
+
+    def switch(self, sampled: dict[str, int], version: int) -> int:
+        """Record that the requests the worker held (internal id -> tokens sampled before the
+        reload) sample with `version` from that token on. vLLM's internal ids are the external
+        id plus "-" and 8 random characters (v1/engine/input_processor.py assign_request_id).
+
+        Our requests the worker did not hold (still queued in the engine, or on their way to it)
+        get no switch point, though they may sample every token with the new weights: a tag
+        older than the truth never breaks the staleness bound, which only drops samples that
+        are too old. A request that finished in the last step may be counted, harmlessly: its
+        switch point lies past its last token.
+        """
+        switched = 0
+        for internal_id, count in sampled.items():
+            switches = self.switches.get(internal_id[:-9])
+            if switches is not None:
+                switches.append((count, version))
+                switched += 1
+        return switched
 
     def attach(self, app: FastAPI, engine) -> None:
         self.engine = engine

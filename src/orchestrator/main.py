@@ -80,6 +80,7 @@ class Orchestrator:
         self.changed = asyncio.Condition()  # a group finished, a batch left, a version serves
         self.counters = Counters()
         self.background: list[asyncio.Task] = []
+        self.chores: set[asyncio.Task] = set()
         # Request ids must not collide with a previous orchestrator's still running on a server.
         self.tag, self.seq = secrets.token_hex(3), 0
 
@@ -179,13 +180,14 @@ class Orchestrator:
 
     def may_start_group(self) -> bool:
         queued = len(self.in_flight) + len(self.finished)
-        if queued >= self.o.max_in_flight_groups or not self.pool.in_rotation:
+        server = self.pool.pick()
+        if queued >= self.o.max_in_flight_groups or server is None:
             return False
         # The batch this group would most likely land in: the ones queued ahead fill earlier
-        # batches. If the serving version is already too old for it, the group would only be
+        # batches. If the server's version is already too old for it, the group would only be
         # thrown away: wait for newer weights instead.
         target = self.next_step + queued // self.o.prompts_per_step
-        return is_fresh(self.pool.serving_version, target, self.cfg.off_policy_steps)
+        return is_fresh(server.version, target, self.cfg.off_policy_steps)
 
     async def produce(self) -> None:
         while True:
@@ -194,6 +196,7 @@ class Orchestrator:
             self.seq += 1
             gid = f"{self.tag}-{self.seq}"
             g = InFlight(self.queue.take(), server, server.version)
+            server.groups += 1
             g.task = asyncio.create_task(self.run_group(gid, g), name=gid)
             self.in_flight[gid] = g
 
@@ -202,7 +205,13 @@ class Orchestrator:
             g.requests.add(request.request_id)
             self.pool.begin(g.server)
             try:
-                return await g.server.client.generate(request, self.o.request_timeout_s)
+                response = await g.server.client.generate(request, self.o.request_timeout_s)
+                g.server.backoff_s = 1.0  # it works: the next failure starts a fresh backoff
+                return response
+            except InferenceError:
+                # Timed out or broke off: the server may still be generating it; free the slot.
+                self.spawn(g.server.client.abort([request.request_id], timeout=2.0))
+                raise
             finally:
                 self.pool.end(g.server)
                 g.requests.discard(request.request_id)
@@ -225,6 +234,7 @@ class Orchestrator:
             log.warning("group %s failed (%s: %s); prompt requeued", gid, type(e).__name__, e)
             self.queue.give_back(g.prompt)
         finally:
+            g.server.groups -= 1
             if not g.cancelled:
                 self.in_flight.pop(gid, None)
         if g.cancelled or group is None:
@@ -239,6 +249,12 @@ class Orchestrator:
             self.finished.append(group)
             self.counters.model_tokens += group.model_tokens
         await self.notify()
+
+    def spawn(self, coro) -> None:
+        """Fire and forget (best effort), but keep a reference so the task is not collected."""
+        task = asyncio.create_task(coro)
+        self.chores.add(task)
+        task.add_done_callback(lambda t: (self.chores.discard(t), t.cancelled() or t.exception()))
 
     async def cancel_hopeless(self) -> None:
         """Cancel in-flight groups the next batch could no longer accept: their oldest token
@@ -301,11 +317,12 @@ class Orchestrator:
         self.finished.sort(key=lambda g: g.oldest_version)
         groups = self.finished[: self.o.prompts_per_step]
         self.finished = self.finished[self.o.prompts_per_step:]
+        # From here on new groups are meant for the next batch (the send below yields to them).
+        self.next_step = step + 1
         samples = [s for g in groups for s in g.samples]
         batch = Batch.from_samples(step, self.o.temperature, samples)
         await self.sender.send(batch, self.o.trainer_timeout_s)
         self.checkpoint(step)
-        self.next_step = step + 1
         await self.cancel_hopeless()
         await self.notify()
         self.report(batch, groups, trainer_wait, group_wait)
@@ -366,15 +383,19 @@ class Orchestrator:
             await self.stop()
 
     async def stop(self) -> None:
-        """Abort what is still generating (servers outlive the orchestrator), stop the loops."""
+        """Stop the loops, then abort what is still generating (servers outlive the orchestrator)."""
+        for t in self.background:
+            t.cancel()
+        await asyncio.gather(*self.background, return_exceptions=True)
         groups = list(self.in_flight.values())
         for g in groups:
             g.cancelled = True
         await asyncio.gather(*(self.abort(g) for g in groups), return_exceptions=True)
-        tasks = [*self.background, *(g.task for g in groups if g.task)]
+        tasks = [g.task for g in groups if g.task]
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # Pending aborts are let finish (each has its own short timeout): they free server slots.
+        await asyncio.gather(*tasks, *self.chores, return_exceptions=True)
         self.sender.close()
 
 

@@ -26,7 +26,12 @@ class Server:
     client: InferenceClient
     version: int = 0
     in_flight: int = 0
+    """Requests now generating (for idle accounting)."""
+    groups: int = 0
+    """Groups assigned and not yet finished (for routing: counted from the moment of assignment,
+    so a burst of new groups spreads over the servers)."""
     healthy: bool = True
+    updating: bool = False
     backoff_s: float = 1.0
     retry_at: float = 0.0
     idle_s: float = 0.0
@@ -60,7 +65,11 @@ class ServerPool:
         return min(self.serving_versions(), default=-1)
 
     def pick(self) -> Server | None:
-        return min(self.in_rotation, key=lambda s: s.in_flight, default=None)
+        """The least-loaded server that takes new requests now. One in the middle of a weight
+        update is skipped: it would hold the request until the update ends and then generate
+        with the new version, while the group is tagged with the old one and goes stale early."""
+        ready = [s for s in self.in_rotation if not s.updating]
+        return min(ready, key=lambda s: s.groups, default=None)
 
     def begin(self, s: Server) -> None:
         if s.in_flight == 0 and s.idle_since is not None:
@@ -89,9 +98,16 @@ class ServerPool:
     def fail(self, s: Server, reason: str) -> None:
         if not s.healthy:
             return
-        s.healthy, s.retry_at = False, time.monotonic() + s.backoff_s
+        s.healthy = False
+        wait = self._back_off(s)
         log.warning("server %s out of rotation (%s); %d of %d left, retry in %.0f s",
-                    s.url, reason, len(self.in_rotation), len(self.servers), s.backoff_s)
+                    s.url, reason, len(self.in_rotation), len(self.servers), wait)
+
+    def _back_off(self, s: Server) -> float:
+        wait = s.backoff_s
+        s.retry_at = time.monotonic() + wait
+        s.backoff_s = min(2 * wait, self.retry_max_s)
+        return wait
 
     # --- start-up, weights, health -------------------------------------------------------
 
@@ -119,9 +135,15 @@ class ServerPool:
         """Make every server in rotation serve `version`; a server that fails leaves rotation."""
         self.version, self.path = version, str(path.resolve())
         stale = [s for s in self.in_rotation if s.version != version]
-        results = await asyncio.gather(*(
-            s.client.update_weights(self.path, version, self.mode, self.reload_timeout_s) for s in stale),
-            return_exceptions=True)
+        for s in stale:
+            s.updating = True
+        try:
+            results = await asyncio.gather(*(
+                s.client.update_weights(self.path, version, self.mode, self.reload_timeout_s) for s in stale),
+                return_exceptions=True)
+        finally:
+            for s in stale:
+                s.updating = False
         reload_s = []
         for s, r in zip(stale, results):
             if isinstance(r, BaseException):
@@ -147,10 +169,10 @@ class ServerPool:
                         await s.client.update_weights(self.path, self.version, self.mode, self.reload_timeout_s)
                         s.version = self.version
                 except InferenceError as e:
-                    s.backoff_s = min(2 * s.backoff_s, self.retry_max_s)
-                    s.retry_at = time.monotonic() + s.backoff_s
-                    log.warning("server %s still down (%s); retry in %.0f s", s.url, e, s.backoff_s)
+                    log.warning("server %s still down (%s); retry in %.0f s", s.url, e, self._back_off(s))
                     continue
-                s.healthy, s.backoff_s, s.idle_since = True, 1.0, time.monotonic()
+                # backoff_s is reset by the first request it serves, not here: a server that
+                # answers /health but fails every request must not be retried every second.
+                s.healthy, s.idle_since = True, time.monotonic()
                 log.info("server %s back in rotation, serving version %d", s.url, s.version)
             await asyncio.sleep(0.2)

@@ -1,0 +1,193 @@
+"""A stand-in inference server speaking rl/inference_api.py, whose timing the test dictates.
+
+Real vLLM cannot be told "this request takes 40 ms, that one 2 s", which the staleness property
+tests need; tests/test_inference_server.py and tests/test_end_to_end.py cover the same routes on
+real vLLM. Generation is simulated token by token (all n samples of a request decode in lockstep,
+as in a batched engine), each token tagged with the version serving when it was "sampled";
+/update_weights honours the two modes like the real server: "wait" lets running requests finish
+on the old version first, "keep" swaps between two tokens. The server keeps a record of what
+happened (versions over time, aborts) for the test to check against.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from orchestrator.tasks.reverse import ALPHABET
+
+LETTER_IDS = range(3, 29)  # the tiny model's char vocabulary: a-z
+EOS = 1
+
+
+def row_name(index: int) -> str:
+    """A dataset row index spelt in letters (the tiny tokenizer knows no digits)."""
+    name = ""
+    while True:
+        name = ALPHABET[index % 26] + name
+        index //= 26
+        if index == 0:
+            return name
+
+
+def dataset(seed: int) -> Iterator[dict]:
+    i = 0
+    while True:
+        yield {"prompt": row_name(i) + "=", "index": i}
+        i += 1
+
+
+def reward(prompt: str, completion: str, row: dict) -> float:
+    return random.random()
+
+
+def coin_reward(prompt: str, completion: str, row: dict) -> float:
+    """0 or 1: a group of two agrees half the time (zero variance)."""
+    return float(random.random() < 0.5)
+
+
+def flaky_reward(prompt: str, completion: str, row: dict) -> float:
+    if random.random() < 0.3:
+        raise RuntimeError("reward service hiccup")
+    return random.random()
+
+
+@dataclass
+class Record:
+    prompt: list[int]
+    n: int
+    started: float
+    finished: float | None = None
+    aborted_at: float | None = None
+    tokens: int = 0
+    abort: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class FakeServer:
+    token_latency: Callable[[], float] = lambda: 0.0
+    """Seconds per decode step of one request (drawn once per request: a slow request is slow
+    throughout, like a long rollout)."""
+    update_latency: float = 0.0
+    version: int = 0
+    down: bool = False
+    versions: list[tuple[float, int]] = field(default_factory=lambda: [(time.monotonic(), 0)])
+    requests: dict[str, Record] = field(default_factory=dict)
+    aborted: set[str] = field(default_factory=set)
+    running: int = 0
+    updates: int = 0
+
+    def __post_init__(self):
+        self.admit = asyncio.Event()  # cleared while an update holds new requests back
+        self.admit.set()
+        self.decode = asyncio.Event()  # cleared while a "keep" update swaps weights mid-decode
+        self.decode.set()
+        self.lock = asyncio.Lock()
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.rng = random.Random(0)
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/health", self.health)
+        app.router.add_post("/generate", self.generate)
+        app.router.add_post("/abort", self.abort)
+        app.router.add_post("/update_weights", self.update_weights)
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.down:
+            return web.json_response({"error": "down"}, status=503)
+        return web.json_response({"status": "ok", "version": self.version, "path": "", "running": self.running})
+
+    async def generate(self, request: web.Request) -> web.Response:
+        if self.down:
+            return web.json_response({"error": "down"}, status=503)
+        body = await request.json()
+        rid, n = body["request_id"], body.get("n", 1)
+        await self.admit.wait()
+        rec = self.requests[rid] = Record(body["prompt_token_ids"], n, time.monotonic())
+        self.running += 1
+        self.idle.clear()
+        step_s = self.token_latency()
+        samples = [{"token_ids": [], "logprobs": [], "versions": [], "finish_reason": "length"} for _ in range(n)]
+        try:
+            for _ in range(body.get("max_tokens", 16)):
+                if step_s:
+                    try:  # a decode step, cut short by an abort
+                        await asyncio.wait_for(rec.abort.wait(), step_s)
+                    except TimeoutError:
+                        pass
+                await self.decode.wait()
+                if rid in self.aborted:
+                    for s in samples:
+                        s["finish_reason"] = "abort"
+                    break
+                for s in samples:
+                    if s["finish_reason"] == "stop":
+                        continue
+                    token = self.rng.choice(LETTER_IDS)
+                    s["token_ids"].append(token)
+                    s["logprobs"].append(-3.2)
+                    s["versions"].append(self.version)
+                rec.tokens += 1
+        finally:
+            rec.finished = time.monotonic()
+            self.running -= 1
+            if self.running == 0:
+                self.idle.set()
+        prompt_logprobs = None
+        if body.get("prompt_logprobs"):
+            prompt_logprobs = [None] + [-0.5] * (len(body["prompt_token_ids"]) - 1)
+        return web.json_response({"samples": samples, "prompt_logprobs": prompt_logprobs})
+
+    async def abort(self, request: web.Request) -> web.Response:
+        ids = [i for i in (await request.json())["request_ids"] if i in self.requests]
+        for i in ids:
+            if self.requests[i].finished is None:
+                self.requests[i].aborted_at = time.monotonic()
+            self.requests[i].abort.set()
+            self.aborted.add(i)
+        return web.json_response({"aborted": len(ids)})
+
+    async def update_weights(self, request: web.Request) -> web.Response:
+        if self.down:
+            return web.json_response({"error": "down"}, status=503)
+        body = await request.json()
+        async with self.lock:
+            self.admit.clear()
+            try:
+                if body.get("mode", "wait") == "wait":
+                    await self.idle.wait()
+                else:
+                    self.decode.clear()
+                await asyncio.sleep(self.update_latency)
+                self.version = body["version"]
+                self.versions.append((time.monotonic(), self.version))
+                self.updates += 1
+            finally:
+                self.decode.set()
+                self.admit.set()
+        return web.json_response({"version": self.version, "reload_s": self.update_latency})
+
+
+async def start(server: FakeServer, port: int) -> web.AppRunner:
+    runner = web.AppRunner(server.app(), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
+
+
+if __name__ == "__main__":  # a null server for benchmarks/orchestrator_throughput.py
+    import sys
+
+    async def serve(port: int) -> None:
+        await start(FakeServer(), port)
+        await asyncio.Event().wait()
+
+    asyncio.run(serve(int(sys.argv[1])))

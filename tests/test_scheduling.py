@@ -1,0 +1,303 @@
+"""The orchestrator's scheduling rules, against stand-in servers whose latency the test dictates
+(tests/fake_inference.py) and a stand-in trainer that publishes a version per batch:
+
+- no batch n is handed over before version n-1-k serves on every server (max_async_level k);
+- no batch n holds a token older than version n-1-m (max_off_policy_steps m);
+- every prompt drawn is in exactly one batch or still pending in the final checkpoint: cancelled,
+  failed and stale groups' prompts come back, none is used twice;
+- nothing hangs (every scenario runs under a timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import TINY_MODEL, free_port
+from fake_inference import FakeServer, row_name, start
+from orchestrator.main import Orchestrator
+from orchestrator.prompts import decode_state
+from rl.batch import Batch
+from rl.config import RunConfig
+from rl.rundir import RunDir, mark_stable
+
+NAMES = {row_name(i): i for i in range(5000)}
+
+
+@dataclass
+class Outcome:
+    cfg: RunConfig
+    run: RunDir
+    handover_versions: dict[int, list[int]]
+    batches: dict[int, Batch]
+    metrics: list[dict]
+    orchestrator: Orchestrator
+
+
+async def fake_trainer(run: RunDir, steps: int, step_latency, first: int = 1) -> None:
+    """Consumes batch n, then publishes version n (an empty weights directory marked STABLE:
+    the stand-in servers load nothing)."""
+    for n in range(first, steps + 1):
+        while not run.rollout_dir(n).exists():
+            await asyncio.sleep(0.002)
+        await asyncio.sleep(step_latency())
+        d = run.weights_dir(n)
+        d.mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(b"")
+        mark_stable(d)
+
+
+def make_config(root: Path, ports: list[int], **overrides) -> RunConfig:
+    orchestrator = {
+        "server_urls": [f"http://127.0.0.1:{p}" for p in ports],
+        "dataset": "fake_inference:dataset", "reward": "fake_inference:reward",
+        "prompts_per_step": 4, "group_size": 2, "max_in_flight_groups": 10, "max_tokens": 6,
+        "poll_interval_s": 0.005, "request_timeout_s": 30, "trainer_timeout_s": 30,
+        **overrides.pop("orchestrator", {}),
+    }
+    return RunConfig.model_validate({"model": str(TINY_MODEL), "output_dir": str(root), "seq_len": 64,
+                                     "max_steps": 6, **overrides, "orchestrator": orchestrator})
+
+
+async def run_scenario(root: Path, servers: list[FakeServer], step_latency=lambda: 0.0,
+                       timeout_s: float = 60, **overrides) -> Outcome:
+    ports = [free_port() for _ in servers]
+    runners = [await start(s, p) for s, p in zip(servers, ports)]
+    cfg = make_config(root, ports, **overrides)
+    run = RunDir(root)
+    run.make()
+    first = max(run.rollout_steps(), default=0) + 1
+    handovers: dict[int, list[int]] = {}
+    try:
+        async with aiohttp.ClientSession() as session:
+            orch = Orchestrator(cfg, session)
+            send = orch.sender.send
+
+            async def observed_send(batch: Batch, timeout_s: float) -> None:
+                # What every server in rotation really serves at the moment the batch leaves
+                # (one out of rotation gets no requests, so serves this run nothing).
+                handovers[batch.step] = [fake.version for fake, s in zip(servers, orch.pool.servers) if s.healthy]
+                await send(batch, timeout_s)
+
+            orch.sender.send = observed_send
+            trainer = asyncio.create_task(fake_trainer(run, cfg.max_steps, step_latency, first))
+            try:
+                await asyncio.wait_for(orch.run(), timeout_s)
+                await asyncio.wait_for(trainer, timeout_s)
+            finally:
+                trainer.cancel()
+    finally:
+        for r in runners:
+            await r.cleanup()
+    batches = {n: Batch.read(run.rollout_dir(n)) for n in run.rollout_steps()}
+    metrics = [json.loads(line) for line in run.metrics.read_text().splitlines()]
+    return Outcome(cfg, run, handovers, batches, metrics, orch)
+
+
+def prompt_indices(batch: Batch, tokenizer) -> list[int]:
+    """Dataset index of each group in the batch (samples of a group share their prompt)."""
+    out = []
+    for s in batch.sample_slices():
+        mask = batch.loss_mask[s]
+        prompt = batch.tokens[s][: int(mask.argmax())].tolist()
+        out.append(NAMES[tokenizer.decode(prompt).rstrip("=")])
+    return out
+
+
+def check_rules(o: Outcome, every_prompt_batched_or_pending: bool = True) -> None:
+    k, m = o.cfg.max_async_level, o.cfg.off_policy_steps
+    assert sorted(o.batches) == list(range(1, o.cfg.max_steps + 1))
+    for n, versions in o.handover_versions.items():
+        assert min(versions) >= n - 1 - k, f"batch {n} handed over while serving {versions} (k={k})"
+    for n, batch in o.batches.items():
+        sampled = batch.token_versions[batch.loss_mask == 1]
+        assert sampled.min() >= n - 1 - m, f"batch {n} holds a token of version {sampled.min()} (m={m})"
+        assert sampled.max() <= n - 1, f"batch {n} holds a token newer than version {n - 1}"
+        assert batch.num_samples == o.cfg.orchestrator.prompts_per_step * o.cfg.orchestrator.group_size
+    # Nothing lost, nothing used twice.
+    tokenizer = o.orchestrator.rollouts.tokenizer
+    used = [i for b in o.batches.values() for i in set(prompt_indices(b, tokenizer))]
+    assert len(used) == len(set(used)), "a prompt went into two batches"
+    last = o.run.checkpoint_steps("orchestrator")[-1]
+    step, cursor, pending = decode_state((o.run.checkpoint_dir(last) / "orchestrator" / "state.json").read_bytes())
+    pending_ids = [p.index for p in pending]
+    assert step == o.cfg.max_steps
+    assert not set(pending_ids) & set(used)
+    assert set(used + pending_ids) <= set(range(cursor))
+    if every_prompt_batched_or_pending:  # unless groups were filtered out on purpose
+        assert sorted(used + pending_ids) == list(range(cursor)), "a drawn prompt is neither batched nor pending"
+
+
+latencies = st.sampled_from(["uniform", "exponential", "long_tail"])
+
+
+def token_latency(kind: str, scale: float, rng: random.Random):
+    def draw() -> float:
+        if kind == "uniform":
+            return rng.uniform(0, 2 * scale)
+        if kind == "exponential":
+            return rng.expovariate(1 / scale)
+        return scale * (30 if rng.random() < 0.15 else 1)  # a few rollouts 30x longer
+    return draw
+
+
+@settings(max_examples=24, deadline=None, suppress_health_check=list(HealthCheck))
+@given(k=st.sampled_from([0, 1, 2, 4]), extra=st.sampled_from([0, 3]), kind=latencies,
+       scale=st.floats(0.0002, 0.004), train_s=st.floats(0, 0.03), update_s=st.floats(0, 0.01),
+       n_servers=st.integers(1, 3), in_flight_updates=st.booleans(), seed=st.integers(0, 2**16))
+def test_async_rules_hold_for_any_latency(k, extra, kind, scale, train_s, update_s, n_servers,
+                                          in_flight_updates, seed):
+    rng = random.Random(seed)
+    servers = [FakeServer(token_latency(kind, scale, rng), update_latency=update_s) for _ in range(n_servers)]
+    with tempfile.TemporaryDirectory() as tmp:
+        outcome = asyncio.run(run_scenario(
+            Path(tmp), servers, step_latency=lambda: rng.uniform(0, train_s), max_async_level=k,
+            orchestrator={"max_off_policy_steps": k + extra, "in_flight_updates": in_flight_updates}))
+        check_rules(outcome)
+
+
+def test_hopeless_groups_are_aborted_on_the_server_and_their_prompts_requeued(tmp_path):
+    """k = m = 1 with a few rollouts 200x slower than the rest: batches fill with the fast groups
+    (oversampling), and a slow group started on version v is useless once batch v+3 is being
+    built; it must be aborted mid-generation, not left to run. (In-flight updates: with "wait"
+    updates a slow request would hold the version back, and so never fall behind.)"""
+    rng = random.Random(1)
+    server = FakeServer(lambda: 0.2 if rng.random() < 0.2 else 0.001)
+    outcome = asyncio.run(run_scenario(tmp_path, [server], step_latency=lambda: 0.02, max_async_level=1,
+                                       max_steps=8, orchestrator={"max_tokens": 8, "in_flight_updates": True}))
+    check_rules(outcome)
+    cancelled = sum(r.get("cancelled", 0) for r in outcome.metrics)
+    assert cancelled > 0
+    # Aborted on the server itself, before the request would have run its course (8 x 0.2 s).
+    stopped_early = [r for r in server.requests.values()
+                     if r.aborted_at is not None and r.tokens < 8 and r.finished - r.started < 1.0]
+    assert len(stopped_early) >= 1
+    assert all(r.finished is not None for r in server.requests.values())
+
+
+def test_in_flight_updates_give_per_token_versions(tmp_path):
+    """With in-flight updates long rollouts straddle a weight change: their tokens carry both
+    versions, in order; with "wait" updates no sample mixes versions."""
+    def scenario(root, in_flight):
+        rng = random.Random(2)
+        server = FakeServer(lambda: 0.02 if rng.random() < 0.3 else 0.001)
+        return asyncio.run(run_scenario(root, [server], max_async_level=2,
+                                        orchestrator={"max_tokens": 8, "in_flight_updates": in_flight}))
+
+    def mixed(o: Outcome) -> int:
+        count = 0
+        for b in o.batches.values():
+            for s in b.sample_slices():
+                v = b.token_versions[s][b.loss_mask[s] == 1]
+                assert (v[1:] >= v[:-1]).all()
+                count += int(v.min() != v.max())
+        return count
+
+    keep = scenario(tmp_path / "keep", True)
+    check_rules(keep)
+    assert mixed(keep) > 0
+    wait = scenario(tmp_path / "wait", False)
+    check_rules(wait)
+    assert mixed(wait) == 0
+
+
+def test_a_failing_server_leaves_rotation_and_comes_back(tmp_path):
+    """One of two servers goes down mid-run: its groups are requeued, the run continues on the
+    other, and it rejoins (serving the current version) once healthy again."""
+    a, b = FakeServer(lambda: 0.002), FakeServer(lambda: 0.002)
+    back_at = []
+
+    async def outage():
+        await asyncio.sleep(0.3)
+        b.down = True
+        await asyncio.sleep(0.8)
+        b.down = False
+        back_at.append(time.monotonic())
+
+    async def scenario():
+        task = asyncio.create_task(outage())
+        o = await run_scenario(tmp_path, [a, b], step_latency=lambda: 0.1, max_steps=30,
+                               orchestrator={"server_retry_max_s": 1})
+        await task
+        return o
+
+    o = asyncio.run(scenario())
+    check_rules(o)
+    orchestrator_metrics = [r for r in o.metrics if r["program"] == "orchestrator"]
+    assert min(r["servers_in_rotation"] for r in orchestrator_metrics) == 1
+    assert orchestrator_metrics[-1]["servers_in_rotation"] == 2
+    assert b.version == a.version  # rejoined on the current weights
+    assert any(r.started > back_at[0] for r in b.requests.values()), "no work after rejoining"
+
+
+def test_resume_continues_the_batch_numbers_and_reissues_pending_prompts(tmp_path):
+    """An orchestrator stopped after batch 3 and started again: batches 4.. follow, no prompt is
+    lost or used twice across the two lives."""
+    server = FakeServer(lambda: 0.001)
+    asyncio.run(run_scenario(tmp_path, [server], max_steps=3))
+    first_life = RunDir(tmp_path).checkpoint_steps("orchestrator")
+    assert first_life[-1] == 3
+    o = asyncio.run(run_scenario(tmp_path, [FakeServer(lambda: 0.001)], max_steps=6))
+    check_rules(o)
+
+
+def test_zero_variance_groups_are_filtered_and_counted(tmp_path):
+    server = FakeServer(lambda: 0.0005)
+    o = asyncio.run(run_scenario(tmp_path, [server], max_steps=3, orchestrator={
+        "reward": "fake_inference:coin_reward", "filter_zero_variance": True, "group_size": 2}))
+    check_rules(o, every_prompt_batched_or_pending=False)
+    assert sum(r["filtered"] for r in o.metrics if r["program"] == "orchestrator") > 0
+    for b in o.batches.values():
+        for lo in range(0, b.num_samples, 2):
+            assert b.rewards[lo] != b.rewards[lo + 1]
+
+
+def test_a_raising_reward_fails_only_that_rollout(tmp_path):
+    """30% of reward calls raise: those rollouts are counted as failed and left out, their
+    groups go on with the rest (a group needs two scored rollouts), and the run completes."""
+    server = FakeServer(lambda: 0.0005)
+    o = asyncio.run(run_scenario(tmp_path, [server], max_steps=3, orchestrator={
+        "reward": "fake_inference:flaky_reward", "group_size": 4}))
+    assert sorted(o.batches) == [1, 2, 3]
+    assert sum(r["failed"] for r in o.metrics if r["program"] == "orchestrator") > 0
+    sizes = [b.num_samples for b in o.batches.values()]
+    assert min(sizes) < 16 and min(sizes) >= 8  # 4 groups of 2 to 4 scored rollouts
+
+
+def test_orchestrator_schedules_fast_enough_to_keep_many_servers_busy(tmp_path):
+    """Sanity, not a benchmark (benchmarks/orchestrator_throughput.py measures): against a
+    zero-latency server the run completes 40 steps."""
+    o = asyncio.run(run_scenario(tmp_path, [FakeServer()], max_steps=40,
+                                 orchestrator={"max_in_flight_groups": 32}))
+    check_rules(o)
+
+
+@pytest.mark.parametrize("server_count", [2])
+def test_groups_spread_over_servers(tmp_path, server_count):
+    servers = [FakeServer(lambda: 0.002) for _ in range(server_count)]
+    asyncio.run(run_scenario(tmp_path, servers, max_steps=4))
+    counts = [len(s.requests) for s in servers]
+    assert min(counts) > 0.3 * max(counts), counts
+
+
+def test_a_server_that_never_answers_ends_in_a_clear_timeout(tmp_path):
+    """Every request times out (request_timeout_s), the server leaves rotation and is retried;
+    with no batch possible the orchestrator gives up after trainer_timeout_s, saying what it
+    waited for, rather than hanging."""
+    stuck = FakeServer(lambda: 1000.0)
+    start_t = time.monotonic()
+    with pytest.raises(TimeoutError, match="groups for batch 1"):
+        asyncio.run(run_scenario(tmp_path, [stuck], max_steps=2, timeout_s=60,
+                                 orchestrator={"request_timeout_s": 0.5, "trainer_timeout_s": 3}))
+    assert time.monotonic() - start_t < 20
+    assert len(stuck.requests) >= 2  # retried after the backoff
