@@ -119,7 +119,8 @@ class AdminRoutes:
         # Checked right before engine.generate, which registers the request before its first
         # suspension: an /abort that ran earlier is seen here, a later one reaches the engine.
         if gen.aborted:
-            return GeneratedSample(token_ids=[], logprobs=[], versions=[], finish_reason="abort"), None
+            return GeneratedSample(token_ids=[], logprobs=[], versions=[],
+                                   finish_reason="abort"), None
         params = SamplingParams(
             n=1, temperature=body.temperature, top_p=body.top_p, max_tokens=body.max_tokens,
             stop_token_ids=body.stop_token_ids, logprobs=0,

@@ -23,7 +23,8 @@ class WeightReloadExtension:
         with tied embeddings the logits kept coming from the OLD packed copy while the embedding
         changed (../shared/VLLM_CPU_NOTES.md), so re-run the lm_head's post-load processing.
         """
-        sampled = {rid: len(state.output_token_ids) for rid, state in self.model_runner.requests.items()}
+        sampled = {rid: len(state.output_token_ids)
+                   for rid, state in self.model_runner.requests.items()}
         self.reload_weights(weights_path=path)
         model = self.model_runner.get_model()
         hf_config = self.model_runner.model_config.hf_text_config

@@ -1,0 +1,254 @@
+"""The inference server's own routes (rl/inference_api.py) against a real vLLM server: token-in
+token-out generation, abort, in-flight weight updates with exact per-token versions, health."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+
+import aiohttp
+import pytest
+from safetensors.torch import load_file, save_file
+
+from conftest import TINY_MODEL
+from rl.rundir import RunDir
+from test_end_to_end import start_server
+
+pytestmark = pytest.mark.slow
+
+SEQ_LEN = 64  # start_server's config
+Z, A, EQ = 28, 3, 29  # "z", "a", "=" in the char tokenizer (vocab 30)
+# Greedy on "z" the tiny model writes "z" until max_tokens, never <eos>: long, deterministic runs.
+LONG = {"prompt_token_ids": [Z], "max_tokens": SEQ_LEN - 1, "temperature": 0}
+MAX_NUM_SEQS = 128  # vLLM's default for a CPU server: more requests than this wait in a queue
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("inference")
+    run = RunDir(tmp / "run")
+    # Weights whose logits are all zero (final norm zeroed): greedy then writes token 0 forever,
+    # so every token shows which weights sampled it.
+    zero = run.weights_dir(1)
+    shutil.copytree(TINY_MODEL, zero)
+    tensors = load_file(zero / "model.safetensors")
+    tensors["model.norm.weight"].zero_()
+    save_file(tensors, zero / "model.safetensors")
+    proc, url = start_server(tmp, "server", TINY_MODEL, run.root)
+    try:
+        # The engine's first batches are several times slower: keep them out of the timings.
+        asyncio.run(_warm_up(url))
+        yield {"url": url, "zero": str(zero), "model": str(TINY_MODEL)}
+    finally:
+        proc.stop()
+
+
+async def _warm_up(url: str) -> None:
+    async with aiohttp.ClientSession() as s:
+        await generate(s, url, "warm-up", n=MAX_NUM_SEQS, **LONG)
+
+
+async def post(s: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, dict]:
+    async with s.post(url, json=body) as r:
+        return r.status, await r.json()
+
+
+async def generate(s, url: str, request_id: str, **body) -> dict:
+    status, data = await post(s, f"{url}/generate", {"request_id": request_id, **body})
+    assert status == 200, data
+    return data
+
+
+async def wait_running(s, url: str, done, timeout: float = 30.0) -> float:
+    """Poll vLLM's own gauge of requests the engine runs (Prometheus /metrics) until
+    done(count); returns the seconds it took."""
+    start = time.perf_counter()
+    while True:
+        async with s.get(f"{url}/metrics") as r:
+            text = await r.text()
+        count = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                    if line.startswith("vllm:num_requests_running{"))
+        if done(count):
+            return time.perf_counter() - start
+        assert time.perf_counter() - start < timeout, f"vllm:num_requests_running stuck at {count}"
+        await asyncio.sleep(0.005)
+
+
+async def health(s, url: str) -> dict:
+    async with s.get(f"{url}/health") as r:
+        return await r.json()
+
+
+def test_generate_returns_tokens_logprobs_and_versions(server):
+    url = server["url"]
+    prompt = [A, 4, 5, 6, EQ]  # "abcd="
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            out = await generate(s, url, "a", prompt_token_ids=prompt, n=5, max_tokens=20,
+                                 prompt_logprobs=True)
+            greedy = await generate(s, url, "g", prompt_token_ids=prompt, max_tokens=20,
+                                    temperature=0)
+            status, openai = await post(s, f"{url}/v1/completions", {
+                "model": server["model"], "prompt": prompt, "max_tokens": 20, "temperature": 0,
+                "logprobs": 0, "return_token_ids": True})
+            assert status == 200, openai
+            errors = [await post(s, f"{url}/generate", {"request_id": "e", **body}) for body in (
+                {"prompt_token_ids": [A] * 60, "max_tokens": 16},
+                {"prompt_token_ids": [A, 30]},
+                {"prompt_token_ids": [A], "stop_token_ids": [-1]},
+                {"prompt_token_ids": [A], "n": 0},
+            )]
+            return out, greedy, openai, errors
+
+    out, greedy, openai, errors = asyncio.run(main())
+    assert len(out["samples"]) == 5
+    for sample in out["samples"]:
+        n = len(sample["token_ids"])
+        assert 1 <= n <= 20
+        assert len(sample["logprobs"]) == n and len(sample["versions"]) == n
+        assert sample["versions"] == [0] * n
+        assert all(lp <= 0 for lp in sample["logprobs"])
+        assert sample["finish_reason"] in ("stop", "length")
+        assert all(0 <= t < 30 for t in sample["token_ids"])
+    plp = out["prompt_logprobs"]
+    assert len(plp) == len(prompt) and plp[0] is None and all(lp <= 0 for lp in plp[1:])
+    # The same engine through vLLM's OpenAI layer: same greedy tokens, same logprobs.
+    choice = openai["choices"][0]
+    assert greedy["samples"][0]["token_ids"] == choice["token_ids"]
+    assert greedy["samples"][0]["logprobs"] == pytest.approx(
+        choice["logprobs"]["token_logprobs"], abs=1e-5)
+    assert greedy["prompt_logprobs"] is None
+
+    messages = [(status, body["error"]["message"]) for status, body in errors]
+    assert [status for status, _ in messages] == [400] * 4
+    assert messages[0][1] == "max_tokens: prompt (60 tokens) + max_tokens (16) exceeds seq_len 64"
+    assert messages[1][1].startswith("prompt_token_ids:") and "[30]" in messages[1][1]
+    assert messages[2][1].startswith("stop_token_ids:")
+    assert "body.n" in messages[3][1]
+
+
+def test_abort_stops_the_engine_requests(server):
+    url = server["url"]
+    calls, n = 6, 64  # 384 engine requests, 128 at a time: ~2-3 s on one core
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            start = time.perf_counter()
+            full = await asyncio.gather(*(generate(s, url, f"full-{i}", n=n, **LONG)
+                                          for i in range(calls)))
+            unaborted_s = time.perf_counter() - start
+
+            start = time.perf_counter()
+            tasks = [asyncio.create_task(generate(s, url, f"ab-{i}", n=n, **LONG))
+                     for i in range(calls)]
+            await wait_running(s, url, lambda c: c > 0)
+            await asyncio.sleep(0.2)  # some tokens into the first wave
+            duplicate = await post(s, f"{url}/generate", {"request_id": "ab-0", **LONG})
+            aborted_at = time.perf_counter()
+            ids = [f"ab-{i}" for i in range(calls)] + ["nope"]
+            status, answer = await post(s, f"{url}/abort", {"request_ids": ids})
+            assert status == 200, answer
+            await wait_running(s, url, lambda c: c == 0)
+            drained_s = time.perf_counter() - aborted_at
+            out = await asyncio.gather(*tasks)
+            returned_s = time.perf_counter() - aborted_at
+            return (full, unaborted_s, aborted_at - start, drained_s, returned_s, out, answer,
+                    duplicate)
+
+    (full, unaborted_s, abort_after_s, drained_s, returned_s, out, answer,
+     duplicate) = asyncio.run(main())
+    print(f"\nunaborted {unaborted_s:.2f} s; aborted after {abort_after_s:.2f} s; engine idle "
+          f"{drained_s:.3f} s and calls returned {returned_s:.3f} s after /abort")
+    assert all(s["finish_reason"] == "length" and len(s["token_ids"]) == SEQ_LEN - 1
+               for r in full for s in r["samples"])
+    assert answer == {"aborted": calls}
+    assert duplicate[0] == 409 and "ab-0" in duplicate[1]["error"]["message"]
+    # The engine stopped, not just the HTTP calls: well before the work would have been done.
+    assert abort_after_s + drained_s < unaborted_s / 2
+    assert returned_s < unaborted_s / 2
+    samples = [s for r in out for s in r["samples"]]
+    assert len(samples) == calls * n
+    assert all(s["finish_reason"] == "abort" for s in samples)
+    assert all(len(s["token_ids"]) < SEQ_LEN - 1 for s in samples)
+    assert all(len(s["token_ids"]) == len(s["logprobs"]) == len(s["versions"]) for s in samples)
+    assert any(len(s["token_ids"]) > 0 for s in samples)
+
+
+async def _update(s, url: str, path: str, version: int, mode: str) -> dict:
+    status, answer = await post(s, f"{url}/update_weights",
+                                {"path": path, "version": version, "mode": mode})
+    assert status == 200, answer
+    return answer
+
+
+def test_in_flight_update_tags_every_token_with_the_version_that_sampled_it(server):
+    url = server["url"]
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            v = (await health(s, url))["version"]
+            # "keep": at most MAX_NUM_SEQS requests, so all of them run when the update lands.
+            task = asyncio.create_task(generate(s, url, "keep", n=MAX_NUM_SEQS, **LONG))
+            await wait_running(s, url, lambda c: c == MAX_NUM_SEQS)
+            await asyncio.sleep(0.2)
+            keep = await _update(s, url, server["zero"], v + 1, "keep")
+            kept = await task
+            after_keep = await generate(s, url, "after-keep", n=4, **LONG)
+
+            # "wait": the zero weights write token 0; the running requests must finish on them.
+            task = asyncio.create_task(generate(s, url, "wait", n=MAX_NUM_SEQS, **LONG))
+            await wait_running(s, url, lambda c: c == MAX_NUM_SEQS)
+            update = asyncio.create_task(_update(s, url, server["model"], v + 2, "wait"))
+            await asyncio.sleep(0.1)
+            assert not update.done()
+            # Arrives while the update drains: held until the new weights serve.
+            during_wait = await generate(s, url, "during-wait", n=4, **LONG)
+            wait, waited = await update, await task
+            return v, keep, kept, after_keep, wait, waited, during_wait
+
+    v, keep, kept, after_keep, wait, waited, during_wait = asyncio.run(main())
+    print(f"\nkeep: {keep}\nwait: {wait}")
+    assert keep["version"] == v + 1 and keep["switched"] == MAX_NUM_SEQS
+    mixed = 0
+    for sample in kept["samples"]:
+        tokens, versions = sample["token_ids"], sample["versions"]
+        assert len(tokens) == SEQ_LEN - 1 and sample["finish_reason"] == "length"
+        assert versions == sorted(versions) and set(versions) <= {v, v + 1}
+        # Exact: the old weights wrote "z", the zeroed ones write 0, token for token.
+        assert versions == [v + 1 if t == 0 else v for t in tokens]
+        assert set(tokens) <= {Z, 0}
+        mixed += len(set(versions)) == 2
+    assert mixed == MAX_NUM_SEQS
+    for sample in after_keep["samples"]:
+        assert sample["versions"] == [v + 1] * (SEQ_LEN - 1) and set(sample["token_ids"]) == {0}
+
+    assert wait["version"] == v + 2
+    for sample in waited["samples"]:
+        assert len(sample["token_ids"]) == SEQ_LEN - 1
+        assert set(sample["token_ids"]) == {0} and set(sample["versions"]) == {v + 1}
+    for sample in during_wait["samples"]:
+        assert sample["versions"] == [v + 2] * (SEQ_LEN - 1) and set(sample["token_ids"]) == {Z}
+
+
+def test_health_reports_version_and_running_requests(server):
+    url = server["url"]
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            await _update(s, url, server["model"], 7, "wait")
+            task = asyncio.create_task(generate(s, url, "h", n=MAX_NUM_SEQS, **LONG))
+            busy = None
+            while not task.done():
+                h = await health(s, url)
+                if h["running"] > 0:
+                    busy = h
+                    break
+                await asyncio.sleep(0.005)
+            await task
+            return busy, await health(s, url)
+
+    busy, idle = asyncio.run(main())
+    assert busy is not None and busy["running"] == MAX_NUM_SEQS and busy["version"] == 7
+    assert idle == {"status": "ok", "version": 7, "path": str(TINY_MODEL.resolve()), "running": 0}
