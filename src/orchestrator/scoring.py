@@ -39,8 +39,8 @@ def load_callable(spec: str, key: str) -> Callable:
 class Reward:
     """Scores a group's completions; returns one float or None (failed) per completion."""
 
-    def __init__(self, spec: str, timeout_s: float, session: aiohttp.ClientSession):
-        self.spec, self.timeout_s, self.session = spec, timeout_s, session
+    def __init__(self, spec: str, timeout_s: float, session: aiohttp.ClientSession, inline: bool = False):
+        self.spec, self.timeout_s, self.session, self.inline = spec, timeout_s, session, inline
         self.url = spec if spec.startswith(("http://", "https://")) else None
         self.fn = None if self.url else load_callable(spec, "orchestrator.reward")
         self.is_async = self.fn is not None and inspect.iscoroutinefunction(self.fn)
@@ -50,6 +50,8 @@ class Reward:
             return list(await asyncio.gather(*(self._http(prompt, c, row) for c in completions)))
         if self.is_async:
             return list(await asyncio.gather(*(self._async(prompt, c, row) for c in completions)))
+        if self.inline:
+            return self._sync_all(prompt, completions, row)
         # One thread hop per group, not per completion: a slow or hung reward cannot stall the
         # event loop, and the timeout still applies (the thread is abandoned, the rollouts fail).
         try:

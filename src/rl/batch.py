@@ -14,6 +14,7 @@ OLDEST version among its tokens: the staleness bound is a statement about the ol
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import tempfile
@@ -54,7 +55,7 @@ class Sample:
                    [0.0] * p + list(logprobs), [0.0] * p + [advantage] * c,
                    [-1] * p + list(versions), reward)
 
-    @property
+    @functools.cached_property
     def oldest_version(self) -> int:
         """Oldest version among the sampled tokens (a sample with none is as new as can be)."""
         return min((v for v, m in zip(self.versions, self.loss_mask) if m), default=1 << 62)
