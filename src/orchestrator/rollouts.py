@@ -162,8 +162,8 @@ class Rollouts:
             except Exception as e:
                 return self._env_failed(eid, e)
             t.reward += turn.reward
-            if turn.done or not turn.observation:
-                break
+            if turn.done or not turn.observation or turn_index == self.o.max_turns - 1:
+                break  # (a last observation no model turn answers would only cost tokens)
             observation = self.encode(turn.observation, add_special_tokens=False)
             if len(t.tokens) + len(observation) >= self.cfg.seq_len:
                 break  # no room for another model turn: the episode ends truncated

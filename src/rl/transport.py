@@ -38,7 +38,11 @@ class BatchSender:
         if cfg.kind == "zmq":
             self.context = zmq.asyncio.Context()
             self.socket = self.context.socket(zmq.PUSH)
-            self.socket.setsockopt(zmq.LINGER, 5000)  # on close, give queued batches 5 s to leave
+            # Queue only to a connected trainer: otherwise a batch "sent" before the trainer binds
+            # sits in a local buffer and dies with this process. Send now blocks (visibly) until
+            # the trainer is there; on close, queued batches get 5 s to leave.
+            self.socket.setsockopt(zmq.IMMEDIATE, 1)
+            self.socket.setsockopt(zmq.LINGER, 5000)
             self.socket.connect(cfg.address)
 
     async def send(self, batch: Batch, timeout_s: float) -> None:

@@ -12,14 +12,15 @@ from rl.batch import Batch
 from rl.transport import BatchReceiver
 
 
-def receive_batch(receiver: BatchReceiver, step: int, timeout_s: float, device: torch.device) -> tuple[Batch, float]:
+def receive_batch(receiver: BatchReceiver | None, kind: str, step: int, timeout_s: float,
+                  device: torch.device) -> tuple[Batch, float]:
     """Batch `step` on every rank, and the seconds waited for it.
 
     Over the filesystem every rank reads the directory itself. Over ZMQ only rank 0 holds the
     socket; it passes the raw bytes on (a length, then a uint8 tensor), so the other ranks
     decode exactly what rank 0 checked, and no rank ever unpickles anything.
     """
-    if receiver.cfg.kind == "filesystem" or dist.get_world_size() == 1:
+    if kind == "filesystem" or dist.get_world_size() == 1:
         (meta, payload), waited = receiver.receive(step, timeout_s)
         return Batch.decode(meta, payload, receiver.source(step)), waited
     start = time.monotonic()
@@ -36,7 +37,7 @@ def receive_batch(receiver: BatchReceiver, step: int, timeout_s: float, device: 
     dist.broadcast(blob, src=0)
     data = blob.cpu().numpy().tobytes()
     n = int(sizes[0])
-    return Batch.decode(data[:n], data[n:], receiver.source(step)), time.monotonic() - start
+    return Batch.decode(data[:n], data[n:], f"batch {step} from rank 0"), time.monotonic() - start
 
 
 @dataclass

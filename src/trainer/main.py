@@ -70,7 +70,8 @@ class Trainer:
         log.info("done: %d steps", self.cfg.max_steps)
 
     def train_one(self, receiver: BatchReceiver | None, step: int) -> None:
-        batch, waited = receive_batch(receiver, step, self.cfg.trainer.batch_timeout_s, self.device)
+        batch, waited = receive_batch(receiver, self.cfg.transport.kind, step, self.cfg.trainer.batch_timeout_s,
+                                      self.device)
         start = time.perf_counter()
         stats = self.train_step(rank_micro_batches(
             batch, self.rank, self.world, self.cfg.trainer.micro_batch_size, self.pad_id

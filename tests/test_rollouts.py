@@ -1,0 +1,162 @@
+"""From prompt to scored group (orchestrator/rollouts.py): multi-turn episodes, pluggable rewards
+(callable, HTTP endpoint, failures) and the teacher's per-token signal, against stand-in servers
+(tests/fake_inference.py; tests/test_inference_server.py runs an episode on real vLLM)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+from aiohttp import web
+from transformers import AutoTokenizer
+
+from conftest import TINY_MODEL, free_port
+from fake_inference import FakeServer, start
+from orchestrator.environment import Turn
+from orchestrator.prompts import Prompt
+from orchestrator.rollouts import Rollouts
+from orchestrator.scoring import Reward, Teacher
+from orchestrator.tasks.guess_letter import Game, GuessLetter
+from rl.config import RunConfig
+from rl.inference_api import InferenceClient
+
+TOKENIZER = AutoTokenizer.from_pretrained(TINY_MODEL)
+
+
+def config(**orchestrator) -> RunConfig:
+    return RunConfig.model_validate({"model": str(TINY_MODEL), "seq_len": 64, "orchestrator": orchestrator})
+
+
+async def with_server(server: FakeServer, body):
+    port = free_port()
+    runner = await start(server, port)
+    try:
+        async with aiohttp.ClientSession() as session:
+            client = InferenceClient(f"http://127.0.0.1:{port}", session)
+            return await body(client, session)
+    finally:
+        await runner.cleanup()
+
+
+def test_guess_letter_game():
+    game = Game("m")
+    assert game.start() == "guess="
+    assert game.step("c") == Turn(observation="up=")
+    assert game.step("==") == Turn(observation="guess=")  # no letter: asked again
+    assert game.step("q") == Turn(observation="down=")
+    end = game.step("mx")
+    assert end.done and end.reward == pytest.approx(0.7)  # found at the 4th guess
+    rows = GuessLetter().dataset(3)
+    assert [next(rows) for _ in range(3)] == [next(r) for r in [GuessLetter().dataset(3)] for _ in range(3)]
+
+
+class AlwaysWrong:
+    """Every guess is wrong: each episode runs all max_turns turns."""
+
+    def dataset(self, seed):
+        while True:
+            yield {"secret": "="}
+
+    def episode(self, row):
+        return Game(row["secret"])
+
+
+def test_multi_turn_episode_interleaves_model_and_environment_tokens():
+    cfg = config(environment="test_rollouts:AlwaysWrong", max_turns=3, max_tokens=2, group_size=2)
+    server = FakeServer()
+
+    async def body(client, session):
+        rollouts = Rollouts(cfg, TOKENIZER, None, None, AlwaysWrong())
+        return await rollouts.group(Prompt(0, {"secret": "="}), "g1", lambda r: client.generate(r, 10))
+
+    group = asyncio.run(with_server(server, body))
+    assert len(group.samples) == 2 and group.failed == 0
+    for s in group.samples:
+        model = [t for t, m in zip(s.tokens, s.loss_mask) if m]
+        assert len(model) == 3 * 2  # three turns of two tokens
+        # The layout: prompt, model, observation, model, observation, model.
+        runs = [m for i, m in enumerate(s.loss_mask) if i == 0 or m != s.loss_mask[i - 1]]
+        assert runs == [0, 1, 0, 1, 0, 1]
+        text = TOKENIZER.decode([t for t, m in zip(s.tokens, s.loss_mask) if not m])
+        assert text.startswith("guess=") and ("up=" in text or "down=" in text)
+        assert all(v == 0 for v, m in zip(s.versions, s.loss_mask) if m)
+        assert all(v == -1 for v, m in zip(s.versions, s.loss_mask) if not m)
+    # Each turn's request carried the whole episode so far.
+    prompts = sorted((len(r.prompt) for r in server.requests.values()))
+    assert len(prompts) == 6 and prompts[0] < prompts[2] < prompts[4]
+
+
+def test_rewards_from_an_http_endpoint_and_failures_counted():
+    calls = []
+
+    async def score(request):
+        body = await request.json()
+        calls.append(body)
+        if body["completion"].startswith(("a", "b", "c")):
+            return web.json_response({"error": "boom"}, status=500)
+        return web.json_response({"reward": len(body["completion"]) / 10})
+
+    async def scenario():
+        app = web.Application()
+        app.router.add_post("/score", score)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            async with aiohttp.ClientSession() as session:
+                reward = Reward(f"http://127.0.0.1:{port}/score", 5, session)
+                return await reward.score("xy=", ["abc", "xyz", "zz"], {"prompt": "xy=", "k": 1})
+        finally:
+            await runner.cleanup()
+
+    assert asyncio.run(scenario()) == [None, 0.3, 0.2]
+    assert calls[1] == {"prompt": "xy=", "completion": "xyz", "row": {"prompt": "xy=", "k": 1}}
+
+
+async def slow_reward(prompt, completion, row):
+    await asyncio.sleep(5)
+    return 1.0
+
+
+def hung_sync_reward(prompt, completion, row):
+    import time
+    time.sleep(2)
+    return 1.0
+
+
+@pytest.mark.parametrize("spec", ["test_rollouts:slow_reward", "test_rollouts:hung_sync_reward"])
+def test_a_reward_that_times_out_fails_its_rollouts(spec):
+    async def scenario():
+        async with aiohttp.ClientSession() as session:
+            return await Reward(spec, 0.2, session).score("p", ["a", "b"], {})
+
+    assert asyncio.run(scenario()) == [None, None]
+
+
+def test_teacher_logprobs_become_per_token_advantages():
+    """The fake policy samples every token at logprob -3.2 and the fake teacher scores every
+    token at -0.5: each model token gains coef * (-0.5 - -3.2) on top of its reward advantage."""
+    cfg = config(group_size=2, max_tokens=4, reward="", teacher_url="http://unused", teacher_coef=0.5)
+    policy, teacher = FakeServer(), FakeServer()
+
+    async def scenario():
+        tport = free_port()
+        trunner = await start(teacher, tport)
+        try:
+            async def body(client, session):
+                t = Teacher(InferenceClient(f"http://127.0.0.1:{tport}", session), 0.5, 10)
+                rollouts = Rollouts(cfg, TOKENIZER, None, t, None)
+                return await rollouts.group(Prompt(0, {"prompt": "abc="}), "g", lambda r: client.generate(r, 10))
+            return await with_server(policy, body)
+        finally:
+            await trunner.cleanup()
+
+    group = asyncio.run(scenario())
+    for s in group.samples:
+        model_adv = [a for a, m in zip(s.advantages, s.loss_mask) if m]
+        assert model_adv == pytest.approx([0.5 * (-0.5 + 3.2)] * 4)
+        assert all(a == 0 for a, m in zip(s.advantages, s.loss_mask) if not m)
+    # The teacher saw the student's whole sequences.
+    assert sorted(len(r.prompt) for r in teacher.requests.values()) == [len(s.tokens) for s in group.samples]
