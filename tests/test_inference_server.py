@@ -252,3 +252,45 @@ def test_health_reports_version_and_running_requests(server):
     busy, idle = asyncio.run(main())
     assert busy is not None and busy["running"] == MAX_NUM_SEQS and busy["version"] == 7
     assert idle == {"status": "ok", "version": 7, "path": str(TINY_MODEL.resolve()), "running": 0}
+
+
+def test_a_multi_turn_episode_on_real_vllm(server):
+    """Guess-the-letter through the orchestrator's rollout code against the real engine: each
+    turn's request is the whole episode so far, token for token, and only the model's tokens
+    are trained on."""
+    from transformers import AutoTokenizer
+
+    from orchestrator.prompts import Prompt
+    from orchestrator.rollouts import Rollouts
+    from orchestrator.tasks.guess_letter import GuessLetter
+    from rl.config import RunConfig
+    from rl.inference_api import InferenceClient
+
+    url = server["url"]
+    cfg = RunConfig.model_validate({"model": str(TINY_MODEL), "seq_len": SEQ_LEN, "orchestrator": {
+        "environment": "orchestrator.tasks.guess_letter:GuessLetter", "max_turns": 4, "max_tokens": 3,
+        "group_size": 4}})
+    sent = []
+
+    async def scenario():
+        async with aiohttp.ClientSession() as session:
+            client = InferenceClient(url, session)
+
+            async def generate(request):
+                sent.append(list(request.prompt_token_ids))
+                return await client.generate(request, 60)
+
+            rollouts = Rollouts(cfg, AutoTokenizer.from_pretrained(TINY_MODEL), None, None, GuessLetter())
+            return await rollouts.group(Prompt(0, {"secret": "z"}), "episode-test", generate)
+
+    group = asyncio.run(scenario())
+    assert group.failed == 0 and len(group.samples) == 4
+    for s in group.samples:
+        assert s.loss_mask[0] == 0 and sum(s.loss_mask) >= 1
+        model_versions = [v for v, m in zip(s.versions, s.loss_mask) if m]
+        assert model_versions and all(v >= 0 for v in model_versions)
+    # A later turn's prompt extends an earlier turn's prompt of the same episode.
+    longer = [p for p in sent if len(p) > len(sent[0])]
+    if longer:  # some episode went past its first guess
+        assert any(p[: len(q)] == q for p in longer for q in sent if len(q) < len(p))
+    assert len(sent) >= 4

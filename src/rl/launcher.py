@@ -97,13 +97,19 @@ class MetricsFollower:
 
 
 def status_line(step: int, total: int, orch: dict, train: dict) -> str:
-    return (
+    line = (
         f"step {step}/{total} | reward {orch.get('reward_mean', float('nan')):.3f} "
         f"| staleness {orch.get('staleness_mean', float('nan')):.2f} "
         f"| {orch.get('tokens_per_s', 0):.0f} tok/s "
         f"| loss {train.get('loss', float('nan')):+.4f} "
-        f"| trainer waited {train.get('wait_s', 0):.2f}s, orchestrator waited {orch.get('wait_s', 0):.2f}s"
+        f"| waits: trainer {train.get('wait_s', 0):.2f}s, orchestrator {orch.get('wait_s', 0):.2f}s "
+        f"| inference idle {100 * orch.get('inference_idle_frac', 0):.0f}%"
     )
+    # Only when something went wrong or was thrown away: the usual line stays short.
+    extra = {k: orch.get(k, 0) for k in ("cancelled", "failed", "failed_requests", "filtered", "dropped_stale")}
+    if any(extra.values()):
+        line += " | " + " ".join(f"{k} {v}" for k, v in extra.items() if v)
+    return line
 
 
 def summarize(run: RunDir, console: Console) -> None:
