@@ -33,6 +33,10 @@ def test_off_policy_steps_default_to_async_level(write_toml):
     (["--max_steps", "many"], "config key max_steps"),
     (["--orchestrator.max_off_policy_steps", "0", "--max_async_level", "2"], "must be >= max_async_level"),
     (["--orchestrator.max_in_flight_groups", "2"], "orchestrator.max_in_flight_groups"),
+    (["--orchestrator.environment", "m:E", "--orchestrator.reward", "m:r"],
+     "orchestrator.reward is unused when orchestrator.environment is set"),
+    (["--orchestrator.reward", ""], "nothing would score the rollouts"),
+    (["--transport.kind", "pigeon"], "config key transport.kind"),
 ])
 def test_bad_values_raise_one_line_naming_the_key(write_toml, args, message):
     with pytest.raises(ConfigError) as err:

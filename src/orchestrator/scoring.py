@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import aiohttp
 
-from rl.inference_api import GenerateRequest, InferenceClient
+from rl.inference_api import GenerateRequest, InferenceClient, InferenceError
 
 log = logging.getLogger("orchestrator")
 
@@ -89,6 +89,10 @@ class Reward:
             return None
 
 
+class TeacherError(Exception):
+    """The teacher server failed; the group is requeued, the policy server stays in rotation."""
+
+
 class Teacher:
     """A teacher model on its own inference server. For on-policy distillation the student's
     own tokens are scored: the teacher's logprob of each sampled token minus the student's is a
@@ -98,9 +102,12 @@ class Teacher:
         self.client, self.coef, self.timeout_s = client, coef, timeout_s
 
     async def logprobs(self, request_id: str, tokens: list[int]) -> list[float | None]:
-        response = await self.client.generate(GenerateRequest(
-            request_id=request_id, prompt_token_ids=tokens, max_tokens=1, temperature=1.0,
-            prompt_logprobs=True), self.timeout_s)
+        try:
+            response = await self.client.generate(GenerateRequest(
+                request_id=request_id, prompt_token_ids=tokens, max_tokens=1, temperature=1.0,
+                prompt_logprobs=True), self.timeout_s)
+        except InferenceError as e:  # not the policy server's fault: must not take it out of rotation
+            raise TeacherError(str(e)) from None
         if response.prompt_logprobs is None or len(response.prompt_logprobs) != len(tokens):
             raise ValueError(f"teacher {self.client.url} returned no prompt logprobs for {len(tokens)} tokens")
         return response.prompt_logprobs
