@@ -301,3 +301,26 @@ def test_a_server_that_never_answers_ends_in_a_clear_timeout(tmp_path):
                                  orchestrator={"request_timeout_s": 0.5, "trainer_timeout_s": 3}))
     assert time.monotonic() - start_t < 20
     assert len(stuck.requests) >= 2  # retried after the backoff
+
+
+def test_a_server_restarted_between_requests_is_reloaded(tmp_path):
+    """A server that restarts while idle comes back on the base model (version 0) and fails no
+    request: the periodic health check must notice and bring it back to the current version."""
+    a, b = FakeServer(lambda: 0.002), FakeServer(lambda: 0.002)
+    restarted = []
+
+    async def restart():
+        await asyncio.sleep(0.8)
+        b.version = 0  # what a fresh `rl inference` reports
+        restarted.append(time.monotonic())
+
+    async def scenario():
+        task = asyncio.create_task(restart())
+        o = await run_scenario(tmp_path, [a, b], step_latency=lambda: 0.1, max_steps=50)
+        await task
+        return o
+
+    o = asyncio.run(scenario())
+    check_rules(o)
+    assert b.version == a.version == 50
+    assert any(t > restarted[0] for t, v in b.versions if v > 0), "never reloaded after the restart"

@@ -79,3 +79,16 @@ def test_trainer_refuses_an_earlier_runs_weights(tmp_path, write_toml):
     result = subprocess.run(rl_command("trainer", "@", str(cfg)), capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert "already holds weights" in result.stderr
+
+
+def test_ranks_get_equal_micro_batch_counts_even_with_odd_sample_counts():
+    """Sample counts vary (failed rollouts leave groups smaller): every rank must still run the
+    same number of forward/backward passes, padding-only ones included, or FSDP2 hangs."""
+    from trainer.data import rank_micro_batches
+
+    for samples, world, mbs in [(5, 2, 1), (7, 4, 1), (9, 2, 2), (3, 2, 4)]:
+        batch = Batch.from_samples(1, 1.0, [Sample.single_turn([5, 6], [7], [-1.0], [0], 1.0, 0.5)] * samples)
+        per_rank = [rank_micro_batches(batch, r, world, mbs, pad_id=0) for r in range(world)]
+        assert len({len(p) for p in per_rank}) == 1, (samples, world, mbs)
+        trained = sum(int(mb.loss_mask.sum()) for p in per_rank for mb in p)
+        assert trained == samples  # each sample's one completion token, once; padding adds none

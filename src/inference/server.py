@@ -283,6 +283,9 @@ def vllm_args(cfg: RunConfig) -> list[str]:
         "--logprobs-mode", "processed_logprobs",
         "--gpu-memory-utilization", str(inf.gpu_memory_utilization),
         "--disable-uvicorn-access-log",
+        # Per-token versions count each request's sampled tokens at a weight switch; with async
+        # scheduling (a GPU default) the count can lag one placeholder token behind.
+        "--no-async-scheduling",
     ]
     if inf.enforce_eager:
         args.append("--enforce-eager")

@@ -41,6 +41,7 @@ from rl.transport import BatchSender
 log = logging.getLogger("orchestrator")
 
 HEARTBEAT_S = 30.0
+MAX_ATTEMPTS = 3  # a prompt whose group fails (rewards, teacher) this often is dropped
 
 
 @dataclass
@@ -82,6 +83,7 @@ class Orchestrator:
         self.counters = Counters()
         self.background: list[asyncio.Task] = []
         self.chores: set[asyncio.Task] = set()
+        self.attempts: dict[int, int] = {}  # prompt index -> failed groups so far
         # Request ids must not collide with a previous orchestrator's still running on a server.
         self.tag, self.seq = secrets.token_hex(3), 0
 
@@ -119,10 +121,15 @@ class Orchestrator:
         step, cursor, pending = decode_state(path.read_bytes())
         # A crash between handing batch n over and checkpointing it: batch n is out, its prompts
         # are still listed as pending and go out again; batch numbers stay contiguous.
-        handed = max(on_disk, default=step) if self.cfg.transport.kind == "filesystem" else step
+        if self.cfg.transport.kind == "filesystem":
+            last = max(step, *on_disk)
+        else:
+            # Over ZMQ a batch counts as sent once queued locally: batch `step` may have died in
+            # this process's buffer. Make it again; a trainer that has it already drops the copy.
+            last = step - 1
         log.info("resuming after batch %d from %s: %d rows drawn, %d pending prompts re-issued",
-                 max(step, handed), path, cursor, len(pending))
-        return max(step, handed) + 1, cursor, pending
+                 last, path, cursor, len(pending))
+        return last + 1, cursor, pending
 
     def checkpoint(self, step: int) -> None:
         pending = [*self.queue.requeued, *(g.prompt for g in self.in_flight.values()),
@@ -203,6 +210,8 @@ class Orchestrator:
 
     async def run_group(self, gid: str, g: InFlight) -> None:
         async def generate(request: GenerateRequest) -> GenerateResponse:
+            if g.cancelled:  # a multi-turn episode's next turn, after its group was aborted
+                raise Aborted(request.request_id)
             g.requests.add(request.request_id)
             self.pool.begin(g.server)
             try:
@@ -222,18 +231,11 @@ class Orchestrator:
             group = await self.rollouts.group(g.prompt, gid, generate)
         except asyncio.CancelledError:
             raise
-        except (InferenceError, Aborted) as e:  # the server's fault, not the prompt's
+        except Exception as e:
+            # A cancelled group's prompt was requeued by cancel_hopeless: whatever it raised
+            # while being cancelled must not requeue it a second time.
             if not g.cancelled:
-                self.counters.failed_requests += 1
-                self.pool.fail(g.server, str(e))
-                self.queue.give_back(g.prompt)
-        except RowError as e:
-            self.counters.failed += self.o.group_size
-            log.warning("group %s dropped: %s", gid, e)
-        except Exception as e:  # a teacher that is down, a tokenizer that chokes: requeue, go on
-            self.counters.failed += self.o.group_size
-            log.warning("group %s failed (%s: %s); prompt requeued", gid, type(e).__name__, e)
-            self.queue.give_back(g.prompt)
+                self.group_failed(gid, g, e)
         finally:
             g.server.groups -= 1
             if not g.cancelled:
@@ -242,14 +244,37 @@ class Orchestrator:
             await self.notify()
             return
         self.counters.failed += group.failed
-        if not group.samples:
-            pass
+        if not group.samples:  # every rollout's reward or environment failed
+            self.retry_or_drop(gid, g.prompt, f"{group.failed} of {self.o.group_size} rollouts failed")
         elif self.o.filter_zero_variance and self.rollouts.teacher is None and len(set(group.rewards)) == 1:
             self.counters.filtered += 1
         else:
             self.finished.append(group)
             self.counters.model_tokens += group.model_tokens
         await self.notify()
+
+    def group_failed(self, gid: str, g: InFlight, e: Exception) -> None:
+        if isinstance(e, (InferenceError, Aborted)):  # the server's fault, not the prompt's
+            self.counters.failed_requests += 1
+            self.pool.fail(g.server, str(e))
+            self.queue.give_back(g.prompt)
+        elif isinstance(e, RowError):
+            self.counters.failed += self.o.group_size
+            log.warning("group %s dropped: %s", gid, e)
+        else:  # a teacher that is down, a tokenizer that chokes
+            self.counters.failed += self.o.group_size
+            self.retry_or_drop(gid, g.prompt, f"{type(e).__name__}: {e}")
+
+    def retry_or_drop(self, gid: str, prompt: Prompt, why: str) -> None:
+        """Requeue a prompt whose group failed for a reason that may pass (a reward endpoint
+        down); after MAX_ATTEMPTS the prompt is dropped, loudly, rather than retried forever."""
+        n = self.attempts[prompt.index] = self.attempts.get(prompt.index, 0) + 1
+        if n < MAX_ATTEMPTS:
+            log.warning("group %s failed (%s); prompt %d requeued", gid, why, prompt.index)
+            self.queue.give_back(prompt)
+        else:
+            log.error("group %s failed (%s); prompt %d dropped after %d attempts", gid, why, prompt.index, n)
+            self.attempts.pop(prompt.index)
 
     def spawn(self, coro) -> None:
         """Fire and forget (best effort), but keep a reference so the task is not collected."""
@@ -311,9 +336,15 @@ class Orchestrator:
         group_wait = await self.wait_until(
             lambda: self.batch_ready(step), f"{self.o.prompts_per_step} groups for batch {step}",
             self.o.trainer_timeout_s)
-        # Both again, at once: a server may have left or rejoined rotation meanwhile.
-        await self.wait_until(lambda: versions_ok() and self.batch_ready(step), f"batch {step}",
-                              self.o.trainer_timeout_s)
+        while True:
+            # Both again, at once: a server may have left or rejoined rotation meanwhile.
+            await self.wait_until(lambda: versions_ok() and self.batch_ready(step), f"batch {step}",
+                                  self.o.trainer_timeout_s)
+            # Ask the servers themselves: one restarted since its last request serves version 0
+            # while still counted with the version it had (one /health per server per batch).
+            await self.pool.check()
+            if versions_ok() and self.batch_ready(step):
+                break
         # Oldest first: they are the closest to going stale.
         self.finished.sort(key=lambda g: g.oldest_version)
         groups = self.finished[: self.o.prompts_per_step]

@@ -28,6 +28,19 @@ log = logging.getLogger("orchestrator")
 Generate = Callable[[GenerateRequest], Awaitable[GenerateResponse]]
 
 
+async def gather_or_cancel(coros) -> list:
+    """asyncio.gather, except that when one fails the others are cancelled rather than left to
+    run on (sending requests for a group that already failed)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 class RowError(Exception):
     """A row that can never make a rollout (no prompt, too long): dropped, not requeued."""
 
@@ -94,7 +107,8 @@ class Rollouts:
         return self.decode_all([ids])[0]
 
     def request(self, request_id: str, tokens: list[int], n: int) -> GenerateRequest:
-        room = self.cfg.seq_len - len(tokens)
+        # A teacher scores the finished sequence plus one generated token: leave it that room.
+        room = self.cfg.seq_len - len(tokens) - (1 if self.teacher is not None else 0)
         if room < 1:
             raise RowError(f"{len(tokens)} tokens leave no room to generate within seq_len {self.cfg.seq_len}")
         return GenerateRequest(request_id=request_id, prompt_token_ids=tokens, n=n,
@@ -104,8 +118,8 @@ class Rollouts:
         if self.env is None:
             trajectories = await self.single_turn(prompt, gid, generate)
         else:
-            trajectories = await asyncio.gather(*(
-                self.episode(prompt.row, f"{gid}-e{i}", generate) for i in range(self.o.group_size)))
+            trajectories = await gather_or_cancel(
+                self.episode(prompt.row, f"{gid}-e{i}", generate) for i in range(self.o.group_size))
         kept = [t for t in trajectories if t is not None]
         failed = len(trajectories) - len(kept)
         if len(kept) < 2:  # no group-relative signal left
@@ -175,8 +189,8 @@ class Rollouts:
         return None
 
     async def add_teacher_signal(self, samples: list[Sample], gid: str) -> None:
-        teacher_lps = await asyncio.gather(*(
-            self.teacher.logprobs(f"{gid}-teacher{i}", s.tokens) for i, s in enumerate(samples)))
+        teacher_lps = await gather_or_cancel(
+            self.teacher.logprobs(f"{gid}-teacher{i}", s.tokens) for i, s in enumerate(samples))
         for s, lp in zip(samples, teacher_lps):
             extra = self.teacher.advantages(lp, s.logprobs, s.loss_mask)
             s.advantages = [a + x for a, x in zip(s.advantages, extra)]

@@ -9,6 +9,7 @@ the run goes on.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import importlib
 import inspect
 import logging
@@ -44,6 +45,9 @@ class Reward:
         self.url = spec if spec.startswith(("http://", "https://")) else None
         self.fn = None if self.url else load_callable(spec, "orchestrator.reward")
         self.is_async = self.fn is not None and inspect.iscoroutinefunction(self.fn)
+        # Its own threads: hung rewards can exhaust this pool (their rollouts then time out
+        # and fail, loudly) but never the loop's default executor the batch writes use.
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="reward")
 
     async def score(self, prompt: str, completions: list[str], row: dict) -> list[float | None]:
         if self.url:
@@ -55,7 +59,8 @@ class Reward:
         # One thread hop per group, not per completion: a slow or hung reward cannot stall the
         # event loop, and the timeout still applies (the thread is abandoned, the rollouts fail).
         try:
-            return await asyncio.wait_for(asyncio.to_thread(self._sync_all, prompt, completions, row),
+            loop = asyncio.get_running_loop()
+            return await asyncio.wait_for(loop.run_in_executor(self.pool, self._sync_all, prompt, completions, row),
                                           self.timeout_s)
         except TimeoutError:
             log.warning("reward %s timed out after %.0f s (orchestrator.reward_timeout_s)", self.spec, self.timeout_s)

@@ -155,19 +155,39 @@ class ServerPool:
             log.info("version %d serving on %d server(s) (reload %.3f s, mode %s)",
                      version, len(reload_s), max(reload_s), self.mode)
 
-    async def heal(self) -> None:
-        """Forever: retry servers out of rotation, with backoff; bring them to the current
-        version before they take requests again."""
+    async def check(self) -> None:
+        """A server restarted between two requests comes back serving the base model and fails
+        nothing: compare what each one reports with what it should serve."""
+        servers = [s for s in self.in_rotation if not s.updating]
+        results = await asyncio.gather(*(s.client.health() for s in servers), return_exceptions=True)
+        for s, r in zip(servers, results):
+            if s.updating or not s.healthy:
+                continue  # changed while we asked
+            if isinstance(r, BaseException):
+                self.fail(s, f"health check failed: {r}")
+            elif r.get("version") != s.version:
+                self.fail(s, f"reports version {r.get('version')}, expected {s.version} (restarted?)")
+
+    async def heal(self, check_every_s: float = 2.0) -> None:
+        """Forever: check the servers in rotation; retry those out of it, with backoff, and
+        bring them to the current version before they take requests again."""
+        last_check = time.monotonic()
         while True:
             now = time.monotonic()
+            if now - last_check > check_every_s:
+                await self.check()
+                last_check = now
             for s in self.servers:
                 if s.healthy or now < s.retry_at:
                     continue
+                # Read before awaiting: a load() meanwhile moves self.version on, and this server
+                # must be recorded with the version it really loaded (follow_weights catches up).
+                version, path = self.version, self.path
                 try:
                     s.version = (await s.client.health())["version"]
-                    if s.version != self.version and self.path:
-                        await s.client.update_weights(self.path, self.version, self.mode, self.reload_timeout_s)
-                        s.version = self.version
+                    if s.version != version and path:
+                        await s.client.update_weights(path, version, self.mode, self.reload_timeout_s)
+                        s.version = version
                 except InferenceError as e:
                     log.warning("server %s still down (%s); retry in %.0f s", s.url, e, self._back_off(s))
                     continue

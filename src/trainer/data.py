@@ -64,6 +64,14 @@ def rank_micro_batches(batch: Batch, rank: int, world: int, micro_batch_size: in
     out = []
     for lo, hi in zip(bounds, bounds[1:]):
         chunk = list(zip(slices[lo:hi], indices[lo:hi]))
+        if not chunk:
+            # This rank has fewer samples than its peers have micro-batches (sample counts vary
+            # when rollouts fail). It still must join every collective: one row of padding,
+            # attended (an all-masked row would give NaN), with nothing to learn from.
+            z = torch.zeros((1, 1))
+            out.append(MicroBatch(torch.full((1, 2), pad_id, dtype=torch.long), torch.ones((1, 2), dtype=torch.long),
+                                  z, z, z))
+            continue
         width = max(s.stop - s.start for s, _ in chunk)
         tokens = torch.full((len(chunk), width), pad_id, dtype=torch.long)
         attn = torch.zeros((len(chunk), width), dtype=torch.long)

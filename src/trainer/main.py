@@ -32,7 +32,7 @@ class Trainer:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.run = RunDir(cfg.output_dir)
-        self.device = init_distributed()
+        self.device = init_distributed(cfg.trainer.batch_timeout_s + 600)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(cfg.seed)
         if cfg.trainer.torch_threads:

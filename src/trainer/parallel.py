@@ -6,6 +6,7 @@ give the rank and world. gloo on CPU, NCCL on GPU.
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import torch
@@ -13,14 +14,18 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 
-def init_distributed() -> torch.device:
+def init_distributed(timeout_s: float) -> torch.device:
+    """`timeout_s` bounds every collective. Over ZMQ the other ranks sit in a broadcast while
+    rank 0 waits for the next batch, so it must exceed the batch wait (the default, 10 to 30
+    min, would kill a run whose orchestrator is merely slow)."""
     if torch.cuda.is_available():
         backend, device = "nccl", torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     else:
         backend, device = "gloo", torch.device("cpu")
     if "RANK" in os.environ:  # torchrun
-        dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+        dist.init_process_group(backend, device_id=device if backend == "nccl" else None,
+                                timeout=datetime.timedelta(seconds=timeout_s))
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return device
