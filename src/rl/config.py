@@ -32,7 +32,8 @@ class InferenceConfig(Section):
     """Port of the OpenAI-compatible and admin routes."""
 
     api_token: str | None = None
-    """Bearer token required on the admin routes (/update_weights). Unset: no token."""
+    """Bearer token required on the server's own routes (/generate, /abort, /update_weights); the
+    orchestrator sends it. Unset: no token."""
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weight dtype of the engine; auto takes the checkpoint's."""
