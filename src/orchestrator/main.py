@@ -204,7 +204,7 @@ class Orchestrator:
             self.seq += 1
             gid = f"{self.tag}-{self.seq}"
             g = InFlight(self.queue.take(), server, server.version)
-            server.groups += 1
+            self.pool.assign(server)
             g.task = asyncio.create_task(self.run_group(gid, g), name=gid)
             self.in_flight[gid] = g
 
@@ -216,7 +216,7 @@ class Orchestrator:
             self.pool.begin(g.server)
             try:
                 response = await g.server.client.generate(request, self.o.request_timeout_s)
-                g.server.backoff_s = 1.0  # it works: the next failure starts a fresh backoff
+                self.pool.succeeded(g.server)
                 return response
             except InferenceError:
                 # Timed out or broke off: the server may still be generating it; free the slot.
@@ -237,7 +237,7 @@ class Orchestrator:
             if not g.cancelled:
                 self.group_failed(gid, g, e)
         finally:
-            g.server.groups -= 1
+            self.pool.release(g.server)
             if not g.cancelled:
                 self.in_flight.pop(gid, None)
         if g.cancelled or group is None:

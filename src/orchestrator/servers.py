@@ -71,6 +71,16 @@ class ServerPool:
         ready = [s for s in self.in_rotation if not s.updating]
         return min(ready, key=lambda s: s.groups, default=None)
 
+    def assign(self, s: Server) -> None:
+        s.groups += 1
+
+    def release(self, s: Server) -> None:
+        s.groups -= 1
+
+    def succeeded(self, s: Server) -> None:
+        """It served a request: its next failure starts a fresh backoff."""
+        s.backoff_s = 1.0
+
     def begin(self, s: Server) -> None:
         if s.in_flight == 0 and s.idle_since is not None:
             s.idle_s += time.monotonic() - s.idle_since

@@ -159,12 +159,15 @@ class Batch:
         (tmp / "meta.json").write_bytes(meta)
         publish_dir(tmp, final)
 
-    @classmethod
-    def read(cls, directory: Path) -> Batch:
-        meta_path, data_path = directory / "meta.json", directory / "batch.safetensors"
+    @staticmethod
+    def read_encoded(directory: Path) -> tuple[bytes, bytes]:
+        """The (meta, payload) blobs of a batch directory, undecoded."""
         try:
-            meta = meta_path.read_bytes()
-            payload = data_path.read_bytes()
+            return (directory / "meta.json").read_bytes(), (directory / "batch.safetensors").read_bytes()
         except FileNotFoundError as e:
             raise BatchError(f"incomplete batch: {e.filename} is missing") from None
-        return cls.decode(meta, payload, str(data_path), str(meta_path))
+
+    @classmethod
+    def read(cls, directory: Path) -> Batch:
+        meta, payload = cls.read_encoded(directory)
+        return cls.decode(meta, payload, str(directory / "batch.safetensors"), str(directory / "meta.json"))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from pathlib import Path
 
 import zmq
 import zmq.asyncio
@@ -104,7 +103,7 @@ class BatchReceiver:
             if not path.exists():  # it appears whole, by rename
                 time.sleep(self.poll_s)
                 return None
-            return _read_dir(path)
+            return Batch.read_encoded(path)
         if step in self.early:
             return self.early.pop(step)
         if not self.socket.poll(timeout=int(self.poll_s * 1000)):
@@ -132,9 +131,3 @@ class BatchReceiver:
             self.socket.close(linger=0)
             self.context.term()
 
-
-def _read_dir(path: Path) -> tuple[bytes, bytes]:
-    try:
-        return (path / "meta.json").read_bytes(), (path / "batch.safetensors").read_bytes()
-    except FileNotFoundError as e:
-        raise BatchError(f"incomplete batch: {e.filename} is missing") from None
