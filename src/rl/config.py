@@ -167,6 +167,23 @@ class TransportConfig(Section):
     ipc:///path); kind = "zmq" only."""
 
 
+class WeightSyncConfig(Section):
+    kind: Literal["filesystem", "broadcast"] = "filesystem"
+    """filesystem: the trainer writes weights/step_n and every server reloads from it.
+    broadcast: trainer rank 0 streams the weights to every inference worker over a collective
+    (NCCL on GPU, gloo on CPU); weights/step_n then holds only the bucket manifest + STABLE."""
+
+    address: str = "127.0.0.1:29710"
+    """host:port where trainer rank 0 hosts the broadcast group's rendezvous store; servers
+    must reach it."""
+
+    bucket_mb: int = Field(256, ge=1)
+    """Weights travel in packed buckets of at most this size (MiB)."""
+
+    timeout_s: float = Field(600, gt=0)
+    """Longest wait for every member to join the broadcast group, and for one broadcast."""
+
+
 class OptimConfig(Section):
     lr: float = Field(3e-4, gt=0)
     """AdamW learning rate."""
@@ -180,14 +197,57 @@ class OptimConfig(Section):
     max_grad_norm: float = Field(1.0, gt=0)
     """Gradients are clipped to this global L2 norm."""
 
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate decay after warm-up, from lr down to lr * min_lr_ratio at max_steps."""
+
+    warmup_steps: int = Field(0, ge=0)
+    """Steps of linear warm-up from 0 to lr."""
+
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Final learning rate of the linear and cosine schedules, as a fraction of lr."""
+
 
 class LossConfig(Section):
+    objective: Literal["ppo_clip", "truncated_is"] = "ppo_clip"
+    """ppo_clip: -min(r*A, clip(r, 1-clip_low, 1+clip_high)*A). truncated_is: REINFORCE weighted
+    by the detached ratio capped at tis_cap, -min(r, tis_cap).detach() * A * logprob (CISPO-style:
+    every token keeps a gradient, however far off-policy). r = pi_trainer / pi_inference."""
+
+    ratio_level: Literal["token", "sequence"] = "token"
+    """token: one ratio per token. sequence: the geometric mean of a sample's token ratios, shared
+    by all its tokens (GSPO); masking then drops whole samples."""
+
     clip_low: float = Field(0.2, ge=0, lt=1)
     """PPO clip: the ratio is held above 1 - clip_low for negative advantages."""
 
     clip_high: float = Field(0.28, ge=0)
     """PPO clip: the ratio is held below 1 + clip_high for positive advantages (DAPO's
     clip-higher keeps exploration alive)."""
+
+    tis_cap: float = Field(2.0, gt=0)
+    """truncated_is: cap of the importance weight."""
+
+    mask_low: float | None = Field(None, ge=0)
+    """Tokens (or samples, with ratio_level sequence) whose ratio is below this get no gradient
+    at all (unset: no lower mask). Guards against engine/trainer mismatch (e.g. 0.125)."""
+
+    mask_high: float | None = Field(None, gt=0)
+    """Tokens (or samples) whose ratio is above this get no gradient (unset: none; e.g. 8)."""
+
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of a KL penalty (k3 estimator, per token) towards kl_target; 0 turns it off."""
+
+    kl_target: Literal["reference", "inference"] = "reference"
+    """reference: the starting model, kept frozen in the trainer (one more forward pass per
+    micro-batch, and its memory). inference: the logprobs the engine sampled with."""
+
+    normalization: Literal["token", "sequence", "constant"] = "token"
+    """How per-token losses sum to the batch loss. token: divide by the batch's loss tokens (every
+    token weighs the same). sequence: mean over each sample's tokens, then over samples (GRPO).
+    constant: divide by samples * norm_length (Dr. GRPO: no length bias)."""
+
+    norm_length: int = Field(0, ge=0)
+    """normalization = constant: the constant per sample; 0 means seq_len."""
 
 
 class TrainerConfig(Section):
@@ -197,8 +257,31 @@ class TrainerConfig(Section):
     loss: LossConfig = LossConfig()
     """Policy-gradient loss."""
 
+    pack: bool = True
+    """Pack samples into micro-batches of at most micro_batch_tokens tokens (first-fit
+    decreasing; attention never crosses samples) instead of padding them to a common length."""
+
+    micro_batch_tokens: int = Field(0, ge=0)
+    """pack = true: tokens per micro-batch (one row); 0 means seq_len. Gradients accumulate
+    over micro-batches."""
+
     micro_batch_size: int = Field(64, ge=1)
-    """Samples per forward/backward pass on each rank; gradients accumulate over micro-batches."""
+    """pack = false: samples per padded forward/backward pass on each rank."""
+
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass: less memory, ~30% more
+    compute."""
+
+    checkpoint_every: int = Field(50, ge=0)
+    """Save a trainer checkpoint (model, optimizer, scheduler, step, RNG) every this many steps,
+    and at the last step; 0 turns checkpoints off."""
+
+    keep_checkpoints: int = Field(2, ge=1)
+    """Complete trainer checkpoints kept on disk; older ones are deleted."""
+
+    weights_shard_mb: int = Field(4096, ge=1)
+    """Published weights are split into model-0000i-of-0000n.safetensors files of at most this
+    size (MiB) plus an index, as HF does; a smaller model is one model.safetensors."""
 
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype of the FSDP2 mixed-precision policy (parameters stay float32)."""
@@ -237,8 +320,14 @@ class RunConfig(Section):
     seed: int = 0
     """Seed of the data stream and of the trainer."""
 
+    resume: bool = False
+    """Trainer: continue from the latest complete checkpoint in output_dir (`--resume`). Without
+    it the trainer refuses a run directory that already holds weights. The orchestrator always
+    resumes from its own state."""
+
     inference: InferenceConfig = InferenceConfig()
     transport: TransportConfig = TransportConfig()
+    weight_sync: WeightSyncConfig = WeightSyncConfig()
     orchestrator: OrchestratorConfig = OrchestratorConfig()
     trainer: TrainerConfig = TrainerConfig()
 
@@ -250,6 +339,15 @@ class RunConfig(Section):
                 f"orchestrator.max_in_flight_groups ({o.max_in_flight_groups}) must be >= "
                 f"orchestrator.prompts_per_step ({o.prompts_per_step}), or no batch could fill"
             )
+        t = self.trainer
+        if t.micro_batch_tokens and t.micro_batch_tokens < self.seq_len:
+            raise ValueError(
+                f"trainer.micro_batch_tokens ({t.micro_batch_tokens}) must be >= seq_len "
+                f"({self.seq_len}): a sample of seq_len tokens must fit in one micro-batch"
+            )
+        lo, hi = t.loss.mask_low, t.loss.mask_high
+        if lo is not None and hi is not None and lo >= hi:
+            raise ValueError(f"trainer.loss.mask_low ({lo}) must be below trainer.loss.mask_high ({hi})")
         m = o.max_off_policy_steps
         if m is not None and m < self.max_async_level:
             raise ValueError(
@@ -317,6 +415,9 @@ def parse_args(argv: list[str]) -> tuple[dict, bool]:
             i += 1 if arg[1:] else 2
         elif arg == "--dry-run":
             dry_run = True
+            i += 1
+        elif arg == "--resume" and (i + 1 >= len(argv) or argv[i + 1].startswith(("--", "@"))):
+            merged["resume"] = True
             i += 1
         elif arg.startswith("--"):
             key, eq, value = arg[2:].partition("=")
