@@ -43,6 +43,11 @@ class Trainer:
         self.model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).to(self.device)
         self.model.train()
         apply_fsdp(self.model, _DTYPES[cfg.trainer.dtype])
+        self.broadcaster = None
+        if cfg.weight_sync.kind == "broadcast" and self.rank == 0:
+            from trainer.broadcast import WeightBroadcaster
+
+            self.broadcaster = WeightBroadcaster(cfg, self.run, self.tied)  # waits for the servers to join
         opt = cfg.trainer.optim
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay
@@ -128,6 +133,9 @@ class Trainer:
         state_dict = gather_full_state_dict(self.model)  # collective: all ranks
         if self.rank != 0:
             return 0.0
+        if self.broadcaster is not None:
+            # weights/step_n then holds the bucket manifest + STABLE; the tensors go over the wire.
+            return self.broadcaster.publish(step, state_dict)
         seconds = write_weights(self.run, step, state_dict, self.cfg.model, self.tied)
         prune_weights(self.run, self.cfg.trainer.keep_weights)
         return seconds
