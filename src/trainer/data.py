@@ -1,10 +1,21 @@
-"""From a handed-over batch (rl/transport.py) to padded micro-batch tensors on this rank."""
+"""From a handed-over batch (rl/transport.py) to this rank's micro-batches.
+
+Three decisions, all made from the whole batch, which every rank holds, so every rank computes
+the same plan without talking to the others:
+  1. which samples each rank trains on: longest first, each to the rank with the fewest tokens
+     so far, so ranks finish their forward/backward passes together;
+  2. how a rank's samples form micro-batches: packed into rows of at most `budget` tokens
+     (first-fit decreasing), positions restarting per sample, or padded to a common length;
+  3. how much each token weighs in the loss (the normalisation), so that the loss and its
+     gradient do not depend on how samples fall into micro-batches and ranks.
+"""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -42,49 +53,131 @@ def receive_batch(receiver: BatchReceiver | None, kind: str, step: int, timeout_
 
 @dataclass
 class MicroBatch:
-    tokens: torch.Tensor  # [B, T] int64, right-padded
-    attention_mask: torch.Tensor  # [B, T]
-    loss_mask: torch.Tensor  # [B, T-1] float: 1 where the predicted token is trained on
-    inference_logprobs: torch.Tensor  # [B, T-1]
-    advantages: torch.Tensor  # [B, T-1]: per token (a teacher's signal differs token by token)
+    tokens: torch.Tensor  # [R, T] int64
+    position_ids: torch.Tensor | None  # [R, T]: restart at 0 per packed sample; None when padded
+    attention_mask: torch.Tensor | None  # [R, T] when padded; None when packed (transformers
+    # derives a block-diagonal causal mask, or varlen flash attention, from the position ids)
+    # Aligned on the predicted token, [R, T-1] (position t predicts token t+1):
+    loss_mask: torch.Tensor  # float, 1 where the token is trained on
+    inference_logprobs: torch.Tensor
+    advantages: torch.Tensor  # per token: a teacher's signal differs token by token
+    loss_weight: torch.Tensor  # the token's share of the batch loss (the normalisation)
+    sequence_ids: torch.Tensor  # int64 sample index in the batch, -1 on padding
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.numel())
 
 
-def rank_micro_batches(batch: Batch, rank: int, world: int, micro_batch_size: int, pad_id: int) -> list[MicroBatch]:
-    """This rank's samples (every world-th, so ranks get similar lengths), in padded micro-batches.
+def assign_ranks(lengths: list[int], world: int) -> list[list[int]]:
+    """Sample indices per rank, balancing tokens (longest-processing-time-first)."""
+    if len(lengths) < world:
+        raise ValueError(f"{len(lengths)} samples, fewer than the {world} trainer ranks")
+    load = [0] * world
+    ranks: list[list[int]] = [[] for _ in range(world)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        ranks[r].append(i)
+        load[r] += lengths[i]
+    return ranks
+
+
+def pack(indices: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+    """First-fit decreasing: bins of at most `budget` tokens (a longer sample gets its own bin)."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(indices, key=lambda i: (-lengths[i], i)):
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(budget - lengths[i])
+    return bins
+
+
+def loss_weights(batch: Batch, normalization: str, norm_length: int) -> np.ndarray:
+    """Per-token weight such that the batch loss is sum(weight * per-token loss); see
+    [trainer.loss] normalization."""
+    mask = batch.loss_mask.astype(np.float64)
+    weights = np.zeros_like(mask)
+    if normalization == "token":
+        weights[:] = 1.0 / max(mask.sum(), 1.0)
+    elif normalization == "sequence":
+        slices = batch.sample_slices()
+        counts = [mask[s].sum() for s in slices]
+        trained = sum(1 for c in counts if c > 0)
+        for s, c in zip(slices, counts):
+            if c > 0:
+                weights[s] = 1.0 / (c * trained)
+    elif normalization == "constant":
+        weights[:] = 1.0 / (batch.num_samples * norm_length)
+    else:
+        raise ValueError(f"unknown trainer.loss.normalization {normalization!r}")
+    return (weights * mask).astype(np.float32)
+
+
+def rank_micro_batches(batch: Batch, rank: int, world: int, *, pack_tokens: int | None, micro_batch_size: int,
+                       pad_id: int, weights: np.ndarray) -> list[MicroBatch]:
+    """This rank's micro-batches: packed rows of at most `pack_tokens` tokens, or (None) padded
+    groups of `micro_batch_size` samples.
 
     Every rank gets the same number of micro-batches: FSDP2's collectives run once per
     forward/backward, so a rank with one micro-batch more than its peers would hang them all.
     """
-    if batch.num_samples < world:
-        raise ValueError(f"batch {batch.step} has {batch.num_samples} samples, fewer than the {world} trainer ranks")
-    slices = batch.sample_slices()[rank::world]
-    indices = list(range(batch.num_samples))[rank::world]
-    num_micro = -(-(-(-batch.num_samples // world)) // micro_batch_size)
-    bounds = [round(i * len(slices) / num_micro) for i in range(num_micro + 1)]
-    out = []
-    for lo, hi in zip(bounds, bounds[1:]):
-        chunk = list(zip(slices[lo:hi], indices[lo:hi]))
-        if not chunk:
-            # This rank has fewer samples than its peers have micro-batches (sample counts vary
-            # when rollouts fail). It still must join every collective: one row of padding,
-            # attended (an all-masked row would give NaN), with nothing to learn from.
-            z = torch.zeros((1, 1))
-            out.append(MicroBatch(torch.full((1, 2), pad_id, dtype=torch.long), torch.ones((1, 2), dtype=torch.long),
-                                  z, z, z))
-            continue
-        width = max(s.stop - s.start for s, _ in chunk)
-        tokens = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-        attn = torch.zeros((len(chunk), width), dtype=torch.long)
-        mask = torch.zeros((len(chunk), width))
-        old = torch.zeros((len(chunk), width))
-        adv = torch.zeros((len(chunk), width))
-        for row, (s, _) in enumerate(chunk):
-            n = s.stop - s.start
-            tokens[row, :n] = torch.from_numpy(batch.tokens[s])
-            attn[row, :n] = 1
-            mask[row, :n] = torch.from_numpy(batch.loss_mask[s].astype("float32"))
-            old[row, :n] = torch.from_numpy(batch.logprobs[s])
-            adv[row, :n] = torch.from_numpy(batch.advantages[s])
-        # Shift by one: position t predicts token t+1.
-        out.append(MicroBatch(tokens, attn, mask[:, 1:], old[:, 1:], adv[:, 1:]))
+    lengths = batch.lengths.tolist()
+    mine = assign_ranks(lengths, world)
+    if pack_tokens is not None:
+        groups = [pack(m, lengths, pack_tokens) for m in mine]
+    else:  # already longest first: neighbours have similar lengths, so little padding
+        groups = [[m[i:i + micro_batch_size] for i in range(0, len(m), micro_batch_size)] for m in mine]
+    count = max(len(g) for g in groups)
+    slices = batch.sample_slices()
+    out = [_packed(batch, slices, ids, pad_id, weights) if pack_tokens is not None
+           else _padded(batch, slices, ids, pad_id, weights) for ids in groups[rank]]
+    # A rank with fewer micro-batches than its peers still joins every collective: padding rows,
+    # attended (an all-masked row would give NaN), with nothing to learn from.
+    out += [_padding(pad_id, packed=pack_tokens is not None) for _ in range(count - len(out))]
     return out
+
+
+def _fields(batch: Batch, s: slice, weights: np.ndarray):
+    return (torch.from_numpy(batch.tokens[s]), torch.from_numpy(batch.loss_mask[s].astype(np.float32)),
+            torch.from_numpy(batch.logprobs[s]), torch.from_numpy(batch.advantages[s]),
+            torch.from_numpy(weights[s]))
+
+
+def _packed(batch: Batch, slices: list[slice], ids: list[int], pad_id: int, weights: np.ndarray) -> MicroBatch:
+    parts = [_fields(batch, slices[i], weights) for i in ids]
+    tokens, mask, old, adv, w = (torch.cat(x) for x in zip(*parts))
+    positions = torch.cat([torch.arange(len(p[0])) for p in parts])
+    seq = torch.cat([torch.full((len(p[0]),), i, dtype=torch.long) for i, p in zip(ids, parts)])
+    # Shift by one: position t predicts token t+1. The prediction across a sample boundary
+    # (last token of one sample -> first token of the next) belongs to no sample; the token
+    # it predicts is a prompt token, so its loss mask is 0 already.
+    seq = seq[1:].masked_fill(positions[1:] == 0, -1)
+    return MicroBatch(tokens[None], positions[None], None, mask[None, 1:], old[None, 1:], adv[None, 1:],
+                      w[None, 1:], seq[None])
+
+
+def _padded(batch: Batch, slices: list[slice], ids: list[int], pad_id: int, weights: np.ndarray) -> MicroBatch:
+    width = max(slices[i].stop - slices[i].start for i in ids)
+    tokens = torch.full((len(ids), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(ids), width), dtype=torch.long)
+    mask, old, adv, w = (torch.zeros((len(ids), width)) for _ in range(4))
+    seq = torch.full((len(ids), width), -1, dtype=torch.long)
+    for row, i in enumerate(ids):
+        t, m, o, a, ww = _fields(batch, slices[i], weights)
+        n = len(t)
+        tokens[row, :n], attn[row, :n], mask[row, :n], old[row, :n], adv[row, :n], w[row, :n] = t, 1, m, o, a, ww
+        seq[row, :n] = i
+    return MicroBatch(tokens, None, attn, mask[:, 1:], old[:, 1:], adv[:, 1:], w[:, 1:], seq[:, 1:])
+
+
+def _padding(pad_id: int, packed: bool) -> MicroBatch:
+    z = torch.zeros((1, 1))
+    tokens = torch.full((1, 2), pad_id, dtype=torch.long)
+    return MicroBatch(tokens, torch.arange(2)[None] if packed else None, None if packed else torch.ones_like(tokens),
+                      z, z, z, z, torch.full((1, 1), -1, dtype=torch.long))

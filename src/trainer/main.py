@@ -1,9 +1,12 @@
 """The trainer loop: wait for batch n, take one policy-gradient step, publish weights/step_n.
 
-    rl trainer @ configs/demo.toml
+    rl trainer @ configs/demo.toml [--resume]
     torchrun --nproc-per-node 2 -m trainer @ configs/demo.toml
 
-Step n consumes batch n and turns version n-1 into version n (docs/architecture.md).
+Step n consumes batch n and turns version n-1 into version n (docs/architecture.md). One step:
+trainer/data.py plans micro-batches (packing, rank balance, loss weights), trainer/loss.py turns
+logits into the loss, trainer/optim.py steps, trainer/weights.py (or trainer/broadcast.py)
+publishes, trainer/checkpoint.py saves every checkpoint_every steps.
 """
 
 from __future__ import annotations
@@ -18,14 +21,32 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from rl.config import RunConfig
 from rl.rundir import RunDir, remove_quietly
 from rl.transport import BatchReceiver
-from trainer.data import MicroBatch, rank_micro_batches, receive_batch
-from trainer.loss import clipped_pg_loss, token_logprobs
+from trainer import checkpoint
+from trainer.data import MicroBatch, loss_weights, rank_micro_batches, receive_batch
+from trainer.loss import policy_loss, token_logprobs_and_entropy
+from trainer.optim import build_optimizer
 from trainer.parallel import apply_fsdp, init_distributed
 from trainer.weights import gather_full_state_dict, prune_weights, write_weights
 
 log = logging.getLogger("trainer")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_SUMS = ("tokens", "masked_tokens", "clipped_tokens", "ratio_sum", "mismatch_kl_sum", "entropy_sum", "kl_sum")
+
+
+def load_model(cfg: RunConfig, device: torch.device, trainable: bool) -> torch.nn.Module:
+    # Packed rows carry no attention mask: transformers derives the block-diagonal mask (sdpa)
+    # or the varlen boundaries (flash attention) from the restarting position ids.
+    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32, attn_implementation="sdpa").to(device)
+    if trainable:
+        model.train()
+        if cfg.trainer.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.eval()
+        model.requires_grad_(False)
+    apply_fsdp(model, _DTYPES[cfg.trainer.dtype])
+    return model
 
 
 class Trainer:
@@ -40,93 +61,137 @@ class Trainer:
         hf_config = AutoConfig.from_pretrained(cfg.model)
         self.tied = bool(getattr(hf_config.get_text_config(), "tie_word_embeddings", False))
         self.pad_id = hf_config.pad_token_id if hf_config.pad_token_id is not None else 0
-        self.model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).to(self.device)
-        self.model.train()
-        apply_fsdp(self.model, _DTYPES[cfg.trainer.dtype])
+        self.model = load_model(cfg, self.device, trainable=True)
+        loss = cfg.trainer.loss
+        self.reference = (load_model(cfg, self.device, trainable=False)
+                          if loss.kl_coef > 0 and loss.kl_target == "reference" else None)
+        self.optimizer, self.scheduler = build_optimizer(self.model, cfg.trainer.optim, cfg.max_steps)
         self.broadcaster = None
         if cfg.weight_sync.kind == "broadcast" and self.rank == 0:
             from trainer.broadcast import WeightBroadcaster
 
             self.broadcaster = WeightBroadcaster(cfg, self.run, self.tied)  # waits for the servers to join
-        opt = cfg.trainer.optim
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay
-        )
+        self.last_checkpoint = 0
 
-    def check_fresh(self) -> None:
-        """Resuming is not supported yet: refuse to mix a new run into an old run's weights."""
-        if self.run.weight_steps():
-            raise SystemExit(
-                f"output_dir {self.run.root} already holds weights from an earlier run; "
-                "remove it or choose another output_dir"
-            )
+    def start_step(self) -> int:
+        """1, or the step after the latest complete checkpoint under --resume."""
+        latest = checkpoint.latest(self.run)
+        if not self.cfg.resume:
+            if self.run.weight_steps():
+                raise SystemExit(f"output_dir {self.run.root} already holds weights from an earlier run; "
+                                 "pass --resume to continue it, or choose another output_dir")
+            return 1
+        if latest is None:
+            if self.run.weight_steps():
+                raise SystemExit(f"--resume: no complete trainer checkpoint under {self.run.checkpoints}, "
+                                 "but weights exist; cannot continue that run exactly")
+            log.info("--resume: nothing to resume in %s, starting at step 1", self.run.root)
+            return 1
+        checkpoint.load(self.run, latest, self.model, self.optimizer, self.scheduler)
+        self.last_checkpoint = latest
+        log.info("resumed from checkpoints/step_%d: next batch is %d", latest, latest + 1)
+        return latest + 1
 
     def train(self) -> None:
-        self.check_fresh()
+        first = self.start_step()
         # Under ZMQ only rank 0 binds the socket (receive_batch shares the bytes).
         receiver = BatchReceiver(self.cfg.transport, self.run) if (
             self.cfg.transport.kind == "filesystem" or self.rank == 0) else None
         try:
-            for step in range(1, self.cfg.max_steps + 1):
+            for step in range(first, self.cfg.max_steps + 1):
                 self.train_one(receiver, step)
         finally:
             if receiver is not None:
                 receiver.close()
+            if self.broadcaster is not None and hasattr(self.broadcaster, "close"):
+                self.broadcaster.close()
         log.info("done: %d steps", self.cfg.max_steps)
+
+    def micro_batches(self, batch) -> list[MicroBatch]:
+        t = self.cfg.trainer
+        weights = loss_weights(batch, t.loss.normalization, t.loss.norm_length or self.cfg.seq_len)
+        return rank_micro_batches(batch, self.rank, self.world, pack_tokens=(t.micro_batch_tokens or self.cfg.seq_len)
+                                  if t.pack else None, micro_batch_size=t.micro_batch_size, pad_id=self.pad_id,
+                                  weights=weights)
 
     def train_one(self, receiver: BatchReceiver | None, step: int) -> None:
         batch, waited = receive_batch(receiver, self.cfg.transport.kind, step, self.cfg.trainer.batch_timeout_s,
                                       self.device)
         start = time.perf_counter()
-        stats = self.train_step(rank_micro_batches(
-            batch, self.rank, self.world, self.cfg.trainer.micro_batch_size, self.pad_id
-        ), batch.temperature)
+        lr = self.scheduler.get_last_lr()[0]
+        stats = self.train_step(self.micro_batches(batch), batch.temperature)
         step_s = time.perf_counter() - start
         write_s = self.publish(step)
+        ckpt_s = 0.0
+        every = self.cfg.trainer.checkpoint_every
+        if every and (step % every == 0 or step == self.cfg.max_steps):
+            ckpt_s = checkpoint.save(self.run, step, self.model, self.optimizer, self.scheduler,
+                                     self.cfg.trainer.keep_checkpoints)
+            self.last_checkpoint = step
         if self.rank == 0:
+            tokens = int(batch.lengths.sum())
             record = {
-                "program": "trainer", "step": step, "wait_s": waited, "step_s": step_s,
-                "write_s": write_s, "tokens": int(batch.loss_mask.sum()),
-                "max_staleness": int(step - 1 - batch.versions.min()),
-                **stats,
+                "program": "trainer", "step": step, "wait_s": waited, "step_s": step_s, "write_s": write_s,
+                "checkpoint_s": ckpt_s, "lr": lr, "tokens": tokens, "loss_tokens": int(batch.loss_mask.sum()),
+                "trainer_tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
+                "max_staleness": int(step - 1 - batch.versions.min()), **stats,
             }
             self.run.append_metrics(record)
             log.info(
-                "step %d loss %.4f grad_norm %.3f clipped %.3f kl %.2e | waited %.2fs step %.2fs write %.2fs",
-                step, stats["loss"], stats["grad_norm"], stats["clipped_frac"],
-                stats["mismatch_kl"], waited, step_s, write_s,
+                "step %d loss %.4f grad_norm %.3f entropy %.3f clipped %.3f masked %.3f kl %.2e | "
+                "waited %.2fs step %.2fs (%.0f tok/s) write %.2fs%s",
+                step, stats["loss"], stats["grad_norm"], stats["entropy"], stats["clipped_frac"],
+                stats["masked_frac"], stats["mismatch_kl"], waited, step_s, record["trainer_tokens_per_s"], write_s,
+                f" checkpoint {ckpt_s:.2f}s" if ckpt_s else "",
             )
-            for old in self.run.rollout_steps():
-                if old <= step - self.cfg.trainer.keep_rollouts:
-                    remove_quietly(self.run.rollout_dir(old))
+            self.prune_rollouts(step)
+
+    def prune_rollouts(self, step: int) -> None:
+        """Keep the last keep_rollouts batches, and every batch a resume from the latest
+        checkpoint would need again."""
+        keep_from = step - self.cfg.trainer.keep_rollouts
+        if self.cfg.trainer.checkpoint_every:
+            keep_from = min(keep_from, self.last_checkpoint)
+        for old in self.run.rollout_steps():
+            if old <= keep_from:
+                remove_quietly(self.run.rollout_dir(old))
+
+    def forward_logprobs(self, model: torch.nn.Module, mb: MicroBatch, temperature: float):
+        logits = model(
+            input_ids=mb.tokens.to(self.device),
+            position_ids=None if mb.position_ids is None else mb.position_ids.to(self.device),
+            attention_mask=None if mb.attention_mask is None else mb.attention_mask.to(self.device),
+            use_cache=False,  # with a KV cache object, transformers ignores packed position ids
+        ).logits
+        return token_logprobs_and_entropy(logits, mb.tokens.to(self.device), temperature)
 
     def train_step(self, micro_batches: list[MicroBatch], temperature: float) -> dict:
-        # Normalise by the loss tokens of the whole batch (all ranks): every token weighs the same
-        # however the samples fall into micro-batches and ranks. FSDP averages gradients over
-        # ranks, so scale by the world size to get the global sum back.
-        local_tokens = sum(mb.loss_mask.sum() for mb in micro_batches)
-        total = torch.tensor([float(local_tokens)], device=self.device)
-        dist.all_reduce(total)
-        scale = self.world / total.clamp(min=1.0)
-        sums = torch.zeros(4, device=self.device)  # loss, clipped tokens, ratio, kl
-        loss_cfg = self.cfg.trainer.loss
+        # loss_weight already divides by the whole batch's normaliser (trainer/data.py), so the
+        # summed loss does not depend on how samples fall into micro-batches and ranks. FSDP2
+        # averages gradients over ranks; scaling by the world size turns that back into the sum.
+        sums = torch.zeros(len(_SUMS) + 1, dtype=torch.float64)
         for mb in micro_batches:
-            tokens = mb.tokens.to(self.device)
-            logits = self.model(input_ids=tokens, attention_mask=mb.attention_mask.to(self.device)).logits
-            logprobs = token_logprobs(logits, tokens, temperature)
-            out = clipped_pg_loss(
-                logprobs, mb.inference_logprobs.to(self.device), mb.advantages.to(self.device),
-                mb.loss_mask.to(self.device), loss_cfg.clip_low, loss_cfg.clip_high,
-            )
-            (out.loss_sum * scale).backward()
-            sums += torch.stack([out.loss_sum.detach(), out.clipped_tokens.float(), out.ratio_sum, out.mismatch_kl_sum])
+            logprobs, entropy = self.forward_logprobs(self.model, mb, temperature)
+            reference = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    reference, _ = self.forward_logprobs(self.reference, mb, temperature)
+            d = {k: v.to(self.device) for k, v in (("inference_logprobs", mb.inference_logprobs),
+                                                   ("advantages", mb.advantages), ("loss_mask", mb.loss_mask),
+                                                   ("loss_weight", mb.loss_weight), ("sequence_ids", mb.sequence_ids))}
+            out = policy_loss(logprobs, cfg=self.cfg.trainer.loss, entropy=entropy, reference_logprobs=reference, **d)
+            (out.loss * self.world).backward()
+            sums += torch.tensor([out.loss.item()] + [getattr(out, k) for k in _SUMS], dtype=torch.float64)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.optim.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        sums = sums.to(self.device)  # NCCL reduces only device tensors
         dist.all_reduce(sums)
-        n = total.clamp(min=1.0)
-        loss, clipped, ratio, kl = (sums / n).tolist()
-        return {"loss": loss, "clipped_frac": clipped, "ratio_mean": ratio, "mismatch_kl": kl,
+        loss, tokens, masked, clipped, ratio, kl, entropy, ref_kl = sums.cpu().tolist()
+        n = max(tokens, 1.0)
+        return {"loss": loss, "clipped_frac": clipped / n, "masked_frac": masked / n, "ratio_mean": ratio / n,
+                "mismatch_kl": kl / n, "entropy": entropy / n, "kl": ref_kl / n,
                 "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)}
 
     def publish(self, step: int) -> float:
@@ -136,7 +201,8 @@ class Trainer:
         if self.broadcaster is not None:
             # weights/step_n then holds the bucket manifest + STABLE; the tensors go over the wire.
             return self.broadcaster.publish(step, state_dict)
-        seconds = write_weights(self.run, step, state_dict, self.cfg.model, self.tied)
+        seconds = write_weights(self.run, step, state_dict, self.cfg.model, self.tied,
+                                self.cfg.trainer.weights_shard_mb << 20)
         prune_weights(self.run, self.cfg.trainer.keep_weights)
         return seconds
 

@@ -6,6 +6,7 @@ A server freshly started on weights/step_n serves exactly what /update_weights l
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from pathlib import Path
@@ -26,9 +27,22 @@ def gather_full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=options)
 
 
-def write_weights(
-    run: RunDir, step: int, state_dict: dict[str, torch.Tensor], source: Path, tied: bool
-) -> float:
+def plan_shards(state_dict: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
+    """Names per file, in order, each file at most max_bytes (a bigger tensor gets its own)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, t in state_dict.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    return shards
+
+
+def write_weights(run: RunDir, step: int, state_dict: dict[str, torch.Tensor], source: Path, tied: bool,
+                  shard_bytes: int = 4 << 30) -> float:
     """Write weights/step_<step> (rank 0 only); returns seconds taken."""
     start = time.perf_counter()
     out = run.weights_dir(step)
@@ -37,8 +51,19 @@ def write_weights(
     if tied:
         # safetensors refuses shared storage, and HF checkpoints of tied models omit lm_head.
         state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
-    save_file({k: v.contiguous() for k, v in state_dict.items()}, out / "model.safetensors",
-              metadata={"format": "pt", "asyncrl_version": str(step)})
+    metadata = {"format": "pt", "asyncrl_version": str(step)}
+    shards = plan_shards(state_dict, shard_bytes)
+    if len(shards) == 1:
+        save_file({k: v.contiguous() for k, v in state_dict.items()}, out / "model.safetensors", metadata=metadata)
+    else:
+        weight_map = {}
+        for i, names in enumerate(shards, 1):
+            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file({k: state_dict[k].contiguous() for k in names}, out / fname, metadata=metadata)
+            weight_map.update(dict.fromkeys(names, fname))
+        total = sum(t.numel() * t.element_size() for t in state_dict.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     for pattern in _COPIED:
         for f in source.glob(pattern):
             if f.name != "model.safetensors.index.json":
