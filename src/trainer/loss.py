@@ -1,9 +1,13 @@
-"""The policy-gradient loss: PPO-style clipped importance ratio against the inference logprobs.
+"""The policy-gradient loss family: PPO clip or truncated importance sampling, per token or per
+sequence, with optional ratio masking and a k3 KL penalty (configured by `rl.config.LossConfig`).
 
-The ratio is pi_theta(token) / pi_infer(token), where pi_infer is what vLLM reported while
-sampling. That one ratio covers both off-policy staleness (the sample came from an older
-version) and the numeric mismatch between the engine and the trainer, so no extra forward pass
-of an "old" policy is needed (as in PipelineRL and PRIME-RL).
+Every ratio is pi_trainer(token) / pi_inference(token), where pi_inference is what the engine
+reported while sampling. That one ratio covers both off-policy staleness (the sample came from an
+older version) and the numeric mismatch between the engine and the trainer, so no extra forward
+pass of an "old" policy is needed (as in PipelineRL and PRIME-RL).
+
+Normalisation is not done here: the caller's per-token `loss_weight` already encodes it, so the
+loss is a plain weighted sum and micro-batches and ranks add up to the batch loss.
 """
 
 from __future__ import annotations
@@ -11,43 +15,129 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
+
+from rl.config import LossConfig
+
+# exp(20) ~ 5e8 is far beyond any clip, cap or mask threshold, so clamping the log-ratio there
+# changes no decision; it keeps exp() finite (no inf * 0 = nan in the loss or its gradient).
+_MAX_LOG_RATIO = 20.0
 
 
 @dataclass
 class LossOutput:
-    loss_sum: torch.Tensor  # summed over loss tokens; normalised by the caller
-    clipped_tokens: torch.Tensor
-    ratio_sum: torch.Tensor
-    mismatch_kl_sum: torch.Tensor
+    loss: Tensor  # scalar, differentiable: sum of loss_weight * per-token loss over kept tokens
+    tokens: float  # loss tokens (loss_mask == 1)
+    masked_tokens: float  # loss tokens dropped by mask_low / mask_high
+    clipped_tokens: float  # ppo_clip: gradient zeroed by the clip; truncated_is: ratio > tis_cap
+    ratio_sum: float  # token or sequence ratio, summed over loss tokens
+    mismatch_kl_sum: float  # k3 estimate of KL(pi_inference || pi_trainer), summed over loss tokens
+    entropy_sum: float  # 0.0 without entropy
+    kl_sum: float  # k3 value of the KL penalty (without kl_coef); 0.0 when kl_coef == 0
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """logprob of tokens[:, t+1] under logits[:, t], float32, shape [B, T-1]."""
-    logits = logits[:, :-1].float() / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
-
-
-def clipped_pg_loss(
-    logprobs: torch.Tensor,
-    inference_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_low: float,
-    clip_high: float,
-) -> LossOutput:
-    """All inputs [B, T] aligned on the predicted token (advantages per token)."""
-    log_ratio = (logprobs - inference_logprobs) * mask
-    ratio = torch.exp(log_ratio)
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantages
-    per_token = -torch.minimum(unclipped, clipped)
+def token_logprobs_and_entropy(logits: Tensor, tokens: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    """logits [R, T, V] (any float dtype), tokens [R, T] int64. Returns (logprobs, entropy), both
+    float32 [R, T-1]: the logprob of tokens[:, t+1] under logits[:, t] / temperature (the
+    distribution the engine sampled from) and that distribution's entropy (detached, metrics only)."""
+    logp_all = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    logprobs = logp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)
     with torch.no_grad():
-        was_clipped = (clipped < unclipped) & mask.bool()
-        # k3 estimator of KL(pi_infer || pi_theta): non-negative, low variance.
-        kl = (torch.exp(-log_ratio) - 1 + log_ratio) * mask
-    return LossOutput(
-        loss_sum=(per_token * mask).sum(),
-        clipped_tokens=was_clipped.sum(),
-        ratio_sum=(ratio * mask).sum().detach(),
-        mismatch_kl_sum=kl.sum(),
-    )
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logprobs, entropy
+
+
+def _sequence_mean(x: Tensor, mask: Tensor, sequence_ids: Tensor) -> Tensor:
+    """Mean of x over each sample's loss tokens, broadcast back to its tokens (0 off the mask)."""
+    # Ids are arbitrary (sparse, unsorted, -1 on padding): compact them so the segment buffers
+    # are as small as the number of samples in the micro-batch.
+    ids = torch.where(mask, sequence_ids, torch.full_like(sequence_ids, -1))
+    uniq, seg = torch.unique(ids, return_inverse=True)
+    n = uniq.numel()
+    sums = x.new_zeros(n).index_add(0, seg, torch.where(mask, x, 0.0))
+    counts = x.new_zeros(n).index_add(0, seg, mask.float())
+    return torch.where(mask, (sums / counts.clamp(min=1))[seg], 0.0)
+
+
+def _k3(x: Tensor) -> Tensor:
+    """k3 estimator exp(x) - x - 1 of KL(p || q) for x = log q - log p, sampled from p: unbiased,
+    non-negative, lower variance than -x."""
+    return torch.exp(x) - x - 1
+
+
+def policy_loss(
+    logprobs: Tensor,
+    inference_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    loss_weight: Tensor,
+    sequence_ids: Tensor,
+    cfg: LossConfig,
+    entropy: Tensor | None = None,
+    reference_logprobs: Tensor | None = None,
+) -> LossOutput:
+    """All tensors share one shape ([1, L-1] packed or [B, T-1] padded) and are treated as flat;
+    tokens with loss_mask 0 may hold any values and never touch the loss or its gradient."""
+    if cfg.kl_coef > 0 and cfg.kl_target == "reference" and reference_logprobs is None:
+        raise ValueError("trainer.loss.kl_target = 'reference' with kl_coef > 0 needs reference_logprobs")
+    mask = loss_mask.reshape(-1) > 0
+
+    def clean(x: Tensor) -> Tensor:
+        # Padding may hold garbage (inf, nan); where() also gives it an exact zero gradient.
+        return torch.where(mask, x.reshape(-1).float(), 0.0)
+
+    logp, adv, weight = clean(logprobs), clean(advantages), clean(loss_weight)
+    d = (logp - clean(inference_logprobs)).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    if cfg.ratio_level == "sequence":
+        # GSPO: the geometric mean of the sample's token ratios, differentiable through the mean.
+        log_ratio = _sequence_mean(d, mask, sequence_ids.reshape(-1))
+    else:
+        log_ratio = d
+    ratio = torch.exp(log_ratio)
+
+    if cfg.objective == "ppo_clip":
+        unclipped = ratio * adv
+        clipped_obj = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * adv
+        per_token = -torch.minimum(unclipped, clipped_obj)
+        clipped = clipped_obj.detach() < unclipped.detach()
+    else:
+        # CISPO-style: the capped weight is a constant, so every token keeps its logprob gradient.
+        per_token = -ratio.detach().clamp(max=cfg.tis_cap) * adv * logp
+        clipped = ratio.detach() > cfg.tis_cap
+
+    keep = mask.clone()
+    r = ratio.detach()
+    if cfg.mask_low is not None:
+        keep &= r >= cfg.mask_low
+    if cfg.mask_high is not None:
+        keep &= r <= cfg.mask_high
+
+    kl = torch.zeros_like(logp)
+    if cfg.kl_coef > 0:
+        if cfg.kl_target == "reference":
+            # Penalty towards a target, gradient through logp only: KL(pi_trainer || target).
+            log_target_ratio = (clean(reference_logprobs) - logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        else:
+            log_target_ratio = -d
+        kl = _k3(log_target_ratio)
+        per_token = per_token + cfg.kl_coef * kl
+
+    loss = torch.where(keep, weight * per_token, 0.0).sum()
+
+    with torch.no_grad():
+        dd = d.detach()
+        # exp(-d) - 1 + d, the metric this trainer has always logged. Strictly it is the k3 form
+        # of KL(pi_trainer || pi_inference), but for the small d it tracks both KLs agree (~d^2/2).
+        mismatch_kl = _k3(-dd)
+        ent = clean(entropy.detach()) if entropy is not None else torch.zeros_like(dd)
+        stats = torch.stack([
+            mask.sum().float(),
+            (mask & ~keep).sum().float(),
+            (mask & clipped).sum().float(),
+            torch.where(mask, r, 0.0).sum(),
+            torch.where(mask, mismatch_kl, 0.0).sum(),
+            ent.sum(),
+            torch.where(mask, kl.detach(), 0.0).sum(),
+        ]).tolist()  # one device sync for all metrics
+    tokens, masked, n_clipped, ratio_sum, mismatch_sum, entropy_sum, kl_sum = stats
+    return LossOutput(loss, tokens, masked, n_clipped, ratio_sum, mismatch_sum, entropy_sum, kl_sum)
