@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from conftest import TINY_MODEL, free_port, rl_command
 from rl.batch import Batch, Sample
+from rl.config import OptimConfig
 from rl.rundir import RunDir
 
 PROMPT = [3, 4, 5, 29]  # "abc="
 GOOD, BAD = [5, 4, 3, 1], [9, 9, 9, 1]  # "cba<eos>" and "ggg<eos>"
+LONG = [5, 4, 3, 7, 8, 9, 10, 11, 12, 1]  # a different length, so packing and balancing matter
 
 
 def completion_logprob(model, completion: list[int]) -> float:
@@ -26,69 +33,149 @@ def completion_logprob(model, completion: list[int]) -> float:
     return float(logp[torch.arange(len(targets)), targets][len(PROMPT) - 1:].sum())
 
 
-def write_batches(run: RunDir, steps: int) -> None:
+def write_batches(run: RunDir, steps, *, prompts: int = 4) -> None:
+    """Batches whose inference logprobs are the base model's: the first step is on-policy."""
     base = AutoModelForCausalLM.from_pretrained(TINY_MODEL, dtype=torch.float32)
+
     def sample(completion, adv):
         ids = torch.tensor([PROMPT + completion])
         with torch.no_grad():
             logp = torch.log_softmax(base(input_ids=ids).logits[0, :-1], -1)
         per_token = logp[torch.arange(ids.shape[1] - 1), ids[0, 1:]][len(PROMPT) - 1:].tolist()
         return Sample.single_turn(PROMPT, completion, per_token, [0] * len(completion), reward=0.5 + adv, advantage=adv)
-    for n in range(1, steps + 1):
-        Batch.from_samples(n, 1.0, [sample(GOOD, 0.5), sample(BAD, -0.5)] * 4).write(run.rollout_dir(n))
+    for n in steps:
+        samples = [sample(GOOD, 0.5), sample(BAD, -0.5), sample(LONG, 0.25 * (-1) ** n)] * prompts
+        Batch.from_samples(n, 1.0, samples[:-1]).write(run.rollout_dir(n))  # odd count: ranks differ
 
 
-def run_trainer(cmd: list[str], cfg_args: list[str], env=None) -> None:
-    result = subprocess.run(cmd + cfg_args, capture_output=True, text=True, timeout=300, env=env)
+def torchrun(ranks: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+            "--master-port", str(free_port()), "-m", "trainer"]
+
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def run_trainer(cmd: list[str], cfg_args: list[str]) -> None:
+    result = subprocess.run(cmd + cfg_args, capture_output=True, text=True, timeout=300, env=ENV)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_trainer_steps_move_policy_towards_positive_advantage(tmp_path, write_toml, ranks):
-    run = RunDir(tmp_path / "run")
-    write_batches(run, steps=2)
-    cfg = write_toml(f'model = "{TINY_MODEL}"\noutput_dir = "{run.root}"\nmax_steps = 2\n'
-                     "[trainer]\nmicro_batch_size = 2\n[trainer.optim]\nlr = 1e-4\n")
-    if ranks == 1:
-        run_trainer(rl_command("trainer"), ["@", str(cfg)])
-    else:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        run_trainer([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                     "--master-port", str(free_port()), "-m", "trainer"], ["@", str(cfg)], env)
+def trainer_metrics(run: RunDir) -> list[dict]:
+    return [r for r in map(json.loads, run.metrics.read_text().splitlines()) if r["program"] == "trainer"]
+
+
+def weights(run: RunDir, step: int) -> dict[str, torch.Tensor]:
+    return load_file(run.weights_dir(step) / "model.safetensors")
+
+
+def config(write_toml, run: RunDir, name: str, extra: str = "") -> str:
+    return str(write_toml(f'model = "{TINY_MODEL}"\noutput_dir = "{run.root}"\nmax_steps = 2\nseq_len = 32\n'
+                          "[trainer]\nmicro_batch_tokens = 40\ntorch_threads = 1\n"
+                          "[trainer.optim]\nlr = 1e-4\n" + extra, name))
+
+
+def test_two_ranks_match_one_rank_and_move_policy_towards_positive_advantage(tmp_path, write_toml):
+    one, two = RunDir(tmp_path / "one"), RunDir(tmp_path / "two")
+    for run in (one, two):
+        write_batches(run, [1, 2])
+    run_trainer(rl_command("trainer"), ["@", config(write_toml, one, "one.toml")])
+    # Two ranks, with activation checkpointing: neither may change the maths.
+    run_trainer(torchrun(2), ["@", config(write_toml, two, "two.toml"), "--trainer.activation_checkpointing", "true"])
 
     for n in (1, 2):
-        assert (run.weights_dir(n) / "STABLE").exists()
-        assert (run.weights_dir(n) / "config.json").exists()
+        assert (two.weights_dir(n) / "STABLE").exists() and (two.weights_dir(n) / "config.json").exists()
+    m1, m2 = trainer_metrics(one), trainer_metrics(two)
+    assert [m["step"] for m in m1] == [m["step"] for m in m2] == [1, 2]
+    for a, b in zip(m1, m2):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-7)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    w1, w2 = weights(one, 2), weights(two, 2)
+    assert w1.keys() == w2.keys()
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], atol=2e-6, rtol=1e-4)
+    assert m1[0]["mismatch_kl"] < 1e-6  # step 1 is on-policy: trainer and "engine" agree
+
     base = AutoModelForCausalLM.from_pretrained(TINY_MODEL, dtype=torch.float32)
-    trained = AutoModelForCausalLM.from_pretrained(run.weights_dir(2), dtype=torch.float32)
+    trained = AutoModelForCausalLM.from_pretrained(two.weights_dir(2), dtype=torch.float32)
     # The published checkpoint keeps the tied embedding tied.
     assert trained.lm_head.weight.data_ptr() == trained.model.embed_tokens.weight.data_ptr()
-    # Positive advantage for GOOD, negative for BAD: the policy moves from BAD towards GOOD.
-    def gap(model):
+
+    def gap(model):  # positive advantage for GOOD, negative for BAD
         return completion_logprob(model, GOOD) - completion_logprob(model, BAD)
     assert gap(trained) > gap(base) + 0.5
-    metrics = [line for line in run.metrics.read_text().splitlines() if '"trainer"' in line]
-    assert len(metrics) == 2
 
 
-def test_trainer_refuses_an_earlier_runs_weights(tmp_path, write_toml):
+def test_killed_after_a_checkpoint_and_resumed_matches_an_uninterrupted_run(tmp_path, write_toml):
+    """Deterministic settings (fp32, one thread per rank): the resumed run's step-4 weights
+    equal the uninterrupted run's, so model, optimizer moments and LR schedule all came back."""
+    extra = ("max_steps = 4\n[trainer]\ncheckpoint_every = 3\nbatch_timeout_s = 120\n"
+             "[trainer.optim]\nlr = 1e-3\nschedule = \"cosine\"\nwarmup_steps = 2\nmin_lr_ratio = 0.2\n")
+    whole, cut = RunDir(tmp_path / "whole"), RunDir(tmp_path / "cut")
+
+    def cfg(run, name):
+        text = config(write_toml, run, name)
+        return ["@", text, "@", str(write_toml(extra.replace("max_steps = 4\n", ""), name + ".extra.toml")),
+                "--max_steps", "4"]
+    write_batches(whole, [1, 2, 3, 4])
+    run_trainer(torchrun(2), cfg(whole, "whole.toml"))
+
+    write_batches(cut, [1, 2, 3])  # batch 4 not there yet: the trainer waits for it after step 3
+    proc = subprocess.Popen(torchrun(2) + cfg(cut, "cut.toml"), env=ENV, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 240
+        while not (cut.checkpoint_dir(3) / "trainer" / "STABLE").exists():
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "no step-3 checkpoint"
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert not (cut.weights_dir(4)).exists()
+
+    # Without --resume the trainer refuses the run directory; with it, it continues at step 4.
+    refused = subprocess.run(rl_command("trainer", *cfg(cut, "cut.toml")), capture_output=True, text=True,
+                             timeout=120, env=ENV)
+    assert refused.returncode != 0 and "--resume" in refused.stderr
+    write_batches(cut, [4])
+    run_trainer(torchrun(2), cfg(cut, "cut.toml") + ["--resume"])
+
+    a, b = weights(whole, 4), weights(cut, 4)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert not torch.equal(weights(whole, 3)["model.norm.weight"], a["model.norm.weight"])
+    steps = [m["step"] for m in trainer_metrics(cut)]
+    assert steps == [1, 2, 3, 4]  # step 4 trained once, nothing before it again
+    assert trainer_metrics(cut)[-1]["lr"] == trainer_metrics(whole)[-1]["lr"]
+
+
+def test_sharded_weights_load_as_one_model(tmp_path):
+    from trainer.weights import write_weights
+
+    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL, dtype=torch.float32)
     run = RunDir(tmp_path / "run")
     run.make()
-    run.weights_dir(4).mkdir()
-    cfg = write_toml(f'model = "{TINY_MODEL}"\noutput_dir = "{run.root}"\n')
-    result = subprocess.run(rl_command("trainer", "@", str(cfg)), capture_output=True, text=True, timeout=120)
-    assert result.returncode != 0
-    assert "already holds weights" in result.stderr
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    write_weights(run, 1, state, TINY_MODEL, tied=True, shard_bytes=200_000)
+    out = run.weights_dir(1)
+    shards = sorted(out.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 2 and (out / "model.safetensors.index.json").exists() and (out / "STABLE").exists()
+    assert all(p.stat().st_size < 200_000 + 70_000 for p in shards)  # one tensor may overflow a shard alone
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    for k, v in loaded.state_dict().items():
+        assert torch.equal(v, state[k]), k
 
 
-def test_ranks_get_equal_micro_batch_counts_even_with_odd_sample_counts():
-    """Sample counts vary (failed rollouts leave groups smaller): every rank must still run the
-    same number of forward/backward passes, padding-only ones included, or FSDP2 hangs."""
-    from trainer.data import rank_micro_batches
+def test_learning_rate_schedules():
+    from trainer.optim import lr_factor
 
-    for samples, world, mbs in [(5, 2, 1), (7, 4, 1), (9, 2, 2), (3, 2, 4)]:
-        batch = Batch.from_samples(1, 1.0, [Sample.single_turn([5, 6], [7], [-1.0], [0], 1.0, 0.5)] * samples)
-        per_rank = [rank_micro_batches(batch, r, world, mbs, pad_id=0) for r in range(world)]
-        assert len({len(p) for p in per_rank}) == 1, (samples, world, mbs)
-        trained = sum(int(mb.loss_mask.sum()) for p in per_rank for mb in p)
-        assert trained == samples  # each sample's one completion token, once; padding adds none
+    cos = OptimConfig(lr=1.0, schedule="cosine", warmup_steps=2, min_lr_ratio=0.1)
+    # Steps 1, 2 warm up; steps 3..6 decay from 1 to 0.1 (max_steps 6).
+    got = [lr_factor(i, cos, 6) for i in range(6)]
+    want = [0.5, 1.0] + [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)) for p in (0, 1 / 3, 2 / 3, 1)]
+    assert got == pytest.approx(want)
+    lin = OptimConfig(lr=1.0, schedule="linear")
+    assert [lr_factor(i, lin, 5) for i in range(5)] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
+    assert [lr_factor(i, OptimConfig(lr=1.0, warmup_steps=4), 9) for i in range(6)] == pytest.approx(
+        [0.25, 0.5, 0.75, 1.0, 1.0, 1.0])

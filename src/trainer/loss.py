@@ -126,9 +126,8 @@ def policy_loss(
 
     with torch.no_grad():
         dd = d.detach()
-        # exp(-d) - 1 + d, the metric this trainer has always logged. Strictly it is the k3 form
-        # of KL(pi_trainer || pi_inference), but for the small d it tracks both KLs agree (~d^2/2).
-        mismatch_kl = _k3(-dd)
+        # The tokens were sampled from pi_inference, so k3 with x = log pi_trainer - log pi_inference.
+        mismatch_kl = _k3(dd)
         ent = clean(entropy.detach()) if entropy is not None else torch.zeros_like(dd)
         stats = torch.stack([
             mask.sum().float(),
