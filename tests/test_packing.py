@@ -43,10 +43,11 @@ def test_packed_and_padded_forward_give_the_same_per_sample_logprobs():
     model = AutoModelForCausalLM.from_pretrained(TINY_MODEL, dtype=torch.float32, attn_implementation="sdpa").eval()
     batch = variable_batch()
     w = loss_weights(batch, "token", 0)
-    packed = rank_micro_batches(batch, 0, 1, pack_tokens=64, micro_batch_size=4, pad_id=0, weights=w)
-    padded = rank_micro_batches(batch, 0, 1, pack_tokens=None, micro_batch_size=4, pad_id=0, weights=w)
-    assert all(mb.tokens.shape == (1, mb.tokens.shape[1]) and mb.tokens.shape[1] <= 64 for mb in packed)
-    assert len(packed) < batch.num_samples  # several samples share a row
+    packed = rank_micro_batches(batch, 0, 1, row_len=64, per_micro_batch=2, pad_id=0, weights=w)
+    padded = rank_micro_batches(batch, 0, 1, row_len=None, per_micro_batch=4, pad_id=0, weights=w)
+    assert all(mb.tokens.shape[0] <= 2 and mb.tokens.shape[1] <= 64 for mb in packed)
+    assert sum(mb.tokens.shape[0] for mb in packed) < batch.num_samples  # several samples share a row
+    assert any(mb.tokens.shape[0] == 2 for mb in packed)  # and rows of different fill share a micro-batch
     a, b = per_sample_logprobs(model, packed), per_sample_logprobs(model, padded)
     assert sorted(a) == sorted(b) == list(range(batch.num_samples))
     for i in a:
@@ -82,8 +83,8 @@ def test_ranks_get_equal_micro_batch_counts_even_with_odd_sample_counts(packed):
     for samples, world, mbs in [(5, 2, 1), (7, 4, 1), (9, 2, 2), (3, 2, 4)]:
         batch = Batch.from_samples(1, 1.0, [Sample.single_turn([5, 6], [7], [-1.0], [0], 1.0, 0.5)] * samples)
         w = loss_weights(batch, "token", 0)
-        per_rank = [rank_micro_batches(batch, r, world, pack_tokens=3 * mbs if packed else None,
-                                       micro_batch_size=mbs, pad_id=0, weights=w) for r in range(world)]
+        per_rank = [rank_micro_batches(batch, r, world, row_len=3 if packed else None,
+                                       per_micro_batch=mbs, pad_id=0, weights=w) for r in range(world)]
         assert len({len(p) for p in per_rank}) == 1, (samples, world, mbs)
         trained = sum(int(mb.loss_mask.sum()) for p in per_rank for mb in p)
         assert trained == samples  # each sample's one completion token, once; padding adds none

@@ -258,12 +258,12 @@ class TrainerConfig(Section):
     """Policy-gradient loss."""
 
     pack: bool = True
-    """Pack samples into micro-batches of at most micro_batch_tokens tokens (first-fit
-    decreasing; attention never crosses samples) instead of padding them to a common length."""
+    """Pack samples into rows of at most seq_len tokens (first-fit decreasing; attention never
+    crosses samples) instead of padding each sample to the longest of its micro-batch."""
 
-    micro_batch_tokens: int = Field(0, ge=0)
-    """pack = true: tokens per micro-batch (one row); 0 means seq_len. Gradients accumulate
-    over micro-batches."""
+    micro_batch_tokens: int = Field(8192, ge=8)
+    """pack = true: tokens per forward/backward pass on each rank (micro_batch_tokens // seq_len
+    packed rows, at least one). Gradients accumulate over micro-batches."""
 
     micro_batch_size: int = Field(64, ge=1)
     """pack = false: samples per padded forward/backward pass on each rank."""
@@ -340,7 +340,7 @@ class RunConfig(Section):
                 f"orchestrator.prompts_per_step ({o.prompts_per_step}), or no batch could fill"
             )
         t = self.trainer
-        if t.micro_batch_tokens and t.micro_batch_tokens < self.seq_len:
+        if t.pack and t.micro_batch_tokens < self.seq_len:
             raise ValueError(
                 f"trainer.micro_batch_tokens ({t.micro_batch_tokens}) must be >= seq_len "
                 f"({self.seq_len}): a sample of seq_len tokens must fit in one micro-batch"

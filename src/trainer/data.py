@@ -4,8 +4,9 @@ Three decisions, all made from the whole batch, which every rank holds, so every
 the same plan without talking to the others:
   1. which samples each rank trains on: longest first, each to the rank with the fewest tokens
      so far, so ranks finish their forward/backward passes together;
-  2. how a rank's samples form micro-batches: packed into rows of at most `budget` tokens
-     (first-fit decreasing), positions restarting per sample, or padded to a common length;
+  2. how a rank's samples form micro-batches: packed into rows of at most seq_len tokens
+     (first-fit decreasing), positions restarting per sample, a few rows per micro-batch; or
+     padded to a common length;
   3. how much each token weighs in the loss (the normalisation), so that the loss and its
      gradient do not depend on how samples fall into micro-batches and ranks.
 """
@@ -119,27 +120,27 @@ def loss_weights(batch: Batch, normalization: str, norm_length: int) -> np.ndarr
     return (weights * mask).astype(np.float32)
 
 
-def rank_micro_batches(batch: Batch, rank: int, world: int, *, pack_tokens: int | None, micro_batch_size: int,
+def rank_micro_batches(batch: Batch, rank: int, world: int, *, row_len: int | None, per_micro_batch: int,
                        pad_id: int, weights: np.ndarray) -> list[MicroBatch]:
-    """This rank's micro-batches: packed rows of at most `pack_tokens` tokens, or (None) padded
-    groups of `micro_batch_size` samples.
+    """This rank's micro-batches. Packed (row_len set): samples packed into rows of at most
+    row_len tokens, `per_micro_batch` rows per micro-batch. Padded (row_len None):
+    `per_micro_batch` samples per micro-batch, each padded to the longest.
 
     Every rank gets the same number of micro-batches: FSDP2's collectives run once per
     forward/backward, so a rank with one micro-batch more than its peers would hang them all.
     """
     lengths = batch.lengths.tolist()
     mine = assign_ranks(lengths, world)
-    if pack_tokens is not None:
-        groups = [pack(m, lengths, pack_tokens) for m in mine]
-    else:  # already longest first: neighbours have similar lengths, so little padding
-        groups = [[m[i:i + micro_batch_size] for i in range(0, len(m), micro_batch_size)] for m in mine]
+    # Padded: already longest first, so neighbours have similar lengths and little padding.
+    rows = [pack(m, lengths, row_len) if row_len is not None else [[i] for i in m] for m in mine]
+    groups = [[r[i:i + per_micro_batch] for i in range(0, len(r), per_micro_batch)] for r in rows]
     count = max(len(g) for g in groups)
     slices = batch.sample_slices()
-    out = [_packed(batch, slices, ids, pad_id, weights) if pack_tokens is not None
-           else _padded(batch, slices, ids, pad_id, weights) for ids in groups[rank]]
+    make = _packed if row_len is not None else _padded
+    out = [make(batch, slices, group, pad_id, weights) for group in groups[rank]]
     # A rank with fewer micro-batches than its peers still joins every collective: padding rows,
     # attended (an all-masked row would give NaN), with nothing to learn from.
-    out += [_padding(pad_id, packed=pack_tokens is not None) for _ in range(count - len(out))]
+    out += [_padding(pad_id, packed=row_len is not None) for _ in range(count - len(out))]
     return out
 
 
@@ -149,20 +150,31 @@ def _fields(batch: Batch, s: slice, weights: np.ndarray):
             torch.from_numpy(weights[s]))
 
 
-def _packed(batch: Batch, slices: list[slice], ids: list[int], pad_id: int, weights: np.ndarray) -> MicroBatch:
-    parts = [_fields(batch, slices[i], weights) for i in ids]
-    tokens, mask, old, adv, w = (torch.cat(x) for x in zip(*parts))
-    positions = torch.cat([torch.arange(len(p[0])) for p in parts])
-    seq = torch.cat([torch.full((len(p[0]),), i, dtype=torch.long) for i, p in zip(ids, parts)])
+def _packed(batch: Batch, slices: list[slice], rows: list[list[int]], pad_id: int, weights: np.ndarray) -> MicroBatch:
+    """Rows of back-to-back samples, positions restarting at each; a short row is topped up
+    with pad tokens that form a sequence of their own (their positions restart too)."""
+    width = max(sum(slices[i].stop - slices[i].start for i in row) for row in rows)
+    cols = []
+    for row in rows:
+        parts = [_fields(batch, slices[i], weights) for i in row]
+        pad = width - sum(len(p[0]) for p in parts)
+        tokens, mask, old, adv, w = (torch.cat(x) for x in zip(*parts))
+        positions = torch.cat([torch.arange(len(p[0])) for p in parts] + [torch.arange(pad)])
+        seq = torch.cat([torch.full((len(p[0]),), i, dtype=torch.long) for i, p in zip(row, parts)]
+                        + [torch.full((pad,), -1, dtype=torch.long)])
+        zeros = torch.zeros(pad)
+        cols.append((torch.cat([tokens, torch.full((pad,), pad_id, dtype=torch.long)]), positions,
+                     *(torch.cat([x, zeros]) for x in (mask, old, adv, w)), seq))
+    tokens, positions, mask, old, adv, w, seq = (torch.stack(x) for x in zip(*cols))
     # Shift by one: position t predicts token t+1. The prediction across a sample boundary
     # (last token of one sample -> first token of the next) belongs to no sample; the token
     # it predicts is a prompt token, so its loss mask is 0 already.
-    seq = seq[1:].masked_fill(positions[1:] == 0, -1)
-    return MicroBatch(tokens[None], positions[None], None, mask[None, 1:], old[None, 1:], adv[None, 1:],
-                      w[None, 1:], seq[None])
+    seq = seq[:, 1:].masked_fill(positions[:, 1:] == 0, -1)
+    return MicroBatch(tokens, positions, None, mask[:, 1:], old[:, 1:], adv[:, 1:], w[:, 1:], seq)
 
 
-def _padded(batch: Batch, slices: list[slice], ids: list[int], pad_id: int, weights: np.ndarray) -> MicroBatch:
+def _padded(batch: Batch, slices: list[slice], rows: list[list[int]], pad_id: int, weights: np.ndarray) -> MicroBatch:
+    ids = [i for (i,) in rows]
     width = max(slices[i].stop - slices[i].start for i in ids)
     tokens = torch.full((len(ids), width), pad_id, dtype=torch.long)
     attn = torch.zeros((len(ids), width), dtype=torch.long)

@@ -110,9 +110,9 @@ class Trainer:
     def micro_batches(self, batch) -> list[MicroBatch]:
         t = self.cfg.trainer
         weights = loss_weights(batch, t.loss.normalization, t.loss.norm_length or self.cfg.seq_len)
-        return rank_micro_batches(batch, self.rank, self.world, pack_tokens=(t.micro_batch_tokens or self.cfg.seq_len)
-                                  if t.pack else None, micro_batch_size=t.micro_batch_size, pad_id=self.pad_id,
-                                  weights=weights)
+        per = max(1, t.micro_batch_tokens // self.cfg.seq_len) if t.pack else t.micro_batch_size
+        return rank_micro_batches(batch, self.rank, self.world, row_len=self.cfg.seq_len if t.pack else None,
+                                  per_micro_batch=per, pad_id=self.pad_id, weights=weights)
 
     def train_one(self, receiver: BatchReceiver | None, step: int) -> None:
         batch, waited = receive_batch(receiver, self.cfg.transport.kind, step, self.cfg.trainer.batch_timeout_s,

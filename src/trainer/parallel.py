@@ -23,6 +23,8 @@ def init_distributed(timeout_s: float) -> torch.device:
         torch.cuda.set_device(device)
     else:
         backend, device = "gloo", torch.device("cpu")
+    if dist.is_initialized():  # a second Trainer in one process (benchmarks)
+        return device
     if "RANK" in os.environ:  # torchrun
         dist.init_process_group(backend, device_id=device if backend == "nccl" else None,
                                 timeout=datetime.timedelta(seconds=timeout_s))

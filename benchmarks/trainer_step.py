@@ -1,0 +1,135 @@
+"""The trainer's step on CPU, through the real Trainer (FSDP2, one rank): packed vs padded
+micro-batches on variable-length samples, and one step of a 0.5B-class random model.
+
+    .venv/bin/python benchmarks/trainer_step.py packing [--samples 64] [--repeats 3]
+    .venv/bin/python benchmarks/trainer_step.py large
+
+Random Qwen2 models are built into a temporary directory (no download). Results are printed and
+written to benchmarks/results/trainer_step_<mode>.json; summary in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from rl.batch import Batch, Sample  # noqa: E402
+from rl.config import RunConfig  # noqa: E402
+from trainer.main import Trainer  # noqa: E402
+
+SHAPES = {
+    # A small model whose step time is compute, not Python overhead.
+    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=2048),
+    # Qwen2.5-0.5B's shape (494M parameters, tied embeddings).
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936),
+}
+
+
+def build_model(shape: str, directory: Path) -> Path:
+    torch.manual_seed(0)
+    cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=True, pad_token_id=0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(directory)
+    return directory
+
+
+def random_batch(samples: int, min_len: int, max_len: int, vocab: int, seed: int = 0) -> Batch:
+    """Prompts of 16-48 tokens, completions so that lengths spread uniformly up to max_len, as
+    in RL where some completions stop early and others run to the limit."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(samples):
+        total = int(rng.integers(min_len, max_len + 1))
+        p = min(int(rng.integers(16, 49)), total - 1)
+        completion = rng.integers(1, vocab, size=total - p).tolist()
+        out.append(Sample.single_turn(rng.integers(1, vocab, size=p).tolist(), completion,
+                                      (-rng.random(len(completion))).tolist(), [0] * len(completion),
+                                      reward=0.0, advantage=float(rng.normal())))
+    return Batch.from_samples(1, 1.0, out)
+
+
+def trainer(model: Path, out: Path, seq_len: int, **trainer_keys) -> Trainer:
+    cfg = RunConfig.model_validate({"model": str(model), "output_dir": str(out), "seq_len": seq_len,
+                                    "trainer": {"torch_threads": torch.get_num_threads(), **trainer_keys}})
+    return Trainer(cfg)
+
+
+def timed_steps(t: Trainer, batch: Batch, repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        t.train_step(t.micro_batches(batch), 1.0)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def packing(args, tmp: Path) -> dict:
+    model = build_model("small", tmp / "model")
+    batch = random_batch(args.samples, 24, args.seq_len, SHAPES["small"]["vocab_size"])
+    tokens = int(batch.lengths.sum())
+    budget = args.micro_batch_size * args.seq_len  # same most tokens per forward for both layouts
+    results = {}
+    for name, keys in (("padded", {"pack": False, "micro_batch_size": args.micro_batch_size}),
+                       ("packed", {"pack": True, "micro_batch_tokens": budget})):
+        t = trainer(model, tmp / name, args.seq_len, **keys)
+        mbs = t.micro_batches(batch)
+        timed_steps(t, batch, 1)  # warm-up
+        times = timed_steps(t, batch, args.repeats)
+        computed = sum(mb.num_tokens for mb in mbs)
+        results[name] = {"micro_batches": len(mbs), "tokens_computed": computed, "real_tokens": tokens,
+                         "step_s": min(times), "tokens_per_s": tokens / min(times)}
+        print(f"{name}: {len(mbs)} micro-batches, {computed} tokens computed for {tokens} real, "
+              f"best step {min(times):.2f}s = {tokens / min(times):,.0f} real tokens/s", flush=True)
+    results["speedup"] = results["packed"]["tokens_per_s"] / results["padded"]["tokens_per_s"]
+    print(f"packed / padded tokens/s: {results['speedup']:.2f}x")
+    return {"samples": args.samples, "seq_len": args.seq_len, "shape": SHAPES["small"], **results}
+
+
+def large(args, tmp: Path) -> dict:
+    start = time.perf_counter()
+    model = build_model("0.5b", tmp / "model")
+    build_s = time.perf_counter() - start
+    batch = random_batch(8, 96, 160, SHAPES["0.5b"]["vocab_size"])
+    t = trainer(model, tmp / "run", 256, micro_batch_tokens=512)
+    params = sum(p.numel() for p in t.model.parameters())
+    times = timed_steps(t, batch, args.repeats)
+    tokens = int(batch.lengths.sum())
+    start = time.perf_counter()
+    write_s = t.publish(1)
+    publish_s = time.perf_counter() - start
+    print(f"0.5B-class ({params / 1e6:.0f}M params): {tokens} tokens, steps {', '.join(f'{s:.1f}s' for s in times)} "
+          f"({tokens / min(times):,.0f} tokens/s); gather + write weights {publish_s:.1f}s (write {write_s:.1f}s)")
+    return {"params": params, "tokens": tokens, "step_s": times, "tokens_per_s": tokens / min(times),
+            "publish_s": publish_s, "write_s": write_s, "build_model_s": build_s}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("mode", choices=["packing", "large"])
+    ap.add_argument("--samples", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--micro-batch-size", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        result = packing(args, Path(d)) if args.mode == "packing" else large(args, Path(d))
+    result["torch_threads"] = torch.get_num_threads()
+    out = ROOT / "benchmarks" / "results" / f"trainer_step_{args.mode}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
