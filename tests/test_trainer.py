@@ -179,3 +179,21 @@ def test_learning_rate_schedules():
     assert [lr_factor(i, lin, 5) for i in range(5)] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
     assert [lr_factor(i, OptimConfig(lr=1.0, warmup_steps=4), 9) for i in range(6)] == pytest.approx(
         [0.25, 0.5, 0.75, 1.0, 1.0, 1.0])
+
+
+def test_reference_kl_sequence_ratio_and_bfloat16_run_through_the_real_trainer(tmp_path, write_toml):
+    """The options the loss tests check in isolation, wired through the program: a frozen
+    reference model (KL is 0 at step 1, where trainer == reference, and > 0 after it moved),
+    sequence-level truncated IS, ratio masks, Dr. GRPO normalisation, padded micro-batches, bf16."""
+    run = RunDir(tmp_path / "run")
+    write_batches(run, [1, 2, 3])
+    extra = ("max_steps = 3\n[trainer]\npack = false\nmicro_batch_size = 3\ndtype = \"bfloat16\"\n"
+             "[trainer.optim]\nlr = 1e-3\n[trainer.loss]\nobjective = \"truncated_is\"\nratio_level = \"sequence\"\n"
+             "mask_low = 0.1\nmask_high = 10.0\nkl_coef = 0.1\nkl_target = \"reference\"\nnormalization = \"constant\"\n")
+    run_trainer(rl_command("trainer"), ["@", config(write_toml, run, "cfg.toml"),
+                                        "@", str(write_toml(extra, "extra.toml")), "--max_steps", "3"])
+    m = trainer_metrics(run)
+    assert [r["step"] for r in m] == [1, 2, 3]
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in m)
+    assert m[0]["kl"] < 1e-4 < m[2]["kl"]
+    assert 0 < m[0]["entropy"] < math.log(30)  # vocab of 30
