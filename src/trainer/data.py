@@ -131,8 +131,9 @@ def rank_micro_batches(batch: Batch, rank: int, world: int, *, row_len: int | No
     """
     lengths = batch.lengths.tolist()
     mine = assign_ranks(lengths, world)
-    # Padded: already longest first, so neighbours have similar lengths and little padding.
-    rows = [pack(m, lengths, row_len) if row_len is not None else [[i] for i in m] for m in mine]
+    # Padded keeps the batch's order, as a trainer without packing would see it (sorting by
+    # length would pad less, but pack = true is the way to waste nothing).
+    rows = [pack(m, lengths, row_len) if row_len is not None else [[i] for i in sorted(m)] for m in mine]
     groups = [[r[i:i + per_micro_batch] for i in range(0, len(r), per_micro_batch)] for r in rows]
     count = max(len(g) for g in groups)
     slices = batch.sample_slices()
