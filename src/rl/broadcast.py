@@ -1,0 +1,481 @@
+"""Weight sync by broadcast: the contract between trainer rank 0 (the sender) and every inference
+worker (the receivers). See docs/architecture.md, "Weight sync by broadcast".
+
+    bucket planning      named tensors, in the model's order, grouped into buckets of at most
+                         weight_sync.bucket_mb (a bigger tensor gets a bucket of its own)
+    packing              one bucket = one flat uint8 tensor: one collective per bucket
+    manifest             weights/step_n/broadcast.json: version, buckets, per tensor name, dtype,
+                         shape, offset, nbytes. JSON, never pickle: receivers parse what another
+                         process wrote
+    the group            a stateless process group (a TCPStore hosted by trainer rank 0 at
+                         weight_sync.address, and a gloo or NCCL backend built on it directly),
+                         so it touches neither the trainer's FSDP group nor vLLM's own groups
+    one version          header (version, bucket count, bytes, manifest digest), the buckets,
+                         then an acknowledgement all-reduce: the sender returns only once every
+                         receiver has loaded the weights, or fails naming who did not
+
+Importing this module is cheap: torch is imported inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+MANIFEST = "broadcast.json"
+# Written by the sender once every receiver acknowledged the version: a server asked to load a
+# delivered version it does not serve has missed its broadcast and must not wait for it.
+DELIVERED = "DELIVERED"
+FORMAT = "asyncrl-broadcast/1"
+# Tensor offsets inside a bucket are aligned so that a uint8 slice can be viewed as any dtype
+# (view(dtype) needs the offset to be a multiple of the element size); 64 covers all of them.
+ALIGN = 64
+_MAGIC = 0x61737963726C  # "asycrl": a header that is not ours fails loudly, not as a bad version
+
+_DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
+           "bool", "float8_e4m3fn", "float8_e5m2")
+
+# Store keys (under the group's prefix).
+_KEY_BACKEND = "backend"
+_KEY_WORLD = "world_size"
+
+
+class BroadcastError(RuntimeError):
+    """The broadcast group failed; the message names the address."""
+
+
+class BroadcastTimeout(BroadcastError, TimeoutError):
+    """A member did not show up (or did not take part) within weight_sync.timeout_s."""
+
+
+# --- the manifest --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    nbytes: int
+    tensors: tuple[TensorSpec, ...]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    version: int
+    buckets: tuple[BucketSpec, ...]
+    backend: str = "gloo"
+    total_bytes: int = field(default=0)
+
+    def to_json(self) -> bytes:
+        data = {
+            "format": FORMAT, "version": self.version, "backend": self.backend,
+            "total_bytes": self.total_bytes,
+            "buckets": [{"nbytes": b.nbytes, "tensors": [
+                {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "offset": t.offset,
+                 "nbytes": t.nbytes} for t in b.tensors]} for b in self.buckets],
+        }
+        return json.dumps(data, indent=1).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> Manifest:
+        """Parse and check a manifest; a malformed one is a ValueError naming the field."""
+        data = json.loads(raw)
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ValueError(f"not a {FORMAT} manifest (format: {data.get('format') if isinstance(data, dict) else None!r})")
+        version, backend = data.get("version"), data.get("backend")
+        if not isinstance(version, int) or version < 0:
+            raise ValueError(f"manifest version: {version!r} is not a version")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"manifest backend: {backend!r} is neither gloo nor nccl")
+        buckets, total, names = [], 0, set()
+        for i, b in enumerate(data.get("buckets", [])):
+            nbytes = b.get("nbytes")
+            if not isinstance(nbytes, int) or nbytes < 0:
+                raise ValueError(f"manifest bucket {i}: nbytes {nbytes!r}")
+            specs = []
+            for t in b.get("tensors", []):
+                spec = TensorSpec(t["name"], t["dtype"], tuple(t["shape"]), t["offset"], t["nbytes"])
+                if spec.dtype not in _DTYPES:
+                    raise ValueError(f"manifest tensor {spec.name}: unsupported dtype {spec.dtype!r}")
+                if not all(isinstance(x, int) and x >= 0 for x in (spec.offset, spec.nbytes, *spec.shape)):
+                    raise ValueError(f"manifest tensor {spec.name}: bad shape/offset/nbytes")
+                if spec.offset % ALIGN or spec.offset + spec.nbytes > nbytes:
+                    raise ValueError(f"manifest tensor {spec.name}: [{spec.offset}, +{spec.nbytes}) "
+                                     f"is misaligned or outside bucket {i} ({nbytes} bytes)")
+                if spec.name in names:
+                    raise ValueError(f"manifest tensor {spec.name}: listed twice")
+                names.add(spec.name)
+                specs.append(spec)
+            buckets.append(BucketSpec(nbytes, tuple(specs)))
+            total += nbytes
+        if data.get("total_bytes") != total:
+            raise ValueError(f"manifest total_bytes: {data.get('total_bytes')!r}, buckets sum to {total}")
+        return cls(version, tuple(buckets), backend, total)
+
+    def digest(self) -> int:
+        """63 bits of the manifest's sha256: the header carries it, so a receiver that read a
+        different manifest than the one being sent fails before unpacking garbage."""
+        return int.from_bytes(hashlib.sha256(self.to_json()).digest()[:8], "little") >> 1
+
+    @property
+    def names(self) -> list[str]:
+        return [t.name for b in self.buckets for t in b.tensors]
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {dtype} cannot be broadcast (supported: {', '.join(_DTYPES)})")
+    return name
+
+
+def plan_buckets(sizes: Iterable[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
+    """Names per bucket, in the given order, each bucket at most bucket_bytes (aligned sizes);
+    a tensor bigger than that gets a bucket of its own.
+
+    The order is the caller's (the model's state-dict order), not sorted by name: vLLM's
+    in-place reload buffers each layer's weights until the layer is complete, so weights that
+    arrive layer by layer are released bucket by bucket while they stream in."""
+    buckets: list[list[str]] = [[]]
+    size = 0
+    for name, nbytes in sizes:
+        n = _align(nbytes)
+        if buckets[-1] and size + n > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(name)
+        size += n
+    return [b for b in buckets if b]
+
+
+def make_manifest(version: int, state_dict: Mapping[str, torch.Tensor], bucket_bytes: int,
+                  backend: str = "gloo") -> Manifest:
+    sizes = [(name, t.numel() * t.element_size()) for name, t in state_dict.items()]
+    buckets = []
+    for names in plan_buckets(sizes, bucket_bytes):
+        specs, offset = [], 0
+        for name in names:
+            t = state_dict[name]
+            nbytes = t.numel() * t.element_size()
+            specs.append(TensorSpec(name, dtype_name(t.dtype), tuple(t.shape), offset, nbytes))
+            offset += _align(nbytes)
+        # The last tensor's padding is not sent.
+        last = specs[-1]
+        buckets.append(BucketSpec(last.offset + last.nbytes, tuple(specs)))
+    return Manifest(version, tuple(buckets), backend, sum(b.nbytes for b in buckets))
+
+
+def pack_bucket(bucket: BucketSpec, state_dict: Mapping[str, torch.Tensor], device=None) -> torch.Tensor:
+    """The bucket's tensors copied into one flat uint8 tensor (on `device`, default CPU)."""
+    import torch
+
+    out = torch.zeros(bucket.nbytes, dtype=torch.uint8, device=device)
+    for spec in bucket.tensors:
+        t = state_dict[spec.name]
+        if dtype_name(t.dtype) != spec.dtype or tuple(t.shape) != spec.shape:
+            raise ValueError(f"{spec.name}: {t.dtype} {tuple(t.shape)} does not match the manifest "
+                             f"({spec.dtype} {spec.shape})")
+        if spec.nbytes:
+            out[spec.offset:spec.offset + spec.nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+    return out
+
+
+def unpack_bucket(bucket: BucketSpec, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) views into `buf`, with the manifest's dtype and shape (no copy)."""
+    import torch
+
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != bucket.nbytes:
+        raise ValueError(f"bucket buffer: expected {bucket.nbytes} uint8 bytes, got {buf.dtype} {tuple(buf.shape)}")
+    return [(s.name, buf[s.offset:s.offset + s.nbytes].view(getattr(torch, s.dtype)).view(s.shape))
+            for s in bucket.tensors]
+
+
+# --- the group -----------------------------------------------------------------------------
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """"host:port" (or "[v6]:port") -> (host, port); ValueError with the reason."""
+    host, sep, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{address!r} is not host:port")
+    return host, int(port)
+
+
+def default_backend(device) -> str:
+    return "nccl" if getattr(device, "type", str(device)) == "cuda" else "gloo"
+
+
+class Group:
+    """A gloo or NCCL backend on its own TCPStore: no default process group involved, so the
+    trainer's FSDP group and vLLM's groups never see it, and every call takes its own timeout.
+    Rank 0 is the sender."""
+
+    def __init__(self, store, rank: int, world_size: int, backend: str, device, address: str,
+                 timeout_s: float):
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.backend_name, self.address, self.timeout_s = backend, address, timeout_s
+        self.device = torch.device(device)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        # Prefixed: the store also carries our own keys (backend, world size, members).
+        prefix = dist.PrefixStore("asyncrl/pg", store)
+        start = time.monotonic()
+        try:
+            if backend == "gloo":
+                self.pg = dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
+            elif backend == "nccl":
+                from torch.distributed.distributed_c10d import ProcessGroupNCCL
+
+                options = ProcessGroupNCCL.Options()
+                options._timeout = timeout
+                self.pg = ProcessGroupNCCL(prefix, rank, world_size, options)
+                # Connect now, not at the first broadcast: a missing member shows at start-up.
+                self.pg.eager_connect_single_device(self.device)
+            else:
+                raise ValueError(f"backend {backend!r}: expected gloo or nccl")
+        except (RuntimeError, TimeoutError) as e:
+            raise self._error("forming the group", e, start) from None
+
+    def _error(self, what: str, e: BaseException, start: float) -> BroadcastError:
+        waited = time.monotonic() - start
+        text = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        cls = BroadcastTimeout if ("timeout" in text.lower() or "timed out" in text.lower()
+                                   or waited >= self.timeout_s * 0.95) else BroadcastError
+        return cls(f"weight broadcast group at {self.address} (rank {self.rank} of {self.world_size}, "
+                   f"{self.backend_name}): {what} failed after {waited:.1f} s "
+                   f"(weight_sync.timeout_s = {self.timeout_s:g}): {text}")
+
+    def _wait(self, work, what: str, start: float) -> None:
+        import datetime
+
+        import torch
+
+        try:
+            work.wait(datetime.timedelta(seconds=self.timeout_s))
+            if self.device.type == "cuda":
+                # NCCL's wait only orders streams; the bytes are there after this.
+                torch.cuda.current_stream(self.device).synchronize()
+        except (RuntimeError, TimeoutError) as e:
+            raise self._error(what, e, start) from None
+
+    def broadcast(self, tensor: torch.Tensor, what: str) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        opts.timeout = datetime.timedelta(seconds=self.timeout_s)
+        start = time.monotonic()
+        try:
+            work = self.pg.broadcast([tensor], opts)
+        except (RuntimeError, TimeoutError) as e:
+            raise self._error(what, e, start) from None
+        self._wait(work, what, start)
+
+    def all_reduce_sum(self, tensor: torch.Tensor, what: str) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        opts.timeout = datetime.timedelta(seconds=self.timeout_s)
+        start = time.monotonic()
+        try:
+            work = self.pg.allreduce([tensor], opts)
+        except (RuntimeError, TimeoutError) as e:
+            raise self._error(what, e, start) from None
+        self._wait(work, what, start)
+
+    def member(self, rank: int) -> str:
+        """Who joined as `rank` (what the receiver registered), for error messages."""
+        try:
+            if self.store.check([f"asyncrl/member/{rank}"]):
+                return self.store.get(f"asyncrl/member/{rank}").decode()
+        except RuntimeError:
+            pass
+        return "?"
+
+    def close(self) -> None:
+        pg, self.pg = getattr(self, "pg", None), None
+        if pg is not None and hasattr(pg, "shutdown"):
+            try:
+                pg.shutdown()
+            except RuntimeError:
+                pass
+        self.store = None
+
+
+def _timeout_error(address: str, what: str, timeout_s: float, e: BaseException) -> BroadcastTimeout:
+    return BroadcastTimeout(f"weight broadcast group at {address}: {what} within {timeout_s:g} s "
+                            f"(weight_sync.timeout_s): {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+
+
+def host_group(address: str, timeout_s: float, device) -> Group:
+    """Sender side (trainer rank 0): host the store at `address`, wait for the receivers to say
+    how many they are (every receiver writes the same world size, given by the orchestrator),
+    then form the group with them."""
+    import datetime
+
+    import torch.distributed as dist
+
+    host, port = parse_address(address)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        store = dist.TCPStore(host, port, None, True, timeout, wait_for_workers=False)
+    except (RuntimeError, OSError) as e:
+        raise BroadcastError(f"weight broadcast group at {address}: cannot host the rendezvous store "
+                             f"(weight_sync.address): {e}") from None
+    backend = default_backend(device)
+    store.set(f"asyncrl/{_KEY_BACKEND}", backend)
+    try:
+        store.wait([f"asyncrl/{_KEY_WORLD}"], timeout)
+    except (RuntimeError, TimeoutError) as e:
+        raise _timeout_error(address, "no inference worker joined (the orchestrator posts /init_broadcaster "
+                                      "to every server once they are healthy)", timeout_s, e) from None
+    world_size = int(store.get(f"asyncrl/{_KEY_WORLD}"))
+    group = None
+    try:
+        group = Group(store, 0, world_size, backend, device, address, timeout_s)
+    except BroadcastError as e:
+        missing = [r for r in range(1, world_size) if not store.check([f"asyncrl/member/{r}"])]
+        raise type(e)(f"{e}; ranks that never joined: {missing or 'none'}") from None
+    return group
+
+
+def join_group(address: str, rank: int, world_size: int, timeout_s: float, device, who: str = "") -> Group:
+    """Receiver side (one inference worker): connect to the sender's store, register, check the
+    world size agrees with the other receivers and the backend suits this device, form the group."""
+    import datetime
+
+    import torch.distributed as dist
+
+    host, port = parse_address(address)
+    if not 1 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside 1..{world_size - 1} (rank 0 is the trainer)")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        # Waits up to timeout for the trainer to host the store.
+        store = dist.TCPStore(host, port, None, False, timeout)
+        store.wait([f"asyncrl/{_KEY_BACKEND}"], timeout)
+    except (RuntimeError, TimeoutError) as e:
+        raise _timeout_error(address, "the trainer's rendezvous store did not answer", timeout_s, e) from None
+    agreed = store.compare_set(f"asyncrl/{_KEY_WORLD}", "", str(world_size)).decode()
+    if agreed != str(world_size):
+        raise BroadcastError(f"weight broadcast group at {address}: this worker was told world size "
+                             f"{world_size}, another member {agreed}")
+    backend = store.get(f"asyncrl/{_KEY_BACKEND}").decode()
+    mine = default_backend(device)
+    if backend != mine:
+        raise BroadcastError(f"weight broadcast group at {address}: the trainer broadcasts with {backend}, "
+                             f"this worker's device ({device}) needs {mine}")
+    store.set(f"asyncrl/member/{rank}", who or f"{socket.gethostname()} pid {os.getpid()}")
+    return Group(store, rank, world_size, backend, device, address, timeout_s)
+
+
+# --- one version over the group ------------------------------------------------------------
+
+
+def _header(manifest: Manifest):
+    import torch
+
+    return torch.tensor([_MAGIC, manifest.version, len(manifest.buckets), manifest.total_bytes,
+                         manifest.digest()], dtype=torch.int64)
+
+
+def send_version(group: Group, manifest: Manifest, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Sender: header, buckets, then the acknowledgement; raises naming every receiver that did
+    not load the version."""
+    import torch
+
+    v = manifest.version
+    group.broadcast(_header(manifest).to(group.device), f"header of version {v}")
+    for i, bucket in enumerate(manifest.buckets):
+        group.broadcast(pack_bucket(bucket, state_dict, group.device),
+                        f"bucket {i + 1}/{len(manifest.buckets)} of version {v}")
+    status = torch.zeros(group.world_size, dtype=torch.int32, device=group.device)
+    status[0] = 1
+    group.all_reduce_sum(status, f"acknowledgement of version {v} (a receiver did not take part)")
+    failed = [r for r, s in enumerate(status.tolist()) if s != 1]
+    if failed:
+        raise BroadcastError(f"weight broadcast group at {group.address}: version {v} failed to load on "
+                             + ", ".join(f"rank {r} ({group.member(r)})" for r in failed))
+
+
+class Incoming:
+    """Receiver: one version arriving bucket by bucket. `tensors()` yields (name, view) pairs,
+    receiving each bucket only when the consumer reaches it, into a buffer of its own (the
+    consumer may keep views until it is done: vLLM's reload buffers a layer's weights until the
+    layer is complete). `finish(ok)` receives what the consumer did not take, so the collective
+    sequence stays aligned with the sender even after a failed load, then acknowledges."""
+
+    def __init__(self, group: Group, manifest: Manifest):
+        import torch
+
+        self.group, self.manifest = group, manifest
+        self.received = 0
+        header = torch.zeros(5, dtype=torch.int64, device=group.device)
+        group.broadcast(header, f"header of version {manifest.version}")
+        got, want = header.tolist(), _header(manifest).tolist()
+        if got != want:
+            raise BroadcastError(
+                f"weight broadcast group at {group.address}: expected version {manifest.version} "
+                f"({len(manifest.buckets)} buckets, {manifest.total_bytes} bytes), the trainer sends "
+                f"version {got[1]} ({got[2]} buckets, {got[3]} bytes{', another manifest' if got[1:4] == want[1:4] else ''}); "
+                "the group is out of step and must be rebuilt (restart the servers and the trainer)")
+
+    def _next(self) -> list[tuple[str, torch.Tensor]]:
+        import torch
+
+        i = self.received
+        bucket = self.manifest.buckets[i]
+        buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.group.device)
+        self.group.broadcast(buf, f"bucket {i + 1}/{len(self.manifest.buckets)} of version {self.manifest.version}")
+        self.received += 1
+        return unpack_bucket(bucket, buf)
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        while self.received < len(self.manifest.buckets):
+            yield from self._next()
+
+    def finish(self, ok: bool) -> None:
+        import torch
+
+        while self.received < len(self.manifest.buckets):
+            self._next()
+        status = torch.zeros(self.group.world_size, dtype=torch.int32, device=self.group.device)
+        status[self.group.rank] = 1 if ok else 2
+        self.group.all_reduce_sum(status, f"acknowledgement of version {self.manifest.version}")
+
+
+def read_manifest(directory) -> Manifest:
+    from pathlib import Path
+
+    return Manifest.from_json((Path(directory) / MANIFEST).read_bytes())
+

@@ -1,0 +1,408 @@
+"""Weight sync by broadcast (rl/broadcast.py, trainer/broadcast.py, the server's /init_broadcaster
+and broadcast /update_weights): bucket planning and packing, the handshake between real processes
+over gloo, and one real vLLM server receiving a version by broadcast."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing as mp
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY_MODEL, free_port
+from rl import broadcast as bc
+from rl.config import RunConfig
+from rl.rundir import STABLE, RunDir
+
+# Heavier imports (trainer, aiohttp, safetensors) live inside the tests: the receiver processes
+# are spawned and import this module, and on two busy cores every second counts against the
+# handshake's timeouts.
+
+# --- planning and packing --------------------------------------------------------------------
+
+
+def mixed_state_dict(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(30, 16, generator=g),
+        "layer.0.norm": torch.randn(16, generator=g).to(torch.bfloat16),
+        "layer.0.big": torch.randn(300_000, generator=g),  # 1.2 MB: over a 1 MiB bucket
+        "layer.0.half": torch.randn(7, 3, generator=g).to(torch.float16),
+        "layer.0.count": torch.randint(-(2**40), 2**40, (5,), generator=g),
+        "layer.0.mask": torch.rand(9, generator=g) > 0.5,
+        "layer.0.scalar": torch.tensor(3.5, dtype=torch.float64),
+        "layer.0.empty": torch.zeros(0, 4),
+        "lm_head.weight": torch.randn(30, 16, generator=g),
+    }
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
+
+
+def test_plan_buckets_keeps_order_and_gives_a_big_tensor_its_own_bucket():
+    sizes = [("a", 400), ("b", 500), ("c", 5000), ("d", 10), ("e", 90)]
+    plan = bc.plan_buckets(sizes, 1024)
+    assert plan == [["a", "b"], ["c"], ["d", "e"]]
+    assert [n for b in plan for n in b] == [n for n, _ in sizes]
+    assert bc.plan_buckets(sizes, 1024) == plan  # deterministic
+    assert bc.plan_buckets([("x", 5000)], 1024) == [["x"]]
+    assert bc.plan_buckets([], 1024) == []
+
+
+def test_pack_unpack_round_trip_is_bit_identical_with_mixed_dtypes():
+    sd = mixed_state_dict(0)
+    manifest = bc.make_manifest(7, sd, 1 << 20)
+    assert manifest.names == list(sd)  # the model's order, not sorted
+    big = [b for b in manifest.buckets if any(t.name == "layer.0.big" for t in b.tensors)]
+    assert len(big) == 1 and len(big[0].tensors) == 1 and big[0].nbytes == 1_200_000
+    assert len(manifest.buckets) == 3
+    assert manifest.total_bytes == sum(b.nbytes for b in manifest.buckets)
+    out = {}
+    for bucket in manifest.buckets:
+        buf = bc.pack_bucket(bucket, sd)
+        assert buf.dtype == torch.uint8 and buf.numel() == bucket.nbytes
+        for name, t in bc.unpack_bucket(bucket, buf.clone()):
+            assert t.untyped_storage().data_ptr() != 0 or t.numel() == 0
+            out[name] = t
+    assert list(out) == list(sd)
+    for name, t in sd.items():
+        assert same_bits(out[name], t), name
+    assert out["layer.0.norm"].dtype == torch.bfloat16 and out["layer.0.scalar"].shape == ()
+    # Views, not copies: one storage per bucket.
+    first = manifest.buckets[0]
+    buf = bc.pack_bucket(first, sd)
+    views = bc.unpack_bucket(first, buf)
+    assert all(v.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr() for _, v in views)
+
+
+def test_manifest_json_round_trip_and_validation():
+    sd = mixed_state_dict(1)
+    manifest = bc.make_manifest(3, sd, 1 << 20)
+    raw = manifest.to_json()
+    data = json.loads(raw)  # plain JSON, nothing else
+    assert data["version"] == 3 and data["format"] == bc.FORMAT
+    assert data["buckets"][0]["tensors"][0] == {"name": "embed.weight", "dtype": "float32", "shape": [30, 16],
+                                                "offset": 0, "nbytes": 30 * 16 * 4}
+    again = bc.Manifest.from_json(raw)
+    assert again == manifest and again.digest() == manifest.digest()
+    assert bc.make_manifest(3, mixed_state_dict(2), 1 << 20).to_json() == raw  # same shapes, same plan
+    data["buckets"][0]["tensors"][1]["offset"] = 3
+    with pytest.raises(ValueError, match="misaligned"):
+        bc.Manifest.from_json(json.dumps(data))
+    data = json.loads(raw)
+    data["buckets"][0]["tensors"][0]["dtype"] = "complex64"
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        bc.Manifest.from_json(json.dumps(data))
+    with pytest.raises(ValueError, match="not a"):
+        bc.Manifest.from_json(b'{"version": 1}')
+    with pytest.raises(ValueError, match="does not match the manifest"):
+        bc.pack_bucket(manifest.buckets[0], {**sd, "embed.weight": sd["embed.weight"].double()})
+
+
+def test_parse_address():
+    assert bc.parse_address("127.0.0.1:29710") == ("127.0.0.1", 29710)
+    assert bc.parse_address("[::1]:5") == ("::1", 5)
+    for bad in ("127.0.0.1", ":80", "h:0", "h:70000", "h:x"):
+        with pytest.raises(ValueError, match="host:port"):
+            bc.parse_address(bad)
+
+
+# --- the handshake between real processes, over gloo ----------------------------------------
+
+
+def config(tmp: Path, address: str, timeout_s: float, bucket_mb: int = 1) -> RunConfig:
+    return RunConfig.model_validate({
+        "model": str(TINY_MODEL), "output_dir": str(tmp / "run"),
+        "weight_sync": {"kind": "broadcast", "address": address, "bucket_mb": bucket_mb, "timeout_s": timeout_s},
+        "trainer": {"keep_weights": 1},
+    })
+
+
+def receiver(address: str, rank: int, world: int, run_root: str, versions: list[int], timeout_s: float, results,
+             ready=None, linger_s: float = 0.0) -> None:
+    """Stands in for one inference worker: joins, then for each version waits for STABLE (the
+    orchestrator's cue) and receives."""
+    if ready is not None:
+        ready.set()  # imports done: what is left is fast
+    try:
+        group = bc.join_group(address, rank, world, timeout_s, "cpu", who=f"test receiver {rank}")
+        run = RunDir(run_root)
+        for v in versions:
+            directory = run.weights_dir(v)
+            deadline = time.monotonic() + timeout_s
+            while not (directory / STABLE).exists():
+                assert time.monotonic() < deadline, f"no STABLE for version {v}"
+                time.sleep(0.01)
+            incoming = bc.Incoming(group, bc.read_manifest(directory))
+            got = dict(incoming.tensors())
+            incoming.finish(True)
+            expected = {k: t for k, t in mixed_state_dict(v).items() if k != "lm_head.weight"}
+            bad = [k for k in expected if k not in got or not same_bits(got[k], expected[k])]
+            results.put((rank, v, sorted(got) == sorted(expected) and not bad, bad))
+        time.sleep(linger_s)  # alive, in the group, but taking no part
+        group.close()
+    except BaseException as e:  # reported, not lost in the child
+        results.put((rank, None, False, f"{type(e).__name__}: {e}"))
+
+
+def start_receivers(ctx, address, ranks, world, run_root, versions, timeout_s):
+    results = ctx.Queue()
+    procs = [ctx.Process(target=receiver, args=(address, r, world, run_root, versions, timeout_s, results))
+             for r in ranks]
+    for p in procs:
+        p.start()
+    return procs, results
+
+
+def test_two_receivers_get_two_versions_bit_identical(tmp_path):
+    from trainer.broadcast import WeightBroadcaster
+
+    address = f"127.0.0.1:{free_port()}"
+    cfg = config(tmp_path, address, timeout_s=60)
+    run = RunDir(cfg.output_dir)
+    run.make()
+    ctx = mp.get_context("spawn")
+    procs, results = start_receivers(ctx, address, [1, 2], 3, str(run.root), [1, 2], 60)
+    try:
+        sender = WeightBroadcaster(cfg, run, tied=True)  # returns once both joined
+        assert sender.group.world_size == 3 and sender.group.backend_name == "gloo"
+        for v in (1, 2):
+            seconds = sender.publish(v, mixed_state_dict(v))
+            assert seconds > 0
+            directory = run.weights_dir(v)
+            assert (directory / STABLE).exists() and (directory / bc.DELIVERED).exists()
+            manifest = bc.read_manifest(directory)
+            assert manifest.version == v and "lm_head.weight" not in manifest.names  # tied
+            assert len(manifest.buckets) == 3  # 1 MiB buckets, the 1.2 MB tensor alone
+        reports = [results.get(timeout=60) for _ in range(4)]
+        sender.close()
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert sorted((r, v) for r, v, _, _ in reports) == [(1, 1), (1, 2), (2, 1), (2, 2)], reports
+    assert all(ok for _, _, ok, _ in reports), reports
+    # keep_weights = 1: the tiny broadcast directories are pruned like file versions.
+    assert run.weight_steps() == [2]
+
+
+def test_a_receiver_that_never_joins_fails_the_sender_naming_the_address(tmp_path):
+    from trainer.broadcast import WeightBroadcaster
+
+    address = f"127.0.0.1:{free_port()}"
+    cfg = config(tmp_path, address, timeout_s=8)
+    run = RunDir(cfg.output_dir)
+    run.make()
+    ctx = mp.get_context("spawn")
+    # Rank 1 joins a group of 3; rank 2 never comes.
+    results, ready = ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=receiver, args=(address, 1, 3, str(run.root), [1], 8, results, ready))]
+    procs[0].start()
+    try:
+        assert ready.wait(60)
+        start = time.monotonic()
+        with pytest.raises(bc.BroadcastTimeout) as err:
+            WeightBroadcaster(cfg, run, tied=False)
+        waited = time.monotonic() - start
+        rank, _, ok, why = results.get(timeout=30)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    message = str(err.value)
+    assert address in message and "never joined: [2]" in message and "weight_sync.timeout_s" in message
+    assert waited < 30
+    assert rank == 1 and not ok and address in why
+
+
+def test_a_member_missing_from_a_version_fails_publish_naming_the_address(tmp_path):
+    from trainer.broadcast import WeightBroadcaster
+
+    address = f"127.0.0.1:{free_port()}"
+    cfg = config(tmp_path, address, timeout_s=60)
+    run = RunDir(cfg.output_dir)
+    run.make()
+    ctx = mp.get_context("spawn")
+    # Both join; rank 2 takes version 1 but not version 2 (a server nobody told about it).
+    results = ctx.Queue()
+    procs = [ctx.Process(target=receiver, args=(address, 1, 3, str(run.root), [1, 2], 60, results)),
+             ctx.Process(target=receiver, args=(address, 2, 3, str(run.root), [1], 60, results, None, 60))]
+    for p in procs:
+        p.start()
+    try:
+        sender = WeightBroadcaster(cfg, run, tied=False)
+        sender.group.timeout_s = 3  # joining waits for slow process starts; the broadcast need not
+        sender.publish(1, mixed_state_dict(1))
+        start = time.monotonic()
+        with pytest.raises(bc.BroadcastTimeout) as err:
+            sender.publish(2, mixed_state_dict(2))
+        waited = time.monotonic() - start
+        sender.close()
+    finally:
+        for p in procs:  # rank 1 still waits for the rest of version 2
+            p.kill()
+            p.join(timeout=30)
+    assert address in str(err.value) and "version 2" in str(err.value)
+    assert 2.5 < waited < 15
+    assert not (run.weights_dir(2) / bc.DELIVERED).exists()
+
+
+# --- a real vLLM server ------------------------------------------------------------------------
+
+Z, A, EQ = 28, 3, 29
+PROMPTS = [[A, 4, 5, 6, EQ], [Z, 7, 8, EQ], [10, 11, 12, 13, 14, EQ]]
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory):
+    from test_end_to_end import Program
+
+    tmp = tmp_path_factory.mktemp("broadcast")
+    run = RunDir(tmp / "run")
+    run.make()
+    port, address = free_port(), f"127.0.0.1:{free_port()}"
+    cfg = tmp / "server.toml"
+    cfg.write_text(f'model = "{TINY_MODEL}"\noutput_dir = "{run.root}"\nseq_len = 64\n'
+                   f'[inference]\nport = {port}\ndtype = "float32"\n'
+                   f'[weight_sync]\nkind = "broadcast"\naddress = "{address}"\ntimeout_s = 60\n')
+    server = Program("inference", cfg, tmp)
+    url = f"http://127.0.0.1:{port}"
+    import httpx
+
+    deadline = time.monotonic() + 240
+    while True:
+        assert server.proc.poll() is None, server.tail()
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, server.tail()
+        time.sleep(0.5)
+    try:
+        yield {"url": url, "run": run, "address": address, "cfg": cfg, "tmp": tmp, "server": server}
+    finally:
+        server.stop()
+
+
+async def greedy(s, url: str) -> list[tuple[list[int], list[float]]]:
+    out = []
+    for i, prompt in enumerate(PROMPTS):
+        async with s.post(f"{url}/generate", json={"request_id": f"g{time.monotonic_ns()}-{i}",
+                                                   "prompt_token_ids": prompt, "max_tokens": 12,
+                                                   "temperature": 0}) as r:
+            data = await r.json()
+            assert r.status == 200, data
+        sample = data["samples"][0]
+        out.append((sample["token_ids"], sample["logprobs"]))
+    return out
+
+
+def hf_greedy(directory: Path) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                 eos_token_id=1, pad_token_id=0)
+            out.append(ids[0, len(prompt):].tolist())
+    return out
+
+
+def test_real_server_receives_a_version_by_broadcast(vllm_server):
+    """The orchestrator's own ServerPool drives the server: /init_broadcaster with the rank it
+    computes from /health, then /update_weights on the broadcast directory while the trainer's
+    WeightBroadcaster sends. The result must equal a filesystem reload of the same tensors."""
+    import aiohttp
+    from safetensors.torch import load_file, save_file
+
+    from orchestrator.servers import ServerPool
+    from trainer.broadcast import WeightBroadcaster
+
+    url, run, address = vllm_server["url"], vllm_server["run"], vllm_server["address"]
+    cfg = RunConfig.model_validate({"model": str(TINY_MODEL), "output_dir": str(run.root),
+                                    "weight_sync": {"kind": "broadcast", "address": address, "timeout_s": 60}})
+    base = load_file(TINY_MODEL / "model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    new = {k: v + 0.5 * v.std() * torch.randn(v.shape, generator=g) if v.numel() > 1 else v
+           for k, v in base.items()}
+    files = run.weights / "files"  # the same tensors as an HF directory, for the comparison
+    shutil.copytree(TINY_MODEL, files)
+    save_file(new, files / "model.safetensors")
+    sender: dict = {}
+
+    def in_thread(fn):
+        def go():
+            try:
+                sender["result"] = fn()
+            except BaseException as e:
+                sender["error"] = e
+        t = threading.Thread(target=go)
+        t.start()
+        return t
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{url}/health") as r:
+                health = await r.json()
+            before = await greedy(s, url)
+            errors = {}
+            for name, body in {"address": {"address": "127.0.0.1:1", "rank_offset": 1, "world_size": 2},
+                               "world": {"address": address, "rank_offset": 2, "world_size": 2},
+                               "offset": {"address": address, "rank_offset": 0, "world_size": 2}}.items():
+                async with s.post(f"{url}/init_broadcaster", json=body) as r:
+                    errors[name] = (r.status, await r.text())
+            pool = ServerPool([url], s, None, 60, 30, False, broadcast_address=address, broadcast_timeout_s=60)
+            await pool.connect(30)
+            thread = in_thread(lambda: WeightBroadcaster(cfg, run, tied=True))
+            await pool.init_broadcaster()
+            await asyncio.to_thread(thread.join)
+            assert "error" not in sender, sender.get("error")
+            broadcaster = sender.pop("result")
+            async with s.post(f"{url}/init_broadcaster",
+                              json={"address": address, "rank_offset": 1, "world_size": 2}) as r:
+                again = await r.json()
+            state = {**new, "lm_head.weight": new["model.embed_tokens.weight"]}  # what FSDP hands over
+            thread = in_thread(lambda: broadcaster.publish(1, state))
+            while not (run.weights_dir(1) / STABLE).exists():  # the orchestrator's cue
+                await asyncio.sleep(0.01)
+            await pool.load(1, run.weights_dir(1))
+            await asyncio.to_thread(thread.join)
+            assert "error" not in sender, sender.get("error")
+            by_broadcast = await greedy(s, url)
+            async with s.get(f"{url}/health") as r:
+                after = await r.json()
+            async with s.post(f"{url}/update_weights", json={"path": str(files), "version": 2}) as r:
+                assert r.status == 200, await r.text()
+            by_files = await greedy(s, url)
+            # Version 1 was delivered while this server moved on: it cannot receive it again.
+            async with s.post(f"{url}/update_weights", json={"path": str(run.weights_dir(1)), "version": 1}) as r:
+                missed = (r.status, await r.text())
+            broadcaster.close()
+            return health, before, errors, pool, again, by_broadcast, after, by_files, missed
+
+    health, before, errors, pool, again, by_broadcast, after, by_files, missed = asyncio.run(main())
+    assert health["workers"] == 1
+    assert errors["address"][0] == 403 and "weight_sync.address" in errors["address"][1]
+    assert errors["world"][0] == 400 and "world_size" in errors["world"][1]
+    assert errors["offset"][0] == 400
+    assert again["already"] is True and again["ranks"] == [1]
+    assert pool.servers[0].version == 1 and pool.servers[0].healthy
+    assert after["version"] == 1
+    assert by_broadcast != before
+    assert by_broadcast == by_files  # same tokens, same logprobs: bit for bit the same weights
+    # And what transformers generates from those weights (tied lm_head included).
+    assert [tokens for tokens, _ in by_broadcast] == hf_greedy(files)
+    assert missed[0] == 409 and "broadcast without this server" in missed[1]
