@@ -12,7 +12,12 @@ rl/inference_api.py) in front:
   POST /update_weights   {"path", "version", "mode"}: pause the engine ("wait": running requests
                          finish first; "keep": they are frozen between two decode steps), reload
                          in place, resume; answers once the new weights serve
-  GET  /health           engine health, the version now serving, engine requests running
+  POST /init_broadcaster {"address", "rank_offset", "world_size"}: every worker joins the
+                         trainer's weight broadcast group (rl/broadcast.py); after that an
+                         /update_weights whose directory holds broadcast.json receives the
+                         tensors from the trainer instead of reading files
+  GET  /health           engine health, the version now serving, engine requests running, and
+                         how many workers (broadcast ranks) the server has
 
 Per-token versions: each engine request keeps switch points (token index, version); an update
 reads from the workers how many tokens each in-flight request had sampled before the reload and
@@ -29,17 +34,20 @@ import asyncio
 import hmac
 import logging
 import os
+import socket
 import time
 from pathlib import Path
 
 from fastapi import APIRouter, FastAPI, HTTPException, Request
 
 from rl.config import RunConfig
+from rl import broadcast as bc
 from rl.inference_api import (
     AbortRequest,
     GeneratedSample,
     GenerateRequest,
     GenerateResponse,
+    InitBroadcasterRequest,
     UpdateWeightsRequest,
 )
 from rl.rundir import RunDir
@@ -78,6 +86,8 @@ class AdminRoutes:
         # Engine request id -> [(first token index, version that samples from there on), ...].
         self.switches: dict[str, list[tuple[int, int]]] = {}
         self.engine = None
+        # (address, rank_offset, world_size) once the workers joined a broadcast group.
+        self.group: tuple[str, int, int] | None = None
 
     def check_token(self, request: Request) -> None:
         token = self.cfg.inference.api_token
@@ -93,9 +103,26 @@ class AdminRoutes:
             raise HTTPException(403, f"path: {path} is outside the allowed weight roots")
         if not resolved.is_dir():
             raise HTTPException(404, f"path: {path} is not a directory")
-        if not any(resolved.glob("*.safetensors")):
-            raise HTTPException(422, f"path: {path} holds no *.safetensors")
+        if not any(resolved.glob("*.safetensors")) and not (resolved / bc.MANIFEST).is_file():
+            raise HTTPException(422, f"path: {path} holds no *.safetensors and no {bc.MANIFEST}")
         return resolved
+
+    @property
+    def workers(self) -> int:
+        """Workers of this engine (tensor x pipeline parallel): each is one broadcast rank."""
+        return self.engine.vllm_config.parallel_config.world_size
+
+    def broadcast_manifest(self, path: Path, version: int) -> bc.Manifest:
+        if self.group is None:
+            raise HTTPException(409, f"path: {path} holds a broadcast manifest, but this server is in no "
+                                     "broadcast group (POST /init_broadcaster first)")
+        try:
+            manifest = bc.read_manifest(path)
+        except (ValueError, KeyError, TypeError) as e:
+            raise HTTPException(422, f"path: {path}/{bc.MANIFEST} is malformed: {e}") from None
+        if manifest.version != version:
+            raise HTTPException(400, f"version: {version}, but {path}/{bc.MANIFEST} is version {manifest.version}")
+        return manifest
 
     def check_generate(self, body: GenerateRequest) -> None:
         # Checked here, not left to the engine: its errors name neither the field nor seq_len.
@@ -161,7 +188,7 @@ class AdminRoutes:
         async def health() -> dict:
             await self.engine.check_health()
             return {"status": "ok", "version": self.version, "path": self.path,
-                    "running": len(self.switches)}
+                    "running": len(self.switches), "workers": self.workers}
 
         @router.post("/generate")
         async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
@@ -201,11 +228,68 @@ class AdminRoutes:
                 await self.engine.abort([e for gen in gens for e in gen.engine_ids])
             return {"aborted": len(gens)}
 
+        @router.post("/init_broadcaster")
+        async def init_broadcaster(body: InitBroadcasterRequest, request: Request) -> dict:
+            self.check_token(request)
+            ws = self.cfg.weight_sync
+            # Like weight paths, only the configured source: the route makes every worker
+            # connect to that address and load whatever arrives from it.
+            if body.address != ws.address:
+                raise HTTPException(403, f"address: {body.address} is not this server's weight_sync.address "
+                                         f"({ws.address})")
+            try:
+                bc.parse_address(body.address)
+            except ValueError as e:
+                raise HTTPException(400, f"address: {e}") from None
+            last = body.rank_offset + self.workers - 1
+            if last >= body.world_size:
+                raise HTTPException(400, f"world_size: {body.world_size} leaves no room for this server's "
+                                         f"{self.workers} worker(s) from rank_offset {body.rank_offset}")
+            wanted = (body.address, body.rank_offset, body.world_size)
+            async with self.lock:
+                if self.group == wanted:
+                    # An orchestrator restarted on the same run asks again.
+                    return {"address": body.address, "ranks": list(range(body.rank_offset, last + 1)),
+                            "world_size": body.world_size, "already": True}
+                if self.group is not None:
+                    raise HTTPException(409, f"already in the broadcast group {self.group} (address, rank_offset, "
+                                             "world_size); joining another needs a restart of this server")
+                start = time.perf_counter()
+                try:
+                    ranks = await self.engine.collective_rpc(
+                        "asyncrl_init_broadcaster", timeout=ws.timeout_s + 30,
+                        args=(body.address, body.rank_offset, body.world_size, ws.timeout_s,
+                              f"{socket.gethostname()}:{self.cfg.inference.port}"))
+                except Exception as e:
+                    raise self.rpc_error(f"joining the broadcast group at {body.address}", e) from None
+                self.group = wanted
+            log.info("joined the weight broadcast group at %s as rank(s) %s of %d in %.1f s", body.address, ranks,
+                     body.world_size, time.perf_counter() - start)
+            return {"address": body.address, "ranks": ranks, "world_size": body.world_size, "already": False}
+
         @router.post("/update_weights")
         async def update_weights(body: UpdateWeightsRequest, request: Request) -> dict:
             self.check_token(request)
             path = self.confine(body.path)
+            manifest = None
+            if (path / bc.MANIFEST).is_file():
+                manifest = self.broadcast_manifest(path, body.version)
             async with self.lock:
+                if manifest is not None:
+                    if self.version == body.version:
+                        # Already received (another caller asked first): receiving again would
+                        # wait for a broadcast that never comes.
+                        return {"version": self.version, "reload_s": 0.0, "switched": 0}
+                    if (path / bc.DELIVERED).exists():
+                        raise HTTPException(409, f"version {body.version} was broadcast without this server "
+                                                 f"(it serves {self.version}); it cannot catch up without a "
+                                                 "restart of the trainer and the servers")
+                    method, arg = "asyncrl_receive_weights", str(path / bc.MANIFEST)
+                    # The workers' own waits are bounded by weight_sync.timeout_s and name the
+                    # group; this one only catches a worker that never answers.
+                    rpc_timeout = self.cfg.inference.reload_timeout_s + self.cfg.weight_sync.timeout_s
+                else:
+                    method, arg, rpc_timeout = "asyncrl_reload_weights", str(path), self.cfg.inference.reload_timeout_s
                 self.serving.clear()
                 start = time.perf_counter()
                 try:
@@ -214,11 +298,12 @@ class AdminRoutes:
                     # generating as it goes).
                     paused = time.perf_counter()
                     try:
-                        sampled = await self.engine.collective_rpc(
-                            "asyncrl_reload_weights",
-                            timeout=self.cfg.inference.reload_timeout_s,
-                            args=(str(path),),
-                        )
+                        try:
+                            sampled = await self.engine.collective_rpc(method, timeout=rpc_timeout, args=(arg,))
+                        except Exception as e:
+                            if manifest is None:
+                                raise
+                            raise self.rpc_error(f"receiving version {body.version} by broadcast", e) from None
                         switched = self.switch(sampled[0], body.version)
                         self.reloads += 1
                         # Cached KV was computed by the old weights. This fails (vLLM logs it)
@@ -239,6 +324,12 @@ class AdminRoutes:
             return {"version": self.version, "reload_s": seconds, "switched": switched}
 
         return router
+
+    @staticmethod
+    def rpc_error(what: str, e: Exception) -> HTTPException:
+        text = str(e) or type(e).__name__
+        timed_out = isinstance(e, TimeoutError) or "timeout" in text.lower() or "timed out" in text.lower()
+        return HTTPException(504 if timed_out else 500, f"{what} failed: {text[:1000]}")
 
     def switch(self, sampled: dict[str, int], version: int) -> int:
         """Record that the requests the worker held (internal id -> tokens sampled before the

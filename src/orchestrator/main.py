@@ -71,8 +71,11 @@ class Orchestrator:
     def __init__(self, cfg: RunConfig, session: aiohttp.ClientSession):
         self.cfg, self.o = cfg, cfg.orchestrator
         self.run_dir = RunDir(cfg.output_dir)
+        ws = cfg.weight_sync
         self.pool = ServerPool(cfg.urls, session, cfg.inference.api_token, cfg.inference.reload_timeout_s,
-                               self.o.server_retry_max_s, self.o.in_flight_updates)
+                               self.o.server_retry_max_s, self.o.in_flight_updates,
+                               broadcast_address=ws.address if ws.kind == "broadcast" else None,
+                               broadcast_timeout_s=ws.timeout_s)
         self.rollouts = self._make_rollouts(session)
         self.sender = BatchSender(cfg.transport, self.run_dir)
         self.next_step, cursor, pending = self._resume_point()
@@ -391,6 +394,9 @@ class Orchestrator:
 
     async def start(self) -> None:
         await self.pool.connect(self.o.server_wait_timeout_s)
+        if self.cfg.weight_sync.kind == "broadcast":
+            # Before any load: the trainer's first broadcast needs every server in the group.
+            await self.pool.init_broadcaster()
         version, path = self.latest_weights()
         await self.pool.load(version, path)
         if not self.pool.in_rotation:

@@ -4,6 +4,10 @@ requests each has in flight, which are in rotation.
 A server that fails a request is taken out of rotation at once (its groups are requeued by the
 caller) and health-checked with exponential backoff; it rejoins only after it serves the pool's
 current version, so the async rule (every server in rotation serves >= n-1-k) never regresses.
+
+With weight sync by broadcast every worker of every server is a rank of the trainer's group:
+init_broadcaster hands out the ranks, and each version is posted to every server, in rotation or
+not, because the trainer's broadcast needs all of them at once.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pathlib import Path
 
 import aiohttp
 
+from rl.broadcast import MANIFEST
 from rl.inference_api import InferenceClient, InferenceError
 
 log = logging.getLogger("orchestrator")
@@ -36,6 +41,8 @@ class Server:
     retry_at: float = 0.0
     idle_s: float = 0.0
     idle_since: float | None = field(default_factory=time.monotonic)
+    workers: int = 1
+    """Ranks it takes in a broadcast group (its /health says)."""
 
     @property
     def url(self) -> str:
@@ -44,9 +51,11 @@ class Server:
 
 class ServerPool:
     def __init__(self, urls: list[str], session: aiohttp.ClientSession, token: str | None,
-                 reload_timeout_s: float, retry_max_s: float, in_flight_updates: bool):
+                 reload_timeout_s: float, retry_max_s: float, in_flight_updates: bool,
+                 broadcast_address: str | None = None, broadcast_timeout_s: float = 600.0):
         self.servers = [Server(InferenceClient(u, session, token)) for u in urls]
         self.reload_timeout_s, self.retry_max_s = reload_timeout_s, retry_max_s
+        self.broadcast_address, self.broadcast_timeout_s = broadcast_address, broadcast_timeout_s
         self.mode = "keep" if in_flight_updates else "wait"
         self.version, self.path = 0, ""  # what every server in rotation must serve
 
@@ -130,6 +139,7 @@ class ServerPool:
             for s, r in zip(list(pending), results):
                 if not isinstance(r, BaseException):
                     s.version = r["version"]
+                    s.workers = int(r.get("workers", 1))
                     pending.remove(s)
             if not pending:
                 break
@@ -141,15 +151,40 @@ class ServerPool:
                 last_beat = time.monotonic()
             await asyncio.sleep(1.0)
 
+    async def init_broadcaster(self) -> None:
+        """Every server's workers join the trainer's broadcast group (after connect). Rank 0 is
+        trainer rank 0, then each server's workers in server_urls order; all servers are asked at
+        once, because the group forms only when every member has joined."""
+        offsets, rank = [], 1
+        for s in self.servers:
+            offsets.append(rank)
+            rank += s.workers
+        world = rank
+        log.info("joining %d server(s) (%d workers) to the weight broadcast group at %s",
+                 len(self.servers), world - 1, self.broadcast_address)
+        results = await asyncio.gather(*(
+            s.client.init_broadcaster(self.broadcast_address, offset, world, self.broadcast_timeout_s + 60)
+            for s, offset in zip(self.servers, offsets)), return_exceptions=True)
+        failed = [f"{s.url}: {r}" for s, r in zip(self.servers, results) if isinstance(r, BaseException)]
+        if failed:
+            # The trainer cannot publish a single version without every member.
+            raise RuntimeError(f"weight broadcast group at {self.broadcast_address} not formed: " + "; ".join(failed))
+        log.info("weight broadcast group at %s formed: world size %d", self.broadcast_address, world)
+
     async def load(self, version: int, path: Path) -> None:
         """Make every server in rotation serve `version`; a server that fails leaves rotation."""
         self.version, self.path = version, str(path.resolve())
-        stale = [s for s in self.in_rotation if s.version != version]
+        broadcast = (Path(self.path) / MANIFEST).is_file()
+        # A broadcast waits for every member: servers out of rotation that still answer take
+        # part (and so stay current), one that is gone fails the trainer's broadcast loudly.
+        candidates = self.servers if broadcast else self.in_rotation
+        stale = [s for s in candidates if s.version != version]
+        timeout = self.reload_timeout_s + (self.broadcast_timeout_s if broadcast else 0.0)
         for s in stale:
             s.updating = True
         try:
             results = await asyncio.gather(*(
-                s.client.update_weights(self.path, version, self.mode, self.reload_timeout_s) for s in stale),
+                s.client.update_weights(self.path, version, self.mode, timeout) for s in stale),
                 return_exceptions=True)
         finally:
             for s in stale:
@@ -196,7 +231,11 @@ class ServerPool:
                 try:
                     s.version = (await s.client.health())["version"]
                     if s.version != version and path:
-                        await s.client.update_weights(path, version, self.mode, self.reload_timeout_s)
+                        # A broadcast version already delivered is refused at once (409), one
+                        # still being broadcast is received, as in load().
+                        broadcast = (Path(path) / MANIFEST).is_file()
+                        timeout = self.reload_timeout_s + (self.broadcast_timeout_s if broadcast else 0.0)
+                        await s.client.update_weights(path, version, self.mode, timeout)
                         s.version = version
                 except InferenceError as e:
                     log.warning("server %s still down (%s); retry in %.0f s", s.url, e, self._back_off(s))

@@ -13,7 +13,11 @@ people; the run does not depend on them.
     POST /update_weights  {"path", "version", "mode"}: load weights; mode "wait" lets running
                           requests finish on the old weights first, "keep" swaps them between two
                           decode steps (in-flight update: later tokens carry the new version)
-    GET  /health          {"status", "version", "path", "running"}
+    POST /init_broadcaster {"address", "rank_offset", "world_size"}: the server's workers join
+                          the trainer's weight broadcast group (rl/broadcast.py) as ranks
+                          rank_offset.. rank_offset+workers-1; answers once the group is formed
+    GET  /health          {"status", "version", "path", "running", "workers"}: workers is how many
+                          ranks the server takes in a broadcast group
 """
 
 from __future__ import annotations
@@ -61,6 +65,16 @@ class UpdateWeightsRequest(BaseModel):
     mode: Literal["wait", "keep"] = "wait"
 
 
+class InitBroadcasterRequest(BaseModel):
+    address: str = Field(min_length=1)
+    """weight_sync.address (host:port of the trainer's rendezvous store); the server accepts only
+    its own configured one."""
+    rank_offset: int = Field(ge=1)
+    """Rank of this server's first worker (rank 0 is trainer rank 0)."""
+    world_size: int = Field(ge=2)
+    """Trainer rank 0 plus every worker of every server."""
+
+
 class InferenceError(Exception):
     """A call to an inference server that failed; the message names the server and the route."""
 
@@ -93,6 +107,10 @@ class InferenceClient:
     async def update_weights(self, path: str, version: int, mode: str, timeout: float) -> dict:
         body = UpdateWeightsRequest(path=path, version=version, mode=mode).model_dump()
         return await self._call("POST", "/update_weights", timeout, body)
+
+    async def init_broadcaster(self, address: str, rank_offset: int, world_size: int, timeout: float) -> dict:
+        body = InitBroadcasterRequest(address=address, rank_offset=rank_offset, world_size=world_size).model_dump()
+        return await self._call("POST", "/init_broadcaster", timeout, body)
 
     async def generate(self, request: GenerateRequest, timeout: float) -> GenerateResponse:
         data = await self._call("POST", "/generate", timeout, request.model_dump())
