@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import TINY_MODEL, free_port
+
 from rl import broadcast as bc
 from rl.config import RunConfig
 from rl.rundir import STABLE, RunDir
@@ -101,6 +101,10 @@ def test_manifest_json_round_trip_and_validation():
     data["buckets"][0]["tensors"][0]["dtype"] = "complex64"
     with pytest.raises(ValueError, match="unsupported dtype"):
         bc.Manifest.from_json(json.dumps(data))
+    data = json.loads(raw)
+    data["buckets"][0]["tensors"][0]["shape"] = [30, 17]
+    with pytest.raises(ValueError, match="do not hold"):
+        bc.Manifest.from_json(json.dumps(data))
     with pytest.raises(ValueError, match="not a"):
         bc.Manifest.from_json(b'{"version": 1}')
     with pytest.raises(ValueError, match="does not match the manifest"):
@@ -127,7 +131,7 @@ def config(tmp: Path, address: str, timeout_s: float, bucket_mb: int = 1) -> Run
 
 
 def receiver(address: str, rank: int, world: int, run_root: str, versions: list[int], timeout_s: float, results,
-             ready=None, linger_s: float = 0.0) -> None:
+             ready=None, linger_s: float = 0.0, fail: bool = False) -> None:
     """Stands in for one inference worker: joins, then for each version waits for STABLE (the
     orchestrator's cue) and receives."""
     if ready is not None:
@@ -142,6 +146,10 @@ def receiver(address: str, rank: int, world: int, run_root: str, versions: list[
                 assert time.monotonic() < deadline, f"no STABLE for version {v}"
                 time.sleep(0.01)
             incoming = bc.Incoming(group, bc.read_manifest(directory))
+            if fail:  # a load that broke before taking any tensor: finish() drains the rest
+                incoming.finish(False)
+                results.put((rank, v, True, []))
+                continue
             got = dict(incoming.tensors())
             incoming.finish(True)
             expected = {k: t for k, t in mixed_state_dict(v).items() if k != "lm_head.weight"}
@@ -255,6 +263,32 @@ def test_a_member_missing_from_a_version_fails_publish_naming_the_address(tmp_pa
     assert address in str(err.value) and "version 2" in str(err.value)
     assert 2.5 < waited < 15
     assert not (run.weights_dir(2) / bc.DELIVERED).exists()
+
+
+def test_a_failed_load_is_reported_to_the_sender_naming_the_receiver(tmp_path):
+    from trainer.broadcast import WeightBroadcaster
+
+    address = f"127.0.0.1:{free_port()}"
+    cfg = config(tmp_path, address, timeout_s=60)
+    run = RunDir(cfg.output_dir)
+    run.make()
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=receiver, args=(address, 1, 2, str(run.root), [1, 2], 60, results, None, 0, True))]
+    procs[0].start()
+    try:
+        sender = WeightBroadcaster(cfg, run, tied=False)
+        for v in (1, 2):  # the group stays in step after a failure
+            with pytest.raises(bc.BroadcastError, match=r"version \d failed to load on rank 1 \(test receiver 1\)"):
+                sender.publish(v, mixed_state_dict(v))
+        reports = [results.get(timeout=30) for _ in range(2)]
+        sender.close()
+    finally:
+        procs[0].join(timeout=30)
+        if procs[0].is_alive():
+            procs[0].kill()
+    assert [(r, v) for r, v, _, _ in reports] == [(1, 1), (1, 2)], reports
+    assert not (run.weights_dir(1) / bc.DELIVERED).exists()
 
 
 # --- a real vLLM server ------------------------------------------------------------------------

@@ -40,8 +40,8 @@ from pathlib import Path
 
 from fastapi import APIRouter, FastAPI, HTTPException, Request
 
-from rl.config import RunConfig
 from rl import broadcast as bc
+from rl.config import RunConfig
 from rl.inference_api import (
     AbortRequest,
     GeneratedSample,

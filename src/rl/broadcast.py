@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import socket
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -41,8 +42,8 @@ FORMAT = "asyncrl-broadcast/1"
 ALIGN = 64
 _MAGIC = 0x61737963726C  # "asycrl": a header that is not ours fails loudly, not as a bad version
 
-_DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
-           "bool", "float8_e4m3fn", "float8_e5m2")
+_DTYPES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+           "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}  # name -> bytes
 
 # Store keys (under the group's prefix).
 _KEY_BACKEND = "backend"
@@ -80,7 +81,7 @@ class Manifest:
     version: int
     buckets: tuple[BucketSpec, ...]
     backend: str = "gloo"
-    total_bytes: int = field(default=0)
+    total_bytes: int = 0
 
     def to_json(self) -> bytes:
         data = {
@@ -115,6 +116,9 @@ class Manifest:
                     raise ValueError(f"manifest tensor {spec.name}: unsupported dtype {spec.dtype!r}")
                 if not all(isinstance(x, int) and x >= 0 for x in (spec.offset, spec.nbytes, *spec.shape)):
                     raise ValueError(f"manifest tensor {spec.name}: bad shape/offset/nbytes")
+                if spec.nbytes != math.prod(spec.shape) * _DTYPES[spec.dtype]:
+                    raise ValueError(f"manifest tensor {spec.name}: {spec.nbytes} bytes do not hold "
+                                     f"{spec.dtype} {list(spec.shape)}")
                 if spec.offset % ALIGN or spec.offset + spec.nbytes > nbytes:
                     raise ValueError(f"manifest tensor {spec.name}: [{spec.offset}, +{spec.nbytes}) "
                                      f"is misaligned or outside bucket {i} ({nbytes} bytes)")
