@@ -389,8 +389,8 @@ def test_real_server_receives_a_version_by_broadcast(vllm_server):
 
     async def main():
         async with aiohttp.ClientSession() as s:
-            async with s.get(f"{url}/health") as r:
-                health = await r.json()
+            async with s.get(f"{url}/broadcaster") as r:
+                info = await r.json()
             before = await greedy(s, url)
             errors = {}
             for name, body in {"address": {"address": "127.0.0.1:1", "rank_offset": 1, "world_size": 2},
@@ -425,10 +425,13 @@ def test_real_server_receives_a_version_by_broadcast(vllm_server):
             async with s.post(f"{url}/update_weights", json={"path": str(run.weights_dir(1)), "version": 1}) as r:
                 missed = (r.status, await r.text())
             broadcaster.close()
-            return health, before, errors, pool, again, by_broadcast, after, by_files, missed
+            async with s.get(f"{url}/broadcaster") as r:
+                joined = await r.json()
+            return info, joined, before, errors, pool, again, by_broadcast, after, by_files, missed
 
-    health, before, errors, pool, again, by_broadcast, after, by_files, missed = asyncio.run(main())
-    assert health["workers"] == 1
+    info, joined, before, errors, pool, again, by_broadcast, after, by_files, missed = asyncio.run(main())
+    assert info == {"workers": 1, "group": None}
+    assert joined == {"workers": 1, "group": {"address": address, "rank_offset": 1, "world_size": 2}}
     assert errors["address"][0] == 403 and "weight_sync.address" in errors["address"][1]
     assert errors["world"][0] == 400 and "world_size" in errors["world"][1]
     assert errors["offset"][0] == 400

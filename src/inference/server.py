@@ -16,8 +16,9 @@ rl/inference_api.py) in front:
                          trainer's weight broadcast group (rl/broadcast.py); after that an
                          /update_weights whose directory holds broadcast.json receives the
                          tensors from the trainer instead of reading files
-  GET  /health           engine health, the version now serving, engine requests running, and
-                         how many workers (broadcast ranks) the server has
+  GET  /broadcaster      {"workers", "group"}: how many ranks the server takes in a broadcast
+                         group (its workers), and the group it joined, if any
+  GET  /health           engine health, the version now serving, engine requests running
 
 Per-token versions: each engine request keeps switch points (token index, version); an update
 reads from the workers how many tokens each in-flight request had sampled before the reload and
@@ -188,7 +189,13 @@ class AdminRoutes:
         async def health() -> dict:
             await self.engine.check_health()
             return {"status": "ok", "version": self.version, "path": self.path,
-                    "running": len(self.switches), "workers": self.workers}
+                    "running": len(self.switches)}
+
+        @router.get("/broadcaster")
+        async def broadcaster(request: Request) -> dict:
+            self.check_token(request)
+            group = None if self.group is None else dict(zip(("address", "rank_offset", "world_size"), self.group))
+            return {"workers": self.workers, "group": group}
 
         @router.post("/generate")
         async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:

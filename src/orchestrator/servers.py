@@ -41,8 +41,6 @@ class Server:
     retry_at: float = 0.0
     idle_s: float = 0.0
     idle_since: float | None = field(default_factory=time.monotonic)
-    workers: int = 1
-    """Ranks it takes in a broadcast group (its /health says)."""
 
     @property
     def url(self) -> str:
@@ -139,7 +137,6 @@ class ServerPool:
             for s, r in zip(list(pending), results):
                 if not isinstance(r, BaseException):
                     s.version = r["version"]
-                    s.workers = int(r.get("workers", 1))
                     pending.remove(s)
             if not pending:
                 break
@@ -155,10 +152,15 @@ class ServerPool:
         """Every server's workers join the trainer's broadcast group (after connect). Rank 0 is
         trainer rank 0, then each server's workers in server_urls order; all servers are asked at
         once, because the group forms only when every member has joined."""
+        infos = await asyncio.gather(*(s.client.broadcaster() for s in self.servers), return_exceptions=True)
+        failed = [f"{s.url}: {r}" for s, r in zip(self.servers, infos) if isinstance(r, BaseException)]
+        if failed:
+            raise RuntimeError(f"weight broadcast group at {self.broadcast_address}: cannot count the servers' "
+                               "workers: " + "; ".join(failed))
         offsets, rank = [], 1
-        for s in self.servers:
+        for info in infos:
             offsets.append(rank)
-            rank += s.workers
+            rank += int(info["workers"])
         world = rank
         log.info("joining %d server(s) (%d workers) to the weight broadcast group at %s",
                  len(self.servers), world - 1, self.broadcast_address)

@@ -16,8 +16,9 @@ people; the run does not depend on them.
     POST /init_broadcaster {"address", "rank_offset", "world_size"}: the server's workers join
                           the trainer's weight broadcast group (rl/broadcast.py) as ranks
                           rank_offset.. rank_offset+workers-1; answers once the group is formed
-    GET  /health          {"status", "version", "path", "running", "workers"}: workers is how many
-                          ranks the server takes in a broadcast group
+    GET  /broadcaster     {"workers", "group"}: ranks the server takes in a broadcast group, and
+                          the group it joined (null before /init_broadcaster)
+    GET  /health          {"status", "version", "path", "running"}
 """
 
 from __future__ import annotations
@@ -107,6 +108,9 @@ class InferenceClient:
     async def update_weights(self, path: str, version: int, mode: str, timeout: float) -> dict:
         body = UpdateWeightsRequest(path=path, version=version, mode=mode).model_dump()
         return await self._call("POST", "/update_weights", timeout, body)
+
+    async def broadcaster(self, timeout: float = 10.0) -> dict:
+        return await self._call("GET", "/broadcaster", timeout)
 
     async def init_broadcaster(self, address: str, rank_offset: int, world_size: int, timeout: float) -> dict:
         body = InitBroadcasterRequest(address=address, rank_offset=rank_offset, world_size=world_size).model_dump()
