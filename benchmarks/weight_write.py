@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from rl.rundir import RunDir  # noqa: E402
+from rl.rundir import RunDir, remove_quietly  # noqa: E402
 from trainer.weights import write_weights  # noqa: E402
 from trainer_step import build_model  # noqa: E402
 
@@ -44,12 +44,20 @@ def main() -> None:
         run = RunDir(tmp / "run")
         run.make()
         ours, plain = [], []
-        for i in range(args.repeats):  # interleaved, so page-cache and disk state hit both alike
-            ours.append(write_weights(run, i + 1, state, source, tied=True))
+        def plain_save(i: int) -> float:
             start = time.perf_counter()
             save_file(state, tmp / f"plain_{i}.safetensors")
-            plain.append(time.perf_counter() - start)
+            return time.perf_counter() - start
+
+        # Interleaved, alternating which goes first, so page cache and disk writeback hit both alike.
+        for i in range(args.repeats):
+            if i % 2:
+                plain.append(plain_save(i))
+            ours.append(write_weights(run, i + 1, state, source, tied=True))
+            if not i % 2:
+                plain.append(plain_save(i))
             (tmp / f"plain_{i}.safetensors").unlink()
+            remove_quietly(run.weights_dir(i + 1))
     result = {"shape": args.shape, "bytes": size, "write_weights_s": ours, "save_file_s": plain,
               "ratio_median": sorted(ours)[len(ours) // 2] / sorted(plain)[len(plain) // 2]}
     print(f"{args.shape}: {size / 1e6:.1f} MB; write_weights median {sorted(ours)[len(ours) // 2]:.3f}s, "

@@ -103,7 +103,7 @@ class Trainer:
         finally:
             if receiver is not None:
                 receiver.close()
-            if self.broadcaster is not None and hasattr(self.broadcaster, "close"):
+            if self.broadcaster is not None:
                 self.broadcaster.close()
         log.info("done: %d steps", self.cfg.max_steps)
 
