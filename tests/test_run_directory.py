@@ -69,3 +69,14 @@ def test_atomic_write_replaces_whole_file(tmp_path):
     write_file_atomic(target, b"new contents")
     assert target.read_bytes() == b"new contents"
     assert [p.name for p in tmp_path.iterdir()] == ["f"]
+
+
+def test_a_checkpoint_step_directory_goes_with_its_last_part(tmp_path):
+    run = RunDir(tmp_path)
+    for program in ("orchestrator", "trainer"):
+        (run.checkpoint_dir(7) / program).mkdir(parents=True)
+        (run.checkpoint_dir(7) / program / "STABLE").write_bytes(b"")
+    run.remove_checkpoint(7, "orchestrator")
+    assert run.checkpoint_steps("trainer") == [7] and run.checkpoint_steps("orchestrator") == []
+    run.remove_checkpoint(7, "trainer")
+    assert not run.checkpoint_dir(7).exists()

@@ -35,7 +35,7 @@ from rl.async_rule import can_hand_over, is_fresh, min_serving_version, oldest_u
 from rl.batch import Batch
 from rl.config import RunConfig
 from rl.inference_api import GenerateRequest, GenerateResponse, InferenceClient, InferenceError
-from rl.rundir import RunDir, mark_stable, remove_quietly, write_file_atomic
+from rl.rundir import RunDir, mark_stable, write_file_atomic
 from rl.transport import BatchSender
 
 log = logging.getLogger("orchestrator")
@@ -142,7 +142,7 @@ class Orchestrator:
         write_file_atomic(directory / "state.json", encode_state(step, self.queue.cursor, pending))
         mark_stable(directory)
         for old in self.run_dir.checkpoint_steps("orchestrator")[:-self.o.keep_checkpoints]:
-            remove_quietly(self.run_dir.checkpoint_dir(old) / "orchestrator")
+            self.run_dir.remove_checkpoint(old, "orchestrator")
 
     # --- waiting, visibly -----------------------------------------------------------------
 

@@ -63,6 +63,14 @@ class RunDir:
         """Steps with a complete checkpoint of `program`."""
         return sorted(n for n in _steps(self.checkpoints) if (self.checkpoint_dir(n) / program / STABLE).exists())
 
+    def remove_checkpoint(self, step: int, program: str) -> None:
+        """Delete `program`'s part of checkpoint step; the step's directory goes with the last part."""
+        remove_quietly(self.checkpoint_dir(step) / program)
+        try:
+            self.checkpoint_dir(step).rmdir()
+        except OSError:  # another program's part is still there
+            pass
+
     def config_file(self, program: str) -> Path:
         return self.root / "config" / f"{program}.toml"
 

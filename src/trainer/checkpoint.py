@@ -60,11 +60,7 @@ def save(run: RunDir, step: int, model, optimizer, scheduler, keep: int) -> floa
 
 def _prune(run: RunDir, keep: int) -> None:
     for n in run.checkpoint_steps(PROGRAM)[:-keep]:
-        remove_quietly(run.checkpoint_dir(n) / PROGRAM)
-        try:
-            run.checkpoint_dir(n).rmdir()  # only if the orchestrator's part is gone too
-        except OSError:
-            pass
+        run.remove_checkpoint(n, PROGRAM)
 
 
 def latest(run: RunDir) -> int | None:
