@@ -91,7 +91,7 @@ def test_receiver_times_out_with_a_clear_message(tmp_path):
 
 def test_two_rank_trainer_over_zmq_matches_the_filesystem_run(tmp_path, write_toml):
     source = RunDir(tmp_path / "source")
-    write_batches(source, steps=2)
+    write_batches(source, [1, 2])
     batches = [Batch.read(source.rollout_dir(n)) for n in (1, 2)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     finals = {}
