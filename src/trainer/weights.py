@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from rl.broadcast import plan_buckets
 from rl.rundir import RunDir, mark_stable, remove_quietly
 
 # Small files that make a weights directory a loadable HF model on its own.
@@ -25,20 +26,6 @@ def gather_full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Collective: every rank must call it; only rank 0 gets the tensors (on CPU)."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(model, options=options)
-
-
-def plan_shards(state_dict: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
-    """Names per file, in order, each file at most max_bytes (a bigger tensor gets its own)."""
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name, t in state_dict.items():
-        n = t.numel() * t.element_size()
-        if shards[-1] and size + n > max_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += n
-    return shards
 
 
 def write_weights(run: RunDir, step: int, state_dict: dict[str, torch.Tensor], source: Path, tied: bool,
@@ -52,7 +39,8 @@ def write_weights(run: RunDir, step: int, state_dict: dict[str, torch.Tensor], s
         # safetensors refuses shared storage, and HF checkpoints of tied models omit lm_head.
         state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
     metadata = {"format": "pt", "asyncrl_version": str(step)}
-    shards = plan_shards(state_dict, shard_bytes)
+    # The same in-order size grouping as broadcast buckets (a bigger tensor gets its own file).
+    shards = plan_buckets(((k, t.numel() * t.element_size()) for k, t in state_dict.items()), shard_bytes)
     if len(shards) == 1:
         save_file({k: v.contiguous() for k, v in state_dict.items()}, out / "model.safetensors", metadata=metadata)
     else:
