@@ -37,6 +37,9 @@ def test_off_policy_steps_default_to_async_level(write_toml):
      "orchestrator.reward is unused when orchestrator.environment is set"),
     (["--orchestrator.reward", ""], "nothing would score the rollouts"),
     (["--transport.kind", "pigeon"], "config key transport.kind"),
+    (["--trainer.micro_batch_tokens", "100", "--seq_len", "256"], "trainer.micro_batch_tokens (100) must be >= seq_len"),
+    (["--trainer.loss.mask_low", "2", "--trainer.loss.mask_high", "1"], "trainer.loss.mask_low (2.0) must be below"),
+    (["--trainer.loss.normalization", "batch"], "config key trainer.loss.normalization"),
 ])
 def test_bad_values_raise_one_line_naming_the_key(write_toml, args, message):
     with pytest.raises(ConfigError) as err:
@@ -66,3 +69,10 @@ def test_dry_run_prints_resolved_config_with_docs(write_toml):
     assert "group_size = 5" in result.stdout
     assert "# Completions per prompt" in result.stdout
     assert "[trainer.optim]" in result.stdout
+
+
+@pytest.mark.parametrize("args, resume", [([], False), (["--resume"], True), (["--resume", "--max_steps", "3"], True),
+                                          (["--resume", "false"], False)])
+def test_resume_is_a_bare_flag_or_a_value(write_toml, args, resume):
+    cfg, _ = load_config(["@", str(write_toml('model = "m"\n')), *args])
+    assert cfg.resume is resume
