@@ -47,11 +47,11 @@ class Program:
         return self.log.read_text(errors="replace")[-3000:]
 
 
-def start_server(tmp, name: str, model, output_dir) -> tuple[Program, str]:
+def start_server(tmp, name: str, model, output_dir, extra: str = "") -> tuple[Program, str]:
     port = free_port()
     cfg = tmp / f"{name}.toml"
     cfg.write_text(f'model = "{model}"\noutput_dir = "{output_dir}"\nseq_len = 64\n'
-                   f'[inference]\nport = {port}\ndtype = "float32"\n')
+                   f'[inference]\nport = {port}\ndtype = "float32"\n' + extra)
     server = Program("inference", cfg, tmp)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 240
@@ -136,3 +136,37 @@ def test_reloaded_server_matches_a_fresh_server_on_the_same_weights(trained):
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(trained["after"], expected):
         assert tokens == want_tokens
         assert logprobs == pytest.approx(want_logprobs, abs=1e-5)
+
+
+def test_three_programs_train_with_weights_broadcast_instead_of_files(tmp_path):
+    """[weight_sync] kind = "broadcast" through the real programs: the trainer hosts the group,
+    the orchestrator joins the server's worker to it, and every version reaches vLLM over gloo."""
+    run = RunDir(tmp_path / "run")
+    sync = f'[weight_sync]\nkind = "broadcast"\naddress = "127.0.0.1:{free_port()}"\ntimeout_s = 120\n'
+    server, url = start_server(tmp_path, "server", TINY_MODEL, run.root, extra=sync)
+    try:
+        before = greedy(url, str(TINY_MODEL))
+        cfg = tmp_path / "run.toml"
+        cfg.write_text(
+            f'model = "{TINY_MODEL}"\noutput_dir = "{run.root}"\nmax_steps = 3\nseq_len = 64\n'
+            f'[inference]\nport = {url.rsplit(":", 1)[1]}\ndtype = "float32"\n' + sync +
+            "[orchestrator]\nprompts_per_step = 4\ngroup_size = 4\nmax_tokens = 12\nmax_in_flight_groups = 8\n"
+            "[trainer]\ntorch_threads = 1\n[trainer.optim]\nlr = 1e-3\n")
+        trainer, orchestrator = Program("trainer", cfg, tmp_path), Program("orchestrator", cfg, tmp_path)
+        try:
+            assert trainer.wait(300) == 0, trainer.tail()
+            assert orchestrator.wait(120) == 0, orchestrator.tail()
+        finally:
+            trainer.stop()
+            orchestrator.stop()
+        health = httpx.get(f"{url}/health", timeout=10).json()
+        after = greedy(url, str(TINY_MODEL))
+    finally:
+        server.stop()
+    assert health["version"] == 3
+    assert after != before
+    for n in (1, 2, 3):
+        files = {p.name for p in run.weights_dir(n).iterdir()}
+        assert {"broadcast.json", "STABLE", "DELIVERED"} <= files, files
+        assert not any(f.endswith(".safetensors") for f in files)
+    assert "inference worker(s) joined" in trainer.log.read_text()
