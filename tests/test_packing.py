@@ -100,3 +100,22 @@ def test_loss_weights_by_normalisation():
     assert loss_weights(batch, "sequence", 0)[mask].tolist() == pytest.approx([0.5] + [1 / 6] * 3)
     assert loss_weights(batch, "constant", 10)[mask].tolist() == pytest.approx([0.05] * 4)
     assert loss_weights(batch, "token", 0)[~mask].tolist() == [0.0, 0.0]
+
+
+def test_packed_rows_as_one_row_give_the_same_logits():
+    """The flash-attention path feeds a micro-batch's packed rows as one row (transformers finds
+    varlen boundaries only in a single row); positions restart per sample, so attention must
+    still stay inside each sample. Checked here with sdpa, which honours the same positions."""
+    from trainer.main import forward_logits
+
+    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL, dtype=torch.float32, attn_implementation="sdpa").eval()
+    batch = variable_batch(seed=1)
+    mbs = rank_micro_batches(batch, 0, 1, row_len=48, per_micro_batch=3, pad_id=0, weights=loss_weights(batch, "token", 0))
+    assert any(mb.tokens.shape[0] == 3 for mb in mbs)
+    with torch.no_grad():
+        for mb in mbs:
+            rows = forward_logits(model, mb, torch.device("cpu"), single_row=False)
+            one = forward_logits(model, mb, torch.device("cpu"), single_row=True)
+            assert one.shape == rows.shape
+            real = mb.tokens != 0  # padding tails may differ; they carry no loss
+            torch.testing.assert_close(one[real], rows[real], atol=1e-5, rtol=1e-5)

@@ -268,6 +268,11 @@ class TrainerConfig(Section):
     micro_batch_size: int = Field(64, ge=1)
     """pack = false: samples per padded forward/backward pass on each rank."""
 
+    attention: Literal["auto", "sdpa", "flash_attention_2"] = "auto"
+    """Attention kernel of the trainer's model. auto: flash_attention_2 on CUDA when the
+    flash-attn package is installed (packed samples then use its varlen kernel), else sdpa
+    (packed samples get a block-diagonal mask)."""
+
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass: less memory, ~30% more
     compute."""

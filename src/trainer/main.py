@@ -34,10 +34,19 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _SUMS = ("tokens", "masked_tokens", "clipped_tokens", "ratio_sum", "mismatch_kl_sum", "entropy_sum", "kl_sum")
 
 
+def attention_implementation(choice: str) -> str:
+    if choice != "auto":
+        return choice
+    from transformers.utils import is_flash_attn_2_available
+
+    return "flash_attention_2" if torch.cuda.is_available() and is_flash_attn_2_available() else "sdpa"
+
+
 def load_model(cfg: RunConfig, device: torch.device, trainable: bool) -> torch.nn.Module:
     # Packed rows carry no attention mask: transformers derives the block-diagonal mask (sdpa)
     # or the varlen boundaries (flash attention) from the restarting position ids.
-    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32, attn_implementation="sdpa").to(device)
+    model = AutoModelForCausalLM.from_pretrained(
+        cfg.model, dtype=torch.float32, attn_implementation=attention_implementation(cfg.trainer.attention)).to(device)
     if trainable:
         model.train()
         if cfg.trainer.activation_checkpointing:
@@ -47,6 +56,23 @@ def load_model(cfg: RunConfig, device: torch.device, trainable: bool) -> torch.n
         model.requires_grad_(False)
     apply_fsdp(model, _DTYPES[cfg.trainer.dtype])
     return model
+
+
+def forward_logits(model: torch.nn.Module, mb: MicroBatch, device: torch.device, single_row: bool) -> torch.Tensor:
+    """Logits [R, T, V] of a micro-batch. `single_row`: packed rows go through the model as one
+    row, because transformers' flash-attention path finds packed samples (varlen) only in a batch
+    of one row; with several it would let samples attend across boundaries. (sdpa handles rows
+    itself, and one long row would make its [L, L] mask R^2 times bigger.)"""
+    tokens = mb.tokens.to(device)
+    positions = None if mb.position_ids is None else mb.position_ids.to(device)
+    flat = single_row and positions is not None and tokens.shape[0] > 1
+    logits = model(
+        input_ids=tokens.reshape(1, -1) if flat else tokens,
+        position_ids=positions.reshape(1, -1) if flat else positions,
+        attention_mask=None if mb.attention_mask is None else mb.attention_mask.to(device),
+        use_cache=False,  # with a KV cache object, transformers ignores packed position ids
+    ).logits
+    return logits.reshape(*tokens.shape, -1) if flat else logits
 
 
 class Trainer:
@@ -62,6 +88,9 @@ class Trainer:
         self.tied = bool(getattr(hf_config.get_text_config(), "tie_word_embeddings", False))
         self.pad_id = hf_config.pad_token_id if hf_config.pad_token_id is not None else 0
         self.model = load_model(cfg, self.device, trainable=True)
+        self.flash = self.model.config._attn_implementation.startswith("flash")
+        if self.rank == 0:
+            log.info("attention: %s", self.model.config._attn_implementation)
         loss = cfg.trainer.loss
         self.reference = (load_model(cfg, self.device, trainable=False)
                           if loss.kl_coef > 0 and loss.kl_target == "reference" else None)
@@ -157,12 +186,7 @@ class Trainer:
                 remove_quietly(self.run.rollout_dir(old))
 
     def forward_logprobs(self, model: torch.nn.Module, mb: MicroBatch, temperature: float):
-        logits = model(
-            input_ids=mb.tokens.to(self.device),
-            position_ids=None if mb.position_ids is None else mb.position_ids.to(self.device),
-            attention_mask=None if mb.attention_mask is None else mb.attention_mask.to(self.device),
-            use_cache=False,  # with a KV cache object, transformers ignores packed position ids
-        ).logits
+        logits = forward_logits(model, mb, self.device, single_row=self.flash)
         return token_logprobs_and_entropy(logits, mb.tokens.to(self.device), temperature)
 
     def train_step(self, micro_batches: list[MicroBatch], temperature: float) -> dict:
