@@ -80,7 +80,7 @@ def test_ranks_get_balanced_tokens():
 def test_ranks_get_equal_micro_batch_counts_even_with_odd_sample_counts(packed):
     """Sample counts vary (failed rollouts leave groups smaller): every rank must still run the
     same number of forward/backward passes, padding-only ones included, or FSDP2 hangs."""
-    for samples, world, mbs in [(5, 2, 1), (7, 4, 1), (9, 2, 2), (3, 2, 4)]:
+    for samples, world, mbs in [(5, 2, 1), (7, 4, 1), (9, 2, 2), (3, 2, 4), (1, 2, 1), (3, 8, 2)]:
         batch = Batch.from_samples(1, 1.0, [Sample.single_turn([5, 6], [7], [-1.0], [0], 1.0, 0.5)] * samples)
         w = loss_weights(batch, "token", 0)
         per_rank = [rank_micro_batches(batch, r, world, row_len=3 if packed else None,
@@ -112,10 +112,29 @@ def test_packed_rows_as_one_row_give_the_same_logits():
     batch = variable_batch(seed=1)
     mbs = rank_micro_batches(batch, 0, 1, row_len=48, per_micro_batch=3, pad_id=0, weights=loss_weights(batch, "token", 0))
     assert any(mb.tokens.shape[0] == 3 for mb in mbs)
+    shapes = []
+    model.register_forward_pre_hook(lambda m, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)),
+                                    with_kwargs=True)
     with torch.no_grad():
         for mb in mbs:
             rows = forward_logits(model, mb, torch.device("cpu"), single_row=False)
             one = forward_logits(model, mb, torch.device("cpu"), single_row=True)
+            assert shapes[-2:] == [tuple(mb.tokens.shape), (1, mb.tokens.numel())]
             assert one.shape == rows.shape
             real = mb.tokens != 0  # padding tails may differ; they carry no loss
             torch.testing.assert_close(one[real], rows[real], atol=1e-5, rtol=1e-5)
+
+
+def test_a_sample_whose_first_token_is_trained_weighs_the_same_packed_or_padded():
+    """A sample's first token has no prediction; packed, the position before it is the previous
+    sample's last token, which must not train on it either."""
+    samples = [Sample.single_turn([], [7, 8, 9], [-1.0] * 3, [0] * 3, 1.0, 0.5),
+               Sample.single_turn([], [4, 5], [-1.0] * 2, [0] * 2, 1.0, 0.5)]
+    batch = Batch.from_samples(1, 1.0, samples)
+    w = loss_weights(batch, "token", 0)
+    assert w.tolist() == pytest.approx([0, 1 / 3, 1 / 3, 0, 1 / 3])
+    packed = rank_micro_batches(batch, 0, 1, row_len=16, per_micro_batch=1, pad_id=0, weights=w)
+    padded = rank_micro_batches(batch, 0, 1, row_len=None, per_micro_batch=2, pad_id=0, weights=w)
+    for mbs in (packed, padded):
+        assert sum(float(mb.loss_weight.sum()) for mb in mbs) == pytest.approx(1.0)
+        assert sum(float(mb.loss_mask.sum()) for mb in mbs) == 3

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,9 +57,33 @@ def torchrun(ranks: int) -> list[str]:
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def run_trainer(cmd: list[str], cfg_args: list[str]) -> None:
+def run_trainer(cmd: list[str], cfg_args: list[str]) -> str:
     result = subprocess.run(cmd + cfg_args, capture_output=True, text=True, timeout=300, env=ENV)
     assert result.returncode == 0, result.stderr[-3000:]
+    return result.stderr
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants: torchrun starts its workers in sessions of
+    their own, so killing its process group would leave them running."""
+    def children(p: int) -> list[int]:
+        out = []
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                out += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                pass
+        return out
+    todo, seen = [pid], []
+    while todo:
+        p = todo.pop()
+        seen.append(p)
+        todo += children(p)
+    for p in seen:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def trainer_metrics(run: RunDir) -> list[dict]:
@@ -107,46 +132,49 @@ def test_two_ranks_match_one_rank_and_move_policy_towards_positive_advantage(tmp
 
 
 def test_killed_after_a_checkpoint_and_resumed_matches_an_uninterrupted_run(tmp_path, write_toml):
-    """Deterministic settings (fp32, one thread per rank): the resumed run's step-4 weights
-    equal the uninterrupted run's, so model, optimizer moments and LR schedule all came back."""
-    extra = ("max_steps = 4\n[trainer]\ncheckpoint_every = 3\nbatch_timeout_s = 120\n"
+    """Deterministic settings (fp32, one thread per rank): checkpoint at step 3, killed while
+    waiting for batch 6, resumed: steps 4 and 5 are trained again from the batches kept on disk
+    (keep_rollouts = 1 alone would have deleted batch 4) and step 6's weights equal the
+    uninterrupted run's, so model, optimizer moments and LR schedule all came back."""
+    extra = ("[trainer]\ncheckpoint_every = 3\nkeep_rollouts = 1\nbatch_timeout_s = 120\n"
              "[trainer.optim]\nlr = 1e-3\nschedule = \"cosine\"\nwarmup_steps = 2\nmin_lr_ratio = 0.2\n")
     whole, cut = RunDir(tmp_path / "whole"), RunDir(tmp_path / "cut")
 
     def cfg(run, name):
-        text = config(write_toml, run, name)
-        return ["@", text, "@", str(write_toml(extra.replace("max_steps = 4\n", ""), name + ".extra.toml")),
-                "--max_steps", "4"]
-    write_batches(whole, [1, 2, 3, 4])
+        return ["@", config(write_toml, run, name), "@", str(write_toml(extra, name + ".extra.toml")),
+                "--max_steps", "6"]
+    write_batches(whole, range(1, 7))
     run_trainer(torchrun(2), cfg(whole, "whole.toml"))
 
-    write_batches(cut, [1, 2, 3])  # batch 4 not there yet: the trainer waits for it after step 3
+    write_batches(cut, range(1, 6))  # batch 6 not there yet: the trainer waits for it after step 5
     proc = subprocess.Popen(torchrun(2) + cfg(cut, "cut.toml"), env=ENV, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 240
-        while not (cut.checkpoint_dir(3) / "trainer" / "STABLE").exists():
+        while not (cut.metrics.exists() and [m["step"] for m in trainer_metrics(cut)][-1:] == [5]):
             assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-            assert time.monotonic() < deadline, "no step-3 checkpoint"
+            assert time.monotonic() < deadline, "the trainer did not reach step 5"
             time.sleep(0.2)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         proc.wait()
-    assert not (cut.weights_dir(4)).exists()
+    time.sleep(1)  # nothing of the killed run may still be alive to train batch 6 itself
+    assert cut.checkpoint_steps("trainer") == [3] and not cut.weights_dir(6).exists()
+    assert cut.rollout_steps() == [4, 5]  # what a resume from step 3 needs, and no more
 
     # Without --resume the trainer refuses the run directory; with it, it continues at step 4.
     refused = subprocess.run(rl_command("trainer", *cfg(cut, "cut.toml")), capture_output=True, text=True,
                              timeout=120, env=ENV)
     assert refused.returncode != 0 and "--resume" in refused.stderr
-    write_batches(cut, [4])
-    run_trainer(torchrun(2), cfg(cut, "cut.toml") + ["--resume"])
+    write_batches(cut, [6])
+    log = run_trainer(torchrun(2), cfg(cut, "cut.toml") + ["--resume"])
+    assert "resumed from checkpoints/step_3: next batch is 4" in log, log[-3000:]
 
-    a, b = weights(whole, 4), weights(cut, 4)
+    a, b = weights(whole, 6), weights(cut, 6)
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    assert not torch.equal(weights(whole, 3)["model.norm.weight"], a["model.norm.weight"])
-    steps = [m["step"] for m in trainer_metrics(cut)]
-    assert steps == [1, 2, 3, 4]  # step 4 trained once, nothing before it again
+    assert not torch.equal(weights(whole, 5)["model.norm.weight"], a["model.norm.weight"])
+    assert [m["step"] for m in trainer_metrics(cut)] == [1, 2, 3, 4, 5, 4, 5, 6]
     assert trainer_metrics(cut)[-1]["lr"] == trainer_metrics(whole)[-1]["lr"]
 
 
@@ -189,7 +217,7 @@ def test_reference_kl_sequence_ratio_and_bfloat16_run_through_the_real_trainer(t
     write_batches(run, [1, 2, 3])
     extra = ("max_steps = 3\n[trainer]\npack = false\nmicro_batch_size = 3\ndtype = \"bfloat16\"\n"
              "[trainer.optim]\nlr = 1e-3\n[trainer.loss]\nobjective = \"truncated_is\"\nratio_level = \"sequence\"\n"
-             "mask_low = 0.1\nmask_high = 10.0\nkl_coef = 0.1\nkl_target = \"reference\"\nnormalization = \"constant\"\n")
+             "mask_low = 0.1\nmask_high = 1.02\nkl_coef = 0.1\nkl_target = \"reference\"\nnormalization = \"constant\"\n")
     run_trainer(rl_command("trainer"), ["@", config(write_toml, run, "cfg.toml"),
                                         "@", str(write_toml(extra, "extra.toml")), "--max_steps", "3"])
     m = trainer_metrics(run)
@@ -197,3 +225,5 @@ def test_reference_kl_sequence_ratio_and_bfloat16_run_through_the_real_trainer(t
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in m)
     assert m[0]["kl"] < 1e-4 < m[2]["kl"]
     assert 0 < m[0]["entropy"] < math.log(30)  # vocab of 30
+    # Once the policy moved, some samples' sequence ratios leave [0.1, 1.02] and are masked whole.
+    assert m[2]["masked_frac"] > 0 and all(r["masked_frac"] < 1 for r in m)

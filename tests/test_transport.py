@@ -116,3 +116,30 @@ def test_two_rank_trainer_over_zmq_matches_the_filesystem_run(tmp_path, write_to
     for name, tensor in finals["zmq"].items():
         assert (tensor == finals["filesystem"][name]).all(), name
     assert not RunDir(tmp_path / "zmq").rollout_steps()
+
+
+def test_zmq_receiver_keeps_batches_for_a_resumed_trainer(tmp_path):
+    """A trainer resumed from an older checkpoint needs batches the orchestrator sent long ago:
+    with keep, every batch received is written to rollouts/step_n and read from there first."""
+    run = RunDir(tmp_path / "run")
+    cfg = TransportConfig(kind="zmq", address=f"ipc://{tmp_path}/batches.sock")
+    receiver = BatchReceiver(cfg, run, keep=True)
+    try:
+        sender = threading.Thread(target=send_all, args=(cfg, run, [batch(1), batch(3), batch(2)]))
+        sender.start()
+        for n in (1, 2):
+            (meta, payload), _ = receiver.receive(n, timeout_s=30)
+            assert Batch.decode(meta, payload, "test").step == n
+        sender.join()
+    finally:
+        receiver.close()
+    # Batch 3 arrived while the trainer still wanted 2: it was written to disk on arrival.
+    assert run.rollout_steps() == [1, 2, 3]
+    # The trainer dies and resumes from a checkpoint at step 1: nobody sends 2 and 3 again.
+    again = BatchReceiver(cfg, run, keep=True)
+    try:
+        for n in (2, 3):
+            (meta, payload), _ = again.receive(n, timeout_s=5)
+            assert Batch.decode(meta, payload, "test").step == n
+    finally:
+        again.close()

@@ -150,7 +150,11 @@ class Batch:
 
     def write(self, final: Path) -> None:
         """Write the batch to directory `final` atomically (temporary directory, then one rename)."""
-        meta, payload = self.encode()
+        self.write_encoded(*self.encode(), final)
+
+    @staticmethod
+    def write_encoded(meta: bytes, payload: bytes, final: Path) -> None:
+        """Write already-encoded blobs (as received over ZMQ) the way `write` does."""
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
         # Plain writes: nobody reads the temporary directory, and publish_dir fsyncs every file

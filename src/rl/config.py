@@ -269,9 +269,9 @@ class TrainerConfig(Section):
     """pack = false: samples per padded forward/backward pass on each rank."""
 
     attention: Literal["auto", "sdpa", "flash_attention_2"] = "auto"
-    """Attention kernel of the trainer's model. auto: flash_attention_2 on CUDA when the
-    flash-attn package is installed (packed samples then use its varlen kernel), else sdpa
-    (packed samples get a block-diagonal mask)."""
+    """Attention kernel of the trainer's model. auto: flash_attention_2 on CUDA with dtype
+    bfloat16 when the flash-attn package is installed (packed samples then use its varlen
+    kernel), else sdpa (packed samples get a block-diagonal mask)."""
 
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass: less memory, ~30% more
@@ -350,6 +350,9 @@ class RunConfig(Section):
                 f"trainer.micro_batch_tokens ({t.micro_batch_tokens}) must be >= seq_len "
                 f"({self.seq_len}): a sample of seq_len tokens must fit in one micro-batch"
             )
+        if t.attention == "flash_attention_2" and t.dtype != "bfloat16":
+            raise ValueError('trainer.attention = "flash_attention_2" needs trainer.dtype = "bfloat16" '
+                             "(flash attention has no float32 kernel)")
         lo, hi = t.loss.mask_low, t.loss.mask_high
         if lo is not None and hi is not None and lo >= hi:
             raise ValueError(f"trainer.loss.mask_low ({lo}) must be below trainer.loss.mask_high ({hi})")

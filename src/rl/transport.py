@@ -73,8 +73,11 @@ class BatchSender:
 class BatchReceiver:
     """Trainer side (rank 0 only under zmq; the trainer shares the bytes with its other ranks)."""
 
-    def __init__(self, cfg: TransportConfig, run: RunDir, poll_s: float = 0.05):
-        self.cfg, self.run, self.poll_s = cfg, run, poll_s
+    def __init__(self, cfg: TransportConfig, run: RunDir, poll_s: float = 0.05, keep: bool = False):
+        """`keep` (zmq): write every batch received to rollouts/step_n and look there first, so a
+        trainer resumed from an older checkpoint finds the batches it must train again (the
+        orchestrator sent them long ago)."""
+        self.cfg, self.run, self.poll_s, self.keep = cfg, run, poll_s, keep
         self.socket = None
         self.early: dict[int, tuple[bytes, bytes]] = {}
         if cfg.kind == "zmq":
@@ -106,6 +109,8 @@ class BatchReceiver:
             return Batch.read_encoded(path)
         if step in self.early:
             return self.early.pop(step)
+        if self.keep and self.run.rollout_dir(step).exists():
+            return Batch.read_encoded(self.run.rollout_dir(step))
         if not self.socket.poll(timeout=int(self.poll_s * 1000)):
             return None
         frames = self.socket.recv_multipart()
@@ -114,6 +119,8 @@ class BatchReceiver:
                              f"({len(frames)} frames)")
         meta, payload = frames[1], frames[2]
         got = Batch.decode(meta, payload, self.cfg.address).step
+        if self.keep and got >= step:
+            Batch.write_encoded(meta, payload, self.run.rollout_dir(got))
         if got == step:
             return meta, payload
         if got < step:

@@ -71,9 +71,8 @@ class MicroBatch:
 
 
 def assign_ranks(lengths: list[int], world: int) -> list[list[int]]:
-    """Sample indices per rank, balancing tokens (longest-processing-time-first)."""
-    if len(lengths) < world:
-        raise ValueError(f"{len(lengths)} samples, fewer than the {world} trainer ranks")
+    """Sample indices per rank, balancing tokens (longest-processing-time-first). With fewer
+    samples than ranks some ranks get none and run padding passes only."""
     load = [0] * world
     ranks: list[list[int]] = [[] for _ in range(world)]
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
@@ -103,6 +102,9 @@ def loss_weights(batch: Batch, normalization: str, norm_length: int) -> np.ndarr
     """Per-token weight such that the batch loss is sum(weight * per-token loss); see
     [trainer.loss] normalization."""
     mask = batch.loss_mask.astype(np.float64)
+    # A sample's first token is never predicted (nothing precedes it in its sample), so it
+    # cannot carry loss, whatever its mask says.
+    mask[np.cumsum(batch.lengths) - batch.lengths] = 0.0
     weights = np.zeros_like(mask)
     if normalization == "token":
         weights[:] = 1.0 / max(mask.sum(), 1.0)
@@ -168,10 +170,11 @@ def _packed(batch: Batch, slices: list[slice], rows: list[list[int]], pad_id: in
                      *(torch.cat([x, zeros]) for x in (mask, old, adv, w)), seq))
     tokens, positions, mask, old, adv, w, seq = (torch.stack(x) for x in zip(*cols))
     # Shift by one: position t predicts token t+1. The prediction across a sample boundary
-    # (last token of one sample -> first token of the next) belongs to no sample; the token
-    # it predicts is a prompt token, so its loss mask is 0 already.
-    seq = seq[:, 1:].masked_fill(positions[:, 1:] == 0, -1)
-    return MicroBatch(tokens, positions, None, mask[:, 1:], old[:, 1:], adv[:, 1:], w[:, 1:], seq)
+    # (last token of one sample -> first token of the next) belongs to no sample: no loss.
+    boundary = positions[:, 1:] == 0
+    seq = seq[:, 1:].masked_fill(boundary, -1)
+    return MicroBatch(tokens, positions, None, mask[:, 1:].masked_fill(boundary, 0.0), old[:, 1:], adv[:, 1:],
+                      w[:, 1:].masked_fill(boundary, 0.0), seq)
 
 
 def _padded(batch: Batch, slices: list[slice], rows: list[list[int]], pad_id: int, weights: np.ndarray) -> MicroBatch:

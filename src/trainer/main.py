@@ -34,19 +34,22 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _SUMS = ("tokens", "masked_tokens", "clipped_tokens", "ratio_sum", "mismatch_kl_sum", "entropy_sum", "kl_sum")
 
 
-def attention_implementation(choice: str) -> str:
+def attention_implementation(choice: str, dtype: str) -> str:
     if choice != "auto":
         return choice
     from transformers.utils import is_flash_attn_2_available
 
-    return "flash_attention_2" if torch.cuda.is_available() and is_flash_attn_2_available() else "sdpa"
+    # flash attention computes in half precision only: with float32 compute, sdpa.
+    if dtype == "bfloat16" and torch.cuda.is_available() and is_flash_attn_2_available():
+        return "flash_attention_2"
+    return "sdpa"
 
 
 def load_model(cfg: RunConfig, device: torch.device, trainable: bool) -> torch.nn.Module:
     # Packed rows carry no attention mask: transformers derives the block-diagonal mask (sdpa)
     # or the varlen boundaries (flash attention) from the restarting position ids.
     model = AutoModelForCausalLM.from_pretrained(
-        cfg.model, dtype=torch.float32, attn_implementation=attention_implementation(cfg.trainer.attention)).to(device)
+        cfg.model, dtype=torch.float32, attn_implementation=attention_implementation(cfg.trainer.attention, cfg.trainer.dtype)).to(device)
     if trainable:
         model.train()
         if cfg.trainer.activation_checkpointing:
@@ -79,14 +82,17 @@ class Trainer:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.run = RunDir(cfg.output_dir)
-        self.device = init_distributed(cfg.trainer.batch_timeout_s + 600)
+        # Under ZMQ, ranks 1+ sit in a broadcast while rank 0 publishes and then waits for the
+        # next batch: the collective timeout must outlast both (rank 0 reports its own timeouts).
+        self.device = init_distributed(cfg.trainer.batch_timeout_s + cfg.weight_sync.timeout_s + 1800)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(cfg.seed)
         if cfg.trainer.torch_threads:
             torch.set_num_threads(cfg.trainer.torch_threads)
         hf_config = AutoConfig.from_pretrained(cfg.model)
         self.tied = bool(getattr(hf_config.get_text_config(), "tie_word_embeddings", False))
-        self.pad_id = hf_config.pad_token_id if hf_config.pad_token_id is not None else 0
+        pad_id = getattr(hf_config.get_text_config(), "pad_token_id", None)
+        self.pad_id = 0 if pad_id is None else pad_id
         self.model = load_model(cfg, self.device, trainable=True)
         self.flash = self.model.config._attn_implementation.startswith("flash")
         if self.rank == 0:
@@ -124,7 +130,7 @@ class Trainer:
     def train(self) -> None:
         first = self.start_step()
         # Under ZMQ only rank 0 binds the socket (receive_batch shares the bytes).
-        receiver = BatchReceiver(self.cfg.transport, self.run) if (
+        receiver = BatchReceiver(self.cfg.transport, self.run, keep=bool(self.cfg.trainer.checkpoint_every)) if (
             self.cfg.transport.kind == "filesystem" or self.rank == 0) else None
         try:
             for step in range(first, self.cfg.max_steps + 1):

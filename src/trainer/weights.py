@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from rl.broadcast import plan_buckets
-from rl.rundir import RunDir, mark_stable, remove_quietly
+from rl.rundir import RunDir, mark_stable, publish_dir, remove_quietly
 
 # Small files that make a weights directory a loadable HF model on its own.
 _COPIED = ("*.json", "*.txt", "*.model", "*.jinja")
@@ -32,8 +32,11 @@ def write_weights(run: RunDir, step: int, state_dict: dict[str, torch.Tensor], s
                   shard_bytes: int = 4 << 30) -> float:
     """Write weights/step_<step> (rank 0 only); returns seconds taken."""
     start = time.perf_counter()
-    out = run.weights_dir(step)
-    remove_quietly(out)  # a partial directory from a crash has no STABLE; start it over
+    final = run.weights_dir(step)
+    # Written aside and renamed into place: a resumed trainer rewrites versions its killed
+    # predecessor had published, and a server must never read a half-rewritten one.
+    out = final.with_name(f".{final.name}.tmp")
+    remove_quietly(out)  # a partial one from a crash
     out.mkdir(parents=True)
     if tied:
         # safetensors refuses shared storage, and HF checkpoints of tied models omit lm_head.
@@ -57,6 +60,7 @@ def write_weights(run: RunDir, step: int, state_dict: dict[str, torch.Tensor], s
             if f.name != "model.safetensors.index.json":
                 shutil.copy2(f, out / f.name)
     mark_stable(out)
+    publish_dir(out, final)
     return time.perf_counter() - start
 
 
