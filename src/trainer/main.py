@@ -124,7 +124,8 @@ class Trainer:
             return 1
         checkpoint.load(self.run, latest, self.model, self.optimizer, self.scheduler)
         self.last_checkpoint = latest
-        log.info("resumed from checkpoints/step_%d: next batch is %d", latest, latest + 1)
+        if self.rank == 0:
+            log.info("resumed from checkpoints/step_%d: next batch is %d", latest, latest + 1)
         return latest + 1
 
     def train(self) -> None:
