@@ -79,6 +79,18 @@ def greedy(url: str, model: str) -> list[tuple[list[int], list[float]]]:
     return out
 
 
+def train(cfg, tmp) -> Program:
+    """Trainer and orchestrator until both exit 0 (the server runs already); the trainer."""
+    trainer, orchestrator = Program("trainer", cfg, tmp), Program("orchestrator", cfg, tmp)
+    try:
+        assert trainer.wait(300) == 0, trainer.tail()
+        assert orchestrator.wait(120) == 0, orchestrator.tail()
+    finally:
+        trainer.stop()
+        orchestrator.stop()
+    return trainer
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e")
@@ -95,13 +107,7 @@ def trained(tmp_path_factory):
             "[orchestrator]\nprompts_per_step = 4\ngroup_size = 4\nmax_tokens = 12\nmax_in_flight_groups = 8\n"
             "[trainer]\nkeep_weights = 5\nkeep_rollouts = 5\ntorch_threads = 1\n"
             "[trainer.optim]\nlr = 1e-3\n")
-        trainer, orchestrator = Program("trainer", cfg, tmp), Program("orchestrator", cfg, tmp)
-        try:
-            assert trainer.wait(300) == 0, trainer.tail()
-            assert orchestrator.wait(120) == 0, orchestrator.tail()
-        finally:
-            trainer.stop()
-            orchestrator.stop()
+        train(cfg, tmp)
         health = httpx.get(f"{url}/health", timeout=10).json()
         after = greedy(url, str(TINY_MODEL))
         yield {"run": run, "health": health, "before": before, "after": after, "tmp": tmp}
@@ -152,13 +158,7 @@ def test_three_programs_train_with_weights_broadcast_instead_of_files(tmp_path):
             f'[inference]\nport = {url.rsplit(":", 1)[1]}\ndtype = "float32"\n' + sync +
             "[orchestrator]\nprompts_per_step = 4\ngroup_size = 4\nmax_tokens = 12\nmax_in_flight_groups = 8\n"
             "[trainer]\ntorch_threads = 1\n[trainer.optim]\nlr = 1e-3\n")
-        trainer, orchestrator = Program("trainer", cfg, tmp_path), Program("orchestrator", cfg, tmp_path)
-        try:
-            assert trainer.wait(300) == 0, trainer.tail()
-            assert orchestrator.wait(120) == 0, orchestrator.tail()
-        finally:
-            trainer.stop()
-            orchestrator.stop()
+        trainer = train(cfg, tmp_path)
         health = httpx.get(f"{url}/health", timeout=10).json()
         after = greedy(url, str(TINY_MODEL))
     finally:
