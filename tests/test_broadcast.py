@@ -130,6 +130,25 @@ def config(tmp: Path, address: str, timeout_s: float, bucket_mb: int = 1) -> Run
     })
 
 
+def sender_side(tmp: Path, timeout_s: float) -> tuple[str, RunConfig, RunDir]:
+    """A fresh address, the sender's config and its run directory."""
+    address = f"127.0.0.1:{free_port()}"
+    cfg = config(tmp, address, timeout_s=timeout_s)
+    run = RunDir(cfg.output_dir)
+    run.make()
+    return address, cfg, run
+
+
+def reap(procs, kill_first: bool = False) -> None:
+    """Receivers end on their own (or, kill_first, are still waiting for a version)."""
+    for p in procs:
+        if kill_first:
+            p.kill()
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+
+
 def receiver(address: str, rank: int, world: int, run_root: str, versions: list[int], timeout_s: float, results,
              ready=None, linger_s: float = 0.0, fail: bool = False) -> None:
     """Stands in for one inference worker: joins, then for each version waits for STABLE (the
@@ -173,10 +192,7 @@ def start_receivers(ctx, address, ranks, world, run_root, versions, timeout_s):
 def test_two_receivers_get_two_versions_bit_identical(tmp_path):
     from trainer.broadcast import WeightBroadcaster
 
-    address = f"127.0.0.1:{free_port()}"
-    cfg = config(tmp_path, address, timeout_s=60)
-    run = RunDir(cfg.output_dir)
-    run.make()
+    address, cfg, run = sender_side(tmp_path, 60)
     ctx = mp.get_context("spawn")
     procs, results = start_receivers(ctx, address, [1, 2], 3, str(run.root), [1, 2], 60)
     try:
@@ -193,10 +209,7 @@ def test_two_receivers_get_two_versions_bit_identical(tmp_path):
         reports = [results.get(timeout=60) for _ in range(4)]
         sender.close()
     finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+        reap(procs)
     assert sorted((r, v) for r, v, _, _ in reports) == [(1, 1), (1, 2), (2, 1), (2, 2)], reports
     assert all(ok for _, _, ok, _ in reports), reports
     # keep_weights = 1: the tiny broadcast directories are pruned like file versions.
@@ -206,10 +219,7 @@ def test_two_receivers_get_two_versions_bit_identical(tmp_path):
 def test_a_receiver_that_never_joins_fails_the_sender_naming_the_address(tmp_path):
     from trainer.broadcast import WeightBroadcaster
 
-    address = f"127.0.0.1:{free_port()}"
-    cfg = config(tmp_path, address, timeout_s=8)
-    run = RunDir(cfg.output_dir)
-    run.make()
+    address, cfg, run = sender_side(tmp_path, 8)
     ctx = mp.get_context("spawn")
     # Rank 1 joins a group of 3; rank 2 never comes.
     results, ready = ctx.Queue(), ctx.Event()
@@ -223,10 +233,7 @@ def test_a_receiver_that_never_joins_fails_the_sender_naming_the_address(tmp_pat
         waited = time.monotonic() - start
         rank, _, ok, why = results.get(timeout=30)
     finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+        reap(procs)
     message = str(err.value)
     assert address in message and "never joined: [2]" in message and "weight_sync.timeout_s" in message
     assert waited < 30
@@ -236,10 +243,7 @@ def test_a_receiver_that_never_joins_fails_the_sender_naming_the_address(tmp_pat
 def test_a_member_missing_from_a_version_fails_publish_naming_the_address(tmp_path):
     from trainer.broadcast import WeightBroadcaster
 
-    address = f"127.0.0.1:{free_port()}"
-    cfg = config(tmp_path, address, timeout_s=60)
-    run = RunDir(cfg.output_dir)
-    run.make()
+    address, cfg, run = sender_side(tmp_path, 60)
     ctx = mp.get_context("spawn")
     # Both join; rank 2 takes version 1 but not version 2 (a server nobody told about it).
     results = ctx.Queue()
@@ -257,9 +261,7 @@ def test_a_member_missing_from_a_version_fails_publish_naming_the_address(tmp_pa
         waited = time.monotonic() - start
         sender.close()
     finally:
-        for p in procs:  # rank 1 still waits for the rest of version 2
-            p.kill()
-            p.join(timeout=30)
+        reap(procs, kill_first=True)  # rank 1 still waits for the rest of version 2
     assert address in str(err.value) and "version 2" in str(err.value)
     assert 2.5 < waited < 15
     assert not (run.weights_dir(2) / bc.DELIVERED).exists()
@@ -268,10 +270,7 @@ def test_a_member_missing_from_a_version_fails_publish_naming_the_address(tmp_pa
 def test_a_failed_load_is_reported_to_the_sender_naming_the_receiver(tmp_path):
     from trainer.broadcast import WeightBroadcaster
 
-    address = f"127.0.0.1:{free_port()}"
-    cfg = config(tmp_path, address, timeout_s=60)
-    run = RunDir(cfg.output_dir)
-    run.make()
+    address, cfg, run = sender_side(tmp_path, 60)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=receiver, args=(address, 1, 2, str(run.root), [1, 2], 60, results, None, 0, True))]
@@ -284,9 +283,7 @@ def test_a_failed_load_is_reported_to_the_sender_naming_the_receiver(tmp_path):
         reports = [results.get(timeout=30) for _ in range(2)]
         sender.close()
     finally:
-        procs[0].join(timeout=30)
-        if procs[0].is_alive():
-            procs[0].kill()
+        reap(procs)
     assert [(r, v) for r, v, _, _ in reports] == [(1, 1), (1, 2)], reports
     assert not (run.weights_dir(1) / bc.DELIVERED).exists()
 

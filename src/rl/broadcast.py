@@ -288,31 +288,27 @@ class Group:
             raise self._error(what, e, start) from None
 
     def broadcast(self, tensor: torch.Tensor, what: str) -> None:
-        import datetime
-
         import torch.distributed as dist
 
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
-        opts.timeout = datetime.timedelta(seconds=self.timeout_s)
-        start = time.monotonic()
-        try:
-            work = self.pg.broadcast([tensor], opts)
-        except (RuntimeError, TimeoutError) as e:
-            raise self._error(what, e, start) from None
-        self._wait(work, what, start)
+        self._collective(self.pg.broadcast, tensor, opts, what)
 
     def all_reduce_sum(self, tensor: torch.Tensor, what: str) -> None:
-        import datetime
-
         import torch.distributed as dist
 
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
+        self._collective(self.pg.allreduce, tensor, opts, what)
+
+    def _collective(self, issue, tensor: torch.Tensor, opts, what: str) -> None:
+        """Issue one collective with this group's timeout and wait for it, errors named."""
+        import datetime
+
         opts.timeout = datetime.timedelta(seconds=self.timeout_s)
         start = time.monotonic()
         try:
-            work = self.pg.allreduce([tensor], opts)
+            work = issue([tensor], opts)
         except (RuntimeError, TimeoutError) as e:
             raise self._error(what, e, start) from None
         self._wait(work, what, start)

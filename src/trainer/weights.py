@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from rl.broadcast import plan_buckets
-from rl.rundir import RunDir, mark_stable, publish_dir, remove_quietly
+from rl.rundir import STABLE, RunDir, publish_dir, remove_quietly
 
 # Small files that make a weights directory a loadable HF model on its own.
 _COPIED = ("*.json", "*.txt", "*.model", "*.jinja")
@@ -59,14 +59,16 @@ def write_weights(run: RunDir, step: int, state_dict: dict[str, torch.Tensor], s
         for f in source.glob(pattern):
             if f.name != "model.safetensors.index.json":
                 shutil.copy2(f, out / f.name)
-    mark_stable(out)
+    # Nobody reads the temporary directory: publish_dir fsyncs every file, STABLE included,
+    # once, before the rename that makes the version visible.
+    (out / STABLE).write_bytes(b"")
     publish_dir(out, final)
     return time.perf_counter() - start
 
 
 def prune_weights(run: RunDir, keep: int) -> None:
     """Delete all but the newest `keep` STABLE versions (the orchestrator loads only the newest)."""
-    stable = [n for n in run.weight_steps() if (run.weights_dir(n) / "STABLE").exists()]
+    stable = [n for n in run.weight_steps() if (run.weights_dir(n) / STABLE).exists()]
     for n in stable[:-keep]:
         remove_quietly(run.weights_dir(n))
 
