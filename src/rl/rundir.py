@@ -3,7 +3,8 @@
     <output_dir>/
       config/<program>.toml   resolved config each program started with
       rollouts/step_<n>/      batch n: written under a temporary name, then renamed
-      weights/step_<n>/       HF safetensors + config + tokenizer; STABLE written last
+      weights/step_<n>/       HF safetensors + config + tokenizer, or (weight_sync broadcast)
+                              broadcast.json + DELIVERED; STABLE written last
       checkpoints/step_<n>/   orchestrator/ (and trainer/) state after step n
       logs/<program>.log
       metrics.jsonl
