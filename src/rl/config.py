@@ -50,6 +50,11 @@ class InferenceConfig(Section):
     reload_timeout_s: float = Field(300, gt=0)
     """Longest a weight reload may take before /update_weights answers 504."""
 
+    max_loras: int = Field(8, ge=1)
+    """With LoRA (trainer.lora.rank > 0): adapters the engine holds at once. Each run keeps about
+    two versions resident (the newest, and the one its in-flight groups started on), so give
+    at least 2 per concurrent run."""
+
     extra_args: list[str] = []
     """Further `vllm serve` flags, passed through verbatim (e.g. ["--max-num-seqs", "256"])."""
 
@@ -250,12 +255,52 @@ class LossConfig(Section):
     """normalization = constant: the constant per sample; 0 means seq_len."""
 
 
+_ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class LoRAConfig(Section):
+    rank: int = Field(0, ge=0, le=512)
+    """LoRA rank; 0 trains every weight (full fine-tuning). With a rank, only the adapters train,
+    weights/step_n holds a peft adapter, and servers load it with /load_lora_adapter: the base
+    weights never move."""
+
+    alpha: float = Field(16.0, gt=0)
+    """LoRA alpha: the adapter's output is scaled by alpha / rank."""
+
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input (training only)."""
+
+    target_modules: list[str] = Field(default_factory=lambda: list(_ALL_LINEAR), min_length=1)
+    """Names of the linear layers that get an adapter (the last part of the module path)."""
+
+    multi_run: bool = False
+    """Trainer: train every run found under output_dir/runs/<name>/ at once, each from its own
+    config (written there by its orchestrator), with its own adapter, optimizer and step counter.
+    Runs join and leave while the trainer keeps going. See docs/lora.md."""
+
+    slots: int = Field(4, ge=1)
+    """multi_run: adapter slots, i.e. the most runs trained at once; a run that arrives while
+    all are taken waits for one to free up."""
+
+    run_timeout_s: float = Field(60, gt=0)
+    """multi_run: a run whose next batch is missing and whose orchestrator has not signalled life
+    (runs/<name>/heartbeat) for this long leaves; its adapter and optimizer are checkpointed so
+    it can rejoin."""
+
+    idle_exit_s: float = Field(0, ge=0)
+    """multi_run: exit once no run has been training for this long (after at least one run came
+    and went); 0 serves until stopped."""
+
+
 class TrainerConfig(Section):
     optim: OptimConfig = OptimConfig()
     """Optimizer."""
 
     loss: LossConfig = LossConfig()
     """Policy-gradient loss."""
+
+    lora: LoRAConfig = LoRAConfig()
+    """LoRA adapters instead of full fine-tuning (rank > 0), and multi-run training."""
 
     pack: bool = True
     """Pack samples into rows of at most seq_len tokens (first-fit decreasing; attention never
@@ -330,6 +375,10 @@ class RunConfig(Section):
     it the trainer refuses a run directory that already holds weights. The orchestrator always
     resumes from its own state."""
 
+    run_name: str = Field("", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$|^$")
+    """Multi-run LoRA: this run's name; its directory is output_dir/runs/<run_name>/ and its
+    adapter is served as "<run_name>-v<version>". Empty: a run of its own in output_dir."""
+
     inference: InferenceConfig = InferenceConfig()
     transport: TransportConfig = TransportConfig()
     weight_sync: WeightSyncConfig = WeightSyncConfig()
@@ -356,6 +405,13 @@ class RunConfig(Section):
         lo, hi = t.loss.mask_low, t.loss.mask_high
         if lo is not None and hi is not None and lo >= hi:
             raise ValueError(f"trainer.loss.mask_low ({lo}) must be below trainer.loss.mask_high ({hi})")
+        lora = t.lora
+        if (lora.multi_run or self.run_name) and lora.rank == 0:
+            raise ValueError("trainer.lora.multi_run and run_name need LoRA: set trainer.lora.rank > 0")
+        if (lora.multi_run or self.run_name) and self.transport.kind != "filesystem":
+            raise ValueError('multi-run LoRA needs transport.kind = "filesystem" (one rollouts/ per run)')
+        if lora.rank and self.weight_sync.kind != "filesystem":
+            raise ValueError('trainer.lora.rank > 0 syncs adapters through files: weight_sync.kind must be "filesystem"')
         m = o.max_off_policy_steps
         if m is not None and m < self.max_async_level:
             raise ValueError(
@@ -368,6 +424,16 @@ class RunConfig(Section):
     def off_policy_steps(self) -> int:
         m = self.orchestrator.max_off_policy_steps
         return self.max_async_level if m is None else m
+
+    @property
+    def run_dir(self) -> Path:
+        """This run's directory: output_dir, or output_dir/runs/<run_name> in a multi-run."""
+        return self.output_dir / "runs" / self.run_name if self.run_name else self.output_dir
+
+    @property
+    def adapter_prefix(self) -> str:
+        """Servers hold this run's adapter versions as "<prefix>-v<version>"."""
+        return self.run_name or "policy"
 
     @property
     def urls(self) -> list[str]:

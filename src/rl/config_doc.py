@@ -32,6 +32,6 @@ def render_toml(cfg: RunConfig) -> str:
 
 
 def save_resolved(cfg: RunConfig, program: str) -> None:
-    run = RunDir(cfg.output_dir)
+    run = RunDir(cfg.run_dir)  # a multi-run's run saves under runs/<name>/
     run.make()
     write_file_atomic(run.config_file(program), render_toml(cfg).encode())
