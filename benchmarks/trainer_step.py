@@ -70,7 +70,7 @@ def timed_steps(t: Trainer, batch: Batch, repeats: int) -> list[float]:
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        t.train_step(t.micro_batches(batch), 1.0)
+        t.train_step(t.micro_batches(batch, t.policy), 1.0, t.policy)
         times.append(time.perf_counter() - start)
     return times
 
@@ -84,7 +84,7 @@ def packing(args, tmp: Path) -> dict:
     for name, keys in (("padded", {"pack": False, "micro_batch_size": args.micro_batch_size}),
                        ("packed", {"pack": True, "micro_batch_tokens": budget})):
         t = trainer(model, tmp / name, args.seq_len, **keys)
-        mbs = t.micro_batches(batch)
+        mbs = t.micro_batches(batch, t.policy)
         timed_steps(t, batch, 1)  # warm-up
         times = timed_steps(t, batch, args.repeats)
         computed = sum(mb.num_tokens for mb in mbs)
@@ -107,7 +107,7 @@ def large(args, tmp: Path) -> dict:
     times = timed_steps(t, batch, args.repeats)
     tokens = int(batch.lengths.sum())
     start = time.perf_counter()
-    write_s = t.publish(1)
+    write_s = t.publish(t.policy, 1)
     publish_s = time.perf_counter() - start
     print(f"0.5B-class ({params / 1e6:.0f}M params): {tokens} tokens, steps {', '.join(f'{s:.1f}s' for s in times)} "
           f"({tokens / min(times):,.0f} tokens/s); gather + write weights {publish_s:.1f}s (write {write_s:.1f}s)")

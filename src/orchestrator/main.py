@@ -20,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import gc
+import json
 import logging
+import os
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -41,6 +43,7 @@ from rl.transport import BatchSender
 log = logging.getLogger("orchestrator")
 
 HEARTBEAT_S = 30.0
+HEARTBEAT_EVERY_S = 2.0
 MAX_ATTEMPTS = 3  # a prompt whose group fails (rewards, teacher) this often is dropped
 
 
@@ -70,12 +73,13 @@ class Counters:
 class Orchestrator:
     def __init__(self, cfg: RunConfig, session: aiohttp.ClientSession):
         self.cfg, self.o = cfg, cfg.orchestrator
-        self.run_dir = RunDir(cfg.output_dir)
+        self.run_dir = RunDir(cfg.run_dir)
         ws = cfg.weight_sync
         self.pool = ServerPool(cfg.urls, session, cfg.inference.api_token, cfg.inference.reload_timeout_s,
                                self.o.server_retry_max_s, self.o.in_flight_updates,
                                broadcast_address=ws.address if ws.kind == "broadcast" else None,
-                               broadcast_timeout_s=ws.timeout_s)
+                               broadcast_timeout_s=ws.timeout_s,
+                               adapter_prefix=cfg.adapter_prefix if cfg.trainer.lora.rank else None)
         self.rollouts = self._make_rollouts(session)
         self.sender = BatchSender(cfg.transport, self.run_dir)
         self.next_step, cursor, pending = self._resume_point()
@@ -89,6 +93,7 @@ class Orchestrator:
         self.attempts: dict[int, int] = {}  # prompt index -> failed groups so far
         # Request ids must not collide with a previous orchestrator's still running on a server.
         self.tag, self.seq = secrets.token_hex(3), 0
+        self.started_at = time.time()
 
     def _make_rollouts(self, session: aiohttp.ClientSession) -> Rollouts:
         from transformers import AutoTokenizer  # heavy import, only where needed
@@ -185,7 +190,32 @@ class Orchestrator:
             if version > self.pool.version or any(s.version != version for s in self.pool.in_rotation):
                 await self.pool.load(version, path)
                 await self.notify()
+            if self.pool.adapter_prefix:
+                in_use: dict[int, set[int]] = {}
+                for g in self.in_flight.values():
+                    in_use.setdefault(id(g.server), set()).add(g.version)
+                await self.pool.unload_unused(in_use)
             await asyncio.sleep(self.o.poll_interval_s)
+
+    async def heartbeat(self) -> None:
+        """Tell the trainer (multi-run LoRA) and people that this run's orchestrator lives: the
+        first line names this instance, the file's mtime says when it last spoke."""
+        instance = f"{os.getpid()} {time.time():.3f}"
+        while True:
+            write_file_atomic(self.run_dir.heartbeat, f"{instance}\n{time.time():.3f}\n".encode())
+            self.check_trainer()
+            await asyncio.sleep(HEARTBEAT_EVERY_S)
+
+    def check_trainer(self) -> None:
+        """Multi-run: a trainer that turned this run away says why in trainer_status.json."""
+        if not self.cfg.run_name:
+            return
+        try:
+            status = json.loads(self.run_dir.trainer_status.read_text())
+        except (OSError, ValueError):
+            return
+        if status.get("status") in ("rejected", "failed") and status.get("time", 0) > self.started_at:
+            raise RuntimeError(f"the trainer {status['status']} run {self.cfg.run_name}: {status.get('detail')}")
 
     # --- groups ----------------------------------------------------------------------------
 
@@ -212,9 +242,13 @@ class Orchestrator:
             self.in_flight[gid] = g
 
     async def run_group(self, gid: str, g: InFlight) -> None:
+        adapter = self.pool.adapter(g.version)
+
         async def generate(request: GenerateRequest) -> GenerateResponse:
             if g.cancelled:  # a multi-turn episode's next turn, after its group was aborted
                 raise Aborted(request.request_id)
+            if adapter is not None:  # every turn on the adapter the group started on
+                request = request.model_copy(update={"lora": adapter})
             g.requests.add(request.request_id)
             self.pool.begin(g.server)
             try:
@@ -393,6 +427,8 @@ class Orchestrator:
     # --- the run ---------------------------------------------------------------------------
 
     async def start(self) -> None:
+        # First: a multi-run trainer admits the run once it sees this.
+        self.background = [asyncio.create_task(self.heartbeat(), name="heartbeat")]
         await self.pool.connect(self.o.server_wait_timeout_s)
         if self.cfg.weight_sync.kind == "broadcast":
             # Before any load: the trainer's first broadcast needs every server in the group.
@@ -403,9 +439,9 @@ class Orchestrator:
             raise RuntimeError(f"no inference server could load version {version} from {path}")
         log.info("connected to %d server(s), serving version %d; first batch %d",
                  len(self.pool.servers), self.pool.serving_version, self.next_step)
-        self.background = [asyncio.create_task(self.follow_weights(), name="follow_weights"),
-                           asyncio.create_task(self.pool.heal(), name="heal"),
-                           asyncio.create_task(self.produce(), name="produce")]
+        self.background += [asyncio.create_task(self.follow_weights(), name="follow_weights"),
+                             asyncio.create_task(self.pool.heal(), name="heal"),
+                             asyncio.create_task(self.produce(), name="produce")]
 
     async def run(self) -> None:
         try:
@@ -435,6 +471,7 @@ class Orchestrator:
         # Pending aborts are let finish (each has its own short timeout): they free server slots.
         await asyncio.gather(*tasks, *self.chores, return_exceptions=True)
         self.sender.close()
+        self.run_dir.heartbeat.unlink(missing_ok=True)  # a multi-run trainer lets the run go
 
 
 def tune_gc() -> None:
@@ -456,5 +493,5 @@ async def _main(cfg: RunConfig) -> None:
 
 
 def main(cfg: RunConfig) -> None:
-    RunDir(cfg.output_dir).make()
+    RunDir(cfg.run_dir).make()
     asyncio.run(_main(cfg))

@@ -8,6 +8,11 @@ current version, so the async rule (every server in rotation serves >= n-1-k) ne
 With weight sync by broadcast every worker of every server is a rank of the trainer's group:
 init_broadcaster hands out the ranks, and each version is posted to every server, in rotation or
 not, because the trainer's broadcast needs all of them at once.
+
+With LoRA (adapter_prefix set) a version is an adapter, "<prefix>-v<version>", loaded next to
+the others with /load_lora_adapter: nothing pauses, each group names the adapter it started on
+(so its tokens carry exactly that version), and versions no group needs any more are unloaded.
+Version 0 is the base model, no adapter.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ class Server:
     retry_at: float = 0.0
     idle_s: float = 0.0
     idle_since: float | None = field(default_factory=time.monotonic)
+    adapters: set[int] = field(default_factory=set)
+    """LoRA: adapter versions this pool loaded on the server and has not unloaded."""
 
     @property
     def url(self) -> str:
@@ -50,12 +57,18 @@ class Server:
 class ServerPool:
     def __init__(self, urls: list[str], session: aiohttp.ClientSession, token: str | None,
                  reload_timeout_s: float, retry_max_s: float, in_flight_updates: bool,
-                 broadcast_address: str | None = None, broadcast_timeout_s: float = 600.0):
+                 broadcast_address: str | None = None, broadcast_timeout_s: float = 600.0,
+                 adapter_prefix: str | None = None):
         self.servers = [Server(InferenceClient(u, session, token)) for u in urls]
         self.reload_timeout_s, self.retry_max_s = reload_timeout_s, retry_max_s
         self.broadcast_address, self.broadcast_timeout_s = broadcast_address, broadcast_timeout_s
         self.mode = "keep" if in_flight_updates else "wait"
         self.version, self.path = 0, ""  # what every server in rotation must serve
+        self.adapter_prefix = adapter_prefix
+
+    def adapter(self, version: int) -> str | None:
+        """The adapter a request for `version` names (None: the base weights)."""
+        return f"{self.adapter_prefix}-v{version}" if self.adapter_prefix and version > 0 else None
 
     # --- rotation and load ---------------------------------------------------------------
 
@@ -136,7 +149,9 @@ class ServerPool:
             results = await asyncio.gather(*(s.client.health() for s in pending), return_exceptions=True)
             for s, r in zip(list(pending), results):
                 if not isinstance(r, BaseException):
-                    s.version = r["version"]
+                    s.version = self._reported_version(r)
+                    if self.adapter_prefix:  # ours from an earlier orchestrator: unloaded once unused
+                        s.adapters = {v for name, v in r.get("adapters", {}).items() if name == self.adapter(v)}
                     pending.remove(s)
             if not pending:
                 break
@@ -176,6 +191,9 @@ class ServerPool:
     async def load(self, version: int, path: Path) -> None:
         """Make every server in rotation serve `version`; a server that fails leaves rotation."""
         self.version, self.path = version, str(path.resolve())
+        if self.adapter_prefix:
+            await self._load_adapters(version)
+            return
         broadcast = (Path(self.path) / MANIFEST).is_file()
         # A broadcast waits for every member: servers out of rotation that still answer take
         # part (and so stay current), one that is gone fails the trainer's broadcast loudly.
@@ -202,6 +220,59 @@ class ServerPool:
             log.info("version %d serving on %d server(s) (reload %.3f s, mode %s)",
                      version, len(reload_s), max(reload_s), self.mode)
 
+    async def _load_adapters(self, version: int) -> None:
+        """LoRA: load the adapter next to those serving; no server pauses, so none is marked
+        updating (a group started meanwhile names the older adapter and is tagged with it)."""
+        stale = [s for s in self.in_rotation if s.version != version]
+        results = await asyncio.gather(*(self._load_one(s, version, self.path) for s in stale),
+                                       return_exceptions=True)
+        load_s = []
+        for s, r in zip(stale, results):
+            if isinstance(r, BaseException):
+                self.fail(s, f"loading adapter {self.adapter(version)} failed: {r}")
+            else:
+                load_s.append(r)
+        if load_s:
+            log.info("version %d (adapter %s) serving on %d server(s) (load %.3f s)", version,
+                     self.adapter(version), len(load_s), max(load_s))
+
+    async def _load_one(self, s: Server, version: int, path: str) -> float:
+        """Bring one server to `version`; returns the server's load seconds."""
+        if self.adapter_prefix:
+            r = {"load_s": 0.0}
+            if version > 0:
+                r = await s.client.load_lora_adapter(self.adapter(version), path, version, self.reload_timeout_s)
+                s.adapters.add(version)
+            s.version = version
+            return r.get("load_s", 0.0)
+        # A broadcast version already delivered is refused at once (409), one still being
+        # broadcast is received, as in load().
+        broadcast = (Path(path) / MANIFEST).is_file()
+        timeout = self.reload_timeout_s + (self.broadcast_timeout_s if broadcast else 0.0)
+        r = await s.client.update_weights(path, version, self.mode, timeout)
+        s.version = version
+        return r.get("reload_s", 0.0)
+
+    async def unload_unused(self, in_use: dict[int, set[int]]) -> None:
+        """LoRA: unload adapter versions that are neither current nor used by a group in flight
+        (in_use: id(server) -> versions its groups started on). A server that still runs a
+        request on one answers 409 and is asked again next time."""
+        for s in self.in_rotation:
+            for v in sorted(s.adapters - {s.version} - in_use.get(id(s), set())):
+                try:
+                    await s.client.unload_lora_adapter(self.adapter(v))
+                except InferenceError as e:
+                    if "HTTP 404" not in str(e):  # gone already (a restart): forget it
+                        continue
+                s.adapters.discard(v)
+
+    def _reported_version(self, health: dict) -> int:
+        """The version a server reports: its own (full weights), or ours among its adapters."""
+        if not self.adapter_prefix:
+            return health["version"]
+        ours = [v for name, v in health.get("adapters", {}).items() if name == self.adapter(v)]
+        return max(ours, default=0)
+
     async def check(self) -> None:
         """A server restarted between two requests comes back serving the base model and fails
         nothing: compare what each one reports with what it should serve."""
@@ -212,8 +283,8 @@ class ServerPool:
                 continue  # changed while we asked
             if isinstance(r, BaseException):
                 self.fail(s, f"health check failed: {r}")
-            elif r.get("version") != s.version:
-                self.fail(s, f"reports version {r.get('version')}, expected {s.version} (restarted?)")
+            elif self._reported_version(r) != s.version:
+                self.fail(s, f"reports version {self._reported_version(r)}, expected {s.version} (restarted?)")
 
     async def heal(self, check_every_s: float = 2.0) -> None:
         """Forever: check the servers in rotation; retry those out of it, with backoff, and
@@ -231,14 +302,12 @@ class ServerPool:
                 # must be recorded with the version it really loaded (follow_weights catches up).
                 version, path = self.version, self.path
                 try:
-                    s.version = (await s.client.health())["version"]
+                    health = await s.client.health()
+                    s.version = self._reported_version(health)
+                    if self.adapter_prefix:  # what a restart lost is not there to unload
+                        s.adapters = {v for name, v in health.get("adapters", {}).items() if name == self.adapter(v)}
                     if s.version != version and path:
-                        # A broadcast version already delivered is refused at once (409), one
-                        # still being broadcast is received, as in load().
-                        broadcast = (Path(path) / MANIFEST).is_file()
-                        timeout = self.reload_timeout_s + (self.broadcast_timeout_s if broadcast else 0.0)
-                        await s.client.update_weights(path, version, self.mode, timeout)
-                        s.version = version
+                        await self._load_one(s, version, path)
                 except InferenceError as e:
                     log.warning("server %s still down (%s); retry in %.0f s", s.url, e, self._back_off(s))
                     continue

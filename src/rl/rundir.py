@@ -8,6 +8,9 @@
       checkpoints/step_<n>/   orchestrator/ (and trainer/) state after step n
       logs/<program>.log
       metrics.jsonl
+      heartbeat               the orchestrator's: rewritten every few seconds, removed on exit
+      runs/<name>/            multi-run LoRA: one such directory per run (docs/lora.md)
+      trainer_status.json     multi-run: the trainer's word on this run (joined, finished, left...)
 
 Readers act only on complete items: a rollouts/step_<n> directory exists only once whole (rename
 is atomic), and a weights directory counts only once it holds STABLE. Nothing here uses file
@@ -71,6 +74,29 @@ class RunDir:
             self.checkpoint_dir(step).rmdir()
         except OSError:  # another program's part is still there
             pass
+
+    @property
+    def heartbeat(self) -> Path:
+        return self.root / "heartbeat"
+
+    @property
+    def trainer_status(self) -> Path:
+        return self.root / "trainer_status.json"
+
+    def runs(self) -> list[str]:
+        """Names of the multi-run runs under runs/."""
+        parent = self.root / "runs"
+        return sorted(p.name for p in parent.iterdir() if p.is_dir()) if parent.is_dir() else []
+
+    def run(self, name: str) -> RunDir:
+        return RunDir(self.root / "runs" / name)
+
+    def heartbeat_age(self) -> float | None:
+        """Seconds since the orchestrator last wrote its heartbeat; None without one."""
+        try:
+            return time.time() - self.heartbeat.stat().st_mtime
+        except FileNotFoundError:
+            return None
 
     def config_file(self, program: str) -> Path:
         return self.root / "config" / f"{program}.toml"

@@ -1,6 +1,7 @@
 """Trainer checkpoints: checkpoints/step_n/trainer/, written with torch.distributed.checkpoint.
 
-    __*.distcp, .metadata   model and optimizer, each rank writing its own shards (DCP)
+    __*.distcp, .metadata   model and optimizer (with LoRA: the run's adapter and its optimizer
+                            state), each rank writing its own shards (DCP)
     rng_rank<r>.safetensors that rank's torch RNG state (dropout), no pickle
     trainer.json            step, world size, LR scheduler state
     STABLE                  written last, once every rank has finished
@@ -21,7 +22,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from rl.rundir import RunDir, mark_stable, remove_quietly, write_file_atomic
 
@@ -37,8 +37,9 @@ def _rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
-def save(run: RunDir, step: int, model, optimizer, scheduler, keep: int) -> float:
-    """Collective: every rank calls it. Returns seconds taken."""
+def save(run: RunDir, step: int, state: dict, scheduler, keep: int) -> float:
+    """Collective: every rank calls it with its part of `state` (nested dicts of tensors and
+    DTensors). Returns seconds taken."""
     start = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()
     out = run.checkpoint_dir(step) / PROGRAM
@@ -46,8 +47,7 @@ def save(run: RunDir, step: int, model, optimizer, scheduler, keep: int) -> floa
         remove_quietly(out)  # a partial one from a crash has no STABLE; start it over
         out.mkdir(parents=True)
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=out)
+    dcp.save(state, checkpoint_id=out)
     save_file(_rng_state(), out / f"rng_rank{rank}.safetensors")
     dist.barrier()  # every rank's files are complete before STABLE claims so
     if rank == 0:
@@ -68,15 +68,11 @@ def latest(run: RunDir) -> int | None:
     return steps[-1] if steps else None
 
 
-def load(run: RunDir, step: int, model, optimizer, scheduler) -> None:
-    """Collective: restore model, optimizer, scheduler and (same world size) RNG from step."""
+def load(run: RunDir, step: int, state: dict, scheduler) -> None:
+    """Collective: load `state` in place (tensors of the right sharding, as save() got them),
+    the scheduler and (same world size) RNG from step."""
     src: Path = run.checkpoint_dir(step) / PROGRAM
-    # get_state_dict materialises the optimizer's (empty) state first, so DCP has tensors
-    # of the right sharding to load into.
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=src)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     meta = json.loads((src / "trainer.json").read_text())
     scheduler.load_state_dict(meta["scheduler"])
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -11,11 +11,14 @@ publishes, trainer/checkpoint.py saves every checkpoint_every steps.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rl.config import RunConfig
@@ -23,6 +26,7 @@ from rl.rundir import RunDir, remove_quietly
 from rl.transport import BatchReceiver
 from trainer import checkpoint
 from trainer.data import MicroBatch, loss_weights, rank_micro_batches, receive_batch
+from trainer.lora import LoRA, write_adapter
 from trainer.loss import policy_loss, token_logprobs_and_entropy
 from trainer.optim import build_optimizer
 from trainer.parallel import apply_fsdp, init_distributed
@@ -45,20 +49,27 @@ def attention_implementation(choice: str, dtype: str) -> str:
     return "sdpa"
 
 
-def load_model(cfg: RunConfig, device: torch.device, trainable: bool) -> torch.nn.Module:
+def load_model(cfg: RunConfig, device: torch.device, trainable: bool, lora_slots: int = 0
+               ) -> tuple[torch.nn.Module, LoRA | None]:
+    """The starting model, FSDP2-sharded; with lora_slots, frozen and carrying that many adapter
+    slots (trainer/lora.py), created before sharding so FSDP2 manages them too."""
     # Packed rows carry no attention mask: transformers derives the block-diagonal mask (sdpa)
     # or the varlen boundaries (flash attention) from the restarting position ids.
     model = AutoModelForCausalLM.from_pretrained(
         cfg.model, dtype=torch.float32, attn_implementation=attention_implementation(cfg.trainer.attention, cfg.trainer.dtype)).to(device)
+    lora = None
     if trainable:
         model.train()
         if cfg.trainer.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if lora_slots:
+            lora = LoRA(model, cfg.trainer.lora, lora_slots)
+            model.to(device)
     else:
         model.eval()
         model.requires_grad_(False)
     apply_fsdp(model, _DTYPES[cfg.trainer.dtype])
-    return model
+    return model, lora
 
 
 def forward_logits(model: torch.nn.Module, mb: MicroBatch, device: torch.device, single_row: bool) -> torch.Tensor:
@@ -78,6 +89,21 @@ def forward_logits(model: torch.nn.Module, mb: MicroBatch, device: torch.device,
     return logits.reshape(*tokens.shape, -1) if flat else logits
 
 
+@dataclass
+class Policy:
+    """What one optimizer step updates and by which rules: the whole model (full fine-tuning),
+    or one run's adapter in one LoRA slot (trainer/runs.py)."""
+
+    cfg: RunConfig
+    """The run's config: its loss, optimizer, max_steps, checkpointing."""
+    run: RunDir
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    slot: int | None = None
+    last_checkpoint: int = 0
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -93,49 +119,83 @@ class Trainer:
         self.tied = bool(getattr(hf_config.get_text_config(), "tie_word_embeddings", False))
         pad_id = getattr(hf_config.get_text_config(), "pad_token_id", None)
         self.pad_id = 0 if pad_id is None else pad_id
-        self.model = load_model(cfg, self.device, trainable=True)
+        lora = cfg.trainer.lora
+        slots = (lora.slots if lora.multi_run else 1) if lora.rank else 0
+        self.model, self.lora = load_model(cfg, self.device, trainable=True, lora_slots=slots)
         self.flash = self.model.config._attn_implementation.startswith("flash")
         if self.rank == 0:
             log.info("attention: %s", self.model.config._attn_implementation)
         loss = cfg.trainer.loss
-        self.reference = (load_model(cfg, self.device, trainable=False)
-                          if loss.kl_coef > 0 and loss.kl_target == "reference" else None)
-        self.optimizer, self.scheduler = build_optimizer(self.model, cfg.trainer.optim, cfg.max_steps)
+        # With LoRA the reference is the base model itself: the forward pass without an adapter.
+        self.reference = (load_model(cfg, self.device, trainable=False)[0] if
+                          loss.kl_coef > 0 and loss.kl_target == "reference" and self.lora is None else None)
         self.broadcaster = None
         if cfg.weight_sync.kind == "broadcast" and self.rank == 0:
             from trainer.broadcast import WeightBroadcaster
 
             self.broadcaster = WeightBroadcaster(cfg, self.run, self.tied)  # waits for the servers to join
-        self.last_checkpoint = 0
+        self.policy = None  # multi-run: one per run (trainer/runs.py)
+        if self.lora is None:
+            self.policy = self.new_policy(cfg, self.run, None)
+        elif not lora.multi_run:
+            self.lora.reset(0, cfg.seed)
+            self.policy = self.new_policy(cfg, self.run, 0)
 
-    def start_step(self) -> int:
-        """1, or the step after the latest complete checkpoint under --resume."""
-        latest = checkpoint.latest(self.run)
-        if not self.cfg.resume:
-            if self.run.weight_steps():
-                raise SystemExit(f"output_dir {self.run.root} already holds weights from an earlier run; "
+    def new_policy(self, cfg: RunConfig, run: RunDir, slot: int | None) -> Policy:
+        params = list(self.model.parameters()) if slot is None else list(self.lora.params(slot).values())
+        return Policy(cfg, run, params, *build_optimizer(params, cfg.trainer.optim, cfg.max_steps), slot=slot)
+
+    def start_step(self, policy: Policy, resume: bool) -> int:
+        """1, or the step after the policy's latest complete checkpoint when resuming."""
+        run = policy.run
+        latest = checkpoint.latest(run)
+        if not resume:
+            if run.weight_steps():
+                raise SystemExit(f"output_dir {run.root} already holds weights from an earlier run; "
                                  "pass --resume to continue it, or choose another output_dir")
             return 1
         if latest is None:
-            if self.run.weight_steps():
-                raise SystemExit(f"--resume: no complete trainer checkpoint under {self.run.checkpoints}, "
+            if run.weight_steps():
+                raise SystemExit(f"--resume: no complete trainer checkpoint under {run.checkpoints}, "
                                  "but weights exist; cannot continue that run exactly")
-            log.info("--resume: nothing to resume in %s, starting at step 1", self.run.root)
+            log.info("--resume: nothing to resume in %s, starting at step 1", run.root)
             return 1
-        checkpoint.load(self.run, latest, self.model, self.optimizer, self.scheduler)
-        self.last_checkpoint = latest
+        state = self.checkpoint_state(policy)
+        checkpoint.load(run, latest, state, policy.scheduler)
+        if policy.slot is None:
+            set_state_dict(self.model, policy.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
+        policy.last_checkpoint = latest
         if self.rank == 0:
-            log.info("resumed from checkpoints/step_%d: next batch is %d", latest, latest + 1)
+            log.info("resumed from %s: next batch is %d", run.checkpoint_dir(latest), latest + 1)
         return latest + 1
 
+    def checkpoint_state(self, policy: Policy) -> dict:
+        """What a checkpoint holds, as tensors of this rank's sharding: the whole model and its
+        optimizer, or the run's adapter and its optimizer state under slot-independent names."""
+        if policy.slot is None:
+            # get_state_dict materialises the optimizer's (empty) state first, so DCP has
+            # tensors of the right sharding to load into.
+            model_sd, optim_sd = get_state_dict(self.model, policy.optimizer)
+            return {"model": model_sd, "optim": optim_sd}
+        adapter = self.lora.params(policy.slot)
+        optim = {}
+        for name, param in adapter.items():
+            state = policy.optimizer.state[param]
+            if not state:  # AdamW's own initial state, so a load has tensors to fill
+                state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(param),
+                             exp_avg_sq=torch.zeros_like(param))
+            optim.update({f"{name}.{k}": v for k, v in state.items()})
+        return {"adapter": adapter, "optim": optim}
+
     def train(self) -> None:
-        first = self.start_step()
+        policy = self.policy
+        first = self.start_step(policy, self.cfg.resume)
         # Under ZMQ only rank 0 binds the socket (receive_batch shares the bytes).
-        receiver = BatchReceiver(self.cfg.transport, self.run, keep=bool(self.cfg.trainer.checkpoint_every)) if (
-            self.cfg.transport.kind == "filesystem" or self.rank == 0) else None
+        receiver = self.receiver(policy)
         try:
             for step in range(first, self.cfg.max_steps + 1):
-                self.train_one(receiver, step)
+                self.train_one(policy, receiver, step)
         finally:
             if receiver is not None:
                 receiver.close()
@@ -143,27 +203,33 @@ class Trainer:
                 self.broadcaster.close()
         log.info("done: %d steps", self.cfg.max_steps)
 
-    def micro_batches(self, batch) -> list[MicroBatch]:
-        t = self.cfg.trainer
-        weights = loss_weights(batch, t.loss.normalization, t.loss.norm_length or self.cfg.seq_len)
+    def receiver(self, policy: Policy) -> BatchReceiver | None:
+        cfg = policy.cfg
+        if cfg.transport.kind == "filesystem" or self.rank == 0:
+            return BatchReceiver(cfg.transport, policy.run, keep=bool(cfg.trainer.checkpoint_every))
+        return None
+
+    def micro_batches(self, batch, policy: Policy) -> list[MicroBatch]:
+        # Packing is the trainer's (its memory); the normalisation is the run's (its loss).
+        t, loss = self.cfg.trainer, policy.cfg.trainer.loss
+        weights = loss_weights(batch, loss.normalization, loss.norm_length or policy.cfg.seq_len)
         per = max(1, t.micro_batch_tokens // self.cfg.seq_len) if t.pack else t.micro_batch_size
         return rank_micro_batches(batch, self.rank, self.world, row_len=self.cfg.seq_len if t.pack else None,
                                   per_micro_batch=per, pad_id=self.pad_id, weights=weights)
 
-    def train_one(self, receiver: BatchReceiver | None, step: int) -> None:
-        batch, waited = receive_batch(receiver, self.cfg.transport.kind, step, self.cfg.trainer.batch_timeout_s,
+    def train_one(self, policy: Policy, receiver: BatchReceiver | None, step: int) -> None:
+        cfg = policy.cfg
+        batch, waited = receive_batch(receiver, cfg.transport.kind, step, self.cfg.trainer.batch_timeout_s,
                                       self.device)
         start = time.perf_counter()
-        lr = self.scheduler.get_last_lr()[0]
-        stats = self.train_step(self.micro_batches(batch), batch.temperature)
+        lr = policy.scheduler.get_last_lr()[0]
+        stats = self.train_step(self.micro_batches(batch, policy), batch.temperature, policy)
         step_s = time.perf_counter() - start
-        write_s = self.publish(step)
+        write_s = self.publish(policy, step)
         ckpt_s = 0.0
-        every = self.cfg.trainer.checkpoint_every
-        if every and (step % every == 0 or step == self.cfg.max_steps):
-            ckpt_s = checkpoint.save(self.run, step, self.model, self.optimizer, self.scheduler,
-                                     self.cfg.trainer.keep_checkpoints)
-            self.last_checkpoint = step
+        every = cfg.trainer.checkpoint_every
+        if every and (step % every == 0 or step == cfg.max_steps):
+            ckpt_s = self.save_checkpoint(policy, step)
         if self.rank == 0:
             tokens = int(batch.lengths.sum())
             record = {
@@ -172,51 +238,74 @@ class Trainer:
                 "trainer_tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
                 "max_staleness": int(step - 1 - batch.versions.min()), **stats,
             }
-            self.run.append_metrics(record)
+            if cfg.run_name:
+                record["run"] = cfg.run_name
+            policy.run.append_metrics(record)
             log.info(
-                "step %d loss %.4f grad_norm %.3f entropy %.3f clipped %.3f masked %.3f kl %.2e | "
-                "waited %.2fs step %.2fs (%.0f tok/s) write %.2fs%s",
+                "%sstep %d loss %.4f grad_norm %.3f entropy %.3f clipped %.3f masked %.3f kl %.2e | "
+                "waited %.2fs step %.2fs (%.0f tok/s) write %.2fs%s", f"[{cfg.run_name}] " if cfg.run_name else "",
                 step, stats["loss"], stats["grad_norm"], stats["entropy"], stats["clipped_frac"],
                 stats["masked_frac"], stats["mismatch_kl"], waited, step_s, record["trainer_tokens_per_s"], write_s,
                 f" checkpoint {ckpt_s:.2f}s" if ckpt_s else "",
             )
-            self.prune_rollouts(step)
+            self.prune_rollouts(policy, step)
 
-    def prune_rollouts(self, step: int) -> None:
+    def save_checkpoint(self, policy: Policy, step: int) -> float:
+        seconds = checkpoint.save(policy.run, step, self.checkpoint_state(policy), policy.scheduler,
+                                  policy.cfg.trainer.keep_checkpoints)
+        policy.last_checkpoint = step
+        return seconds
+
+    def prune_rollouts(self, policy: Policy, step: int) -> None:
         """Keep the last keep_rollouts batches, and every batch a resume from the latest
         checkpoint would need again."""
-        keep_from = step - self.cfg.trainer.keep_rollouts
-        if self.cfg.trainer.checkpoint_every:
-            keep_from = min(keep_from, self.last_checkpoint)
-        for old in self.run.rollout_steps():
+        t = policy.cfg.trainer
+        keep_from = step - t.keep_rollouts
+        if t.checkpoint_every:
+            keep_from = min(keep_from, policy.last_checkpoint)
+        for old in policy.run.rollout_steps():
             if old <= keep_from:
-                remove_quietly(self.run.rollout_dir(old))
+                remove_quietly(policy.run.rollout_dir(old))
 
     def forward_logprobs(self, model: torch.nn.Module, mb: MicroBatch, temperature: float):
         logits = forward_logits(model, mb, self.device, single_row=self.flash)
         return token_logprobs_and_entropy(logits, mb.tokens.to(self.device), temperature)
 
-    def train_step(self, micro_batches: list[MicroBatch], temperature: float) -> dict:
+    @torch.no_grad()
+    def reference_logprobs(self, mb: MicroBatch, temperature: float) -> torch.Tensor:
+        if self.lora is not None:
+            with self.lora.use(None):
+                return self.forward_logprobs(self.model, mb, temperature)[0]
+        return self.forward_logprobs(self.reference, mb, temperature)[0]
+
+    def train_step(self, micro_batches: list[MicroBatch], temperature: float, policy: Policy) -> dict:
         # loss_weight already divides by the whole batch's normaliser (trainer/data.py), so the
         # summed loss does not depend on how samples fall into micro-batches and ranks. FSDP2
         # averages gradients over ranks; scaling by the world size turns that back into the sum.
+        loss_cfg = policy.cfg.trainer.loss
+        use_reference = loss_cfg.kl_coef > 0 and loss_cfg.kl_target == "reference"
         sums = torch.zeros(len(_SUMS) + 1, dtype=torch.float64)
+
+        def slot():
+            return self.lora.use(policy.slot) if self.lora is not None else contextlib.nullcontext()
+
         for mb in micro_batches:
-            logprobs, entropy = self.forward_logprobs(self.model, mb, temperature)
-            reference = None
-            if self.reference is not None:
-                with torch.no_grad():
-                    reference, _ = self.forward_logprobs(self.reference, mb, temperature)
+            reference = self.reference_logprobs(mb, temperature) if use_reference else None
+            with slot():
+                logprobs, entropy = self.forward_logprobs(self.model, mb, temperature)
             d = {k: v.to(self.device) for k, v in (("inference_logprobs", mb.inference_logprobs),
                                                    ("advantages", mb.advantages), ("loss_mask", mb.loss_mask),
                                                    ("loss_weight", mb.loss_weight), ("sequence_ids", mb.sequence_ids))}
-            out = policy_loss(logprobs, cfg=self.cfg.trainer.loss, entropy=entropy, reference_logprobs=reference, **d)
-            (out.loss * self.world).backward()
+            out = policy_loss(logprobs, cfg=loss_cfg, entropy=entropy, reference_logprobs=reference, **d)
+            # The adapter stays active through backward: activation checkpointing re-runs the
+            # forward hooks there.
+            with slot():
+                (out.loss * self.world).backward()
             sums += torch.tensor([out.loss.item()] + [getattr(out, k) for k in _SUMS], dtype=torch.float64)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.optim.max_grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.params, policy.cfg.trainer.optim.max_grad_norm)
+        policy.optimizer.step()
+        policy.optimizer.zero_grad(set_to_none=True)
+        policy.scheduler.step()
         sums = sums.to(self.device)  # NCCL reduces only device tensors
         dist.all_reduce(sums)
         loss, tokens, masked, clipped, ratio, kl, entropy, ref_kl = sums.cpu().tolist()
@@ -225,22 +314,35 @@ class Trainer:
                 "mismatch_kl": kl / n, "entropy": entropy / n, "kl": ref_kl / n,
                 "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)}
 
-    def publish(self, step: int) -> float:
+    def publish(self, policy: Policy, step: int) -> float:
+        cfg = policy.cfg
+        if policy.slot is not None:
+            tensors = self.lora.gather(policy.slot)  # collective: all ranks
+            if self.rank != 0:
+                return 0.0
+            seconds = write_adapter(policy.run, step, tensors, self.lora.peft_config(str(self.cfg.model)))
+            prune_weights(policy.run, cfg.trainer.keep_weights)
+            return seconds
         state_dict = gather_full_state_dict(self.model)  # collective: all ranks
         if self.rank != 0:
             return 0.0
         if self.broadcaster is not None:
             # weights/step_n then holds the bucket manifest + STABLE; the tensors go over the wire.
             return self.broadcaster.publish(step, state_dict)
-        seconds = write_weights(self.run, step, state_dict, self.cfg.model, self.tied,
-                                self.cfg.trainer.weights_shard_mb << 20)
-        prune_weights(self.run, self.cfg.trainer.keep_weights)
+        seconds = write_weights(policy.run, step, state_dict, self.cfg.model, self.tied,
+                                cfg.trainer.weights_shard_mb << 20)
+        prune_weights(policy.run, cfg.trainer.keep_weights)
         return seconds
 
 
 def main(cfg: RunConfig) -> None:
     trainer = Trainer(cfg)
     try:
-        trainer.train()
+        if cfg.trainer.lora.multi_run:
+            from trainer.runs import MultiRun
+
+            MultiRun(trainer).serve()
+        else:
+            trainer.train()
     finally:
         dist.destroy_process_group()

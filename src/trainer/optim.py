@@ -22,8 +22,8 @@ def lr_factor(index: int, cfg: OptimConfig, max_steps: int) -> float:
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, max_steps: int
+def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig, max_steps: int
                     ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: lr_factor(i, cfg, max_steps))
     return optimizer, scheduler

@@ -40,3 +40,19 @@ def apply_fsdp(model: torch.nn.Module, compute_dtype: torch.dtype) -> None:
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
+
+
+def share_json(obj, device: torch.device):
+    """Rank 0's JSON-able `obj` on every rank (others pass None): a length, then the bytes, so
+    no rank unpickles what another wrote."""
+    import json
+
+    if dist.get_world_size() == 1:
+        return obj
+    data = json.dumps(obj).encode() if dist.get_rank() == 0 else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=0)
+    blob = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if dist.get_rank() == 0
+            else torch.empty(int(size), dtype=torch.uint8, device=device))
+    dist.broadcast(blob, src=0)
+    return json.loads(blob.cpu().numpy().tobytes())

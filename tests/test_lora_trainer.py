@@ -1,0 +1,136 @@
+"""The LoRA trainer as a real program (FSDP2, gloo): adapters in peft format, ranks, resume, and
+several runs on one trainer that never touch each other's adapter."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from conftest import TINY_MODEL, rl_command
+from rl.rundir import RunDir
+from test_trainer import BAD, ENV, GOOD, completion_logprob, run_trainer, torchrun, trainer_metrics, write_batches
+
+LORA = "[trainer.lora]\nrank = 4\nalpha = 8\n"
+
+
+def lora_config(write_toml, root, name: str, *, max_steps: int = 2, lr: float = 2e-3, extra: str = "") -> str:
+    text = (f'model = "{TINY_MODEL}"\noutput_dir = "{root}"\nmax_steps = {max_steps}\nseq_len = 32\n{extra}'
+            "[trainer]\nmicro_batch_tokens = 40\ntorch_threads = 1\ncheckpoint_every = 1\n"
+            f"[trainer.optim]\nlr = {lr}\n" + LORA)
+    return str(write_toml(text, name))
+
+
+def adapter(run: RunDir, step: int) -> dict[str, torch.Tensor]:
+    return load_file(run.weights_dir(step) / "adapter_model.safetensors")
+
+
+def assert_close(a: dict, b: dict, atol: float) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=atol, rtol=1e-4, msg=k)
+
+
+def test_adapter_only_training_matches_across_ranks_and_loads_in_peft(tmp_path, write_toml):
+    one, two = RunDir(tmp_path / "one"), RunDir(tmp_path / "two")
+    for run in (one, two):
+        write_batches(run, [1, 2])
+    run_trainer(rl_command("trainer"), ["@", lora_config(write_toml, one.root, "one.toml")])
+    run_trainer(torchrun(2), ["@", lora_config(write_toml, two.root, "two.toml"),
+                              "--trainer.activation_checkpointing", "true"])
+
+    # Only the adapter is published: a few KB instead of the model.
+    files = sorted(p.name for p in one.weights_dir(2).iterdir())
+    assert files == ["STABLE", "adapter_config.json", "adapter_model.safetensors"]
+    config = json.loads((one.weights_dir(2) / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8 and config["peft_type"] == "LORA"
+    # Adam's first steps move each entry by about lr * sign(grad): where a gradient is near zero,
+    # float noise between the two reductions shows as up to ~1% of lr.
+    assert_close(adapter(one, 2), adapter(two, 2), atol=2e-5)
+    for a, b in zip(trainer_metrics(one), trainer_metrics(two)):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-7)
+
+    # peft reads it, and the adapted policy moved towards the positive-advantage completion.
+    base = AutoModelForCausalLM.from_pretrained(TINY_MODEL, dtype=torch.float32)
+    before = completion_logprob(base, GOOD) - completion_logprob(base, BAD)
+    tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(TINY_MODEL, dtype=torch.float32),
+                                      str(one.weights_dir(2)))
+    after = completion_logprob(tuned, GOOD) - completion_logprob(tuned, BAD)
+    assert after > before + 0.05, (before, after)
+    # lora_B starts at zero and was trained; the base weights were never written.
+    assert all(t.abs().max() > 0 for k, t in adapter(one, 2).items() if "lora_B" in k)
+
+
+def test_resumed_lora_run_matches_an_uninterrupted_one(tmp_path, write_toml):
+    whole, parts = RunDir(tmp_path / "whole"), RunDir(tmp_path / "parts")
+    for run in (whole, parts):
+        write_batches(run, [1, 2, 3])
+    run_trainer(rl_command("trainer"), ["@", lora_config(write_toml, whole.root, "whole.toml", max_steps=3)])
+    cfg = lora_config(write_toml, parts.root, "parts.toml", max_steps=3)
+    run_trainer(rl_command("trainer"), ["@", cfg, "--max_steps", "2"])
+    err = run_trainer(rl_command("trainer"), ["@", cfg, "--resume"])
+    assert "next batch is 3" in err
+    # Adapter and AdamW moments came back: step 3 is bit-for-bit the uninterrupted one.
+    whole3, parts3 = adapter(whole, 3), adapter(parts, 3)
+    assert all(torch.equal(whole3[k], parts3[k]) for k in whole3)
+
+
+def write_run(write_toml, root, name: str, lr: float, max_steps: int) -> RunDir:
+    """A multi-run run directory as its orchestrator leaves it: resolved config and heartbeat."""
+    run = RunDir(root / "runs" / name)
+    (run.root / "config").mkdir(parents=True)
+    text = open(lora_config(write_toml, root, f"{name}.toml", max_steps=max_steps, lr=lr,
+                            extra=f'run_name = "{name}"\n')).read()
+    run.config_file("orchestrator").write_text(text)
+    run.heartbeat.write_text(f"test-{name} 0\n")
+    return run
+
+
+def test_runs_on_one_trainer_train_only_their_own_adapters_and_one_leaving_stops_only_itself(tmp_path, write_toml):
+    # The reference: each run trained alone by a single-run LoRA trainer (on two ranks too, so
+    # the gradient reductions round alike).
+    alone_a, alone_b = RunDir(tmp_path / "alone_a"), RunDir(tmp_path / "alone_b")
+    write_batches(alone_a, [1, 2, 3], prompts=4)
+    write_batches(alone_b, [1], prompts=2)
+    run_trainer(torchrun(2), ["@", lora_config(write_toml, alone_a.root, "aa.toml", max_steps=3, lr=2e-3)])
+    run_trainer(torchrun(2), ["@", lora_config(write_toml, alone_b.root, "ab.toml", max_steps=1, lr=5e-3)])
+
+    root = tmp_path / "shared"
+    a = write_run(write_toml, root, "a", lr=2e-3, max_steps=3)
+    b = write_run(write_toml, root, "b", lr=5e-3, max_steps=3)
+    write_batches(a, [1, 2, 3], prompts=4)
+    write_batches(b, [1], prompts=2)  # b's orchestrator will stop after its first batch
+    trainer_cfg = lora_config(write_toml, root, "trainer.toml", extra="")
+    proc = subprocess.Popen(
+        torchrun(2) + ["@", trainer_cfg, "--trainer.lora.multi_run", "true", "--trainer.lora.slots", "2",
+                       "--trainer.lora.idle_exit_s", "3"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        deadline = time.monotonic() + 240
+        while not (b.weights_dir(1) / "STABLE").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+            time.sleep(0.2)
+        b.heartbeat.unlink()  # what a stopping orchestrator does
+        _, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+
+    # Run a went to the end with exactly the adapter it gets alone; b trained its one batch,
+    # with its own learning rate, and left checkpointed, so it can rejoin.
+    assert_close(adapter(a, 3), adapter(alone_a, 3), atol=1e-6)
+    assert_close(adapter(b, 1), adapter(alone_b, 1), atol=1e-6)
+    assert [m["step"] for m in trainer_metrics(a)] == [1, 2, 3]
+    assert [m["step"] for m in trainer_metrics(b)] == [1]
+    assert all(m["run"] == "b" for m in trainer_metrics(b))
+    assert json.loads(a.trainer_status.read_text())["status"] == "finished"
+    status = json.loads(b.trainer_status.read_text())
+    assert status["status"] == "left" and "orchestrator stopped" in status["detail"]
+    assert b.checkpoint_steps("trainer") == [1]
+    assert "run b left after step 1" in err and "run a finished after step 3" in err
