@@ -18,15 +18,21 @@ rl/inference_api.py) in front:
                          tensors from the trainer instead of reading files
   GET  /broadcaster      {"workers", "group"}: how many ranks the server takes in a broadcast
                          group (its workers), and the group it joined, if any
-  GET  /health           engine health, the version now serving, engine requests running
+  POST /load_lora_adapter   {"name", "path", "version"} (trainer.lora.rank > 0): load a peft
+                         adapter from the run's weights; /generate {"lora": name} samples with it
+  POST /unload_lora_adapter {"name"}: drop it (409 while a /generate uses it)
+  GET  /health           engine health, the version now serving, engine requests running and,
+                         with LoRA, the adapters loaded and their versions
 
 Per-token versions: each engine request keeps switch points (token index, version); an update
 reads from the workers how many tokens each in-flight request had sampled before the reload and
 appends (that count, new version). Requests still queued in the engine keep their older tag
-(see AdminRoutes.switch).
+(see AdminRoutes.switch). Adapter requests have no switch points: every token carries the
+version the adapter was loaded as (an adapter never changes once loaded; a new version is a new
+adapter).
 
-vLLM's dev-mode routes (/collective_rpc and friends) stay off: they would let any client run
-methods on the workers.
+vLLM's dev-mode routes (/collective_rpc and friends) and its runtime LoRA routes stay off: they
+would let any client run methods on the workers, or load adapters from any path.
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ from rl.inference_api import (
     GenerateRequest,
     GenerateResponse,
     InitBroadcasterRequest,
+    LoadLoRARequest,
+    UnloadLoRARequest,
     UpdateWeightsRequest,
 )
 from rl.rundir import RunDir
@@ -57,6 +65,23 @@ log = logging.getLogger("inference")
 
 EXTENSION = "inference.worker_extension.WeightReloadExtension"
 FINISH_REASONS = ("stop", "length", "abort")
+# vLLM accepts only these --max-lora-rank values (vllm/config/lora.py MaxLoRARanks).
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+class Adapter:
+    """A loaded LoRA adapter: the engine's LoRARequest, the policy version it is, and how many
+    /generate calls use it right now (it cannot be unloaded under them)."""
+
+    def __init__(self, request, version: int):
+        self.request = request
+        self.version = version
+        self.running = 0
+
+    @property
+    def path(self) -> str:
+        return self.request.lora_path
 
 
 class Generation:
@@ -89,6 +114,15 @@ class AdminRoutes:
         self.engine = None
         # (address, rank_offset, world_size) once the workers joined a broadcast group.
         self.group: tuple[str, int, int] | None = None
+        self.adapters: dict[str, Adapter] = {}
+        # Its own lock: adapter loads need not queue behind a full reload, nor the reverse.
+        self.adapter_lock = asyncio.Lock()
+        # Fresh per load, never reused: the engine identifies an adapter by this id, and a name
+        # unloaded and loaded again from changed files must not be mistaken for the old one.
+        self.last_lora_id = 0
+        output_dir = Path(cfg.output_dir)
+        self.adapter_root = RunDir(output_dir).weights.resolve()
+        self.runs_root = (output_dir / "runs").resolve()
 
     def check_token(self, request: Request) -> None:
         token = self.cfg.inference.api_token
@@ -107,6 +141,31 @@ class AdminRoutes:
         if not any(resolved.glob("*.safetensors")) and not (resolved / bc.MANIFEST).is_file():
             raise HTTPException(422, f"path: {path} holds no *.safetensors and no {bc.MANIFEST}")
         return resolved
+
+    def confine_adapter(self, path: str) -> Path:
+        # Adapters load only from this run's weights/ or a multi-run's runs/<name>/weights/.
+        resolved = Path(path).resolve()
+        inside = resolved.is_relative_to(self.adapter_root)
+        if not inside and resolved.is_relative_to(self.runs_root):
+            parts = resolved.relative_to(self.runs_root).parts
+            inside = len(parts) >= 2 and parts[1] == "weights"
+        if not inside:
+            raise HTTPException(403, f"path: {path} is outside {self.adapter_root} and "
+                                     f"{self.runs_root}/<run>/weights")
+        if not resolved.is_dir():
+            raise HTTPException(404, f"path: {path} is not a directory")
+        for name in ADAPTER_FILES:
+            if not (resolved / name).is_file():
+                raise HTTPException(422, f"path: {path} holds no {name} (not a peft adapter)")
+        return resolved
+
+    def adapter(self, name: str | None) -> Adapter | None:
+        if name is None:
+            return None
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            raise HTTPException(404, f"lora: adapter {name} is not loaded (POST /load_lora_adapter first)")
+        return adapter
 
     @property
     def workers(self) -> int:
@@ -138,8 +197,8 @@ class AdminRoutes:
                 raise HTTPException(400, f"{field}: token ids {bad[:5]} outside the vocabulary "
                                          f"[0, {vocab})")
 
-    async def sample(self, gen: Generation, i: int, body: GenerateRequest, prompt, version: int
-                     ) -> tuple[GeneratedSample, list[float | None] | None]:
+    async def sample(self, gen: Generation, i: int, body: GenerateRequest, prompt, version: int,
+                     adapter: Adapter | None = None) -> tuple[GeneratedSample, list[float | None] | None]:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -157,9 +216,13 @@ class AdminRoutes:
             prompt_logprobs=0 if body.prompt_logprobs and i == 0 else None,
             output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False,
         )
-        switches = self.switches[engine_id] = [(0, version)]
+        # An adapter request is registered without switch points (None): a full reload does not
+        # change what version its tokens are, and switch() leaves it alone.
+        switches = [(0, version)]
+        self.switches[engine_id] = None if adapter else switches
         try:
-            async for out in self.engine.generate(prompt, params, engine_id):
+            async for out in self.engine.generate(prompt, params, engine_id,
+                                                  lora_request=adapter.request if adapter else None):
                 final = out
         finally:
             del self.switches[engine_id]
@@ -188,8 +251,12 @@ class AdminRoutes:
         @router.get("/health")
         async def health() -> dict:
             await self.engine.check_health()
-            return {"status": "ok", "version": self.version, "path": self.path,
-                    "running": len(self.switches)}
+            answer = {"status": "ok", "version": self.version, "path": self.path,
+                      "running": len(self.switches)}
+            # Only where adapters can be served: without LoRA the answer stays as it was.
+            if self.cfg.trainer.lora.rank > 0:
+                answer["adapters"] = {name: a.version for name, a in self.adapters.items()}
+            return answer
 
         @router.get("/broadcaster")
         async def broadcaster(request: Request) -> dict:
@@ -201,25 +268,37 @@ class AdminRoutes:
         async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
             self.check_token(request)
             self.check_generate(body)
+            adapter = self.adapter(body.lora)
             if body.request_id in self.generations:
                 raise HTTPException(409, f"request_id: {body.request_id} is already generating")
             gen = self.generations[body.request_id] = Generation(body.request_id, body.n)
+            # Counted from here, before any suspension: an unload that runs later sees it.
+            if adapter:
+                adapter.running += 1
             try:
                 await self.serving.wait()
                 # Salted per reload: the prefix cache cannot always be reset (an in-flight
                 # update keeps running requests' blocks), and KV computed by older weights must
-                # not seed a request tagged with the new version. Rendered input (not a raw
+                # not seed a request tagged with the new version. Adapter requests also per
+                # load: vLLM keys cached blocks by adapter name and path, which a reload of
+                # rewritten files under the same name keeps. Rendered input (not a raw
                 # TokensPrompt) keeps vLLM off its tokenizer thread pool.
-                prompt = tokens_input(body.prompt_token_ids, cache_salt=f"reload-{self.reloads}")
+                salt = f"reload-{self.reloads}"
+                if adapter:
+                    salt += f"-lora-{adapter.request.lora_int_id}"
+                prompt = tokens_input(body.prompt_token_ids, cache_salt=salt)
+                version = adapter.version if adapter else self.version
                 # A TaskGroup: if one sample fails, the others are cancelled, which aborts
                 # their engine requests instead of leaving them running for nobody.
                 async with asyncio.TaskGroup() as group:
-                    tasks = [group.create_task(self.sample(gen, i, body, prompt, self.version))
+                    tasks = [group.create_task(self.sample(gen, i, body, prompt, version, adapter))
                              for i in range(body.n)]
             except* Exception as failed:
                 raise failed.exceptions[0] from None  # what the exception handlers understand
             finally:
                 del self.generations[body.request_id]
+                if adapter:
+                    adapter.running -= 1
             results = [t.result() for t in tasks]
             return GenerateResponse(samples=[s for s, _ in results],
                                     prompt_logprobs=results[0][1] if body.prompt_logprobs else None)
@@ -273,6 +352,71 @@ class AdminRoutes:
             log.info("joined the weight broadcast group at %s as rank(s) %s of %d in %.1f s", body.address, ranks,
                      body.world_size, time.perf_counter() - start)
             return {"address": body.address, "ranks": ranks, "world_size": body.world_size, "already": False}
+
+        @router.post("/load_lora_adapter")
+        async def load_lora_adapter(body: LoadLoRARequest, request: Request) -> dict:
+            self.check_token(request)
+            if self.cfg.trainer.lora.rank == 0:
+                raise HTTPException(400, "LoRA serving is off on this server (trainer.lora.rank = 0); "
+                                         "start it with trainer.lora.rank > 0")
+            path = self.confine_adapter(body.path)
+            async with self.adapter_lock:
+                loaded = self.adapters.get(body.name)
+                if loaded is not None:
+                    if loaded.path == str(path) and loaded.version == body.version:
+                        # An orchestrator retrying (or restarted) asks again.
+                        return {"name": body.name, "version": body.version, "load_s": 0.0, "already": True}
+                    raise HTTPException(409, f"name: adapter {body.name} is already loaded as version "
+                                             f"{loaded.version} from {loaded.path}; unload it first")
+                limit = self.cfg.inference.max_loras
+                if len(self.adapters) >= limit:
+                    # Refused rather than evicted: vLLM would drop its least recently used
+                    # adapter, and silently reload it from disk on its next request.
+                    raise HTTPException(409, f"name: {limit} adapters are loaded already "
+                                             f"(inference.max_loras); unload one first")
+                from vllm.lora.request import LoRARequest
+
+                self.last_lora_id += 1
+                lora = LoRARequest(body.name, self.last_lora_id, str(path))
+                start = time.perf_counter()
+                try:
+                    added = await self.engine.add_lora(lora)
+                except Exception as e:
+                    if self.engine.errored:
+                        raise HTTPException(500, f"name: loading adapter {body.name} killed the engine: "
+                                                 f"{str(e)[:1000]}") from None
+                    # The files are there (checked above): the engine refused their contents
+                    # (rank above --max-lora-rank, modules it cannot adapt, bias, bad tensors).
+                    raise HTTPException(422, f"path: adapter {body.name} at {path} could not be loaded: "
+                                             f"{str(e)[:1000]}") from None
+                if not added:
+                    raise HTTPException(500, f"name: the engine did not add adapter {body.name} from {path}")
+                seconds = time.perf_counter() - start
+                self.adapters[body.name] = Adapter(lora, body.version)
+            log.info("loaded adapter %s (version %d, engine id %d) from %s in %.3f s", body.name, body.version,
+                     lora.lora_int_id, path, seconds)
+            return {"name": body.name, "version": body.version, "load_s": seconds, "already": False}
+
+        @router.post("/unload_lora_adapter")
+        async def unload_lora_adapter(body: UnloadLoRARequest, request: Request) -> dict:
+            self.check_token(request)
+            async with self.adapter_lock:
+                adapter = self.adapters.get(body.name)
+                if adapter is None:
+                    raise HTTPException(404, f"name: adapter {body.name} is not loaded")
+                if adapter.running:
+                    raise HTTPException(409, f"name: adapter {body.name} is in use by {adapter.running} "
+                                             "running /generate call(s)")
+                # Forgotten before the engine call, with no suspension since the check: from here
+                # a /generate naming it gets 404 instead of reaching the engine.
+                del self.adapters[body.name]
+                try:
+                    # False only when the engine had dropped it already: gone either way.
+                    await self.engine.remove_lora(adapter.request.lora_int_id)
+                except Exception as e:
+                    raise HTTPException(500, f"name: unloading adapter {body.name} failed: {str(e)[:1000]}") from None
+            log.info("unloaded adapter %s (version %d)", body.name, adapter.version)
+            return {"name": body.name, "version": adapter.version}
 
         @router.post("/update_weights")
         async def update_weights(body: UpdateWeightsRequest, request: Request) -> dict:
@@ -387,6 +531,12 @@ def vllm_args(cfg: RunConfig) -> list[str]:
     ]
     if inf.enforce_eager:
         args.append("--enforce-eager")
+    rank = cfg.trainer.lora.rank
+    if rank > 0:
+        # vLLM's adapter cache no larger than its slots, and /load_lora_adapter refusing past
+        # them: vLLM never evicts an adapter we serve (it would quietly reload it from disk).
+        args += ["--enable-lora", "--max-lora-rank", str(min(r for r in MAX_LORA_RANKS if r >= rank)),
+                 "--max-loras", str(inf.max_loras), "--max-cpu-loras", str(inf.max_loras)]
     return args + inf.extra_args
 
 
@@ -417,6 +567,11 @@ async def _serve(args, admin: AdminRoutes) -> None:
 def main(cfg: RunConfig) -> None:
     # The CPU engine sizes its KV cache from this variable; GPU engines ignore it.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.inference.cpu_kv_cache_gib))
+    # vLLM's runtime LoRA routes load adapters from any path (and resolve unknown model names
+    # as adapters); /load_lora_adapter is the confined way in.
+    if os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true"):
+        log.warning("VLLM_ALLOW_RUNTIME_LORA_UPDATING is ignored: use /load_lora_adapter")
+    os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "0"
     import uvloop
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup

@@ -18,7 +18,17 @@ people; the run does not depend on them.
                           rank_offset.. rank_offset+workers-1; answers once the group is formed
     GET  /broadcaster     {"workers", "group"}: ranks the server takes in a broadcast group, and
                           the group it joined (null before /init_broadcaster)
-    GET  /health          {"status", "version", "path", "running"}
+    POST /load_lora_adapter {"name", "path", "version"} (trainer.lora.rank > 0): load the peft
+                          adapter in path (under output_dir/weights/ or output_dir/runs/<run>/
+                          weights/) as `name`; {"name", "version", "load_s", "already"}. The same
+                          name, path and version again is a no-op; a name loaded from another
+                          path or version is 409, as is a load past inference.max_loras
+    POST /unload_lora_adapter {"name"}: drop an adapter; 409 while a /generate uses it
+    GET  /health          {"status", "version", "path", "running"}, and with trainer.lora.rank > 0
+                          "adapters": {name: version}
+
+A GenerateRequest naming `lora` samples with that adapter on the base weights; every token's
+version is the version the adapter was loaded as.
 """
 
 from __future__ import annotations
@@ -39,6 +49,8 @@ class GenerateRequest(BaseModel):
     stop_token_ids: list[int] = []
     prompt_logprobs: bool = False
     """Also return the logprob of every prompt token (a teacher scoring a student's tokens)."""
+    lora: str | None = None
+    """Name of a loaded adapter (POST /load_lora_adapter) to sample with; None: base weights."""
 
 
 class GeneratedSample(BaseModel):
@@ -64,6 +76,22 @@ class UpdateWeightsRequest(BaseModel):
     path: str
     version: int = Field(ge=0)
     mode: Literal["wait", "keep"] = "wait"
+
+
+ADAPTER_NAME = r"^[A-Za-z0-9_.@-]+$"
+
+
+class LoadLoRARequest(BaseModel):
+    name: str = Field(min_length=1, max_length=100, pattern=ADAPTER_NAME)
+    path: str = Field(min_length=1)
+    """A directory holding adapter_config.json and adapter_model.safetensors (peft's
+    save_pretrained), under output_dir/weights/ or output_dir/runs/<run>/weights/."""
+    version: int = Field(ge=0)
+    """Policy version of the adapter: every token sampled with it carries this version."""
+
+
+class UnloadLoRARequest(BaseModel):
+    name: str = Field(min_length=1, max_length=100, pattern=ADAPTER_NAME)
 
 
 class InitBroadcasterRequest(BaseModel):
@@ -115,6 +143,14 @@ class InferenceClient:
     async def init_broadcaster(self, address: str, rank_offset: int, world_size: int, timeout: float) -> dict:
         body = InitBroadcasterRequest(address=address, rank_offset=rank_offset, world_size=world_size).model_dump()
         return await self._call("POST", "/init_broadcaster", timeout, body)
+
+    async def load_lora_adapter(self, name: str, path: str, version: int, timeout: float) -> dict:
+        body = LoadLoRARequest(name=name, path=path, version=version).model_dump()
+        return await self._call("POST", "/load_lora_adapter", timeout, body)
+
+    async def unload_lora_adapter(self, name: str, timeout: float = 30.0) -> dict:
+        body = UnloadLoRARequest(name=name).model_dump()
+        return await self._call("POST", "/unload_lora_adapter", timeout, body)
 
     async def generate(self, request: GenerateRequest, timeout: float) -> GenerateResponse:
         data = await self._call("POST", "/generate", timeout, request.model_dump())

@@ -167,7 +167,7 @@ class Trainer:
                            optim_state_dict=state["optim"])
         policy.last_checkpoint = latest
         if self.rank == 0:
-            log.info("resumed from %s: next batch is %d", run.checkpoint_dir(latest), latest + 1)
+            log.info("resumed from checkpoints/step_%d: next batch is %d (%s)", latest, latest + 1, run.root)
         return latest + 1
 
     def checkpoint_state(self, policy: Policy) -> dict:
