@@ -22,8 +22,8 @@ PROMPTS = ["abcdefg=", "hello=", "xyzzy=", "reverse="]
 
 
 class Program:
-    def __init__(self, name: str, cfg, log_dir, extra=()):
-        self.log = log_dir / f"{name}.log"
+    def __init__(self, name: str, cfg, log_dir, extra=(), log_name: str | None = None):
+        self.log = log_dir / f"{log_name or name}.log"
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(rl_command(name, "@", str(cfg), *extra), stdout=out,
                                          stderr=subprocess.STDOUT, start_new_session=True)

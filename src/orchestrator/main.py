@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 import time
 from dataclasses import dataclass, field
 
@@ -471,6 +472,10 @@ class Orchestrator:
         # Pending aborts are let finish (each has its own short timeout): they free server slots.
         await asyncio.gather(*tasks, *self.chores, return_exceptions=True)
         self.sender.close()
+        if self.pool.adapter_prefix:
+            # The server outlives this run: free its adapter slots for other runs. The final
+            # adapter stays on disk (weights/step_n) for anyone to load again.
+            await self.pool.unload_all()
         self.run_dir.heartbeat.unlink(missing_ok=True)  # a multi-run trainer lets the run go
 
 
@@ -485,6 +490,9 @@ def tune_gc() -> None:
 
 
 async def _main(cfg: RunConfig) -> None:
+    # SIGTERM (the launcher's, or a user's kill) stops like Ctrl-C: through run()'s cleanup,
+    # which aborts requests on the servers, unloads adapters and removes the heartbeat.
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
     connector = aiohttp.TCPConnector(limit=cfg.orchestrator.max_in_flight_groups * cfg.orchestrator.group_size + 16)
     async with aiohttp.ClientSession(connector=connector) as session:
         orchestrator = Orchestrator(cfg, session)
@@ -492,6 +500,11 @@ async def _main(cfg: RunConfig) -> None:
         await orchestrator.run()
 
 
-def main(cfg: RunConfig) -> None:
+def main(cfg: RunConfig) -> int:
     RunDir(cfg.run_dir).make()
-    asyncio.run(_main(cfg))
+    try:
+        asyncio.run(_main(cfg))
+    except asyncio.CancelledError:
+        log.warning("stopped by SIGTERM")
+        return 128 + signal.SIGTERM
+    return 0

@@ -79,10 +79,10 @@ def inference(ctx: typer.Context) -> None:
 def orchestrator(ctx: typer.Context) -> None:
     """Generate rollouts, score them, and hand batches to the trainer within the async bound."""
 
-    def main(cfg: RunConfig) -> None:
+    def main(cfg: RunConfig) -> int:
         from orchestrator.main import main as run
 
-        run(cfg)
+        return run(cfg)
 
     _program("orchestrator", ctx.args, main)
 
