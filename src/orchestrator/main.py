@@ -501,6 +501,10 @@ async def _main(cfg: RunConfig) -> None:
 
 
 def main(cfg: RunConfig) -> int:
+    if cfg.trainer.lora.multi_run and not cfg.run_name:
+        log.error("trainer.lora.multi_run = true: this orchestrator needs run_name (its run's name, "
+                  "e.g. compose configs/lora_multi/reverse.toml)")
+        return 2
     RunDir(cfg.run_dir).make()
     try:
         asyncio.run(_main(cfg))

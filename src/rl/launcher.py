@@ -140,8 +140,21 @@ def summarize(run: RunDir, console: Console) -> None:
     console.print(f"reward curve: {out}")
 
 
+def _trainer_finished(run: RunDir) -> bool:
+    """Multi-run: the trainer (which serves other runs too, and keeps going) is done with ours."""
+    try:
+        return json.loads(run.trainer_status.read_text()).get("status") == "finished"
+    except (OSError, ValueError):
+        return False
+
+
 def launch(cfg: RunConfig, argv: list[str]) -> int:
-    run = RunDir(cfg.output_dir)
+    multi = cfg.trainer.lora.multi_run
+    if multi and not cfg.run_name:
+        print("rl run: trainer.lora.multi_run = true needs a run to start: compose a config that sets "
+              "run_name (docs/lora.md)", file=sys.stderr)
+        return 2
+    run = RunDir(cfg.run_dir)  # a multi-run's run: its own logs and metrics under runs/<name>/
     run.make()
     console = Console(stderr=True)
 
@@ -177,7 +190,7 @@ def launch(cfg: RunConfig, argv: list[str]) -> int:
                     console.print(_tail(c.log), markup=False, highlight=False)
                     code = 1
                     break
-                if done["trainer"] == 0 and done["orchestrator"] == 0:
+                if done["orchestrator"] == 0 and (done["trainer"] == 0 or multi and _trainer_finished(run)):
                     break
                 time.sleep(0.5)
     except KeyboardInterrupt:
