@@ -104,19 +104,27 @@ def test_runs_on_one_trainer_train_only_their_own_adapters_and_one_leaving_stops
     root = tmp_path / "shared"
     a = write_run(write_toml, root, "a", lr=2e-3, max_steps=3)
     b = write_run(write_toml, root, "b", lr=5e-3, max_steps=3)
-    write_batches(a, [1, 2, 3], prompts=4)
-    write_batches(b, [1], prompts=2)  # b's orchestrator will stop after its first batch
+    b.heartbeat.unlink()  # b's orchestrator is not there yet
+    write_batches(a, [1, 2], prompts=4)
+    write_batches(b, [1], prompts=2)
     trainer_cfg = lora_config(write_toml, root, "trainer.toml", extra="")
     proc = subprocess.Popen(
         torchrun(2) + ["@", trainer_cfg, "--trainer.lora.multi_run", "true", "--trainer.lora.slots", "2",
                        "--trainer.lora.idle_exit_s", "3"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
-    try:
+
+    def wait_for(path):
         deadline = time.monotonic() + 240
-        while not (b.weights_dir(1) / "STABLE").exists():
+        while not path.exists():
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
             time.sleep(0.2)
-        b.heartbeat.unlink()  # what a stopping orchestrator does
+
+    try:
+        wait_for(a.weights_dir(2) / "STABLE")  # a trained what it has and waits for batch 3
+        b.heartbeat.write_text("test-b 0\n")  # b's orchestrator starts: b joins while a is in
+        wait_for(b.weights_dir(1) / "STABLE")
+        b.heartbeat.unlink()  # b's orchestrator stops after one batch
+        write_batches(a, [3], prompts=4)
         _, err = proc.communicate(timeout=240)
     finally:
         proc.kill()
