@@ -92,7 +92,7 @@ def write_run(write_toml, root, name: str, lr: float, max_steps: int) -> RunDir:
     return run
 
 
-def test_runs_on_one_trainer_train_only_their_own_adapters_and_one_leaving_stops_only_itself(tmp_path, write_toml):
+def test_runs_on_one_trainer_train_only_their_own_adapters_and_join_leave_or_fail_alone(tmp_path, write_toml):
     # The reference: each run trained alone by a single-run LoRA trainer (on two ranks too, so
     # the gradient reductions round alike).
     alone_a, alone_b = RunDir(tmp_path / "alone_a"), RunDir(tmp_path / "alone_b")
@@ -105,8 +105,12 @@ def test_runs_on_one_trainer_train_only_their_own_adapters_and_one_leaving_stops
     a = write_run(write_toml, root, "a", lr=2e-3, max_steps=3)
     b = write_run(write_toml, root, "b", lr=5e-3, max_steps=3)
     b.heartbeat.unlink()  # b's orchestrator is not there yet
+    c = write_run(write_toml, root, "c", lr=2e-3, max_steps=3)  # a run whose first batch is corrupt
     write_batches(a, [1, 2], prompts=4)
     write_batches(b, [1], prompts=2)
+    write_batches(c, [1], prompts=2)
+    payload = c.rollout_dir(1) / "batch.safetensors"
+    payload.write_bytes(payload.read_bytes()[:-100])
     trainer_cfg = lora_config(write_toml, root, "trainer.toml", extra="")
     proc = subprocess.Popen(
         torchrun(2) + ["@", trainer_cfg, "--trainer.lora.multi_run", "true", "--trainer.lora.slots", "2",
@@ -142,3 +146,7 @@ def test_runs_on_one_trainer_train_only_their_own_adapters_and_one_leaving_stops
     assert status["status"] == "left" and "orchestrator stopped" in status["detail"]
     assert b.checkpoint_steps("trainer") == [1]
     assert "run b left after step 1" in err and "run a finished after step 3" in err
+    # c failed on its corrupt batch, alone; its slot went to b.
+    status = json.loads(c.trainer_status.read_text())
+    assert status["status"] == "failed" and "checksum" in status["detail"], status
+    assert not c.weight_steps()
