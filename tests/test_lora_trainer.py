@@ -97,9 +97,9 @@ def test_runs_on_one_trainer_train_only_their_own_adapters_and_join_leave_or_fai
     # the gradient reductions round alike).
     alone_a, alone_b = RunDir(tmp_path / "alone_a"), RunDir(tmp_path / "alone_b")
     write_batches(alone_a, [1, 2, 3], prompts=4)
-    write_batches(alone_b, [1], prompts=2)
+    write_batches(alone_b, [1, 2], prompts=2)
     run_trainer(torchrun(2), ["@", lora_config(write_toml, alone_a.root, "aa.toml", max_steps=3, lr=2e-3)])
-    run_trainer(torchrun(2), ["@", lora_config(write_toml, alone_b.root, "ab.toml", max_steps=1, lr=5e-3)])
+    run_trainer(torchrun(2), ["@", lora_config(write_toml, alone_b.root, "ab.toml", max_steps=2, lr=5e-3)])
 
     root = tmp_path / "shared"
     a = write_run(write_toml, root, "a", lr=2e-3, max_steps=3)
@@ -127,25 +127,34 @@ def test_runs_on_one_trainer_train_only_their_own_adapters_and_join_leave_or_fai
         wait_for(a.weights_dir(2) / "STABLE")  # a trained what it has and waits for batch 3
         b.heartbeat.write_text("test-b 0\n")  # b's orchestrator starts: b joins while a is in
         wait_for(b.weights_dir(1) / "STABLE")
-        b.heartbeat.unlink()  # b's orchestrator stops after one batch
+        b.heartbeat.unlink()  # b's orchestrator stops after one batch: b leaves, checkpointed
+        while json.loads(b.trainer_status.read_text())["status"] != "left":
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            time.sleep(0.2)
+        write_batches(b, [2], prompts=2)
+        b.heartbeat.write_text("test-b 1\n")  # a restarted orchestrator: b rejoins where it left
+        wait_for(b.weights_dir(2) / "STABLE")
+        b.heartbeat.unlink()
         write_batches(a, [3], prompts=4)
         _, err = proc.communicate(timeout=240)
     finally:
         proc.kill()
     assert proc.returncode == 0, err[-3000:]
 
-    # Run a went to the end with exactly the adapter it gets alone; b trained its one batch,
-    # with its own learning rate, and left checkpointed, so it can rejoin.
+    # Run a went to the end with exactly the adapter it gets alone; b trained with its own
+    # learning rate, left, came back and continued exactly.
     assert_close(adapter(a, 3), adapter(alone_a, 3), atol=1e-6)
-    assert_close(adapter(b, 1), adapter(alone_b, 1), atol=1e-6)
+    for n in (1, 2):  # step 2 came after leaving and rejoining: adapter and Adam state restored
+        assert_close(adapter(b, n), adapter(alone_b, n), atol=1e-6)
     assert [m["step"] for m in trainer_metrics(a)] == [1, 2, 3]
-    assert [m["step"] for m in trainer_metrics(b)] == [1]
+    assert [m["step"] for m in trainer_metrics(b)] == [1, 2]
     assert all(m["run"] == "b" for m in trainer_metrics(b))
     assert json.loads(a.trainer_status.read_text())["status"] == "finished"
     status = json.loads(b.trainer_status.read_text())
     assert status["status"] == "left" and "orchestrator stopped" in status["detail"]
-    assert b.checkpoint_steps("trainer") == [1]
-    assert "run b left after step 1" in err and "run a finished after step 3" in err
+    assert b.checkpoint_steps("trainer") == [1, 2]
+    assert "run b left after step 1" in err and "run b joined in slot" in err and "at step 2 of 3" in err
+    assert "run b left after step 2" in err and "run a finished after step 3" in err
     # c failed on its corrupt batch, alone; its slot went to b.
     status = json.loads(c.trainer_status.read_text())
     assert status["status"] == "failed" and "checksum" in status["detail"], status
