@@ -40,6 +40,10 @@ def test_off_policy_steps_default_to_async_level(write_toml):
     (["--trainer.micro_batch_tokens", "100", "--seq_len", "256"], "trainer.micro_batch_tokens (100) must be >= seq_len"),
     (["--trainer.loss.mask_low", "2", "--trainer.loss.mask_high", "1"], "trainer.loss.mask_low (2.0) must be below"),
     (["--trainer.loss.normalization", "batch"], "config key trainer.loss.normalization"),
+    (["--trainer.lora.multi_run", "true"], "need LoRA: set trainer.lora.rank > 0"),
+    (["--run_name", "../x", "--trainer.lora.rank", "8"], "config key run_name"),
+    (["--run_name", "a", "--trainer.lora.rank", "8", "--transport.kind", "zmq"], 'needs transport.kind = "filesystem"'),
+    (["--trainer.lora.rank", "8", "--weight_sync.kind", "broadcast"], 'weight_sync.kind must be "filesystem"'),
 ])
 def test_bad_values_raise_one_line_naming_the_key(write_toml, args, message):
     with pytest.raises(ConfigError) as err:
