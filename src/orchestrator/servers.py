@@ -150,8 +150,7 @@ class ServerPool:
             for s, r in zip(list(pending), results):
                 if not isinstance(r, BaseException):
                     s.version = self._reported_version(r)
-                    if self.adapter_prefix:  # ours from an earlier orchestrator: unloaded once unused
-                        s.adapters = {v for name, v in r.get("adapters", {}).items() if name == self.adapter(v)}
+                    s.adapters = self._ours(r)  # from an earlier orchestrator: unloaded once unused
                     pending.remove(s)
             if not pending:
                 break
@@ -278,12 +277,20 @@ class ServerPool:
         while await self.unload_unused({}) and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
 
+    def _ours(self, health: dict) -> set[int]:
+        """LoRA: the versions of this run's adapters a server's /health lists."""
+        return {v for name, v in health.get("adapters", {}).items() if self.adapter_prefix and name == self.adapter(v)}
+
     def _reported_version(self, health: dict) -> int:
-        """The version a server reports: its own (full weights), or ours among its adapters."""
-        if not self.adapter_prefix:
-            return health["version"]
-        ours = [v for name, v in health.get("adapters", {}).items() if name == self.adapter(v)]
-        return max(ours, default=0)
+        """The version a server reports: its own (full weights), or the newest of our adapters."""
+        return max(self._ours(health), default=0) if self.adapter_prefix else health["version"]
+
+    def _serves(self, s: Server, health: dict) -> bool:
+        """Whether the server still serves what we recorded. With adapters: ours is loaded (a
+        newer one may be, too: a load can finish on the server before we record it)."""
+        if self.adapter_prefix:
+            return s.version == 0 or s.version in self._ours(health)
+        return health.get("version") == s.version
 
     async def check(self) -> None:
         """A server restarted between two requests comes back serving the base model and fails
@@ -295,7 +302,7 @@ class ServerPool:
                 continue  # changed while we asked
             if isinstance(r, BaseException):
                 self.fail(s, f"health check failed: {r}")
-            elif self._reported_version(r) != s.version:
+            elif not self._serves(s, r):
                 self.fail(s, f"reports version {self._reported_version(r)}, expected {s.version} (restarted?)")
 
     async def heal(self, check_every_s: float = 2.0) -> None:
@@ -316,8 +323,7 @@ class ServerPool:
                 try:
                     health = await s.client.health()
                     s.version = self._reported_version(health)
-                    if self.adapter_prefix:  # what a restart lost is not there to unload
-                        s.adapters = {v for name, v in health.get("adapters", {}).items() if name == self.adapter(v)}
+                    s.adapters = self._ours(health)  # what a restart lost is not there to unload
                     if s.version != version and path:
                         await self._load_one(s, version, path)
                 except InferenceError as e:
