@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from rl.batch import Batch
 from rl.transport import BatchReceiver
+from trainer.parallel import share_bytes
 
 
 def receive_batch(receiver: BatchReceiver | None, kind: str, step: int, timeout_s: float,
@@ -29,26 +30,19 @@ def receive_batch(receiver: BatchReceiver | None, kind: str, step: int, timeout_
     """Batch `step` on every rank, and the seconds waited for it.
 
     Over the filesystem every rank reads the directory itself. Over ZMQ only rank 0 holds the
-    socket; it passes the raw bytes on (a length, then a uint8 tensor), so the other ranks
+    socket; it passes the raw bytes on (trainer/parallel.py share_bytes), so the other ranks
     decode exactly what rank 0 checked, and no rank ever unpickles anything.
     """
     if kind == "filesystem" or dist.get_world_size() == 1:
         (meta, payload), waited = receiver.receive(step, timeout_s)
         return Batch.decode(meta, payload, receiver.source(step)), waited
     start = time.monotonic()
+    header = data = None
     if dist.get_rank() == 0:
         (meta, payload), _ = receiver.receive(step, timeout_s)
-        sizes = torch.tensor([len(meta), len(payload)], dtype=torch.int64, device=device)
-    else:
-        sizes = torch.zeros(2, dtype=torch.int64, device=device)
-    dist.broadcast(sizes, src=0)
-    if dist.get_rank() == 0:
-        blob = torch.frombuffer(bytearray(meta + payload), dtype=torch.uint8).to(device)
-    else:
-        blob = torch.empty(int(sizes.sum()), dtype=torch.uint8, device=device)
-    dist.broadcast(blob, src=0)
-    data = blob.cpu().numpy().tobytes()
-    n = int(sizes[0])
+        header, data = str(len(meta)).encode(), meta + payload
+    n = int(share_bytes(header, device))
+    data = share_bytes(data, device)
     return Batch.decode(data[:n], data[n:], f"batch {step} from rank 0"), time.monotonic() - start
 
 

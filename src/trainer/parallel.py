@@ -42,17 +42,22 @@ def apply_fsdp(model: torch.nn.Module, compute_dtype: torch.dtype) -> None:
     fully_shard(model, mp_policy=mp)
 
 
-def share_json(obj, device: torch.device):
-    """Rank 0's JSON-able `obj` on every rank (others pass None): a length, then the bytes, so
-    no rank unpickles what another wrote."""
-    import json
-
+def share_bytes(data: bytes | None, device: torch.device) -> bytes:
+    """Rank 0's `data` on every rank (the others pass None): a length, then a uint8 tensor, so
+    every rank holds exactly what rank 0 checked and none unpickles what another wrote."""
     if dist.get_world_size() == 1:
-        return obj
-    data = json.dumps(obj).encode() if dist.get_rank() == 0 else b""
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+        return data
+    root = dist.get_rank() == 0
+    size = torch.tensor([len(data) if root else 0], dtype=torch.int64, device=device)
     dist.broadcast(size, src=0)
-    blob = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if dist.get_rank() == 0
+    blob = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if root
             else torch.empty(int(size), dtype=torch.uint8, device=device))
     dist.broadcast(blob, src=0)
-    return json.loads(blob.cpu().numpy().tobytes())
+    return blob.cpu().numpy().tobytes()
+
+
+def share_json(obj, device: torch.device):
+    """Rank 0's JSON-able `obj` on every rank (the others pass None)."""
+    import json
+
+    return json.loads(share_bytes(json.dumps(obj).encode() if dist.get_rank() == 0 else None, device))
