@@ -6,7 +6,7 @@ One version's trip from the trainer's tensors to "the server samples with it", a
 makes it (filesystem weight sync, no FSDP gather: one rank):
   full:    trainer/weights.py write_weights (safetensors + config + tokenizer, fsync, STABLE), then
            POST /update_weights (pause, reload in place, tied lm_head re-pack, resume);
-  adapter: trainer/lora.py write_adapter (adapter_model.safetensors + adapter_config.json),
+  adapter: trainer/weights.py write_adapter (adapter_model.safetensors + adapter_config.json),
            then POST /load_lora_adapter, and the previous version's /unload_lora_adapter.
 The server is `rl inference` with LoRA enabled (max_lora_rank >= rank), idle. Results:
 benchmarks/results/weight_sync_lora_<shape>.json and docs/benchmarks.md.
@@ -37,8 +37,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from rl.config import LoRAConfig  # noqa: E402
 from rl.rundir import RunDir  # noqa: E402
-from trainer.lora import LoRA, write_adapter  # noqa: E402
-from trainer.weights import write_weights  # noqa: E402
+from trainer.lora import LoRA  # noqa: E402
+from trainer.weights import write_adapter, write_weights  # noqa: E402
 from trainer_step import build_model  # noqa: E402
 
 TINY = ROOT / "models" / "tiny-reverse"

@@ -252,13 +252,15 @@ class ServerPool:
         s.version = version
         return r.get("reload_s", 0.0)
 
-    async def unload_unused(self, in_use: dict[int, set[int]]) -> int:
-        """LoRA: unload adapter versions that are neither current nor used by a group in flight
-        (in_use: id(server) -> versions its groups started on). A server that still runs a
-        request on one answers 409 and is asked again next time. Returns how many are left."""
+    async def unload_unused(self, in_use: dict[int, set[int]], keep_current: bool = True) -> int:
+        """LoRA: unload adapter versions that are neither current (unless keep_current is false)
+        nor used by a group in flight (in_use: id(server) -> versions its groups started on). A
+        server that still runs a request on one answers 409 and is asked again next time.
+        Returns how many are left."""
         left = 0
         for s in self.in_rotation:
-            for v in sorted(s.adapters - {s.version} - in_use.get(id(s), set())):
+            current = {s.version} if keep_current else set()
+            for v in sorted(s.adapters - current - in_use.get(id(s), set())):
                 try:
                     await s.client.unload_lora_adapter(self.adapter(v))
                 except InferenceError as e:
@@ -271,10 +273,8 @@ class ServerPool:
     async def unload_all(self, timeout_s: float = 10.0) -> None:
         """LoRA: unload every adapter version this pool loaded (the run is over). Requests just
         aborted may hold one for a moment (409), hence the retries."""
-        for s in self.in_rotation:
-            s.version = -1  # nothing of ours serves any more
         deadline = time.monotonic() + timeout_s
-        while await self.unload_unused({}) and time.monotonic() < deadline:
+        while await self.unload_unused({}, keep_current=False) and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
 
     def _ours(self, health: dict) -> set[int]:

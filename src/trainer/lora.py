@@ -17,19 +17,14 @@ peft's PeftModel.from_pretrained and vLLM's LoRA loader read it as they read any
 
 from __future__ import annotations
 
-import json
 import math
-import time
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 from torch import nn
 
 from rl.config import LoRAConfig
-from rl.rundir import STABLE, RunDir, publish_dir, remove_quietly
 
 
 class Adapters(nn.Module):
@@ -128,22 +123,3 @@ def _copy_full(p: torch.Tensor, full: torch.Tensor) -> None:
         p.to_local().copy_(full.to_local())
     else:
         p.copy_(full)
-
-
-def write_adapter(run: RunDir, step: int, tensors: dict[str, torch.Tensor], config: dict) -> float:
-    """weights/step_<step> as a peft adapter, STABLE last (rank 0); returns seconds taken."""
-    start = time.perf_counter()
-    final = run.weights_dir(step)
-    out = final.with_name(f".{final.name}.tmp")
-    remove_quietly(out)
-    out.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, out / "adapter_model.safetensors",
-              metadata={"format": "pt", "asyncrl_version": str(step)})
-    (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
-    (out / STABLE).write_bytes(b"")
-    publish_dir(out, final)
-    return time.perf_counter() - start
-
-
-def is_adapter(path: Path) -> bool:
-    return (path / "adapter_config.json").is_file()

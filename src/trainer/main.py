@@ -26,11 +26,11 @@ from rl.rundir import RunDir, remove_quietly
 from rl.transport import BatchReceiver
 from trainer import checkpoint
 from trainer.data import MicroBatch, loss_weights, rank_micro_batches, receive_batch
-from trainer.lora import LoRA, write_adapter
+from trainer.lora import LoRA
 from trainer.loss import policy_loss, token_logprobs_and_entropy
 from trainer.optim import build_optimizer
 from trainer.parallel import apply_fsdp, init_distributed
-from trainer.weights import gather_full_state_dict, prune_weights, write_weights
+from trainer.weights import gather_full_state_dict, prune_weights, write_adapter, write_weights
 
 log = logging.getLogger("trainer")
 

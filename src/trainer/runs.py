@@ -106,7 +106,8 @@ class MultiRun:
             if name in self.members or not run.config_file("orchestrator").is_file():
                 continue
             age = run.heartbeat_age()
-            if age is None or age > self.lora_cfg.run_timeout_s or self.settled.get(name) == _instance(run):
+            if age is None or age > self.lora_cfg.run_timeout_s or (
+                    name in self.settled and self.settled[name] == _instance(run)):
                 continue
             join.append(name)
             free -= 1

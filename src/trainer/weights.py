@@ -1,5 +1,6 @@
 """Publishing weights/step_n: the full state dict gathered from the FSDP2 shards and written as
-an HF-format directory (safetensors + the starting model's config and tokenizer), STABLE last.
+an HF-format directory (safetensors + the starting model's config and tokenizer), or with LoRA a
+peft adapter (adapter_model.safetensors + adapter_config.json); STABLE last.
 
 A server freshly started on weights/step_n serves exactly what /update_weights loaded from it.
 """
@@ -32,12 +33,7 @@ def write_weights(run: RunDir, step: int, state_dict: dict[str, torch.Tensor], s
                   shard_bytes: int = 4 << 30) -> float:
     """Write weights/step_<step> (rank 0 only); returns seconds taken."""
     start = time.perf_counter()
-    final = run.weights_dir(step)
-    # Written aside and renamed into place: a resumed trainer rewrites versions its killed
-    # predecessor had published, and a server must never read a half-rewritten one.
-    out = final.with_name(f".{final.name}.tmp")
-    remove_quietly(out)  # a partial one from a crash
-    out.mkdir(parents=True)
+    out = _staging(run, step)
     if tied:
         # safetensors refuses shared storage, and HF checkpoints of tied models omit lm_head.
         state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
@@ -59,11 +55,37 @@ def write_weights(run: RunDir, step: int, state_dict: dict[str, torch.Tensor], s
         for f in source.glob(pattern):
             if f.name != "model.safetensors.index.json":
                 shutil.copy2(f, out / f.name)
+    _publish(out, run.weights_dir(step))
+    return time.perf_counter() - start
+
+
+def write_adapter(run: RunDir, step: int, tensors: dict[str, torch.Tensor], config: dict) -> float:
+    """weights/step_<step> as a peft adapter (rank 0); returns seconds taken."""
+    start = time.perf_counter()
+    out = _staging(run, step)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, out / "adapter_model.safetensors",
+              metadata={"format": "pt", "asyncrl_version": str(step)})
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    _publish(out, run.weights_dir(step))
+    return time.perf_counter() - start
+
+
+def _staging(run: RunDir, step: int) -> Path:
+    """An empty directory next to weights/step_<step> to write the version into. Written aside
+    and renamed into place: a resumed trainer rewrites versions its killed predecessor had
+    published, and a server must never read a half-rewritten one."""
+    final = run.weights_dir(step)
+    out = final.with_name(f".{final.name}.tmp")
+    remove_quietly(out)  # a partial one from a crash
+    out.mkdir(parents=True)
+    return out
+
+
+def _publish(out: Path, final: Path) -> None:
     # Nobody reads the temporary directory: publish_dir fsyncs every file, STABLE included,
     # once, before the rename that makes the version visible.
     (out / STABLE).write_bytes(b"")
     publish_dir(out, final)
-    return time.perf_counter() - start
 
 
 def prune_weights(run: RunDir, keep: int) -> None:
