@@ -84,7 +84,7 @@ def test_resumed_lora_run_matches_an_uninterrupted_one(tmp_path, write_toml):
 def write_run(write_toml, root, name: str, lr: float, max_steps: int) -> RunDir:
     """A multi-run run directory as its orchestrator leaves it: resolved config and heartbeat."""
     run = RunDir(root / "runs" / name)
-    (run.root / "config").mkdir(parents=True)
+    run.make()
     text = open(lora_config(write_toml, root, f"{name}.toml", max_steps=max_steps, lr=lr,
                             extra=f'run_name = "{name}"\n')).read()
     run.config_file("orchestrator").write_text(text)

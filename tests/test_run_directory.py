@@ -80,3 +80,34 @@ def test_a_checkpoint_step_directory_goes_with_its_last_part(tmp_path):
     assert run.checkpoint_steps("trainer") == [7] and run.checkpoint_steps("orchestrator") == []
     run.remove_checkpoint(7, "trainer")
     assert not run.checkpoint_dir(7).exists()
+
+
+def _encoded_with(**changes) -> tuple[bytes, bytes]:
+    """A batch whose fields were tampered with after it was made, re-encoded with a valid
+    checksum: what a buggy or hostile writer could produce."""
+    b = make_batch()
+    for name, value in changes.items():
+        setattr(b, name, value)
+    return b.encode()
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda b: {"advantages": b.advantages * float("nan")}, "'advantages' holds NaN"),
+    (lambda b: {"rewards": b.rewards[:1]}, "'rewards' has 1 values, expected 2"),
+    (lambda b: {"logprobs": b.logprobs.astype("float64")}, "'logprobs' is float64"),
+    (lambda b: {"tokens": -b.tokens}, "negative token ids"),
+    (lambda b: {"loss_mask": b.loss_mask * 3}, "loss_mask holds values other than 0 and 1"),
+    (lambda b: {"lengths": b.lengths + 1}, "lengths do not add up"),
+    (lambda b: {"step": 0}, "step 0 is not a positive integer"),
+])
+def test_a_well_checksummed_but_malformed_batch_is_refused_naming_the_field(change, message):
+    meta, payload = _encoded_with(**change(make_batch()))
+    with pytest.raises(BatchError, match=f"^src: .*{message}".replace("(", r"\(").replace("[", r"\[")):
+        Batch.decode(meta, payload, "src")
+
+
+def test_meta_that_lies_about_the_sample_count_is_refused():
+    meta, payload = make_batch().encode()
+    meta = meta.replace(b'"num_samples": 2', b'"num_samples": 5')
+    with pytest.raises(BatchError, match="2 samples, but meta.json says 5"):
+        Batch.decode(meta, payload, "src")

@@ -22,7 +22,6 @@ import collections
 import gc
 import json
 import logging
-import os
 import secrets
 import signal
 import time
@@ -38,13 +37,14 @@ from rl.async_rule import can_hand_over, is_fresh, min_serving_version, oldest_u
 from rl.batch import Batch
 from rl.config import RunConfig
 from rl.inference_api import GenerateRequest, GenerateResponse, InferenceClient, InferenceError
-from rl.rundir import RunDir, mark_stable, write_file_atomic
+from rl.faults import crash_point
+from rl.heartbeat import PeerReporter, PeerWatch, heartbeat_path, set_phase
+from rl.rundir import RunDir, mark_stable, remove_quietly, write_file_atomic
 from rl.transport import BatchSender
 
 log = logging.getLogger("orchestrator")
 
-HEARTBEAT_S = 30.0
-HEARTBEAT_EVERY_S = 2.0
+HEARTBEAT_S = 15.0  # how often a wait says what it still waits for
 MAX_ATTEMPTS = 3  # a prompt whose group fails (rewards, teacher) this often is dropped
 
 
@@ -121,6 +121,11 @@ class Orchestrator:
         checkpoint left off."""
         saved = self.run_dir.checkpoint_steps("orchestrator")
         on_disk = self.run_dir.rollout_steps()
+        if self.cfg.transport.kind == "filesystem":
+            # A batch this orchestrator's predecessor was writing when it died: never published,
+            # its groups are still pending in the checkpoint and go out again.
+            for partial in self.run_dir.rollouts.glob(".step_*"):
+                remove_quietly(partial)
         if not saved:
             if on_disk:
                 raise SystemExit(f"output_dir {self.run_dir.root} holds batches but no orchestrator checkpoint; "
@@ -198,14 +203,18 @@ class Orchestrator:
                 await self.pool.unload_unused(in_use)
             await asyncio.sleep(self.o.poll_interval_s)
 
-    async def heartbeat(self) -> None:
-        """Tell the trainer (multi-run LoRA) and people that this run's orchestrator lives: the
-        first line names this instance, the file's mtime says when it last spoke."""
-        instance = f"{os.getpid()} {time.time():.3f}"
+    async def watch_trainer(self) -> None:
+        """Say within seconds when the trainer dies or freezes (batches then wait for it: a
+        trainer restarted with --resume continues), write again any batch it rejected as
+        damaged, and stop if a multi-run trainer turned this run away."""
+        trainer = PeerReporter(PeerWatch(heartbeat_path(self.cfg, "trainer"), "trainer"), log,
+                               "batches wait for it (restart it with --resume)")
         while True:
-            write_file_atomic(self.run_dir.heartbeat, f"{instance}\n{time.time():.3f}\n".encode())
+            trainer.poll()
+            latest = self.run_dir.latest_stable_weights()
+            await self.sender.resend_rejected(0 if latest is None else latest)
             self.check_trainer()
-            await asyncio.sleep(HEARTBEAT_EVERY_S)
+            await asyncio.sleep(1.0)
 
     def check_trainer(self) -> None:
         """Multi-run: a trainer that turned this run away says why in trainer_status.json."""
@@ -368,6 +377,7 @@ class Orchestrator:
         def versions_ok() -> bool:
             return can_hand_over(step, self.pool.serving_versions(), k)
 
+        set_phase(f"making batch {step}")
         trainer_wait = await self.wait_until(
             versions_ok, f"version {min_serving_version(step, k)} to serve on every server "
             f"(max_async_level={k}) before batch {step}", self.o.trainer_timeout_s)
@@ -391,7 +401,9 @@ class Orchestrator:
         self.next_step = step + 1
         samples = [s for g in groups for s in g.samples]
         batch = Batch.from_samples(step, self.o.temperature, samples)
+        set_phase(f"handing over batch {step}")
         await self.sender.send(batch, self.o.trainer_timeout_s)
+        crash_point("orchestrator.handed_over", step)
         self.checkpoint(step)
         await self.cancel_hopeless()
         await self.notify()
@@ -428,8 +440,7 @@ class Orchestrator:
     # --- the run ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        # First: a multi-run trainer admits the run once it sees this.
-        self.background = [asyncio.create_task(self.heartbeat(), name="heartbeat")]
+        self.background = [asyncio.create_task(self.watch_trainer(), name="watch_trainer")]
         await self.pool.connect(self.o.server_wait_timeout_s)
         if self.cfg.weight_sync.kind == "broadcast":
             # Before any load: the trainer's first broadcast needs every server in the group.
@@ -476,7 +487,6 @@ class Orchestrator:
             # The server outlives this run: free its adapter slots for other runs. The final
             # adapter stays on disk (weights/step_n) for anyone to load again.
             await self.pool.unload_all()
-        self.run_dir.heartbeat.unlink(missing_ok=True)  # a multi-run trainer lets the run go
 
 
 def tune_gc() -> None:

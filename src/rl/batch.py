@@ -25,6 +25,7 @@ import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
+from rl.faults import crash_point
 from rl.rundir import publish_dir
 
 FORMAT = "asyncrl.batch.v2"
@@ -109,7 +110,11 @@ class Batch:
         ends = np.cumsum(self.lengths)
         return [slice(int(e - n), int(e)) for e, n in zip(ends, self.lengths)]
 
-    _TENSORS = ("tokens", "loss_mask", "logprobs", "advantages", "token_versions", "lengths", "rewards", "versions")
+    # name -> (dtype, one value per "token" or per "sample")
+    _SCHEMA = {"tokens": (np.int64, "token"), "loss_mask": (np.uint8, "token"), "logprobs": (np.float32, "token"),
+               "advantages": (np.float32, "token"), "token_versions": (np.int64, "token"),
+               "lengths": (np.int64, "sample"), "rewards": (np.float32, "sample"), "versions": (np.int64, "sample")}
+    _TENSORS = tuple(_SCHEMA)
 
     # --- encoding: the same two blobs on disk and on the wire ---------------------------------
 
@@ -139,14 +144,46 @@ class Batch:
             raise BatchError(f"{meta_source}: format {got!r}, expected {FORMAT!r}")
         if hashlib.sha256(payload).hexdigest() != meta.get("sha256"):
             raise BatchError(f"{source}: checksum mismatch (truncated or corrupted)")
-        arrays = st_load(payload)
-        missing = [k for k in cls._TENSORS if k not in arrays]
-        if missing:
-            raise BatchError(f"{source}: missing tensors {missing}")
-        batch = cls(step=int(meta["step"]), temperature=float(meta["temperature"]), **{k: arrays[k] for k in cls._TENSORS})
-        if int(batch.lengths.sum()) != len(batch.tokens):
-            raise BatchError(f"{source}: lengths do not add up to the token count")
+        step, temperature = meta.get("step"), meta.get("temperature")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+            raise BatchError(f"{meta_source}: step {step!r} is not a positive integer")
+        if not isinstance(temperature, (int, float)) or not temperature > 0:
+            raise BatchError(f"{meta_source}: temperature {temperature!r} is not a positive number")
+        try:
+            arrays = st_load(payload)
+        except Exception as e:  # safetensors raises its own error types on a bad header
+            raise BatchError(f"{source}: not a safetensors payload ({e})") from None
+        for name, (dtype, per) in cls._SCHEMA.items():
+            if name not in arrays:
+                raise BatchError(f"{source}: tensor {name!r} is missing")
+            a = arrays[name]
+            if a.dtype != dtype or a.ndim != 1:
+                raise BatchError(f"{source}: tensor {name!r} is {a.dtype}{list(a.shape)}, expected 1-D {dtype}")
+        batch = cls(step=step, temperature=float(temperature), **{k: arrays[k] for k in cls._TENSORS})
+        batch.validate(source, meta.get("num_samples"))
         return batch
+
+    def validate(self, source: str, num_samples: object = None) -> None:
+        """What the trainer relies on beyond the checksum (which proves only that the bytes are
+        the ones written): consistent shapes, and no value that would poison a step."""
+        n, t = self.num_samples, len(self.tokens)
+        if num_samples is not None and num_samples != n:
+            raise BatchError(f"{source}: {n} samples, but meta.json says {num_samples}")
+        if n == 0:
+            raise BatchError(f"{source}: no samples")
+        for name, (_, per) in self._SCHEMA.items():
+            want = t if per == "token" else n
+            if len(getattr(self, name)) != want:
+                raise BatchError(f"{source}: tensor {name!r} has {len(getattr(self, name))} values, expected {want}")
+        if (self.lengths < 1).any() or int(self.lengths.sum()) != t:
+            raise BatchError(f"{source}: lengths do not add up to the token count")
+        if (self.tokens < 0).any():
+            raise BatchError(f"{source}: negative token ids")
+        if not set(np.unique(self.loss_mask).tolist()) <= {0, 1}:
+            raise BatchError(f"{source}: loss_mask holds values other than 0 and 1")
+        for name in ("logprobs", "advantages", "rewards"):
+            if not np.isfinite(getattr(self, name)).all():
+                raise BatchError(f"{source}: tensor {name!r} holds NaN or infinity")
 
     def write(self, final: Path) -> None:
         """Write the batch to directory `final` atomically (temporary directory, then one rename)."""
@@ -161,6 +198,7 @@ class Batch:
         # once before the rename that makes the batch visible.
         (tmp / "batch.safetensors").write_bytes(payload)
         (tmp / "meta.json").write_bytes(meta)
+        crash_point("batch.staged", int(final.name.removeprefix("step_")) if final.name.startswith("step_") else 0)
         publish_dir(tmp, final)
 
     @staticmethod

@@ -57,9 +57,15 @@ def _program(program: str, argv: list[str], main: Callable[[RunConfig], object])
     cfg = resolve(argv, program)
     setup_logging(program)
     from rl.config_doc import save_resolved
+    from rl.heartbeat import Heartbeat, heartbeat_path
 
     save_resolved(cfg, program)
-    code = main(cfg)
+    # First thing, before the heavy imports: peers and `rl run` see the program from its start.
+    heartbeat = Heartbeat(heartbeat_path(cfg, program)).start()
+    try:
+        code = main(cfg)
+    finally:
+        heartbeat.stop()
     raise typer.Exit(int(code or 0))
 
 

@@ -19,8 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from rl.config import RunConfig
+from rl.heartbeat import PeerWatch, heartbeat_path
 from rl.rundir import RunDir
 
 PROGRAMS = ("inference", "trainer", "orchestrator")
@@ -32,6 +34,7 @@ class Child:
     name: str
     proc: subprocess.Popen
     log: Path
+    heartbeat: PeerWatch
 
 
 def _die_with_parent() -> None:
@@ -44,7 +47,7 @@ def _die_with_parent() -> None:
         pass  # not Linux: Ctrl-C and SIGTERM still stop the children through the launcher
 
 
-def _start(name: str, argv: list[str], run: RunDir) -> Child:
+def _start(name: str, argv: list[str], run: RunDir, cfg: RunConfig) -> Child:
     log = run.logs / f"{name}.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen(
@@ -52,13 +55,14 @@ def _start(name: str, argv: list[str], run: RunDir) -> Child:
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True, preexec_fn=_die_with_parent,
         )
-    return Child(name, proc, log)
+    return Child(name, proc, log, PeerWatch(heartbeat_path(cfg, name), name))
 
 
 def _stop(children: list[Child]) -> None:
     for c in children:
         if c.proc.poll() is None:
             os.killpg(c.proc.pid, signal.SIGTERM)
+            os.killpg(c.proc.pid, signal.SIGCONT)  # a frozen (stopped) one handles it too
     deadline = time.monotonic() + STOP_GRACE_S
     for c in children:
         try:
@@ -162,7 +166,7 @@ def launch(cfg: RunConfig, argv: list[str]) -> int:
         raise KeyboardInterrupt  # stop the children as Ctrl-C would
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    children = [_start(name, argv, run) for name in PROGRAMS]
+    children = [_start(name, argv, run, cfg) for name in PROGRAMS]
     console.print(f"started {', '.join(f'{c.name} (pid {c.proc.pid})' for c in children)}; logs in {run.logs}")
     follower = MetricsFollower(run.metrics)
     latest: dict[str, dict] = {"orchestrator": {}, "trainer": {}}
@@ -188,6 +192,15 @@ def launch(cfg: RunConfig, argv: list[str]) -> int:
                     console.print(f"[red]rl run: {c.name} exited with code {done[c.name]}; "
                                   f"stopping the others. Last lines of {c.log}:[/red]")
                     console.print(_tail(c.log), markup=False, highlight=False)
+                    code = 1
+                    break
+                # Alive but silent: frozen (SIGSTOP, swapped out, a stuck interpreter) or its
+                # storage gone. Nothing will come of waiting; the run resumes with --resume.
+                silent = [s for c in children if done[c.name] is None
+                          and (s := c.heartbeat.poll()).state == "silent"]
+                if silent:
+                    console.print(f"[red]rl run: {escape(silent[0].describe())}; stopping all programs "
+                                  "(continue with --resume)[/red]", markup=True, highlight=False)
                     code = 1
                     break
                 if done["orchestrator"] == 0 and (done["trainer"] == 0 or multi and _trainer_finished(run)):

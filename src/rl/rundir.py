@@ -8,7 +8,7 @@
       checkpoints/step_<n>/   orchestrator/ (and trainer/) state after step n
       logs/<program>.log
       metrics.jsonl
-      heartbeat               the orchestrator's: rewritten every few seconds, removed on exit
+      heartbeats/<program>    each program's liveness file (rl/heartbeat.py), removed on exit
       runs/<name>/            multi-run LoRA: one such directory per run (docs/lora.md)
       trainer_status.json     multi-run: the trainer's word on this run (joined, finished, left...)
 
@@ -75,9 +75,13 @@ class RunDir:
         except OSError:  # another program's part is still there
             pass
 
+    def heartbeat_file(self, program: str) -> Path:
+        return self.root / "heartbeats" / program
+
     @property
     def heartbeat(self) -> Path:
-        return self.root / "heartbeat"
+        """The orchestrator's: a multi-run trainer admits and keeps a run by it."""
+        return self.heartbeat_file("orchestrator")
 
     @property
     def trainer_status(self) -> Path:
@@ -102,7 +106,7 @@ class RunDir:
         return self.root / "config" / f"{program}.toml"
 
     def make(self) -> None:
-        for d in (self.rollouts, self.weights, self.logs, self.root / "config"):
+        for d in (self.rollouts, self.weights, self.logs, self.root / "config", self.root / "heartbeats"):
             d.mkdir(parents=True, exist_ok=True)
 
     def latest_stable_weights(self) -> int | None:

@@ -6,21 +6,28 @@
               three frames: a tag, the meta JSON, the safetensors payload. No pickle: a peer
               can send garbage, never code.
 
-Both receivers wait with a heartbeat log line and a timeout, never silently.
+Both receivers wait with a heartbeat log line and a timeout, never silently, and check every
+batch (checksum, schema, step) before the trainer sees it. A damaged batch file is moved to
+rollouts/rejected/ with the reason, and the orchestrator, which keeps every batch until the
+trainer has published its version, writes it again; a damaged ZMQ message is dropped (whoever
+sent it cannot be asked again).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import zmq
 import zmq.asyncio
 
 from rl.batch import Batch, BatchError
 from rl.config import TransportConfig
-from rl.rundir import RunDir
+from rl.rundir import RunDir, write_file_atomic
 
 log = logging.getLogger("transport")
 
@@ -34,6 +41,9 @@ class BatchSender:
     def __init__(self, cfg: TransportConfig, run: RunDir):
         self.cfg, self.run = cfg, run
         self.socket = None
+        # Filesystem: every batch handed over, until the trainer has published its version, so a
+        # batch the trainer rejected as damaged can be written again (resend_rejected).
+        self.unconsumed: dict[int, tuple[bytes, bytes]] = {}
         if cfg.kind == "zmq":
             self.context = zmq.asyncio.Context()
             self.socket = self.context.socket(zmq.PUSH)
@@ -45,10 +55,11 @@ class BatchSender:
             self.socket.connect(cfg.address)
 
     async def send(self, batch: Batch, timeout_s: float) -> None:
-        if self.socket is None:
-            await asyncio.to_thread(batch.write, self.run.rollout_dir(batch.step))
-            return
         meta, payload = batch.encode()
+        if self.socket is None:
+            await asyncio.to_thread(Batch.write_encoded, meta, payload, self.run.rollout_dir(batch.step))
+            self.unconsumed[batch.step] = (meta, payload)
+            return
         send = asyncio.ensure_future(self.socket.send_multipart([TAG, meta, payload], copy=False))
         start = time.monotonic()
         # PUSH blocks while no trainer is connected: say so rather than hang silently.
@@ -64,20 +75,47 @@ class BatchSender:
                          batch.step, self.cfg.address, waited)
         send.result()
 
+    async def resend_rejected(self, trained: int) -> None:
+        """Filesystem: write again each batch the trainer has not trained (its version is
+        not published, `trained` is the newest that is) whose directory is gone: the trainer
+        moved it to rollouts/rejected/ as damaged."""
+        for step in [n for n in self.unconsumed if n <= trained]:
+            del self.unconsumed[step]
+        for step, (meta, payload) in sorted(self.unconsumed.items()):
+            final = self.run.rollout_dir(step)
+            if not final.exists():
+                log.warning("batch %d is gone from %s (rejected by the trainer? see %s): writing it again",
+                            step, final, self.run.rollouts / "rejected")
+                await asyncio.to_thread(Batch.write_encoded, meta, payload, final)
+
     def close(self) -> None:
         if self.socket is not None:
             self.socket.close()
             self.context.term()
 
 
+@dataclass
+class Received:
+    batch: Batch
+    meta: bytes
+    payload: bytes
+    """The blobs as received, checked: what the trainer's other ranks decode."""
+    waited_s: float
+
+
 class BatchReceiver:
     """Trainer side (rank 0 only under zmq; the trainer shares the bytes with its other ranks)."""
 
-    def __init__(self, cfg: TransportConfig, run: RunDir, poll_s: float = 0.05, keep: bool = False):
+    def __init__(self, cfg: TransportConfig, run: RunDir, poll_s: float = 0.05, keep: bool = False,
+                 reject_damaged: bool = True, on_wait: Callable[[], object] | None = None):
         """`keep` (zmq): write every batch received to rollouts/step_n and look there first, so a
         trainer resumed from an older checkpoint finds the batches it must train again (the
-        orchestrator sent them long ago)."""
+        orchestrator sent them long ago). `reject_damaged` (filesystem): move a damaged batch
+        aside and wait for the orchestrator to write it again, rather than raise. `on_wait`:
+        called about once a second while waiting (the trainer watches the orchestrator's
+        heartbeat there)."""
         self.cfg, self.run, self.poll_s, self.keep = cfg, run, poll_s, keep
+        self.reject_damaged, self.on_wait = reject_damaged, on_wait
         self.socket = None
         self.early: dict[int, tuple[bytes, bytes]] = {}
         if cfg.kind == "zmq":
@@ -85,13 +123,14 @@ class BatchReceiver:
             self.socket = self.context.socket(zmq.PULL)
             self.socket.bind(cfg.address)
 
-    def receive(self, step: int, timeout_s: float) -> tuple[tuple[bytes, bytes], float]:
-        """The encoded batch `step` (meta, payload) and the seconds waited for it."""
-        start = last_beat = time.monotonic()
+    def receive(self, step: int, timeout_s: float) -> Received:
+        """Batch `step`, checked, and the seconds waited for it."""
+        start = last_beat = last_watch = time.monotonic()
         while True:
             got = self._poll(step)
             if got is not None:
-                return got, time.monotonic() - start
+                meta, payload, batch = got
+                return Received(batch, meta, payload, time.monotonic() - start)
             now = time.monotonic()
             if now - start > timeout_s:
                 raise TimeoutError(f"no batch {step} at {self.source(step)} after {timeout_s:.0f} s "
@@ -99,35 +138,69 @@ class BatchReceiver:
             if now - last_beat > HEARTBEAT_S:
                 log.info("waiting for batch %d for %.0f s", step, now - start)
                 last_beat = now
+            if self.on_wait is not None and now - last_watch > 1.0:
+                self.on_wait()
+                last_watch = now
 
-    def _poll(self, step: int) -> tuple[bytes, bytes] | None:
+    def _poll(self, step: int) -> tuple[bytes, bytes, Batch] | None:
         if self.socket is None:
             path = self.run.rollout_dir(step)
             if not path.exists():  # it appears whole, by rename
                 time.sleep(self.poll_s)
                 return None
-            return Batch.read_encoded(path)
+            try:
+                return self._checked(step, *Batch.read_encoded(path), str(path / "batch.safetensors"))
+            except BatchError as e:
+                if not self.reject_damaged:
+                    raise
+                self._reject(step, e)
+                return None
         if step in self.early:
             return self.early.pop(step)
         if self.keep and self.run.rollout_dir(step).exists():
-            return Batch.read_encoded(self.run.rollout_dir(step))
+            path = self.run.rollout_dir(step)
+            return self._checked(step, *Batch.read_encoded(path), str(path / "batch.safetensors"))
         if not self.socket.poll(timeout=int(self.poll_s * 1000)):
             return None
         frames = self.socket.recv_multipart()
-        if len(frames) != 3 or frames[0] != TAG:
-            raise BatchError(f"{self.cfg.address}: a message that is not an asyncrl batch "
-                             f"({len(frames)} frames)")
-        meta, payload = frames[1], frames[2]
-        got = Batch.decode(meta, payload, self.cfg.address).step
+        try:
+            if len(frames) != 3 or frames[0] != TAG:
+                raise BatchError(f"{self.cfg.address}: a message that is not an asyncrl batch "
+                                 f"({len(frames)} frames)")
+            meta, payload = frames[1], frames[2]
+            batch = Batch.decode(meta, payload, self.cfg.address)
+        except BatchError as e:  # anyone who can reach the socket can send this: not fatal
+            log.error("dropped a message: %s", e)
+            return None
+        got = batch.step
         if self.keep and got >= step:
             Batch.write_encoded(meta, payload, self.run.rollout_dir(got))
         if got == step:
-            return meta, payload
+            return meta, payload, batch
         if got < step:
             log.warning("dropped batch %d from %s: already trained past it", got, self.cfg.address)
         else:
-            self.early[got] = (meta, payload)
+            self.early[got] = (meta, payload, batch)
         return None
+
+    @staticmethod
+    def _checked(step: int, meta: bytes, payload: bytes, source: str) -> tuple[bytes, bytes, Batch]:
+        batch = Batch.decode(meta, payload, source, source.replace("batch.safetensors", "meta.json"))
+        if batch.step != step:
+            raise BatchError(f"{source}: holds batch {batch.step}, expected {step}")
+        return meta, payload, batch
+
+    def _reject(self, step: int, error: BatchError) -> None:
+        """Move a damaged batch out of the way, with the reason, for the orchestrator to replace
+        (and for a person to inspect)."""
+        rejected = self.run.rollouts / "rejected"
+        rejected.mkdir(exist_ok=True)
+        dest = next(rejected / f"step_{step}.{i}" for i in itertools.count(1)
+                    if not (rejected / f"step_{step}.{i}").exists())
+        self.run.rollout_dir(step).rename(dest)
+        write_file_atomic(dest / "REJECTED", f"{error}\n".encode())
+        log.error("batch %d rejected: %s; moved to %s, waiting for the orchestrator to write it again",
+                  step, error, dest)
 
     def source(self, step: int) -> str:
         """Where batch `step` comes from, for error messages."""

@@ -20,28 +20,38 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rl.batch import Batch
+from rl.batch import Batch, BatchError
 from rl.transport import BatchReceiver
 from trainer.parallel import share_bytes
 
 
-def receive_batch(receiver: BatchReceiver | None, kind: str, step: int, timeout_s: float,
+def receive_batch(receiver: BatchReceiver | None, step: int, timeout_s: float,
                   device: torch.device) -> tuple[Batch, float]:
     """Batch `step` on every rank, and the seconds waited for it.
 
-    Over the filesystem every rank reads the directory itself. Over ZMQ only rank 0 holds the
-    socket; it passes the raw bytes on (trainer/parallel.py share_bytes), so the other ranks
-    decode exactly what rank 0 checked, and no rank ever unpickles anything.
+    Only rank 0 holds the receiver (the directory or the socket): it checks the batch (and
+    rejects a damaged one, rl/transport.py) and passes the raw bytes on (trainer/parallel.py
+    share_bytes), so the other ranks decode exactly what rank 0 checked, all ranks train on the
+    same batch even if its file is replaced meanwhile, and no rank ever unpickles anything.
     """
-    if kind == "filesystem" or dist.get_world_size() == 1:
-        (meta, payload), waited = receiver.receive(step, timeout_s)
-        return Batch.decode(meta, payload, receiver.source(step)), waited
+    if dist.get_world_size() == 1:
+        got = receiver.receive(step, timeout_s)
+        return got.batch, got.waited_s
     start = time.monotonic()
     header = data = None
     if dist.get_rank() == 0:
-        (meta, payload), _ = receiver.receive(step, timeout_s)
-        header, data = str(len(meta)).encode(), meta + payload
-    n = int(share_bytes(header, device))
+        try:
+            got = receiver.receive(step, timeout_s)
+        except (BatchError, TimeoutError) as e:
+            # The other ranks wait in share_bytes: they raise the same error instead of taking
+            # whatever rank 0 shares next for this batch.
+            share_bytes(b"!" + f"{type(e).__name__}: {e}".encode(), device)
+            raise
+        header, data = str(len(got.meta)).encode(), got.meta + got.payload
+    header = share_bytes(header, device)
+    if header.startswith(b"!"):
+        raise BatchError(f"rank 0 could not receive batch {step}: {header[1:].decode()}")
+    n = int(header)
     data = share_bytes(data, device)
     return Batch.decode(data[:n], data[n:], f"batch {step} from rank 0"), time.monotonic() - start
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import time
 from dataclasses import dataclass
 
@@ -21,7 +22,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from rl.batch import BatchError
 from rl.config import RunConfig
+from rl.faults import crash_point
+from rl.heartbeat import PeerReporter, PeerWatch, heartbeat_path, set_phase
 from rl.rundir import RunDir, remove_quietly
 from rl.transport import BatchReceiver
 from trainer import checkpoint
@@ -117,6 +121,7 @@ class Trainer:
             torch.set_num_threads(cfg.trainer.torch_threads)
         hf_config = AutoConfig.from_pretrained(cfg.model)
         self.tied = bool(getattr(hf_config.get_text_config(), "tie_word_embeddings", False))
+        self.vocab_size = hf_config.get_text_config().vocab_size
         pad_id = getattr(hf_config.get_text_config(), "pad_token_id", None)
         self.pad_id = 0 if pad_id is None else pad_id
         lora = cfg.trainer.lora
@@ -191,7 +196,7 @@ class Trainer:
     def train(self) -> None:
         policy = self.policy
         first = self.start_step(policy, self.cfg.resume)
-        # Under ZMQ only rank 0 binds the socket (receive_batch shares the bytes).
+        # Only rank 0 reads batches (receive_batch shares the bytes).
         receiver = self.receiver(policy)
         try:
             for step in range(first, self.cfg.max_steps + 1):
@@ -205,9 +210,15 @@ class Trainer:
 
     def receiver(self, policy: Policy) -> BatchReceiver | None:
         cfg = policy.cfg
-        if cfg.transport.kind == "filesystem" or self.rank == 0:
-            return BatchReceiver(cfg.transport, policy.run, keep=bool(cfg.trainer.checkpoint_every))
-        return None
+        if self.rank != 0:
+            return None
+        # While it waits for a batch, the trainer says so within seconds if the orchestrator
+        # died or froze (and keeps waiting: a restarted orchestrator resumes where it left off).
+        orchestrator = PeerReporter(PeerWatch(heartbeat_path(cfg, "orchestrator"), "orchestrator"), log,
+                                    f"waiting for it to come back (trainer.batch_timeout_s = "
+                                    f"{cfg.trainer.batch_timeout_s:.0f} s)")
+        return BatchReceiver(cfg.transport, policy.run, keep=bool(cfg.trainer.checkpoint_every),
+                             on_wait=orchestrator.poll)
 
     def micro_batches(self, batch, policy: Policy) -> list[MicroBatch]:
         # Packing is the trainer's (its memory); the normalisation is the run's (its loss).
@@ -219,16 +230,22 @@ class Trainer:
 
     def train_one(self, policy: Policy, receiver: BatchReceiver | None, step: int) -> None:
         cfg = policy.cfg
-        batch, waited = receive_batch(receiver, cfg.transport.kind, step, self.cfg.trainer.batch_timeout_s,
-                                      self.device)
+        set_phase(f"waiting for batch {step}")
+        batch, waited = receive_batch(receiver, step, self.cfg.trainer.batch_timeout_s, self.device)
+        if int(batch.tokens.max()) >= self.vocab_size:
+            raise BatchError(f"batch {step}: token id {int(batch.tokens.max())} is outside the model's "
+                             f"vocabulary ({self.vocab_size}): was it made for another model?")
+        set_phase(f"training step {step}")
         start = time.perf_counter()
         lr = policy.scheduler.get_last_lr()[0]
         stats = self.train_step(self.micro_batches(batch, policy), batch.temperature, policy)
         step_s = time.perf_counter() - start
+        set_phase(f"publishing version {step}")
         write_s = self.publish(policy, step)
         ckpt_s = 0.0
         every = cfg.trainer.checkpoint_every
         if every and (step % every == 0 or step == cfg.max_steps):
+            set_phase(f"checkpointing step {step}")
             ckpt_s = self.save_checkpoint(policy, step)
         if self.rank == 0:
             tokens = int(batch.lengths.sum())
@@ -249,6 +266,7 @@ class Trainer:
                 f" checkpoint {ckpt_s:.2f}s" if ckpt_s else "",
             )
             self.prune_rollouts(policy, step)
+        crash_point("trainer.after_step", step)
 
     def save_checkpoint(self, policy: Policy, step: int) -> float:
         seconds = checkpoint.save(policy.run, step, self.checkpoint_state(policy), policy.scheduler,
@@ -336,6 +354,12 @@ class Trainer:
 
 
 def main(cfg: RunConfig) -> None:
+    def on_sigterm(*_):
+        # Unwind like an error: receivers close, the process group is destroyed, and the
+        # heartbeat file goes, so peers read "stopped" rather than wait out a silence.
+        raise SystemExit(128 + signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     trainer = Trainer(cfg)
     try:
         if cfg.trainer.lora.multi_run:

@@ -143,7 +143,8 @@ class MultiRun:
             self.settled[name] = instance
             self.status(run, "finished", f"all {cfg.max_steps} steps were trained before")
             return
-        receiver = BatchReceiver(cfg.transport, run, keep=bool(cfg.trainer.checkpoint_every))
+        # A damaged batch fails this run alone: waiting here for a rewrite would stall every run.
+        receiver = BatchReceiver(cfg.transport, run, keep=bool(cfg.trainer.checkpoint_every), reject_damaged=False)
         self.members[name] = Member(policy, receiver, step, time.monotonic())
         self.status(run, "joined", f"slot {slot}, next batch {step}", slot=slot, step=step)
         if self.t.rank == 0:

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from rl.broadcast import plan_buckets
+from rl.faults import crash_point
 from rl.rundir import STABLE, RunDir, publish_dir, remove_quietly
 
 # Small files that make a weights directory a loadable HF model on its own.
@@ -55,7 +56,7 @@ def write_weights(run: RunDir, step: int, state_dict: dict[str, torch.Tensor], s
         for f in source.glob(pattern):
             if f.name != "model.safetensors.index.json":
                 shutil.copy2(f, out / f.name)
-    _publish(out, run.weights_dir(step))
+    _publish(out, run.weights_dir(step), step)
     return time.perf_counter() - start
 
 
@@ -66,7 +67,7 @@ def write_adapter(run: RunDir, step: int, tensors: dict[str, torch.Tensor], conf
     save_file({k: v.contiguous() for k, v in tensors.items()}, out / "adapter_model.safetensors",
               metadata={"format": "pt", "asyncrl_version": str(step)})
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
-    _publish(out, run.weights_dir(step))
+    _publish(out, run.weights_dir(step), step)
     return time.perf_counter() - start
 
 
@@ -81,7 +82,8 @@ def _staging(run: RunDir, step: int) -> Path:
     return out
 
 
-def _publish(out: Path, final: Path) -> None:
+def _publish(out: Path, final: Path, step: int) -> None:
+    crash_point("weights.staged", step)
     # Nobody reads the temporary directory: publish_dir fsyncs every file, STABLE included,
     # once, before the rename that makes the version visible.
     (out / STABLE).write_bytes(b"")
