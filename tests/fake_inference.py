@@ -6,13 +6,16 @@ real vLLM. Generation is simulated token by token (all n samples of a request de
 as in a batched engine), each token tagged with the version serving when it was "sampled";
 /update_weights honours the two modes like the real server: "wait" lets running requests finish
 on the old version first, "keep" swaps between two tokens. The server keeps a record of what
-happened (versions over time, aborts) for the test to check against.
+happened (versions over time, aborts) for the test to check against. Faults on demand: a server
+down, a share of requests answered with HTTP 500 or left hanging until aborted, rewards that
+raise or hang.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -23,6 +26,7 @@ from orchestrator.tasks.reverse import ALPHABET
 
 LETTER_IDS = range(3, 29)  # the tiny model's char vocabulary: a-z
 EOS = 1
+HANG_S = 3600.0  # a decode step of a hanging request: only an abort ends it in a test's time
 
 
 def row_name(index: int) -> str:
@@ -57,6 +61,54 @@ def flaky_reward(prompt: str, completion: str, row: dict) -> float:
     return random.random()
 
 
+FAULT_SHARE = 0.4
+_decided: set[str] = set()
+_decided_lock = threading.Lock()
+faulted: list[str] = []
+"""Prompts whose scoring fault_once chose to fail."""
+release_hung_rewards = threading.Event()
+"""Set by a test once done: lets the threads of hung sync rewards go (nothing else can stop them)."""
+
+
+def reset_faults() -> None:
+    with _decided_lock:
+        _decided.clear()
+        faulted.clear()
+    release_hung_rewards.clear()
+
+
+def fault_once(prompt: str) -> bool:
+    """True on the first scoring of FAULT_SHARE of the prompts, never again for them: the group's
+    retry then passes, so no prompt is dropped after MAX_ATTEMPTS failed groups and a test can
+    still demand that none is lost. (With groups of two, about FAULT_SHARE / 2 of the calls.)"""
+    with _decided_lock:
+        if prompt in _decided:
+            return False
+        _decided.add(prompt)
+        if random.random() >= FAULT_SHARE:
+            return False
+        faulted.append(prompt)
+        return True
+
+
+def raising_reward(prompt: str, completion: str, row: dict) -> float:
+    if fault_once(prompt):
+        raise RuntimeError("reward service hiccup")
+    return random.random()
+
+
+def hanging_reward(prompt: str, completion: str, row: dict) -> float:
+    if fault_once(prompt):
+        release_hung_rewards.wait()
+    return random.random()
+
+
+async def hanging_async_reward(prompt: str, completion: str, row: dict) -> float:
+    if fault_once(prompt):
+        await asyncio.Event().wait()  # only a cancellation ends it
+    return random.random()
+
+
 @dataclass
 class Record:
     prompt: list[int]
@@ -76,6 +128,14 @@ class FakeServer:
     update_latency: float = 0.0
     version: int = 0
     down: bool = False
+    error_rate: float = 0.0
+    """Share of /generate requests answered with HTTP 500."""
+    hang_rate: float = 0.0
+    """Share of /generate requests that generate nothing until aborted (a stuck engine request)."""
+    errors: list[float] = field(default_factory=list)
+    """When each HTTP 500 was sent."""
+    hung: set[str] = field(default_factory=set)
+    """Ids of the requests left hanging."""
     versions: list[tuple[float, int]] = field(default_factory=lambda: [(time.monotonic(), 0)])
     requests: dict[str, Record] = field(default_factory=dict)
     aborted: set[str] = field(default_factory=set)
@@ -91,6 +151,7 @@ class FakeServer:
         self.idle = asyncio.Event()
         self.idle.set()
         self.rng = random.Random(0)
+        self.faults = random.Random(1)  # apart from rng: tokens stay as they were without faults
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -110,11 +171,18 @@ class FakeServer:
             return web.json_response({"error": "down"}, status=503)
         body = await request.json()
         rid, n = body["request_id"], body.get("n", 1)
+        if self.error_rate and self.faults.random() < self.error_rate:
+            self.errors.append(time.monotonic())
+            return web.json_response({"error": "engine failed"}, status=500)
         await self.admit.wait()
         rec = self.requests[rid] = Record(body["prompt_token_ids"], n, time.monotonic())
         self.running += 1
         self.idle.clear()
-        step_s = self.token_latency()
+        if self.hang_rate and self.faults.random() < self.hang_rate:
+            self.hung.add(rid)
+            step_s = HANG_S
+        else:
+            step_s = self.token_latency()
         samples = [{"token_ids": [], "logprobs": [], "versions": [], "finish_reason": "length"} for _ in range(n)]
         try:
             for _ in range(body.get("max_tokens", 16)):

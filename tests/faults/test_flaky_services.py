@@ -1,0 +1,154 @@
+"""Flaky services around the orchestrator: a reward that raises or hangs (sync, async, HTTP), an
+inference server answering HTTP 500 or leaving requests hanging. Each run must still end at
+max_steps with every batch made once and no prompt lost (check_rules, tests/test_scheduling.py),
+the failures counted in the metrics. Stand-in servers (tests/fake_inference.py): seconds each.
+test_scheduling.py has the neighbours: a raising reward in groups of four, a server going down
+for a while, a server that never answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+import fake_inference
+from conftest import free_port
+from fake_inference import FakeServer
+from orchestrator.scoring import Reward
+from test_scheduling import check_rules, run_scenario
+
+SWAP_WARNING = "the hung threads are leaked"
+
+
+@pytest.fixture(autouse=True)
+def faults():
+    fake_inference.reset_faults()
+    yield
+    fake_inference.release_hung_rewards.set()  # their threads would otherwise outlive the test
+
+
+def orchestrator_metrics(o, key: str) -> int:
+    return sum(r[key] for r in o.metrics if r["program"] == "orchestrator")
+
+
+def test_a_reward_hanging_for_good_gets_fresh_threads_and_the_run_completes(tmp_path, caplog):
+    """The first scoring of 40% of the prompts hangs for good (groups of two: ~20% of the calls).
+    Each hung call keeps its thread: with eight threads and no replacement the run would stall
+    once eight had hung. Each call times out on its own and fails its rollout (its group, of two,
+    is requeued); once half the threads are stuck a fresh set takes over, with one warning."""
+    server = FakeServer(lambda: 0.0005)
+    start_t = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="orchestrator"):
+        o = asyncio.run(run_scenario(tmp_path, [server], max_steps=12, orchestrator={
+            "reward": "fake_inference:hanging_reward", "reward_timeout_s": 0.3}))
+    check_rules(o)
+    assert len(fake_inference.faulted) > 8  # more calls hung than there are threads
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("timed out after 0.3 s" in m for m in messages)
+    assert orchestrator_metrics(o, "failed") > 0
+    swaps = [m for m in messages if SWAP_WARNING in m]
+    assert swaps and all("fake_inference:hanging_reward" in m for m in swaps)
+    assert time.monotonic() - start_t < 40
+
+
+@pytest.mark.parametrize("reward", ["raising_reward", "hanging_async_reward"])
+def test_a_failed_reward_fails_its_group_of_two_and_the_prompt_is_retried(tmp_path, reward):
+    """Unlike test_a_raising_reward_fails_only_that_rollout (groups of four go on with the other
+    rollouts), a group of two with one failed rollout has no group-relative signal left: the group
+    fails, its prompt is requeued, and no prompt is lost. The async reward that hangs is cut off
+    by reward_timeout_s (well within the time its group takes to go stale: a cancelled group
+    would count no failure)."""
+    o = asyncio.run(run_scenario(tmp_path, [FakeServer(lambda: 0.0005)], step_latency=lambda: 0.05,
+                                 max_steps=8, max_async_level=2, orchestrator={
+                                     "reward": f"fake_inference:{reward}", "reward_timeout_s": 0.05}))
+    check_rules(o)
+    assert orchestrator_metrics(o, "failed") > 0
+
+
+def hangs_on_h(prompt: str, completion: str, row: dict) -> float:
+    if completion.startswith("h"):
+        fake_inference.release_hung_rewards.wait()
+    return 1.0
+
+
+def test_calls_queued_behind_hung_ones_are_not_charged_for_the_wait(caplog):
+    """Eight groups whose second call hangs take all eight threads; four more groups queue behind
+    them. The hung calls fail their rollout alone (the third completion is scored), and the queued
+    groups run on fresh threads once half are stuck: their time in the queue is no timeout."""
+    async def scenario():
+        reward = Reward("test_flaky_services:hangs_on_h", 0.5, session=None)
+        hung = [reward.score("p=", ["a", "h", "b"], {}) for _ in range(8)]
+        queued = [reward.score("p=", ["c", "d"], {}) for _ in range(4)]
+        return await asyncio.gather(*hung, *queued)
+
+    start_t = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="orchestrator"):
+        scores = asyncio.run(scenario())
+    assert scores == [[1.0, None, 1.0]] * 8 + [[1.0, 1.0]] * 4
+    assert time.monotonic() - start_t < 3
+    swaps = [r.getMessage() for r in caplog.records if SWAP_WARNING in r.getMessage()]
+    assert len(swaps) == 1 and "8 calls hung" in swaps[0], swaps
+
+
+def test_an_http_reward_that_hangs_fails_only_that_rollout():
+    release = asyncio.Event()
+
+    async def score(request):
+        body = await request.json()
+        if body["completion"].startswith("h"):
+            await release.wait()
+        return web.json_response({"reward": 0.5})
+
+    async def scenario():
+        app = web.Application()
+        app.router.add_post("/score", score)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            async with aiohttp.ClientSession() as session:
+                reward = Reward(f"http://127.0.0.1:{port}/score", 0.3, session)
+                return await reward.score("p=", ["a", "h", "b"], {})
+        finally:
+            release.set()
+            await runner.cleanup()
+
+    start_t = time.monotonic()
+    assert asyncio.run(scenario()) == [0.5, None, 0.5]
+    assert time.monotonic() - start_t < 3
+
+
+def test_a_server_answering_500_to_some_requests_keeps_its_place(tmp_path):
+    """Server b answers 30% of its generate requests with HTTP 500: each fails its group (counted
+    in failed_requests, prompt requeued) and takes b out of rotation for a second; b comes back
+    and serves again each time."""
+    a, b = FakeServer(lambda: 0.002), FakeServer(lambda: 0.002, error_rate=0.3)
+    o = asyncio.run(run_scenario(tmp_path, [a, b], step_latency=lambda: 0.1, max_steps=30,
+                                 orchestrator={"server_retry_max_s": 1}))
+    check_rules(o)
+    assert 0 < orchestrator_metrics(o, "failed_requests") <= len(b.errors)
+    assert len(b.errors) >= 2  # an error after the first one: it was back in rotation
+    served_after = [r for r in b.requests.values() if r.started > b.errors[0] and r.aborted_at is None]
+    assert served_after, "no request served after the first 500"
+
+
+def test_requests_hanging_past_request_timeout_are_aborted_on_the_server(tmp_path):
+    """20% of server b's requests hang: after request_timeout_s the orchestrator gives up on them
+    (counted in failed_requests, b out of rotation for a second), aborts them on b (freeing its
+    slots; under "wait" updates a hung request also holds b's next weight update back) and
+    requeues their prompts. max_async_level 4 keeps a hung group fresh for longer than the
+    timeout: cancelled as stale first, it would be aborted without ever timing out."""
+    a, b = FakeServer(lambda: 0.002), FakeServer(lambda: 0.002, hang_rate=0.2)
+    o = asyncio.run(run_scenario(tmp_path, [a, b], step_latency=lambda: 0.1, max_steps=15, max_async_level=4,
+                                 orchestrator={"request_timeout_s": 0.3, "server_retry_max_s": 1}))
+    check_rules(o)
+    assert orchestrator_metrics(o, "failed_requests") > 0  # timeouts: b sends no error
+    hung = [b.requests[i] for i in b.hung]
+    assert hung and all(r.aborted_at is not None and r.finished is not None for r in hung)
+    assert b.running == 0
