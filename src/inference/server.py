@@ -33,19 +33,33 @@ adapter).
 
 vLLM's dev-mode routes (/collective_rpc and friends) and its runtime LoRA routes stay off: they
 would let any client run methods on the workers, or load adapters from any path.
+
+With a token (inference.api_token, else $ASYNCRL_API_TOKEN) every route needs it but PUBLIC
+(liveness and monitoring probes): ours, vLLM's /v1 (also given to vLLM as --api-key), and what
+--api-key leaves open (/invocations and /generative_scoring generate, /scale_elastic_ep
+reconfigures the engine). Without a token the server refuses to bind anything but loopback.
+Request bodies that do not validate get 400 with one line naming each offending field.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import logging
 import os
 import socket
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from fastapi import APIRouter, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
+from starlette.datastructures import Headers
+from starlette.middleware import Middleware
+from starlette.responses import JSONResponse
 
 from rl import broadcast as bc
 from rl.config import RunConfig
@@ -58,6 +72,7 @@ from rl.inference_api import (
     LoadLoRARequest,
     UnloadLoRARequest,
     UpdateWeightsRequest,
+    resolve_token,
 )
 from rl.rundir import RunDir
 
@@ -68,6 +83,91 @@ FINISH_REASONS = ("stop", "length", "abort")
 # vLLM accepts only these --max-lora-rank values (vllm/config/lora.py MaxLoRARanks).
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+# Read-only probes a load balancer or Prometheus polls without credentials; nothing here runs
+# the engine or reveals more than the version served.
+PUBLIC = frozenset({"/health", "/ping", "/metrics", "/version", "/load"})
+UNAUTHORIZED = "missing or wrong bearer token (inference.api_token or ASYNCRL_API_TOKEN)"
+
+
+def exposure_error(host: str, token: str | None) -> str | None:
+    """Why the server must not start on `host`, or None: off loopback, the admin routes would
+    load weights and abort requests for anyone who can reach the port."""
+    if token:
+        return None
+    if host == "localhost":
+        return None
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:
+        pass  # a host name other than localhost may resolve anywhere
+    return f"inference.host {host} exposes the admin routes: set inference.api_token or ASYNCRL_API_TOKEN"
+
+
+def authorized(headers: Headers, token: str) -> bool:
+    scheme, _, given = headers.get("authorization", "").partition(" ")
+    # Bytes: compare_digest refuses non-ASCII str, and a client controls this header.
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), token.encode())
+
+
+class TokenGuard:
+    """ASGI middleware: every request but OPTIONS (CORS preflight) and PUBLIC paths needs the
+    token. Outside the routers, so it covers vLLM's routes too and turns requests away before
+    their bodies are read."""
+
+    def __init__(self, app, token: str):
+        self.app = app
+        self.token = token
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS":
+            return await self.app(scope, receive, send)
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        if path in PUBLIC or authorized(Headers(scope=scope), self.token):
+            return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":
+            return await send({"type": "websocket.close", "code": 1008, "reason": UNAUTHORIZED})
+        # vLLM's error shape, as its exception handlers give our HTTPExceptions.
+        response = JSONResponse({"error": {"message": UNAUTHORIZED, "type": "Unauthorized", "code": 401}},
+                                status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+
+def validation_message(errors: list[dict]) -> str:
+    """pydantic's errors as one line naming each field: "body.n: Input should be greater than or
+    equal to 1 (got 0)" (vLLM's own handler writes one dict per line, inputs included)."""
+    parts = []
+    for e in errors[:3]:
+        loc = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "json_invalid":
+            parts.append(f"body: not valid JSON ({e['ctx']['error']} at character {e['loc'][-1]})")
+            continue
+        text = f"{loc}: {e['msg']}"
+        got = e.get("input")
+        if e["type"] != "missing" and isinstance(got, (bool, int, float, str)):
+            got = repr(got)
+            text += f" (got {got[:60]}{'...' if len(got) > 60 else ''})"
+        parts.append(text)
+    if len(errors) > 3:
+        parts.append(f"and {len(errors) - 3} more")
+    # A field name is the client's own text (an unknown key), newlines included.
+    return " ".join("; ".join(parts).split())
+
+
+class OneLineErrors(APIRoute):
+    """Our routes: a body that does not validate is a 400 whose one-line message names the
+    field, raised as an HTTPException so vLLM's handler renders it like our other errors."""
+
+    def get_route_handler(self) -> Callable:
+        handle = super().get_route_handler()
+
+        async def handle_one_line(request: Request):
+            try:
+                return await handle(request)
+            except RequestValidationError as e:
+                raise HTTPException(400, validation_message(e.errors())) from None
+
+        return handle_one_line
 
 
 class Adapter:
@@ -102,6 +202,7 @@ class AdminRoutes:
         self.path = str(cfg.model)
         # Weights load only from the run's weights/ and the starting model's directory.
         self.roots = [RunDir(cfg.output_dir).weights.resolve(), Path(cfg.model).resolve()]
+        self.token = resolve_token(cfg.inference.api_token)
         self.lock = asyncio.Lock()
         # Cleared during an update: /generate calls wait on it before reading the version, so a
         # request registered at version v samples its first token with v's weights.
@@ -123,14 +224,6 @@ class AdminRoutes:
         output_dir = Path(cfg.output_dir)
         self.adapter_root = RunDir(output_dir).weights.resolve()
         self.runs_root = (output_dir / "runs").resolve()
-
-    def check_token(self, request: Request) -> None:
-        token = self.cfg.inference.api_token
-        if token is None:
-            return
-        got = request.headers.get("authorization", "")
-        if not hmac.compare_digest(got, f"Bearer {token}"):
-            raise HTTPException(401, "missing or wrong bearer token (inference.api_token)")
 
     def confine(self, path: str) -> Path:
         resolved = Path(path).resolve()
@@ -246,7 +339,7 @@ class AdminRoutes:
     def router(self) -> APIRouter:
         from vllm.inputs.engine import tokens_input
 
-        router = APIRouter()
+        router = APIRouter(route_class=OneLineErrors)
 
         @router.get("/health")
         async def health() -> dict:
@@ -259,14 +352,12 @@ class AdminRoutes:
             return answer
 
         @router.get("/broadcaster")
-        async def broadcaster(request: Request) -> dict:
-            self.check_token(request)
+        async def broadcaster() -> dict:
             group = None if self.group is None else dict(zip(("address", "rank_offset", "world_size"), self.group))
             return {"workers": self.workers, "group": group}
 
         @router.post("/generate")
-        async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
-            self.check_token(request)
+        async def generate(body: GenerateRequest) -> GenerateResponse:
             self.check_generate(body)
             adapter = self.adapter(body.lora)
             if body.request_id in self.generations:
@@ -304,8 +395,7 @@ class AdminRoutes:
                                     prompt_logprobs=results[0][1] if body.prompt_logprobs else None)
 
         @router.post("/abort")
-        async def abort(body: AbortRequest, request: Request) -> dict:
-            self.check_token(request)
+        async def abort(body: AbortRequest) -> dict:
             gens = [self.generations[r] for r in set(body.request_ids) if r in self.generations]
             for gen in gens:
                 gen.aborted = True
@@ -315,8 +405,7 @@ class AdminRoutes:
             return {"aborted": len(gens)}
 
         @router.post("/init_broadcaster")
-        async def init_broadcaster(body: InitBroadcasterRequest, request: Request) -> dict:
-            self.check_token(request)
+        async def init_broadcaster(body: InitBroadcasterRequest) -> dict:
             ws = self.cfg.weight_sync
             # Like weight paths, only the configured source: the route makes every worker
             # connect to that address and load whatever arrives from it.
@@ -354,8 +443,7 @@ class AdminRoutes:
             return {"address": body.address, "ranks": ranks, "world_size": body.world_size, "already": False}
 
         @router.post("/load_lora_adapter")
-        async def load_lora_adapter(body: LoadLoRARequest, request: Request) -> dict:
-            self.check_token(request)
+        async def load_lora_adapter(body: LoadLoRARequest) -> dict:
             if self.cfg.trainer.lora.rank == 0:
                 raise HTTPException(400, "LoRA serving is off on this server (trainer.lora.rank = 0); "
                                          "start it with trainer.lora.rank > 0")
@@ -398,8 +486,7 @@ class AdminRoutes:
             return {"name": body.name, "version": body.version, "load_s": seconds, "already": False}
 
         @router.post("/unload_lora_adapter")
-        async def unload_lora_adapter(body: UnloadLoRARequest, request: Request) -> dict:
-            self.check_token(request)
+        async def unload_lora_adapter(body: UnloadLoRARequest) -> dict:
             async with self.adapter_lock:
                 adapter = self.adapters.get(body.name)
                 if adapter is None:
@@ -419,8 +506,7 @@ class AdminRoutes:
             return {"name": body.name, "version": adapter.version}
 
         @router.post("/update_weights")
-        async def update_weights(body: UpdateWeightsRequest, request: Request) -> dict:
-            self.check_token(request)
+        async def update_weights(body: UpdateWeightsRequest) -> dict:
             path = self.confine(body.path)
             manifest = None
             if (path / bc.MANIFEST).is_file():
@@ -508,6 +594,12 @@ class AdminRoutes:
         # Ours first, so /health answers with the version instead of vLLM's empty 200.
         ours = app.router.routes[before:]
         app.router.routes[:] = ours + app.router.routes[:before]
+        if self.token:
+            # Outermost. Not add_middleware: vLLM's build_app has built the stack already (its
+            # SageMaker bootstrap does), which add_middleware refuses; that bootstrap rebuilds it too.
+            app.user_middleware.insert(0, Middleware(TokenGuard, token=self.token))
+            if app.middleware_stack is not None:
+                app.middleware_stack = app.build_middleware_stack()
 
 
 def vllm_args(cfg: RunConfig) -> list[str]:
@@ -531,6 +623,11 @@ def vllm_args(cfg: RunConfig) -> list[str]:
     ]
     if inf.enforce_eager:
         args.append("--enforce-eager")
+    token = resolve_token(inf.api_token)
+    if token:
+        # TokenGuard checks the same header first; vLLM's own check keeps /v1 closed should
+        # its routes ever be served without our middleware.
+        args += ["--api-key", token]
     rank = cfg.trainer.lora.rank
     if rank > 0:
         # vLLM's adapter cache no larger than its slots, and /load_lora_adapter refusing past
@@ -564,7 +661,11 @@ async def _serve(args, admin: AdminRoutes) -> None:
         sock.close()
 
 
-def main(cfg: RunConfig) -> None:
+def main(cfg: RunConfig) -> int:
+    # Before vLLM is imported: a refusal costs no engine start.
+    if error := exposure_error(cfg.inference.host, resolve_token(cfg.inference.api_token)):
+        print(f"rl inference: {error}", file=sys.stderr)
+        return 2
     # The CPU engine sizes its KV cache from this variable; GPU engines ignore it.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.inference.cpu_kv_cache_gib))
     # vLLM's runtime LoRA routes load adapters from any path (and resolve unknown model names
@@ -582,3 +683,4 @@ def main(cfg: RunConfig) -> None:
     args = parser.parse_args(vllm_args(cfg))
     validate_parsed_serve_args(args)
     uvloop.run(_serve(args, AdminRoutes(cfg)))
+    return 0

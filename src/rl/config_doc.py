@@ -1,5 +1,6 @@
 """The resolved config as TOML with each key's docstring as a comment: what `--dry-run` prints
-and what each program saves as output_dir/config/<program>.toml when it starts."""
+and what each program saves as output_dir/config/<program>.toml when it starts. Secrets
+(inference.api_token) appear as "<redacted>": run directories get copied and shared."""
 
 from __future__ import annotations
 
@@ -27,8 +28,14 @@ def _render(model: BaseModel, data: dict, prefix: str) -> list[str]:
     return lines
 
 
+REDACTED = "<redacted>"
+
+
 def render_toml(cfg: RunConfig) -> str:
-    return "\n".join(_render(cfg, to_toml_dict(cfg), "")) + "\n"
+    data = to_toml_dict(cfg)
+    if "api_token" in data["inference"]:
+        data["inference"]["api_token"] = REDACTED
+    return "\n".join(_render(cfg, data, "")) + "\n"
 
 
 def save_resolved(cfg: RunConfig, program: str) -> None:

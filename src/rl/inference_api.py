@@ -29,17 +29,38 @@ people; the run does not depend on them.
 
 A GenerateRequest naming `lora` samples with that adapter on the base weights; every token's
 version is the version the adapter was loaded as.
+
+With a token (inference.api_token, else the environment variable ASYNCRL_API_TOKEN) every route but
+/health and a few read-only probes needs `Authorization: Bearer <token>`, vLLM's own included.
+Request bodies with unknown fields are refused.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 import aiohttp
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
+
+TOKEN_ENV = "ASYNCRL_API_TOKEN"
+# Policy versions and broadcast ranks: far beyond any real run, and within every integer type
+# they reach (torch's process groups take ranks as C ints).
+MAX_INT = 2**31 - 1
 
 
-class GenerateRequest(BaseModel):
+def resolve_token(configured: str | None) -> str | None:
+    """The bearer token: inference.api_token if set, else $ASYNCRL_API_TOKEN (which keeps it out of
+    config files and command lines); None or empty: no token."""
+    return configured or os.environ.get(TOKEN_ENV) or None
+
+
+class Body(BaseModel):
+    # A misspelt optional field would otherwise be dropped silently and its default used.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class GenerateRequest(Body):
     request_id: str = Field(min_length=1, max_length=200)
     prompt_token_ids: list[int] = Field(min_length=1)
     n: int = Field(1, ge=1, le=1024)
@@ -68,39 +89,39 @@ class GenerateResponse(BaseModel):
     """With prompt_logprobs: one per prompt token, None for the first (nothing predicts it)."""
 
 
-class AbortRequest(BaseModel):
+class AbortRequest(Body):
     request_ids: list[str]
 
 
-class UpdateWeightsRequest(BaseModel):
-    path: str
-    version: int = Field(ge=0)
+class UpdateWeightsRequest(Body):
+    path: str = Field(min_length=1)
+    version: int = Field(ge=0, le=MAX_INT)
     mode: Literal["wait", "keep"] = "wait"
 
 
 ADAPTER_NAME = r"^[A-Za-z0-9_.@-]+$"
 
 
-class LoadLoRARequest(BaseModel):
+class LoadLoRARequest(Body):
     name: str = Field(min_length=1, max_length=100, pattern=ADAPTER_NAME)
     path: str = Field(min_length=1)
     """A directory holding adapter_config.json and adapter_model.safetensors (peft's
     save_pretrained), under output_dir/weights/ or output_dir/runs/<run>/weights/."""
-    version: int = Field(ge=0)
+    version: int = Field(ge=0, le=MAX_INT)
     """Policy version of the adapter: every token sampled with it carries this version."""
 
 
-class UnloadLoRARequest(BaseModel):
+class UnloadLoRARequest(Body):
     name: str = Field(min_length=1, max_length=100, pattern=ADAPTER_NAME)
 
 
-class InitBroadcasterRequest(BaseModel):
+class InitBroadcasterRequest(Body):
     address: str = Field(min_length=1)
     """weight_sync.address (host:port of the trainer's rendezvous store); the server accepts only
     its own configured one."""
-    rank_offset: int = Field(ge=1)
+    rank_offset: int = Field(ge=1, le=MAX_INT)
     """Rank of this server's first worker (rank 0 is trainer rank 0)."""
-    world_size: int = Field(ge=2)
+    world_size: int = Field(ge=2, le=MAX_INT)
     """Trainer rank 0 plus every worker of every server."""
 
 
@@ -115,6 +136,7 @@ class InferenceClient:
     def __init__(self, url: str, session: aiohttp.ClientSession, token: str | None = None):
         self.url = url.rstrip("/")
         self.session = session
+        token = resolve_token(token)
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
 
     async def _call(self, method: str, route: str, timeout: float, body: dict | None = None) -> dict:
