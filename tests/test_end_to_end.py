@@ -22,11 +22,12 @@ PROMPTS = ["abcdefg=", "hello=", "xyzzy=", "reverse="]
 
 
 class Program:
-    def __init__(self, name: str, cfg, log_dir, extra=(), log_name: str | None = None):
+    def __init__(self, name: str, cfg, log_dir, extra=(), log_name: str | None = None, env: dict | None = None):
         self.log = log_dir / f"{log_name or name}.log"
-        with open(self.log, "wb") as out:
+        with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(rl_command(name, "@", str(cfg), *extra), stdout=out,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         env=None if env is None else {**os.environ, **env})
 
     def wait(self, timeout: float) -> int:
         return self.proc.wait(timeout=timeout)

@@ -164,9 +164,9 @@ def test_a_damaged_batch_file_is_set_aside_and_written_again_by_the_sender(tmp_p
         receiver = BatchReceiver(cfg, run, poll_s=0.01)
         got = asyncio.create_task(asyncio.to_thread(receiver.receive, 1, 10))
         while not got.done():
-            await sender.resend_rejected(trained=0)
+            await sender.resend_rejected()
             await asyncio.sleep(0.05)
-        await sender.resend_rejected(trained=1)  # version 1 published: nothing left to keep
+        sender.forget(trained=1)  # version 1 published: nothing left to keep
         return got.result(), sender.unconsumed
 
     received, unconsumed = asyncio.run(scenario())

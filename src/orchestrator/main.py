@@ -91,6 +91,7 @@ class Orchestrator:
         self.counters = Counters()
         self.background: list[asyncio.Task] = []
         self.chores: set[asyncio.Task] = set()
+        self.resending: asyncio.Task | None = None
         self.attempts: dict[int, int] = {}  # prompt index -> failed groups so far
         # Request ids must not collide with a previous orchestrator's still running on a server.
         self.tag, self.seq = secrets.token_hex(3), 0
@@ -207,12 +208,20 @@ class Orchestrator:
         """Say within seconds when the trainer dies or freezes (batches then wait for it: a
         trainer restarted with --resume continues), write again any batch it rejected as
         damaged, and stop if a multi-run trainer turned this run away."""
-        trainer = PeerReporter(PeerWatch(heartbeat_path(self.cfg, "trainer"), "trainer"), log,
-                               "batches wait for it (restart it with --resume)")
+        watch = PeerWatch(heartbeat_path(self.cfg, "trainer"), "trainer")
+        trainer = PeerReporter(watch, log, "batches wait for it (restart it with --resume)")
+        instance = None
         while True:
             trainer.poll()
-            latest = self.run_dir.latest_stable_weights()
-            await self.sender.resend_rejected(0 if latest is None else latest)
+            self.sender.forget(self.run_dir.latest_stable_weights() or 0)
+            if self.cfg.transport.kind == "filesystem":
+                await self.sender.resend_rejected()
+            elif instance is not None and watch.instance not in (None, instance):
+                if self.resending is not None:
+                    self.resending.cancel()
+                # Its own task: it blocks until the new trainer binds, and stop() cancels it.
+                self.resending = asyncio.create_task(self.sender.resend(self.o.trainer_timeout_s))
+            instance = watch.instance or instance
             self.check_trainer()
             await asyncio.sleep(1.0)
 
@@ -470,8 +479,9 @@ class Orchestrator:
 
     async def stop(self) -> None:
         """Stop the loops, then abort what is still generating (servers outlive the orchestrator)."""
-        for t in self.background:
-            t.cancel()
+        for t in [*self.background, self.resending]:
+            if t is not None:
+                t.cancel()
         await asyncio.gather(*self.background, return_exceptions=True)
         groups = list(self.in_flight.values())
         for g in groups:

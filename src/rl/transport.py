@@ -41,8 +41,9 @@ class BatchSender:
     def __init__(self, cfg: TransportConfig, run: RunDir):
         self.cfg, self.run = cfg, run
         self.socket = None
-        # Filesystem: every batch handed over, until the trainer has published its version, so a
-        # batch the trainer rejected as damaged can be written again (resend_rejected).
+        # Every batch handed over, until the trainer has published its version: a batch the
+        # trainer rejected as damaged is written again (resend_rejected), and over ZMQ a
+        # restarted trainer gets again what may have died in its predecessor's socket (resend).
         self.unconsumed: dict[int, tuple[bytes, bytes]] = {}
         if cfg.kind == "zmq":
             self.context = zmq.asyncio.Context()
@@ -56,10 +57,13 @@ class BatchSender:
 
     async def send(self, batch: Batch, timeout_s: float) -> None:
         meta, payload = batch.encode()
+        self.unconsumed[batch.step] = (meta, payload)
         if self.socket is None:
             await asyncio.to_thread(Batch.write_encoded, meta, payload, self.run.rollout_dir(batch.step))
-            self.unconsumed[batch.step] = (meta, payload)
             return
+        await self._push(batch.step, meta, payload, timeout_s)
+
+    async def _push(self, step: int, meta: bytes, payload: bytes, timeout_s: float) -> None:
         send = asyncio.ensure_future(self.socket.send_multipart([TAG, meta, payload], copy=False))
         start = time.monotonic()
         # PUSH blocks while no trainer is connected: say so rather than hang silently.
@@ -69,18 +73,27 @@ class BatchSender:
                 waited = time.monotonic() - start
                 if waited > timeout_s:
                     send.cancel()
-                    raise TimeoutError(f"batch {batch.step}: no trainer took it from {self.cfg.address} "
+                    raise TimeoutError(f"batch {step}: no trainer took it from {self.cfg.address} "
                                        f"in {timeout_s:.0f} s (transport.address)")
                 log.info("batch %d: waiting for the trainer to connect to %s (%.0f s)",
-                         batch.step, self.cfg.address, waited)
+                         step, self.cfg.address, waited)
         send.result()
 
-    async def resend_rejected(self, trained: int) -> None:
-        """Filesystem: write again each batch the trainer has not trained (its version is
-        not published, `trained` is the newest that is) whose directory is gone: the trainer
-        moved it to rollouts/rejected/ as damaged."""
+    def forget(self, trained: int) -> None:
+        """Version `trained` is published: batches up to it are trained for good."""
         for step in [n for n in self.unconsumed if n <= trained]:
             del self.unconsumed[step]
+
+    async def resend(self, timeout_s: float) -> None:
+        """ZMQ: send every untrained batch again, to a restarted trainer (it drops those it
+        kept on disk or already trained)."""
+        for step, (meta, payload) in sorted(self.unconsumed.items()):
+            log.warning("batch %d sent again to the restarted trainer at %s", step, self.cfg.address)
+            await self._push(step, meta, payload, timeout_s)
+
+    async def resend_rejected(self) -> None:
+        """Filesystem: write again each untrained batch whose directory is gone: the trainer
+        moved it to rollouts/rejected/ as damaged."""
         for step, (meta, payload) in sorted(self.unconsumed.items()):
             final = self.run.rollout_dir(step)
             if not final.exists():
