@@ -61,6 +61,7 @@ from starlette.datastructures import Headers
 from starlette.middleware import Middleware
 from starlette.responses import JSONResponse
 
+from inference import orphans
 from rl import broadcast as bc
 from rl.config import RunConfig
 from rl.inference_api import (
@@ -666,6 +667,8 @@ def main(cfg: RunConfig) -> int:
     if error := exposure_error(cfg.inference.host, resolve_token(cfg.inference.api_token)):
         print(f"rl inference: {error}", file=sys.stderr)
         return 2
+    # Before the engine's processes exist: they must not outlive this one (inference/orphans.py).
+    orphans.start()
     # The CPU engine sizes its KV cache from this variable; GPU engines ignore it.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.inference.cpu_kv_cache_gib))
     # vLLM's runtime LoRA routes load adapters from any path (and resolve unknown model names

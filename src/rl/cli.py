@@ -73,10 +73,10 @@ def _program(program: str, argv: list[str], main: Callable[[RunConfig], object])
 def inference(ctx: typer.Context) -> None:
     """Start a vLLM server with the admin routes (/health, /update_weights)."""
 
-    def main(cfg: RunConfig) -> None:
+    def main(cfg: RunConfig) -> int:
         from inference.server import main as serve
 
-        serve(cfg)
+        return serve(cfg)
 
     _program("inference", ctx.args, main)
 

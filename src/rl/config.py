@@ -32,8 +32,10 @@ class InferenceConfig(Section):
     """Port of the OpenAI-compatible and admin routes."""
 
     api_token: str | None = None
-    """Bearer token required on the server's own routes (/generate, /abort, /update_weights); the
-    orchestrator sends it. Unset: no token."""
+    """Bearer token required on every route of the server but the probes (/health, /ping,
+    /metrics, /version, /load), vLLM's included; the orchestrator sends it. Unset: the
+    ASYNCRL_API_TOKEN environment variable (which keeps it out of config files), else no token.
+    Never written to saved configs."""
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weight dtype of the engine; auto takes the checkpoint's."""

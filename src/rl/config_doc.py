@@ -1,6 +1,8 @@
 """The resolved config as TOML with each key's docstring as a comment: what `--dry-run` prints
 and what each program saves as output_dir/config/<program>.toml when it starts. Secrets
-(inference.api_token) appear as "<redacted>": run directories get copied and shared."""
+(inference.api_token) never appear: run directories get copied and shared. --dry-run shows
+"<redacted>"; a saved config leaves the key out, so that composing it again (`@ saved.toml`)
+takes the token from ASYNCRL_API_TOKEN instead of sending a placeholder."""
 
 from __future__ import annotations
 
@@ -31,14 +33,17 @@ def _render(model: BaseModel, data: dict, prefix: str) -> list[str]:
 REDACTED = "<redacted>"
 
 
-def render_toml(cfg: RunConfig) -> str:
+def render_toml(cfg: RunConfig, omit_secrets: bool = False) -> str:
     data = to_toml_dict(cfg)
     if "api_token" in data["inference"]:
-        data["inference"]["api_token"] = REDACTED
+        if omit_secrets:
+            del data["inference"]["api_token"]
+        else:
+            data["inference"]["api_token"] = REDACTED
     return "\n".join(_render(cfg, data, "")) + "\n"
 
 
 def save_resolved(cfg: RunConfig, program: str) -> None:
     run = RunDir(cfg.run_dir)  # a multi-run's run saves under runs/<name>/
     run.make()
-    write_file_atomic(run.config_file(program), render_toml(cfg).encode())
+    write_file_atomic(run.config_file(program), render_toml(cfg, omit_secrets=True).encode())

@@ -277,6 +277,7 @@ def test_inference_killed_mid_generation_leaves_no_process_and_a_restart_catches
         trainer, orchestrator = r.start("trainer"), r.start("orchestrator")
         r.wait_for("step 2", lambda: r.trained() >= 2, watch=(trainer, orchestrator))
         os.kill(server.proc.pid, signal.SIGKILL)  # the main process alone, as the OOM killer would
+        server.proc.wait(timeout=10)  # reaped, as its parent would: what is left of its group is vLLM's
         r.wait_for("the orchestrator to report the server", lambda: in_log(orchestrator, f"server {r.url} out of rotation"),
                    timeout=30, watch=(orchestrator,))
         # vLLM's engine process does not outlive the server it belongs to.
