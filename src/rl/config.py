@@ -286,7 +286,7 @@ class LoRAConfig(Section):
 
     run_timeout_s: float = Field(60, gt=0)
     """multi_run: a run whose next batch is missing and whose orchestrator has not signalled life
-    (runs/<name>/heartbeat) for this long leaves; its adapter and optimizer are checkpointed so
+    (runs/<name>/heartbeats/orchestrator) for this long leaves; its adapter and optimizer are checkpointed so
     it can rejoin."""
 
     idle_exit_s: float = Field(0, ge=0)

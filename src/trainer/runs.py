@@ -4,7 +4,7 @@ learning-rate schedule, step counter and checkpoints (`[trainer.lora] multi_run 
 A run is the directory output_dir/runs/<name>/ that its orchestrator (run_name = "<name>")
 works in. The trainer reads from it
     config/orchestrator.toml  the run's resolved config: its loss, optimizer, max_steps, seed
-    heartbeat                 rewritten by the orchestrator every few seconds, removed on exit
+    heartbeats/orchestrator   rewritten by the orchestrator every few seconds, removed on exit
     rollouts/step_n           the run's batches
 and writes into it weights/step_n (the run's adapter), checkpoints/step_n/trainer/ (adapter and
 optimizer state), metrics.jsonl lines, and trainer_status.json (joined, finished, left, rejected:
