@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from conftest import free_port
 from orchestrator.tasks.reverse import ALPHABET
 
 LETTER_IDS = range(3, 29)  # the tiny model's char vocabulary: a-z
@@ -242,6 +243,30 @@ class FakeServer:
                 self.decode.set()
                 self.admit.set()
         return web.json_response({"version": self.version, "reload_s": self.update_latency})
+
+
+async def score_over_http(handler, timeout_s: float, prompt: str, completions: list[str], row: dict,
+                          release: asyncio.Event | None = None) -> list:
+    """Scores from orchestrator.scoring.Reward pointed at a one-route reward server running
+    `handler` (an aiohttp handler for POST /score). `release`: set once scored, before the
+    server shuts down (which waits for handlers still hanging on it)."""
+    import aiohttp
+
+    from orchestrator.scoring import Reward
+
+    app = web.Application()
+    app.router.add_post("/score", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            return await Reward(f"http://127.0.0.1:{port}/score", timeout_s, session).score(prompt, completions, row)
+    finally:
+        if release is not None:
+            release.set()
+        await runner.cleanup()
 
 
 async def start(server: FakeServer, port: int) -> web.AppRunner:

@@ -12,7 +12,7 @@ from aiohttp import web
 from transformers import AutoTokenizer
 
 from conftest import TINY_MODEL, free_port
-from fake_inference import FakeServer, start
+from fake_inference import FakeServer, score_over_http, start
 from orchestrator.environment import Turn
 from orchestrator.prompts import Prompt
 from orchestrator.rollouts import Rollouts
@@ -97,21 +97,7 @@ def test_rewards_from_an_http_endpoint_and_failures_counted():
             return web.json_response({"error": "boom"}, status=500)
         return web.json_response({"reward": len(body["completion"]) / 10})
 
-    async def scenario():
-        app = web.Application()
-        app.router.add_post("/score", score)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        try:
-            async with aiohttp.ClientSession() as session:
-                reward = Reward(f"http://127.0.0.1:{port}/score", 5, session)
-                return await reward.score("xy=", ["abc", "xyz", "zz"], {"prompt": "xy=", "k": 1})
-        finally:
-            await runner.cleanup()
-
-    assert asyncio.run(scenario()) == [None, 0.3, 0.2]
+    assert asyncio.run(score_over_http(score, 5, "xy=", ["abc", "xyz", "zz"], {"prompt": "xy=", "k": 1})) == [None, 0.3, 0.2]
     assert calls[1] == {"prompt": "xy=", "completion": "xyz", "row": {"prompt": "xy=", "k": 1}}
 
 

@@ -12,13 +12,11 @@ import asyncio
 import logging
 import time
 
-import aiohttp
 import pytest
 from aiohttp import web
 
 import fake_inference
-from conftest import free_port
-from fake_inference import FakeServer
+from fake_inference import FakeServer, score_over_http
 from orchestrator.scoring import Reward
 from test_scheduling import check_rules, run_scenario
 
@@ -105,19 +103,7 @@ def test_an_http_reward_that_hangs_fails_only_that_rollout():
         return web.json_response({"reward": 0.5})
 
     async def scenario():
-        app = web.Application()
-        app.router.add_post("/score", score)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        try:
-            async with aiohttp.ClientSession() as session:
-                reward = Reward(f"http://127.0.0.1:{port}/score", 0.3, session)
-                return await reward.score("p=", ["a", "h", "b"], {})
-        finally:
-            release.set()
-            await runner.cleanup()
+        return await score_over_http(score, 0.3, "p=", ["a", "h", "b"], {}, release)
 
     start_t = time.monotonic()
     assert asyncio.run(scenario()) == [0.5, None, 0.5]

@@ -14,6 +14,7 @@ batch on disk respects the async bound; nothing half-written is left behind.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -296,54 +297,47 @@ def test_inference_killed_mid_generation_leaves_no_process_and_a_restart_catches
 # --- rl run ----------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def rl_run(r: RealRun, out: Path, *extra: str):
+    """`rl run` in its own session, logging to `out`; its group is killed on the way out."""
+    with open(out, "ab") as f:
+        launcher = subprocess.Popen(rl_command("run", "@", str(r.cfg), *extra), stdout=f, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+    try:
+        yield launcher
+    finally:
+        try:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def test_rl_run_stops_everything_naming_a_frozen_trainer_and_resume_finishes(tmp_path):
     """A frozen trainer (SIGSTOP: alive, silent) makes `rl run` stop every program within
     seconds of the heartbeat timeout, exit non-zero naming it, and leave no process behind;
     `rl run --resume` then finishes the run with every step trained once."""
     r = RealRun(tmp_path, free_port())
     out = tmp_path / "rl_run.log"
-    with open(out, "wb") as f:
-        launcher = subprocess.Popen(rl_command("run", "@", str(r.cfg)), stdout=f, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-    try:
+    with rl_run(r, out) as launcher:
         r.wait_for("step 2", lambda: r.trained() >= 2)
         children = r.pids()
         assert set(children) == {"inference", "trainer", "orchestrator"}, children
         os.kill(children["trainer"], signal.SIGSTOP)
         assert launcher.wait(timeout=75) == 1, out.read_text()
-        text = out.read_text()
-        assert "rl run: trainer silent for" in text, text
-        for name, pid in children.items():
-            assert gone(pid, timeout=5), f"{name} (pid {pid}) outlived rl run"
-        with open(out, "ab") as f:
-            resumed = subprocess.Popen(rl_command("run", "@", str(r.cfg), "--resume"), stdout=f,
-                                       stderr=subprocess.STDOUT, start_new_session=True)
+    assert "rl run: trainer silent for" in out.read_text(), out.read_text()
+    for name, pid in children.items():
+        assert gone(pid, timeout=5), f"{name} (pid {pid}) outlived rl run"
+    with rl_run(r, out, "--resume") as resumed:
         assert resumed.wait(timeout=400) == 0, out.read_text()[-3000:]
-        r.check_complete(server_running=False)
-    finally:
-        for p in (launcher, locals().get("resumed")):
-            if p is not None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+    r.check_complete(server_running=False)
 
 
 def test_a_killed_launcher_takes_every_program_with_it(tmp_path):
     r = RealRun(tmp_path, free_port())
-    out = tmp_path / "rl_run.log"
-    with open(out, "wb") as f:
-        launcher = subprocess.Popen(rl_command("run", "@", str(r.cfg)), stdout=f, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-    try:
+    with rl_run(r, tmp_path / "rl_run.log") as launcher:
         r.wait_for("step 1", lambda: r.trained() >= 1)
         children = r.pids()
         assert set(children) == {"inference", "trainer", "orchestrator"}, children
         launcher.kill()
-        for name, pid in children.items():
-            assert gone(pid, timeout=30), f"{name} (pid {pid}) outlived a SIGKILLed rl run"
-    finally:
-        try:
-            os.killpg(launcher.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    for name, pid in children.items():
+        assert gone(pid, timeout=30), f"{name} (pid {pid}) outlived a SIGKILLed rl run"
