@@ -212,7 +212,8 @@ class Orchestrator:
         trainer = PeerReporter(watch, log, "batches wait for it (restart it with --resume)")
         instance = None
         while True:
-            trainer.poll()
+            if self.next_step <= self.cfg.max_steps:  # after the last batch, a trainer that exits is done
+                trainer.poll()
             self.sender.forget(self.run_dir.latest_stable_weights() or 0)
             if self.cfg.transport.kind == "filesystem":
                 await self.sender.resend_rejected()
