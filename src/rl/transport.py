@@ -57,11 +57,12 @@ class BatchSender:
 
     async def send(self, batch: Batch, timeout_s: float) -> None:
         meta, payload = batch.encode()
-        self.unconsumed[batch.step] = (meta, payload)
         if self.socket is None:
             await asyncio.to_thread(Batch.write_encoded, meta, payload, self.run.rollout_dir(batch.step))
-            return
-        await self._push(batch.step, meta, payload, timeout_s)
+        else:
+            await self._push(batch.step, meta, payload, timeout_s)
+        # Only once out: a batch still being written is not missing (resend_rejected).
+        self.unconsumed[batch.step] = (meta, payload)
 
     async def _push(self, step: int, meta: bytes, payload: bytes, timeout_s: float) -> None:
         send = asyncio.ensure_future(self.socket.send_multipart([TAG, meta, payload], copy=False))
@@ -97,6 +98,10 @@ class BatchSender:
         for step, (meta, payload) in sorted(self.unconsumed.items()):
             final = self.run.rollout_dir(step)
             if not final.exists():
+                # Trained and pruned since the caller's forget(): not missing.
+                if step <= (self.run.latest_stable_weights() or 0):
+                    self.forget(step)
+                    continue
                 log.warning("batch %d is gone from %s (rejected by the trainer? see %s): writing it again",
                             step, final, self.run.rollouts / "rejected")
                 await asyncio.to_thread(Batch.write_encoded, meta, payload, final)
