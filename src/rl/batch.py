@@ -211,5 +211,10 @@ class Batch:
 
     @classmethod
     def read(cls, directory: Path) -> Batch:
+        return cls.read_checked(directory)[0]
+
+    @classmethod
+    def read_checked(cls, directory: Path) -> tuple[Batch, bytes, bytes]:
+        """The batch of a directory and its (meta, payload) blobs as read."""
         meta, payload = cls.read_encoded(directory)
-        return cls.decode(meta, payload, str(directory / "batch.safetensors"), str(directory / "meta.json"))
+        return cls.decode(meta, payload, str(directory / "batch.safetensors"), str(directory / "meta.json")), meta, payload

@@ -104,13 +104,10 @@ class PeerState:
     """The file's content on one line: instance, counter, phase."""
 
     def describe(self) -> str:
+        """What went wrong, for a silent or stopped peer."""
         if self.state == "silent":
             return f"{self.name} silent for {self.silent_s:.0f} s (last heartbeat: {self.detail})"
-        if self.state == "stopped":
-            return f"{self.name} stopped (heartbeat removed)"
-        if self.state == "unseen":
-            return f"{self.name} not started (no heartbeat yet)"
-        return f"{self.name} alive ({self.detail})"
+        return f"{self.name} {self.state} (heartbeat removed)"
 
 
 class PeerWatch:

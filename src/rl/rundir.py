@@ -3,6 +3,7 @@
     <output_dir>/
       config/<program>.toml   resolved config each program started with
       rollouts/step_<n>/      batch n: written under a temporary name, then renamed
+      rollouts/rejected/      batches the trainer found damaged, each with REJECTED (the reason)
       weights/step_<n>/       HF safetensors + config + tokenizer, or (weight_sync broadcast)
                               broadcast.json + DELIVERED; STABLE written last
       checkpoints/step_<n>/   orchestrator/ (and trainer/) state after step n

@@ -20,6 +20,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import zmq
@@ -167,7 +168,7 @@ class BatchReceiver:
                 time.sleep(self.poll_s)
                 return None
             try:
-                return self._checked(step, *Batch.read_encoded(path), str(path / "batch.safetensors"))
+                return self._read(step, path)
             except BatchError as e:
                 if not self.reject_damaged:
                     raise
@@ -176,8 +177,7 @@ class BatchReceiver:
         if step in self.early:
             return self.early.pop(step)
         if self.keep and self.run.rollout_dir(step).exists():
-            path = self.run.rollout_dir(step)
-            return self._checked(step, *Batch.read_encoded(path), str(path / "batch.safetensors"))
+            return self._read(step, self.run.rollout_dir(step))
         if not self.socket.poll(timeout=int(self.poll_s * 1000)):
             return None
         frames = self.socket.recv_multipart()
@@ -202,10 +202,10 @@ class BatchReceiver:
         return None
 
     @staticmethod
-    def _checked(step: int, meta: bytes, payload: bytes, source: str) -> tuple[bytes, bytes, Batch]:
-        batch = Batch.decode(meta, payload, source, source.replace("batch.safetensors", "meta.json"))
+    def _read(step: int, path: Path) -> tuple[bytes, bytes, Batch]:
+        batch, meta, payload = Batch.read_checked(path)
         if batch.step != step:
-            raise BatchError(f"{source}: holds batch {batch.step}, expected {step}")
+            raise BatchError(f"{path / 'meta.json'}: holds batch {batch.step}, expected {step}")
         return meta, payload, batch
 
     def _reject(self, step: int, error: BatchError) -> None:
