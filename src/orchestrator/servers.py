@@ -240,8 +240,10 @@ class ServerPool:
         if self.adapter_prefix:
             r = {"load_s": 0.0}
             if version > 0:
-                r = await s.client.load_lora_adapter(self.adapter(version), path, version, self.reload_timeout_s)
+                # Recorded first: a load cut short here (a SIGTERM) may still land on the server,
+                # and unload_all must ask for it (a 404 if it never did).
                 s.adapters.add(version)
+                r = await s.client.load_lora_adapter(self.adapter(version), path, version, self.reload_timeout_s)
             s.version = version
             return r.get("load_s", 0.0)
         # A broadcast version already delivered is refused at once (409), one still being
