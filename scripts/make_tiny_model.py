@@ -1,7 +1,9 @@
-"""Build the embedded demo model: a ~1M-parameter Qwen2 with a character-level tokenizer, trained
-briefly with supervised learning on string reversal until it has partial skill.
+"""Build the embedded models: a Qwen2 with a character-level tokenizer, trained briefly with
+supervised learning on a task until it has partial skill.
 
-    python scripts/make_tiny_model.py --out models/tiny-reverse
+    python scripts/make_tiny_model.py --out models/tiny-reverse          # the demo's 0.8M model
+    python scripts/make_tiny_model.py --task count --shape long \
+        --out models/long-count --target 0.5                             # 14M, 128-256-token answers
 
 It stops as soon as the greedy mean reward on held-out prompts reaches --target (default 0.45), so
 RL has room to improve it. Everything is built offline and seeded: running it twice gives the same
@@ -18,7 +20,12 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from orchestrator.tasks import reverse
+from orchestrator.tasks import count, reverse
+
+TASKS = {"reverse": reverse, "count": count}
+# name -> (hidden, intermediate, layers, attention heads, kv heads); head_dim 32 throughout, the
+# smallest vLLM's CPU attention supports.
+SHAPES = {"tiny": (128, 384, 4, 4, 2), "long": (384, 1152, 8, 12, 4)}
 
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
 
@@ -34,15 +41,16 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_model(tokenizer: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
+def build_model(tokenizer: PreTrainedTokenizerFast, shape: str = "tiny") -> Qwen2ForCausalLM:
+    hidden, intermediate, layers, heads, kv_heads = SHAPES[shape]
     config = Qwen2Config(
         vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=4,  # head_dim 32: the smallest vLLM's CPU attention supports
-        num_key_value_heads=2,
-        max_position_embeddings=256,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=256 if shape == "tiny" else 512,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.eos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -68,17 +76,17 @@ def encode_batch(tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Tenso
 
 
 @torch.no_grad()
-def mean_reward(model, tokenizer, rows: list[dict], sample: bool = False) -> float:
+def mean_reward(model, tokenizer, task, rows: list[dict], sample: bool = False) -> float:
     model.eval()
     total = 0.0
     for row in rows:
         ids = torch.tensor([tokenizer.encode(row["prompt"])])
         out = model.generate(
-            ids, max_new_tokens=reverse.MAX_LEN + 2, do_sample=sample, temperature=1.0, top_k=0,
+            ids, max_new_tokens=task.MAX_ANSWER + 2, do_sample=sample, temperature=1.0, top_k=0,
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         )
         text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-        total += reverse.reward(row["prompt"], text, row)
+        total += task.reward(row["prompt"], text, row)
     model.train()
     return total / len(rows)
 
@@ -86,6 +94,11 @@ def mean_reward(model, tokenizer, rows: list[dict], sample: bool = False) -> flo
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("models/tiny-reverse"))
+    ap.add_argument("--task", choices=sorted(TASKS), default="reverse")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    ap.add_argument("--eval-rows", type=int, default=100)
+    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--target", type=float, default=0.45, help="stop at this greedy reward")
     ap.add_argument("--max-steps", type=int, default=3000)
     ap.add_argument("--batch-size", type=int, default=64)
@@ -94,18 +107,21 @@ def main() -> None:
     ap.add_argument("--label-smoothing", type=float, default=0.3)
     args = ap.parse_args()
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    task = TASKS[args.task]
     torch.manual_seed(args.seed)
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer)
+    model = build_model(tokenizer, args.shape)
     print(f"parameters: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     rng = random.Random(args.seed)
     # Held-out prompts come from another seed than the RL runs' (which use the config's seed).
-    eval_rows = [reverse.make_row(random.Random(10_000 + i)) for i in range(100)]
+    eval_rows = [task.make_row(random.Random(10_000 + i)) for i in range(args.eval_rows)]
 
     score = 0.0
     for step in range(1, args.max_steps + 1):
-        ids, labels = encode_batch(tokenizer, [reverse.make_row(rng) for _ in range(args.batch_size)])
+        ids, labels = encode_batch(tokenizer, [task.make_row(rng) for _ in range(args.batch_size)])
         logits = model(input_ids=ids).logits[:, :-1]
         # Label smoothing keeps the sampling distribution broad: the model's greedy answer has
         # partial skill while its samples at T=1 are much worse, the regime where RL's gains
@@ -116,8 +132,8 @@ def main() -> None:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        if step % 10 == 0:
-            score = mean_reward(model, tokenizer, eval_rows)
+        if step % args.eval_every == 0:
+            score = mean_reward(model, tokenizer, task, eval_rows)
             print(f"step {step} loss {loss.item():.3f} greedy reward {score:.3f}", flush=True)
             if score >= args.target:
                 break
@@ -126,7 +142,7 @@ def main() -> None:
     model.save_pretrained(args.out, safe_serialization=True)
     tokenizer.save_pretrained(args.out)
     torch.manual_seed(args.seed)
-    sampled = mean_reward(model, tokenizer, eval_rows, sample=True)
+    sampled = mean_reward(model, tokenizer, task, eval_rows, sample=True)
     print(f"saved {args.out}: greedy reward {score:.3f}, sampled (T=1) {sampled:.3f}")
 
 

@@ -55,6 +55,13 @@ def resolve(argv: list[str], program: str) -> RunConfig:
 
 def _program(program: str, argv: list[str], main: Callable[[RunConfig], object]) -> None:
     cfg = resolve(argv, program)
+    from rl.placement import PlacementError, pin
+
+    try:
+        pin(f"{program}.cpus", getattr(cfg, program).cpus)
+    except PlacementError as e:
+        typer.echo(f"rl {program}: {e}", err=True)
+        raise typer.Exit(2) from None
     setup_logging(program)
     from rl.config_doc import save_resolved
     from rl.heartbeat import Heartbeat, heartbeat_path

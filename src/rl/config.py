@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, model_validator
 
 
 class ConfigError(Exception):
@@ -30,6 +30,12 @@ class InferenceConfig(Section):
 
     port: int = Field(8000, ge=1, le=65535)
     """Port of the OpenAI-compatible and admin routes."""
+
+    cpus: list[NonNegativeInt] = []
+    """Cores this program and everything it starts may run on; empty: all. Where the three
+    programs share a machine, giving each its own cores stops them competing (vLLM's engine keeps
+    a scheduler process busy beside its worker). E.g. on 2 cores: inference [0], orchestrator
+    [0], trainer [1]."""
 
     api_token: str | None = None
     """Bearer token required on every route of the server but the probes (/health, /ping,
@@ -62,6 +68,9 @@ class InferenceConfig(Section):
 
 
 class OrchestratorConfig(Section):
+    cpus: list[NonNegativeInt] = []
+    """Cores this program and everything it starts may run on; empty: all (see inference.cpus)."""
+
     server_urls: list[str] = []
     """Base URLs of the inference servers. Empty: the one `[inference]` describes. Each group goes
     to the server with the fewest requests in flight."""
@@ -297,6 +306,9 @@ class LoRAConfig(Section):
 class TrainerConfig(Section):
     optim: OptimConfig = OptimConfig()
     """Optimizer."""
+
+    cpus: list[NonNegativeInt] = []
+    """Cores this program and everything it starts may run on; empty: all (see inference.cpus)."""
 
     loss: LossConfig = LossConfig()
     """Policy-gradient loss."""

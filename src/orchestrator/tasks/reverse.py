@@ -18,6 +18,7 @@ from collections.abc import Iterator
 ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 SEPARATOR = "="
 MIN_LEN, MAX_LEN = 3, 8
+MAX_ANSWER = MAX_LEN
 
 
 def make_row(rng: random.Random) -> dict:

@@ -1,0 +1,85 @@
+"""Running asyncrl as a user does (`rl run @ config --overrides`) and reading what it measured
+(metrics.jsonl), for the benchmarks that compare whole runs. One run at a time: the three programs
+need both of this machine's cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RL = Path(sys.executable).parent / "rl"
+LONG_MODEL = ROOT / "models" / "long-count"
+# The recipe of the generation-heavy model; a copy is built once and kept (models/long-count).
+LONG_RECIPE = ["--task", "count", "--shape", "long", "--max-steps", "60", "--eval-every", "20",
+               "--eval-rows", "4", "--batch-size", "16", "--lr", "1e-3", "--label-smoothing", "0.0",
+               "--target", "0.6"]
+
+
+def ensure_long_model() -> Path:
+    if not (LONG_MODEL / "model.safetensors").exists():
+        print(f"building {LONG_MODEL} (once, a few minutes)", flush=True)
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_model.py"), "--out",
+                        str(LONG_MODEL), *LONG_RECIPE], check=True, cwd=ROOT)
+    return LONG_MODEL
+
+
+def run_rl(config: str, output_dir: Path, overrides: list[str], timeout_s: float) -> tuple[float, list[dict]]:
+    """`rl run` from a clean output_dir; (wall seconds, metrics records). Raises on a failed run."""
+    shutil.rmtree(output_dir, ignore_errors=True)
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    argv = [str(RL), "run", "@", config, "--output_dir", str(output_dir), *overrides]
+    print("$", " ".join(argv[1:]), flush=True)
+    start = time.perf_counter()
+    with open(output_dir.parent / f"{output_dir.name}.log", "w") as log:
+        proc = subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"rl run exited {proc.returncode}: see {output_dir.parent / output_dir.name}.log")
+    return wall, read_metrics(output_dir)
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    files = list(output_dir.glob("**/metrics.jsonl"))
+    if not files:
+        raise RuntimeError(f"no metrics.jsonl under {output_dir}")
+    return [json.loads(line) for line in files[0].read_text().splitlines() if line.strip()]
+
+
+def window(records: list[dict], skip: int, samples_per_step: int) -> dict:
+    """Rates over trainer steps after the first `skip` (engine warm-up, first reload): steps/s,
+    the trainer's idle fraction (waiting for batches), the inference servers' idle fraction (no
+    request in flight, as the orchestrator sees it), completions/s and completion tokens/s."""
+    trainer = [r for r in records if r["program"] == "trainer"]
+    orch = {r["step"]: r for r in records if r["program"] == "orchestrator"}
+    if len(trainer) <= skip + 1:
+        raise RuntimeError(f"only {len(trainer)} trainer steps: nothing left after skipping {skip}")
+    first, rest = trainer[skip], trainer[skip + 1:]
+    span = rest[-1]["time"] - first["time"]
+    steps = [orch[r["step"]] for r in rest if r["step"] in orch]
+    # Each orchestrator record covers the time since the previous one: weight its idle fraction
+    # by that interval.
+    times = {r["step"]: r["time"] for r in orch.values()}
+    idle = weight = 0.0
+    for r in steps:
+        prev = times.get(r["step"] - 1)
+        if prev is not None:
+            idle += r["inference_idle_frac"] * (r["time"] - prev)
+            weight += r["time"] - prev
+    return {
+        "steps": len(rest), "seconds": span, "steps_per_s": len(rest) / span,
+        "trainer_idle_frac": sum(r["wait_s"] for r in rest) / span,
+        "inference_idle_frac": idle / weight if weight else None,
+        "completions_per_s": len(rest) * samples_per_step / span,
+        "completion_tokens_per_s": sum(r["loss_tokens"] for r in rest) / span,
+        "mean_completion_tokens": sum(r["loss_tokens"] for r in rest) / (len(rest) * samples_per_step),
+        "reward_first": orch[min(orch)]["reward_mean"], "reward_last": orch[max(orch)]["reward_mean"],
+        "staleness_mean": sum(r["staleness_mean"] for r in steps) / len(steps) if steps else None,
+    }
