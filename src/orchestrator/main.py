@@ -36,7 +36,7 @@ from orchestrator.servers import Server, ServerPool
 from rl.async_rule import can_hand_over, is_fresh, min_serving_version, oldest_usable_version
 from rl.batch import Batch
 from rl.config import RunConfig
-from rl.inference_api import GenerateRequest, GenerateResponse, InferenceClient, InferenceError
+from rl.inference_api import GenerateRequest, GenerateResponse, InferenceClient, InferenceError, connector
 from rl.faults import crash_point
 from rl.heartbeat import PeerReporter, PeerWatch, heartbeat_path, set_phase
 from rl.rundir import RunDir, mark_stable, remove_quietly, write_file_atomic
@@ -69,6 +69,14 @@ class Counters:
     filtered: int = 0
     dropped_stale: int = 0
     started: float = field(default_factory=time.monotonic)
+
+
+def weights_poll_s(poll_interval_s: float, due: bool) -> float:
+    """Seconds until the run directory is looked at again for new weights: poll_interval_s while a
+    version is due, ten times that otherwise. A version's discovery is part of every weight
+    update's latency (a tiny model reloads in ~40 ms; docs/performance.md), while between versions
+    fast polling would only cost file-system calls (network round trips on NFS)."""
+    return poll_interval_s if due else 10 * poll_interval_s
 
 
 class Orchestrator:
@@ -202,7 +210,8 @@ class Orchestrator:
                 for g in self.in_flight.values():
                     in_use.setdefault(id(g.server), set()).add(g.version)
                 await self.pool.unload_unused(in_use)
-            await asyncio.sleep(self.o.poll_interval_s)
+            # Due: a batch was handed over whose weights are not served yet.
+            await asyncio.sleep(weights_poll_s(self.o.poll_interval_s, due=self.next_step - 1 > self.pool.version))
 
     async def watch_trainer(self) -> None:
         """Say within seconds when the trainer dies or freezes (batches then wait for it: a
@@ -514,8 +523,8 @@ async def _main(cfg: RunConfig) -> None:
     # SIGTERM (the launcher's, or a user's kill) stops like Ctrl-C: through run()'s cleanup,
     # which aborts requests on the servers, unloads adapters and removes the heartbeat.
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
-    connector = aiohttp.TCPConnector(limit=cfg.orchestrator.max_in_flight_groups * cfg.orchestrator.group_size + 16)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    conns = connector(limit=cfg.orchestrator.max_in_flight_groups * cfg.orchestrator.group_size + 16)
+    async with aiohttp.ClientSession(connector=conns) as session:
         orchestrator = Orchestrator(cfg, session)
         tune_gc()
         await orchestrator.run()

@@ -155,8 +155,9 @@ class OrchestratorConfig(Section):
     """Longest to wait on the trainer for a new weights version (the async bound, the final
     version) before giving up."""
 
-    poll_interval_s: float = Field(0.1, gt=0)
-    """How often the run directory is checked for new weights."""
+    poll_interval_s: float = Field(0.01, gt=0)
+    """How often the run directory is checked for new weights while a version is due (a batch
+    handed over, its weights not yet served); ten times less often otherwise."""
 
     keep_checkpoints: int = Field(2, ge=1)
     """Orchestrator checkpoints (step, data cursor, pending prompts) kept under checkpoints/."""
