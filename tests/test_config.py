@@ -44,6 +44,7 @@ def test_off_policy_steps_default_to_async_level(write_toml):
     (["--run_name", "../x", "--trainer.lora.rank", "8"], "config key run_name"),
     (["--run_name", "a", "--trainer.lora.rank", "8", "--transport.kind", "zmq"], 'needs transport.kind = "filesystem"'),
     (["--trainer.lora.rank", "8", "--weight_sync.kind", "broadcast"], 'weight_sync.kind must be "filesystem"'),
+    (["--inference.cpus", "[-1]"], "config key inference.cpus.0"),
 ])
 def test_bad_values_raise_one_line_naming_the_key(write_toml, args, message):
     with pytest.raises(ConfigError) as err:
@@ -58,6 +59,7 @@ def test_bad_values_raise_one_line_naming_the_key(write_toml, args, message):
     ("max_steps = 3\n", [], "missing config key: model"),
     ("model = \n", [], "invalid TOML"),
     ('model = "m"\n', ["@", "no/such/file.toml"], "config file not found: no/such/file.toml"),
+    ('model = "m"\n[trainer]\ncpus = [4096]\n', [], "trainer.cpus = [4096]: core(s) [4096] are not available"),
 ])
 def test_cli_errors_exit_2_with_one_line(write_toml, text, args, message):
     result = run_rl("trainer", "@", str(write_toml(text)), *args)
@@ -80,3 +82,28 @@ def test_dry_run_prints_resolved_config_with_docs(write_toml):
 def test_resume_is_a_bare_flag_or_a_value(write_toml, args, resume):
     cfg, _ = load_config(["@", str(write_toml('model = "m"\n')), *args])
     assert cfg.resume is resume
+
+
+def test_cpus_pin_the_program_and_what_it_starts(tmp_path):
+    """[section] cpus applies before the program's main: its threads and children inherit it, and
+    vLLM's worker is told to bind its OpenMP threads to the same cores."""
+    import os
+    import subprocess
+    import sys
+
+    core = max(os.sched_getaffinity(0))
+    script = (
+        "import os, sys; sys.argv[1:] = ['@', sys.argv[1]]\n"
+        "from rl.cli import resolve; from rl.placement import pin\n"
+        "cfg = resolve(sys.argv[1:], 'inference'); pin('inference.cpus', cfg.inference.cpus)\n"
+        "import subprocess\n"
+        "child = subprocess.run([sys.executable, '-c', 'import os; print(sorted(os.sched_getaffinity(0)))'],"
+        " capture_output=True, text=True).stdout.strip()\n"
+        "print(sorted(os.sched_getaffinity(0)), child, os.environ['VLLM_CPU_OMP_THREADS_BIND'])\n"
+    )
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'model = "m"\n[inference]\ncpus = [{core}]\n')
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
+    out = subprocess.run([sys.executable, "-c", script, str(cfg)], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [f"[{core}]", f"[{core}]", str(core)]
