@@ -73,6 +73,16 @@ def start_server(model: Path, run: RunDir, rank: int, log: Path) -> tuple[subpro
     raise RuntimeError("server did not come up")
 
 
+def model_for(shape: str, tmp: Path) -> Path:
+    """The tiny demo model, or a random 0.5B-class one built under tmp."""
+    if shape == "tiny":
+        return TINY
+    model_dir = build_model("0.5b", tmp / "model")
+    for f in ("tokenizer.json", "tokenizer_config.json"):  # vLLM wants one; ids are all we send
+        shutil.copy2(TINY / f, model_dir / f)
+    return model_dir
+
+
 def post(url: str, route: str, body: dict) -> dict:
     r = httpx.post(f"{url}{route}", json=body, timeout=600)
     r.raise_for_status()
@@ -91,12 +101,7 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(dir=ROOT / "runs" if (ROOT / "runs").is_dir() else None) as d:
         tmp = Path(d)
-        if args.shape == "tiny":
-            model_dir = TINY
-        else:
-            model_dir = build_model("0.5b", tmp / "model")
-            for f in ("tokenizer.json", "tokenizer_config.json"):  # vLLM wants one; ids are all we send
-                shutil.copy2(TINY / f, model_dir / f)
+        model_dir = model_for(args.shape, tmp)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
         lora = LoRA(model, LoRAConfig(rank=args.rank, alpha=2 * args.rank), slots=1)

@@ -43,8 +43,7 @@ from rl.config import OrchestratorConfig  # noqa: E402
 from rl.inference_api import connector  # noqa: E402
 from rl.rundir import RunDir  # noqa: E402
 from trainer.weights import write_weights  # noqa: E402
-from trainer_step import build_model  # noqa: E402
-from weight_sync_lora import TINY, start_server  # noqa: E402
+from weight_sync_lora import model_for, start_server  # noqa: E402
 
 
 async def follow(run: RunDir, pool: ServerPool, version: int, poll_s: float) -> None:
@@ -110,12 +109,7 @@ def main() -> None:
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # for /collective_rpc, the baseline's route
     with tempfile.TemporaryDirectory(dir=ROOT / "runs" if (ROOT / "runs").is_dir() else None) as d:
         tmp = Path(d)
-        if args.shape == "tiny":
-            model_dir = TINY
-        else:
-            model_dir = build_model("0.5b", tmp / "model")
-            for f in ("tokenizer.json", "tokenizer_config.json"):  # vLLM wants one; ids are all we send
-                shutil.copy2(TINY / f, model_dir / f)
+        model_dir = model_for(args.shape, tmp)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
         run = RunDir(tmp / "run")
