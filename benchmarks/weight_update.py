@@ -38,7 +38,6 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from orchestrator.servers import ServerPool  # noqa: E402
-from orchestrator.main import weights_poll_s  # noqa: E402
 from rl.config import OrchestratorConfig  # noqa: E402
 from rl.inference_api import connector  # noqa: E402
 from rl.rundir import RunDir  # noqa: E402
@@ -47,7 +46,7 @@ from weight_sync_lora import model_for, start_server  # noqa: E402
 
 
 async def follow(run: RunDir, pool: ServerPool, version: int, poll_s: float) -> None:
-    """The orchestrator's loop (follow_weights) for one version that is due."""
+    """The orchestrator's loop (follow_weights, until_weights_due) for one version that is due."""
     while True:
         latest = run.latest_stable_weights()
         if latest is not None and latest > pool.version:
@@ -56,7 +55,7 @@ async def follow(run: RunDir, pool: ServerPool, version: int, poll_s: float) -> 
                 if not pool.in_rotation:
                     raise RuntimeError(f"version {latest} failed to load: see runs/bench/weight_update_*_server*.log")
                 return
-        await asyncio.sleep(weights_poll_s(poll_s, due=True))
+        await asyncio.sleep(poll_s)
 
 
 async def vllm_reload(session: aiohttp.ClientSession, urls: list[str], path: Path) -> float:

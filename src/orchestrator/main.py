@@ -71,14 +71,6 @@ class Counters:
     started: float = field(default_factory=time.monotonic)
 
 
-def weights_poll_s(poll_interval_s: float, due: bool) -> float:
-    """Seconds until the run directory is looked at again for new weights: poll_interval_s while a
-    version is due, ten times that otherwise. A version's discovery is part of every weight
-    update's latency (a tiny model reloads in ~40 ms; docs/performance.md), while between versions
-    fast polling would only cost file-system calls (network round trips on NFS)."""
-    return poll_interval_s if due else 10 * poll_interval_s
-
-
 class Orchestrator:
     def __init__(self, cfg: RunConfig, session: aiohttp.ClientSession):
         self.cfg, self.o = cfg, cfg.orchestrator
@@ -210,8 +202,25 @@ class Orchestrator:
                 for g in self.in_flight.values():
                     in_use.setdefault(id(g.server), set()).add(g.version)
                 await self.pool.unload_unused(in_use)
-            # Due: a batch was handed over whose weights are not served yet.
-            await asyncio.sleep(weights_poll_s(self.o.poll_interval_s, due=self.next_step - 1 > self.pool.version))
+            await self.until_weights_due()
+
+    def weights_due(self) -> bool:
+        """A batch was handed over whose weights are not served yet."""
+        return self.next_step - 1 > self.pool.version
+
+    async def until_weights_due(self) -> None:
+        """Pause between looks at the run directory. A version's discovery is part of every
+        weight update's latency (a tiny model reloads in ~35 ms; docs/performance.md), so while
+        one is due: poll_interval_s. Otherwise up to ten times that, woken by the hand-over of
+        a batch: fast polling then would only cost file-system calls (round trips on NFS)."""
+        if self.weights_due():
+            await asyncio.sleep(self.o.poll_interval_s)
+            return
+        async with self.changed:
+            try:
+                await asyncio.wait_for(self.changed.wait_for(self.weights_due), 10 * self.o.poll_interval_s)
+            except TimeoutError:
+                pass
 
     async def watch_trainer(self) -> None:
         """Say within seconds when the trainer dies or freezes (batches then wait for it: a

@@ -157,7 +157,8 @@ class OrchestratorConfig(Section):
 
     poll_interval_s: float = Field(0.01, gt=0)
     """How often the run directory is checked for new weights while a version is due (a batch
-    handed over, its weights not yet served); ten times less often otherwise."""
+    handed over, its weights not yet served); otherwise every ten times that, or at once when a
+    batch is handed over."""
 
     keep_checkpoints: int = Field(2, ge=1)
     """Orchestrator checkpoints (step, data cursor, pending prompts) kept under checkpoints/."""
