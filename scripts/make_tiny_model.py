@@ -2,8 +2,8 @@
 supervised learning on a task until it has partial skill.
 
     python scripts/make_tiny_model.py --out models/tiny-reverse          # the demo's 0.8M model
-    python scripts/make_tiny_model.py --task count --shape long \
-        --out models/long-count --target 0.5                             # 14M, 128-256-token answers
+    python scripts/make_tiny_model.py --task count --shape long ...       # 14M, 128-256-token answers
+                                  (the benchmarks' recipe: LONG_RECIPE in benchmarks/rl_runs.py)
 
 It stops as soon as the greedy mean reward on held-out prompts reaches --target (default 0.45), so
 RL has room to improve it. Everything is built offline and seeded: running it twice gives the same
@@ -98,7 +98,6 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     ap.add_argument("--eval-rows", type=int, default=100)
     ap.add_argument("--eval-every", type=int, default=10)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--target", type=float, default=0.45, help="stop at this greedy reward")
     ap.add_argument("--max-steps", type=int, default=3000)
     ap.add_argument("--batch-size", type=int, default=64)
@@ -107,8 +106,6 @@ def main() -> None:
     ap.add_argument("--label-smoothing", type=float, default=0.3)
     args = ap.parse_args()
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     task = TASKS[args.task]
     torch.manual_seed(args.seed)
     tokenizer = build_tokenizer()
