@@ -226,8 +226,16 @@ class AdminRoutes:
         self.adapter_root = RunDir(output_dir).weights.resolve()
         self.runs_root = (output_dir / "runs").resolve()
 
+    def local(self, path: str) -> Path:
+        """A path as the orchestrator sends it: relative to the run directory (every host mounts
+        it where it likes), "base" for the model this server started with, or absolute."""
+        if path == "base":
+            return Path(self.cfg.model)
+        p = Path(path)
+        return p if p.is_absolute() else Path(self.cfg.output_dir) / p
+
     def confine(self, path: str) -> Path:
-        resolved = Path(path).resolve()
+        resolved = self.local(path).resolve()
         if not any(resolved.is_relative_to(root) for root in self.roots):
             raise HTTPException(403, f"path: {path} is outside the allowed weight roots")
         if not resolved.is_dir():
@@ -238,7 +246,7 @@ class AdminRoutes:
 
     def confine_adapter(self, path: str) -> Path:
         # Adapters load only from this run's weights/ or a multi-run's runs/<name>/weights/.
-        resolved = Path(path).resolve()
+        resolved = self.local(path).resolve()
         inside = resolved.is_relative_to(self.adapter_root)
         if not inside and resolved.is_relative_to(self.runs_root):
             parts = resolved.relative_to(self.runs_root).parts

@@ -8,7 +8,9 @@ Concurrent loops on one event loop:
     than max_in_flight_groups are in flight or finished-unbatched, and only groups that can still
     land in a batch under the off-policy bound m;
   - `follow_weights`: loads each new STABLE weights version into every server;
-  - `pool.heal`: retries servers taken out of rotation;
+  - `pool.heal`: retries servers taken out of rotation and lets joining ones in;
+  - `pool.discover`: adds the servers that announce themselves in the run directory, drops those
+    whose heartbeat stops (orchestrator.discover_servers);
   - `run` (the main loop), for n = 1..max_steps: waits until version >= n-1-k serves on every
     server in rotation, takes the oldest fresh finished groups, hands batch n over, checkpoints,
     and cancels in-flight groups that batch n+1 could no longer accept (aborted on their server,
@@ -38,7 +40,8 @@ from rl.batch import Batch
 from rl.config import RunConfig
 from rl.inference_api import GenerateRequest, GenerateResponse, InferenceClient, InferenceError, connector
 from rl.faults import crash_point
-from rl.heartbeat import PeerReporter, PeerWatch, heartbeat_path, set_phase
+from rl.heartbeat import PeerReporter, PeerWatch, current_instance, heartbeat_path, set_phase
+from rl.polling import Backoff
 from rl.rundir import RunDir, mark_stable, remove_quietly, write_file_atomic
 from rl.transport import BatchSender
 
@@ -80,13 +83,15 @@ class Orchestrator:
                                self.o.server_retry_max_s, self.o.in_flight_updates,
                                broadcast_address=ws.address if ws.kind == "broadcast" else None,
                                broadcast_timeout_s=ws.timeout_s,
-                               adapter_prefix=cfg.adapter_prefix if cfg.trainer.lora.rank else None)
+                               adapter_prefix=cfg.adapter_prefix if cfg.trainer.lora.rank else None,
+                               root=cfg.output_dir, on_fail=self.requeue_from)
         self.rollouts = self._make_rollouts(session)
         self.sender = BatchSender(cfg.transport, self.run_dir)
         self.next_step, cursor, pending = self._resume_point()
         self.queue = PromptQueue(self._rows(), cursor, pending)
         self.in_flight: dict[str, InFlight] = {}
         self.finished: list[Group] = []
+        self.weights_poll = Backoff(self.o.poll_interval_s, 5 * self.o.poll_interval_s)
         self.changed = asyncio.Condition()  # a group finished, a batch left, a version serves
         self.counters = Counters()
         self.background: list[asyncio.Task] = []
@@ -95,7 +100,6 @@ class Orchestrator:
         self.attempts: dict[int, int] = {}  # prompt index -> failed groups so far
         # Request ids must not collide with a previous orchestrator's still running on a server.
         self.tag, self.seq = secrets.token_hex(3), 0
-        self.started_at = time.time()
 
     def _make_rollouts(self, session: aiohttp.ClientSession) -> Rollouts:
         from transformers import AutoTokenizer  # heavy import, only where needed
@@ -196,6 +200,7 @@ class Orchestrator:
             version, path = self.latest_weights()
             if version > self.pool.version or any(s.version != version for s in self.pool.in_rotation):
                 await self.pool.load(version, path)
+                self.weights_poll.reset()
                 await self.notify()
             if self.pool.adapter_prefix:
                 in_use: dict[int, set[int]] = {}
@@ -211,10 +216,11 @@ class Orchestrator:
     async def until_weights_due(self) -> None:
         """Pause between looks at the run directory. A version's discovery is part of every
         weight update's latency (a tiny model reloads in ~35 ms; docs/performance.md), so while
-        one is due: poll_interval_s. Otherwise up to ten times that, woken by the hand-over of
-        a batch: fast polling then would only cost file-system calls (round trips on NFS)."""
+        one is due: poll_interval_s, backing off to five times that while it does not come.
+        Otherwise up to ten times that, woken by the hand-over of a batch: fast polling then
+        would only cost file-system calls (round trips on NFS)."""
         if self.weights_due():
-            await asyncio.sleep(self.o.poll_interval_s)
+            await asyncio.sleep(self.weights_poll.next())
             return
         async with self.changed:
             try:
@@ -226,7 +232,7 @@ class Orchestrator:
         """Say within seconds when the trainer dies or freezes (batches then wait for it: a
         trainer restarted with --resume continues), write again any batch it rejected as
         damaged, and stop if a multi-run trainer turned this run away."""
-        watch = PeerWatch(heartbeat_path(self.cfg, "trainer"), "trainer")
+        watch = PeerWatch(heartbeat_path(self.cfg, "trainer"), "trainer", self.cfg.heartbeat_timeout_s)
         trainer = PeerReporter(watch, log, "batches wait for it (restart it with --resume)")
         instance = None
         while True:
@@ -252,7 +258,7 @@ class Orchestrator:
             status = json.loads(self.run_dir.trainer_status.read_text())
         except (OSError, ValueError):
             return
-        if status.get("status") in ("rejected", "failed") and status.get("time", 0) > self.started_at:
+        if status.get("status") in ("rejected", "failed") and status.get("orchestrator") == current_instance():
             raise RuntimeError(f"the trainer {status['status']} run {self.cfg.run_name}: {status.get('detail')}")
 
     # --- groups ----------------------------------------------------------------------------
@@ -331,8 +337,9 @@ class Orchestrator:
     def group_failed(self, gid: str, g: InFlight, e: Exception) -> None:
         if isinstance(e, (InferenceError, Aborted)):  # the server's fault, not the prompt's
             self.counters.failed_requests += 1
-            self.pool.fail(g.server, str(e))
+            self.in_flight.pop(gid, None)  # requeued here, not by requeue_from
             self.queue.give_back(g.prompt)
+            self.pool.fail(g.server, str(e))
         elif isinstance(e, RowError):
             self.counters.failed += self.o.group_size
             log.warning("group %s dropped: %s", gid, e)
@@ -356,6 +363,23 @@ class Orchestrator:
         task = asyncio.create_task(coro)
         self.chores.add(task)
         task.add_done_callback(lambda t: (self.chores.discard(t), t.cancelled() or t.exception()))
+
+    def requeue_from(self, server: Server) -> None:
+        """A server left rotation (it failed, its heartbeat stopped, its host is cut off): its
+        groups would finish late or never (request_timeout_s), so their prompts go back to the
+        queue now, for the servers still there. Aborts are best effort: it may be unreachable."""
+        doomed = [(gid, g) for gid, g in self.in_flight.items() if g.server is server]
+        for gid, g in doomed:
+            g.cancelled = True
+            del self.in_flight[gid]
+            self.queue.give_back(g.prompt)
+            if g.requests:
+                self.spawn(server.client.abort(sorted(g.requests), timeout=2.0))
+            g.task.cancel()
+        self.counters.failed_requests += len(doomed)
+        if doomed:
+            log.warning("requeued the prompts of %d group(s) in flight on %s", len(doomed), server.url)
+        self.spawn(self.notify())
 
     async def cancel_hopeless(self) -> None:
         """Cancel in-flight groups the next batch could no longer accept: their oldest token
@@ -469,16 +493,21 @@ class Orchestrator:
 
     async def start(self) -> None:
         self.background = [asyncio.create_task(self.watch_trainer(), name="watch_trainer")]
-        await self.pool.connect(self.o.server_wait_timeout_s)
-        if self.cfg.weight_sync.kind == "broadcast":
+        broadcast = self.cfg.weight_sync.kind == "broadcast"
+        if self.o.discover_servers and not broadcast:
+            exclude = {self.o.teacher_url.rstrip("/")} if self.o.teacher_url else set()
+            self.background.append(asyncio.create_task(
+                self.pool.discover(self.cfg.output_dir, exclude, self.cfg.heartbeat_timeout_s), name="discover"))
+        await self.pool.connect(self.o.server_wait_timeout_s, every=broadcast)
+        if broadcast:
             # Before any load: the trainer's first broadcast needs every server in the group.
             await self.pool.init_broadcaster()
         version, path = self.latest_weights()
         await self.pool.load(version, path)
         if not self.pool.in_rotation:
             raise RuntimeError(f"no inference server could load version {version} from {path}")
-        log.info("connected to %d server(s), serving version %d; first batch %d",
-                 len(self.pool.servers), self.pool.serving_version, self.next_step)
+        log.info("connected to %d server(s) (%s), serving version %d; first batch %d", len(self.pool.in_rotation),
+                 ", ".join(s.url for s in self.pool.in_rotation), self.pool.serving_version, self.next_step)
         self.background += [asyncio.create_task(self.follow_weights(), name="follow_weights"),
                              asyncio.create_task(self.pool.heal(), name="heal"),
                              asyncio.create_task(self.produce(), name="produce")]

@@ -1,9 +1,16 @@
 """The inference servers as the orchestrator sees them: which version each serves, how many
 requests each has in flight, which are in rotation.
 
-A server that fails a request is taken out of rotation at once (its groups are requeued by the
-caller) and health-checked with exponential backoff; it rejoins only after it serves the pool's
-current version, so the async rule (every server in rotation serves >= n-1-k) never regresses.
+Servers join and leave while the run goes on. A listed server (orchestrator.server_urls) or
+one that announces itself in the run directory (discover) joins once it answers /health, loaded
+with the pool's current version first. A server that fails a request or a health check is taken
+out of rotation at once (on_fail requeues its groups) and health-checked with exponential
+backoff; it rejoins only after it serves the pool's current version, so the async rule (every
+server in rotation serves >= n-1-k) never regresses. A discovered server whose heartbeat stops
+(removed, or silent for heartbeat_timeout_s) leaves the pool; it joins again when it comes back.
+
+Weight paths go to the servers relative to the run directory ("weights/step_3"): every host may
+mount the shared directory at its own path. The base model is "base", whatever its path here.
 
 With weight sync by broadcast every worker of every server is a rank of the trainer's group:
 init_broadcaster hands out the ranks, and each version is posted to every server, in rotation or
@@ -20,12 +27,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 
 from rl.broadcast import MANIFEST
+from rl.heartbeat import PeerWatch, announced_servers
 from rl.inference_api import InferenceClient, InferenceError
 
 log = logging.getLogger("orchestrator")
@@ -40,7 +49,7 @@ class Server:
     groups: int = 0
     """Groups assigned and not yet finished (for routing: counted from the moment of assignment,
     so a burst of new groups spreads over the servers)."""
-    healthy: bool = True
+    healthy: bool = False
     updating: bool = False
     backoff_s: float = 1.0
     retry_at: float = 0.0
@@ -48,6 +57,13 @@ class Server:
     idle_since: float | None = field(default_factory=time.monotonic)
     adapters: set[int] = field(default_factory=set)
     """LoRA: adapter versions this pool loaded on the server and has not unloaded."""
+    listed: bool = True
+    """In orchestrator.server_urls: never forgotten, only taken out of rotation."""
+    joined: bool = False
+    """Has served in this run (before that it is joining: probed every second, quietly)."""
+    silent: bool = False
+    """Its heartbeat stopped: kept out of rotation even if it answers HTTP (it cannot read
+    the run directory, so it cannot load new weights)."""
 
     @property
     def url(self) -> str:
@@ -58,12 +74,18 @@ class ServerPool:
     def __init__(self, urls: list[str], session: aiohttp.ClientSession, token: str | None,
                  reload_timeout_s: float, retry_max_s: float, in_flight_updates: bool,
                  broadcast_address: str | None = None, broadcast_timeout_s: float = 600.0,
-                 adapter_prefix: str | None = None):
-        self.servers = [Server(InferenceClient(u, session, token)) for u in urls]
+                 adapter_prefix: str | None = None, root: Path | None = None,
+                 on_fail: Callable[[Server], None] | None = None):
+        """`root`: the run directory weight paths are sent relative to (None: absolute).
+        `on_fail(server)`: called when a server leaves rotation, to requeue its groups."""
+        self.session, self.token = session, token
+        self.servers = [Server(InferenceClient(u.rstrip("/"), session, token)) for u in urls]
+        self.root, self.on_fail = root, on_fail
         self.reload_timeout_s, self.retry_max_s = reload_timeout_s, retry_max_s
         self.broadcast_address, self.broadcast_timeout_s = broadcast_address, broadcast_timeout_s
         self.mode = "keep" if in_flight_updates else "wait"
-        self.version, self.path = 0, ""  # what every server in rotation must serve
+        self.version, self.path = 0, ""  # what every server in rotation must serve (path: as sent)
+        self.local_path: Path | None = None  # the same, as this host sees it
         self.adapter_prefix = adapter_prefix
 
     def adapter(self, version: int) -> str | None:
@@ -132,6 +154,26 @@ class ServerPool:
         wait = self._back_off(s)
         log.warning("server %s out of rotation (%s); %d of %d left, retry in %.0f s",
                     s.url, reason, len(self.in_rotation), len(self.servers), wait)
+        if self.on_fail is not None:
+            self.on_fail(s)
+
+    def find(self, url: str) -> Server | None:
+        url = url.rstrip("/")
+        return next((s for s in self.servers if s.url == url), None)
+
+    def add(self, url: str, why: str) -> Server:
+        """A server not listed in the config: it joins once it answers /health (heal)."""
+        s = Server(InferenceClient(url.rstrip("/"), self.session, self.token), listed=False)
+        self.servers.append(s)
+        log.info("server %s %s; it joins once healthy", s.url, why)
+        return s
+
+    def remove(self, s: Server, why: str) -> None:
+        """Forget a discovered server: it stopped or is gone (its groups are requeued)."""
+        self.fail(s, why)
+        if s in self.servers:
+            self.servers.remove(s)
+        log.warning("server %s left the pool (%s); %d server(s) in rotation", s.url, why, len(self.in_rotation))
 
     def _back_off(self, s: Server) -> float:
         wait = s.backoff_s
@@ -141,24 +183,28 @@ class ServerPool:
 
     # --- start-up, weights, health -------------------------------------------------------
 
-    async def connect(self, timeout_s: float) -> None:
-        """Wait until every server answers /health (servers start in ~30 s on a CPU)."""
+    async def connect(self, timeout_s: float, every: bool = False) -> None:
+        """Wait until a first server answers /health (servers start in ~30 s on a CPU), or with
+        `every` until all listed ones do (a broadcast group needs every member at once). Those
+        that answer later join through heal()."""
         deadline, last_beat = time.monotonic() + timeout_s, time.monotonic()
-        pending = list(self.servers)
-        while pending:
+        while True:
+            pending = [s for s in self.servers if not s.joined]
             results = await asyncio.gather(*(s.client.health() for s in pending), return_exceptions=True)
-            for s, r in zip(list(pending), results):
+            for s, r in zip(pending, results):
                 if not isinstance(r, BaseException):
                     s.version = self._reported_version(r)
                     s.adapters = self._ours(r)  # from an earlier orchestrator: unloaded once unused
-                    pending.remove(s)
-            if not pending:
-                break
+                    s.healthy = s.joined = True
+                    s.idle_since = time.monotonic()
+            left = [s for s in self.servers if not s.joined]
+            if not left if every else self.in_rotation:
+                return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"inference server(s) {', '.join(s.url for s in pending)} not healthy "
+                raise TimeoutError(f"inference server(s) {', '.join(s.url for s in left)} not healthy "
                                    f"after {timeout_s:.0f} s (orchestrator.server_wait_timeout_s)")
             if time.monotonic() - last_beat > 10:
-                log.info("waiting for inference server(s) %s to come up", ", ".join(s.url for s in pending))
+                log.info("waiting for inference server(s) %s to come up", ", ".join(s.url for s in left))
                 last_beat = time.monotonic()
             await asyncio.sleep(1.0)
 
@@ -189,11 +235,11 @@ class ServerPool:
 
     async def load(self, version: int, path: Path) -> None:
         """Make every server in rotation serve `version`; a server that fails leaves rotation."""
-        self.version, self.path = version, str(path.resolve())
+        self.version, self.path, self.local_path = version, self.wire_path(version, path), path
         if self.adapter_prefix:
             await self._load_adapters(version)
             return
-        broadcast = (Path(self.path) / MANIFEST).is_file()
+        broadcast = (path / MANIFEST).is_file()
         # A broadcast waits for every member: servers out of rotation that still answer take
         # part (and so stay current), one that is gone fails the trainer's broadcast loudly.
         candidates = self.servers if broadcast else self.in_rotation
@@ -223,7 +269,7 @@ class ServerPool:
         """LoRA: load the adapter next to those serving; no server pauses, so none is marked
         updating (a group started meanwhile names the older adapter and is tagged with it)."""
         stale = [s for s in self.in_rotation if s.version != version]
-        results = await asyncio.gather(*(self._load_one(s, version, self.path) for s in stale),
+        results = await asyncio.gather(*(self._load_one(s, version, self.path, self.local_path) for s in stale),
                                        return_exceptions=True)
         load_s = []
         for s, r in zip(stale, results):
@@ -235,7 +281,19 @@ class ServerPool:
             log.info("version %d (adapter %s) serving on %d server(s) (load %.3f s)", version,
                      self.adapter(version), len(load_s), max(load_s))
 
-    async def _load_one(self, s: Server, version: int, path: str) -> float:
+    def wire_path(self, version: int, path: Path) -> str:
+        """How a server finds `path`: relative to the run directory (each host mounts it where
+        it likes), "base" for the model the servers started with, else absolute."""
+        if version == 0:
+            return "base"
+        if self.root is not None:
+            try:
+                return path.resolve().relative_to(self.root.resolve()).as_posix()
+            except ValueError:
+                pass
+        return str(path.resolve())
+
+    async def _load_one(self, s: Server, version: int, path: str, local_path: Path) -> float:
         """Bring one server to `version`; returns the server's load seconds."""
         if self.adapter_prefix:
             r = {"load_s": 0.0}
@@ -248,7 +306,7 @@ class ServerPool:
             return r.get("load_s", 0.0)
         # A broadcast version already delivered is refused at once (409), one still being
         # broadcast is received, as in load().
-        broadcast = (Path(path) / MANIFEST).is_file()
+        broadcast = (local_path / MANIFEST).is_file()
         timeout = self.reload_timeout_s + (self.broadcast_timeout_s if broadcast else 0.0)
         r = await s.client.update_weights(path, version, self.mode, timeout)
         s.version = version
@@ -308,31 +366,69 @@ class ServerPool:
                 self.fail(s, f"reports version {self._reported_version(r)}, expected {s.version} (restarted?)")
 
     async def heal(self, check_every_s: float = 2.0) -> None:
-        """Forever: check the servers in rotation; retry those out of it, with backoff, and
-        bring them to the current version before they take requests again."""
+        """Forever: check the servers in rotation; retry those out of it, with backoff (joining
+        ones every second), and bring them to the current version before they take requests."""
         last_check = time.monotonic()
         while True:
             now = time.monotonic()
             if now - last_check > check_every_s:
                 await self.check()
                 last_check = now
-            for s in self.servers:
-                if s.healthy or now < s.retry_at:
+            for s in list(self.servers):
+                if s.healthy or s.silent or now < s.retry_at:
                     continue
                 # Read before awaiting: a load() meanwhile moves self.version on, and this server
                 # must be recorded with the version it really loaded (follow_weights catches up).
-                version, path = self.version, self.path
+                version, path, local_path = self.version, self.path, self.local_path
                 try:
                     health = await s.client.health()
                     s.version = self._reported_version(health)
                     s.adapters = self._ours(health)  # what a restart lost is not there to unload
                     if s.version != version and path:
-                        await self._load_one(s, version, path)
+                        await self._load_one(s, version, path, local_path)
                 except InferenceError as e:
-                    log.warning("server %s still down (%s); retry in %.0f s", s.url, e, self._back_off(s))
+                    if s.joined:
+                        log.warning("server %s still down (%s); retry in %.0f s", s.url, e, self._back_off(s))
+                    else:
+                        s.retry_at = time.monotonic() + 1.0
                     continue
+                if s not in self.servers:
+                    continue  # removed while we asked
                 # backoff_s is reset by the first request it serves, not here: a server that
                 # answers /health but fails every request must not be retried every second.
                 s.healthy, s.idle_since = True, time.monotonic()
-                log.info("server %s back in rotation, serving version %d", s.url, s.version)
+                log.info("server %s %s, serving version %d; %d server(s) in rotation", s.url,
+                         "back in rotation" if s.joined else "joined", s.version, len(self.in_rotation))
+                s.joined = True
             await asyncio.sleep(0.2)
+
+    async def discover(self, output_dir: Path, exclude: set[str], timeout_s: float, every_s: float = 1.0) -> None:
+        """Forever: follow the servers that announce themselves in output_dir/heartbeats/: add
+        each new one, take out one whose heartbeat stops (removed or silent for `timeout_s`),
+        forgetting it unless listed, and let it in again when it beats again."""
+        watches: dict[str, PeerWatch] = {}
+        instances: dict[str, str | None] = {}
+        while True:
+            for url, path in announced_servers(output_dir).items():
+                if url not in exclude and url not in watches:
+                    watches[url] = PeerWatch(path, f"server {url}", timeout_s)
+            for url, watch in list(watches.items()):
+                peer = watch.poll()
+                s = self.find(url)
+                if peer.state == "alive":
+                    if s is None:
+                        s = self.add(url, f"announced itself ({watch.instance})")
+                    if s.silent or instances.get(url) != watch.instance:
+                        s.silent, s.retry_at, s.backoff_s = False, 0.0, 1.0  # new or back: ask it now
+                    instances[url] = watch.instance
+                elif peer.state in ("silent", "stopped"):
+                    if s is not None and not s.silent:
+                        s.silent = True
+                        why = peer.describe() if peer.state == "silent" else "stopped: its heartbeat was removed"
+                        if s.listed:
+                            self.fail(s, why)
+                        else:
+                            self.remove(s, why)
+                    if peer.state == "stopped":
+                        del watches[url]
+            await asyncio.sleep(every_s)

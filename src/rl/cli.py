@@ -12,6 +12,7 @@ Programs are imported only after the config parsed, so `--help` and config error
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Callable
 
@@ -66,9 +67,14 @@ def _program(program: str, argv: list[str], main: Callable[[RunConfig], object])
     from rl.config_doc import save_resolved
     from rl.heartbeat import Heartbeat, heartbeat_path
 
+    if os.environ.get("RANK", "0") != "0":
+        # A trainer rank other than 0 (torchrun, possibly on another node): rank 0 speaks for
+        # the trainer in the run directory; torchrun watches its other ranks.
+        raise typer.Exit(int(main(cfg) or 0))
     save_resolved(cfg, program)
     # First thing, before the heavy imports: peers and `rl run` see the program from its start.
-    heartbeat = Heartbeat(heartbeat_path(cfg, program)).start()
+    url = cfg.inference.url if program == "inference" else None
+    heartbeat = Heartbeat(heartbeat_path(cfg, program), url=url).start()
     try:
         code = main(cfg)
     finally:

@@ -8,6 +8,7 @@ documentation (`rl <program> --help` and `--dry-run` show them).
 
 from __future__ import annotations
 
+import socket
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -30,6 +31,11 @@ class InferenceConfig(Section):
 
     port: int = Field(8000, ge=1, le=65535)
     """Port of the OpenAI-compatible and admin routes."""
+
+    advertise_url: str = Field("", pattern=r"^$|^https?://[^/\s]+$")
+    """URL at which the orchestrator reaches this server, announced in the run directory
+    (heartbeats/) so that an orchestrator with orchestrator.discover_servers finds it. Empty:
+    http://<host>:<port>, with this machine's host name when host is 0.0.0.0 or ::."""
 
     cpus: list[NonNegativeInt] = []
     """Cores this program and everything it starts may run on; empty: all. Where the three
@@ -66,14 +72,30 @@ class InferenceConfig(Section):
     extra_args: list[str] = []
     """Further `vllm serve` flags, passed through verbatim (e.g. ["--max-num-seqs", "256"])."""
 
+    @property
+    def url(self) -> str:
+        """Where the orchestrator reaches this server (see advertise_url)."""
+        if self.advertise_url:
+            return self.advertise_url
+        host = socket.getfqdn() if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+
 
 class OrchestratorConfig(Section):
     cpus: list[NonNegativeInt] = []
     """Cores this program and everything it starts may run on; empty: all (see inference.cpus)."""
 
     server_urls: list[str] = []
-    """Base URLs of the inference servers. Empty: the one `[inference]` describes. Each group goes
-    to the server with the fewest requests in flight."""
+    """Base URLs of the inference servers (http://host:port). Empty: the one `[inference]`
+    describes (unless discover_servers finds others). A listed server that is down is waited for
+    and joins when it answers; each group goes to the server with the fewest groups."""
+
+    discover_servers: bool = True
+    """Also use every server that announces itself in the run directory (heartbeats/inference-*,
+    written by `rl inference` with the same output_dir): a server started on another host
+    joins the run once healthy, loaded with the current weights, and leaves when it stops or its
+    heartbeat falls silent. Not with weight_sync.kind = "broadcast" (its group is fixed at
+    start)."""
 
     dataset: str = "orchestrator.tasks.reverse:dataset"
     """`module:function` taking the seed and returning an iterator of rows (JSON-able dicts with
@@ -145,7 +167,8 @@ class OrchestratorConfig(Section):
     """Longest a single generation request may take before it is failed and its prompt requeued."""
 
     server_wait_timeout_s: float = Field(600, gt=0)
-    """Longest to wait for a server to become healthy at start-up before giving up."""
+    """Longest to wait at start-up for a first server to become healthy (with weight_sync
+    broadcast: for every listed server) before giving up."""
 
     server_retry_max_s: float = Field(30, gt=0)
     """A server that fails is taken out of rotation and health-checked with exponential backoff
@@ -157,8 +180,8 @@ class OrchestratorConfig(Section):
 
     poll_interval_s: float = Field(0.01, gt=0)
     """How often the run directory is checked for new weights while a version is due (a batch
-    handed over, its weights not yet served); otherwise every ten times that, or at once when a
-    batch is handed over."""
+    handed over, its weights not yet served), backing off to five times that while none comes;
+    otherwise every ten times that, or at once when a batch is handed over."""
 
     keep_checkpoints: int = Field(2, ge=1)
     """Orchestrator checkpoints (step, data cursor, pending prompts) kept under checkpoints/."""
@@ -181,8 +204,12 @@ class TransportConfig(Section):
     """How batches reach the trainer: rollouts/step_n in the run directory, or ZMQ PUSH/PULL."""
 
     address: str = "tcp://127.0.0.1:5557"
-    """ZMQ address the trainer binds and the orchestrator connects to (tcp://host:port or
-    ipc:///path); kind = "zmq" only."""
+    """ZMQ address the orchestrator connects to, and the trainer binds unless `bind` is set
+    (tcp://host:port or ipc:///path); kind = "zmq" only."""
+
+    bind: str = ""
+    """ZMQ address trainer rank 0 binds when it differs from `address`, e.g. tcp://*:5557 when
+    the orchestrator runs on another host. Empty: address."""
 
 
 class WeightSyncConfig(Section):
@@ -366,6 +393,49 @@ class TrainerConfig(Section):
     """Weight versions kept on disk; older ones are deleted once newer ones are STABLE."""
 
 
+class SlurmConfig(Section):
+    """`rl slurm @ cfg.toml` only: how the sbatch script it prints places the programs."""
+
+    inference_nodes: int = Field(1, ge=1)
+    """Nodes running inference servers."""
+
+    servers_per_node: int = Field(1, ge=1)
+    """Inference servers per inference node, on ports inference.port, +1, ...; the node's GPUs
+    are split evenly between them (tensor parallelism goes in inference.extra_args)."""
+
+    trainer_nodes: int = Field(1, ge=1)
+    """Nodes of the trainer (one torchrun per node, joined by a c10d rendezvous on the first).
+    The orchestrator runs on the first trainer node too: it needs CPU only."""
+
+    gpus_per_node: int = Field(8, ge=0)
+    """GPUs per node; the trainer runs one rank per GPU (0: a CPU cluster, one rank per node)."""
+
+    partition: str = ""
+    """#SBATCH --partition; empty: the cluster's default."""
+
+    account: str = ""
+    """#SBATCH --account; empty: none."""
+
+    time_limit: str = "24:00:00"
+    """#SBATCH --time."""
+
+    job_name: str = "asyncrl"
+    """#SBATCH --job-name."""
+
+    sbatch_args: list[str] = []
+    """Further #SBATCH lines, verbatim (e.g. ["--exclusive", "--mem=0"])."""
+
+    setup: list[str] = []
+    """Shell lines every node runs first (module loads, `source .venv/bin/activate`)."""
+
+    rendezvous_port: int = Field(29500, ge=1, le=65535)
+    """Port of the trainer's torchrun rendezvous on the first trainer node."""
+
+    template: Path | None = None
+    """A Jinja2 template to render instead of the built-in one (src/rl/slurm.sbatch.j2,
+    documented in docs/slurm.md)."""
+
+
 class RunConfig(Section):
     model: Path
     """Path of the starting model, a local HF-format directory (config, tokenizer, safetensors)."""
@@ -386,6 +456,12 @@ class RunConfig(Section):
     seed: int = 0
     """Seed of the data stream and of the trainer."""
 
+    heartbeat_timeout_s: float = Field(20, ge=5)
+    """A program whose heartbeat file (output_dir/heartbeats/) has not changed for this long is
+    reported dead, frozen or cut off by the programs watching it (judged by each watcher's own
+    clock: hosts need no clock sync). On a network filesystem whose attribute cache delays
+    changes, raise it above that delay (docs/multi-host.md)."""
+
     resume: bool = False
     """Trainer: continue from the latest complete checkpoint in output_dir (`--resume`). Without
     it the trainer refuses a run directory that already holds weights. The orchestrator always
@@ -400,6 +476,7 @@ class RunConfig(Section):
     weight_sync: WeightSyncConfig = WeightSyncConfig()
     orchestrator: OrchestratorConfig = OrchestratorConfig()
     trainer: TrainerConfig = TrainerConfig()
+    slurm: SlurmConfig = SlurmConfig()
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
@@ -453,8 +530,7 @@ class RunConfig(Section):
 
     @property
     def urls(self) -> list[str]:
-        inf = self.inference
-        return self.orchestrator.server_urls or [f"http://{inf.host}:{inf.port}"]
+        return self.orchestrator.server_urls or [self.inference.url]
 
 
 # --- loading ---------------------------------------------------------------------------------

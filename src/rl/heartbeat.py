@@ -6,10 +6,12 @@ the run directory's heartbeats/, rewritten every HEARTBEAT_EVERY_S by a daemon t
     line 1   the instance: "<pid>@<host> <start time>" (a restarted program writes a new one)
     line 2   a counter, then the phase the program's main loop last declared ("waiting for
              batch 7", "training step 7") and for how many seconds it has been in it
+    line 3   inference servers only: "url <URL>", where the orchestrator reaches it, so that a
+             server started on any host announces itself (orchestrator.discover_servers)
 
 A watcher (another program, or `rl run`) judges a peer by whether the file *changes*, timed by
 its own monotonic clock: no clock is compared across hosts, so unsynchronised clocks and a
-network filesystem's mtimes do not matter. A file unchanged for PEER_TIMEOUT_S means the peer is
+network filesystem's mtimes do not matter. A file unchanged for heartbeat_timeout_s means the peer is
 dead, frozen, or cut off from the storage; a file removed means it stopped cleanly.
 
 The thread proves the process is scheduled, not that its main loop progresses: a loop stuck
@@ -21,17 +23,19 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from rl.config import RunConfig
 from rl.rundir import RunDir, write_file_atomic
 
 HEARTBEAT_EVERY_S = 2.0
-PEER_TIMEOUT_S = 30.0
+PEER_TIMEOUT_S = 20.0  # the default of heartbeat_timeout_s
 
 log = logging.getLogger("heartbeat")
 _current: Heartbeat | None = None
@@ -40,17 +44,41 @@ _current: Heartbeat | None = None
 def heartbeat_path(cfg: RunConfig, program: str) -> Path:
     """Where `program` started with `cfg` keeps its heartbeat. The orchestrator's is its run's
     (a multi-run trainer admits runs by it); the trainer and the servers serve every run of an
-    output_dir; servers are told apart by host and port."""
+    output_dir; servers are told apart by the host and port of their URL."""
     if program == "orchestrator":
         return RunDir(cfg.run_dir).heartbeat_file(program)
     if program == "inference":
-        program = f"inference-{socket.gethostname()}-{cfg.inference.port}"
+        return server_heartbeat_path(cfg.output_dir, cfg.inference.url)
     return RunDir(cfg.output_dir).heartbeat_file(program)
 
 
+SERVER_PREFIX = "inference-"
+
+
+def server_heartbeat_path(output_dir: Path, url: str) -> Path:
+    """The heartbeat of the server at `url` (http://host:port): inference-<host>-<port>."""
+    netloc = urlsplit(url).netloc.rsplit("@", 1)[-1]
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", netloc.replace("[", "").replace("]", "")).strip("-")
+    return RunDir(output_dir).heartbeat_file(SERVER_PREFIX + name)
+
+
+def announced_servers(output_dir: Path) -> dict[str, Path]:
+    """URL -> heartbeat file of every server announcing itself under output_dir/heartbeats/."""
+    found = {}
+    for path in sorted(RunDir(output_dir).heartbeat_file("x").parent.glob(SERVER_PREFIX + "*")):
+        try:
+            lines = path.read_text(errors="replace").splitlines()
+        except OSError:  # removed meanwhile, or the share hiccuped: next look
+            continue
+        if len(lines) >= 3 and lines[2].startswith("url "):
+            found[lines[2][4:].strip().rstrip("/")] = path
+    return found
+
+
 class Heartbeat:
-    def __init__(self, path: Path, every_s: float = HEARTBEAT_EVERY_S):
+    def __init__(self, path: Path, every_s: float = HEARTBEAT_EVERY_S, url: str | None = None):
         self.path, self.every_s = path, every_s
+        self.url = url
         self.instance = f"{os.getpid()}@{socket.gethostname()} {time.time():.3f}"
         self.phase, self.phase_since = "starting", time.monotonic()
         self.beats = 0
@@ -72,7 +100,10 @@ class Heartbeat:
     def beat(self) -> None:
         self.beats += 1
         age = time.monotonic() - self.phase_since
-        write_file_atomic(self.path, f"{self.instance}\n{self.beats} {age:.0f}s {self.phase}\n".encode())
+        text = f"{self.instance}\n{self.beats} {age:.0f}s {self.phase}\n"
+        if self.url:
+            text += f"url {self.url}\n"
+        write_file_atomic(self.path, text.encode())
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
@@ -86,6 +117,11 @@ class Heartbeat:
         self._stop.set()
         self._thread.join(timeout=5)
         self.path.unlink(missing_ok=True)
+
+
+def current_instance() -> str | None:
+    """This program's instance ("<pid>@<host> <start time>"), as its heartbeat names it."""
+    return _current.instance if _current is not None else None
 
 
 def set_phase(phase: str) -> None:

@@ -95,6 +95,8 @@ class AbortRequest(Body):
 
 class UpdateWeightsRequest(Body):
     path: str = Field(min_length=1)
+    """weights/step_<n> relative to the server's output_dir (hosts mount the shared directory
+    where they like), "base" for the model it started with, or an absolute path."""
     version: int = Field(ge=0, le=MAX_INT)
     mode: Literal["wait", "keep"] = "wait"
 

@@ -55,7 +55,7 @@ def _start(name: str, argv: list[str], run: RunDir, cfg: RunConfig) -> Child:
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True, preexec_fn=_die_with_parent,
         )
-    return Child(name, proc, log, PeerWatch(heartbeat_path(cfg, name), name))
+    return Child(name, proc, log, PeerWatch(heartbeat_path(cfg, name), name, cfg.heartbeat_timeout_s))
 
 
 def _stop(children: list[Child]) -> None:

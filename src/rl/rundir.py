@@ -96,13 +96,6 @@ class RunDir:
     def run(self, name: str) -> RunDir:
         return RunDir(self.root / "runs" / name)
 
-    def heartbeat_age(self) -> float | None:
-        """Seconds since the orchestrator last wrote its heartbeat; None without one."""
-        try:
-            return time.time() - self.heartbeat.stat().st_mtime
-        except FileNotFoundError:
-            return None
-
     def config_file(self, program: str) -> Path:
         return self.root / "config" / f"{program}.toml"
 

@@ -28,6 +28,7 @@ import zmq.asyncio
 
 from rl.batch import Batch, BatchError
 from rl.config import TransportConfig
+from rl.polling import Backoff
 from rl.rundir import RunDir, write_file_atomic
 
 log = logging.getLogger("transport")
@@ -134,13 +135,14 @@ class BatchReceiver:
         called about once a second while waiting (the trainer watches the orchestrator's
         heartbeat there)."""
         self.cfg, self.run, self.poll_s, self.keep = cfg, run, poll_s, keep
+        self.backoff = Backoff(poll_s / 5, poll_s * 4)
         self.reject_damaged, self.on_wait = reject_damaged, on_wait
         self.socket = None
         self.early: dict[int, tuple[bytes, bytes]] = {}
         if cfg.kind == "zmq":
             self.context = zmq.Context()
             self.socket = self.context.socket(zmq.PULL)
-            self.socket.bind(cfg.address)
+            self.socket.bind(cfg.bind or cfg.address)
 
     def receive(self, step: int, timeout_s: float) -> Received:
         """Batch `step`, checked, and the seconds waited for it."""
@@ -165,8 +167,9 @@ class BatchReceiver:
         if self.socket is None:
             path = self.run.rollout_dir(step)
             if not path.exists():  # it appears whole, by rename
-                time.sleep(self.poll_s)
+                time.sleep(self.backoff.next())
                 return None
+            self.backoff.reset()
             try:
                 return self._read(step, path)
             except BatchError as e:

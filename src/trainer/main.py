@@ -214,8 +214,8 @@ class Trainer:
             return None
         # While it waits for a batch, the trainer says so within seconds if the orchestrator
         # died or froze (and keeps waiting: a restarted orchestrator resumes where it left off).
-        orchestrator = PeerReporter(PeerWatch(heartbeat_path(cfg, "orchestrator"), "orchestrator"), log,
-                                    f"waiting for it to come back (trainer.batch_timeout_s = "
+        watch = PeerWatch(heartbeat_path(cfg, "orchestrator"), "orchestrator", cfg.heartbeat_timeout_s)
+        orchestrator = PeerReporter(watch, log, f"waiting for it to come back (trainer.batch_timeout_s = "
                                     f"{cfg.trainer.batch_timeout_s:.0f} s)")
         return BatchReceiver(cfg.transport, policy.run, keep=bool(cfg.trainer.checkpoint_every),
                              on_wait=orchestrator.poll)

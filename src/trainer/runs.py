@@ -10,10 +10,11 @@ and writes into it weights/step_n (the run's adapter), checkpoints/step_n/traine
 optimizer state), metrics.jsonl lines, and trainer_status.json (joined, finished, left, rejected:
 what the orchestrator shows its user when the trainer turns the run away).
 
-A run joins when its orchestrator's heartbeat is fresh and a slot is free, continuing from its
-latest checkpoint if it has one. It leaves when it reaches max_steps, when its next batch is
-missing and its orchestrator's heartbeat is gone or older than run_timeout_s (checkpointed first,
-so it can rejoin), or when one of its steps fails. The other runs never wait for it: each turn
+A run joins when its orchestrator's heartbeat is there and not silent and a slot is free,
+continuing from its latest checkpoint if it has one. It leaves when it reaches max_steps, when its
+next batch is missing and its orchestrator's heartbeat is gone or has not changed for
+run_timeout_s (checkpointed first, so it can rejoin), or when one of its steps fails. Silence is
+timed by this process's clock (rl/heartbeat.py): the hosts' clocks need not agree. The other runs never wait for it: each turn
 trains one step of the run whose batch is ready and which trained least recently.
 
 Rank 0 makes every decision (it alone looks at the directories) and hands it to the other ranks
@@ -26,8 +27,10 @@ import json
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from rl.config import ConfigError, RunConfig, load_config
+from rl.heartbeat import PeerState, PeerWatch
 from rl.rundir import RunDir, write_file_atomic
 from rl.transport import BatchReceiver
 from trainer.main import Policy, Trainer
@@ -63,6 +66,15 @@ class MultiRun:
         # away or finished under. A restarted orchestrator writes a new heartbeat and is looked at again.
         self.settled: dict[str, str] = {}
         self.idle_since, self.seen_any = time.monotonic(), False
+        self.watches: dict[str, PeerWatch] = {}
+
+    def orchestrator(self, name: str) -> PeerState:
+        """The run's orchestrator as its heartbeat shows it (first seen now: not silent yet)."""
+        watch = self.watches.get(name)
+        if watch is None:
+            watch = self.watches[name] = PeerWatch(self.root.run(name).heartbeat, f"run {name}'s orchestrator",
+                                                   self.lora_cfg.run_timeout_s)
+        return watch.poll()
 
     # --- the loop (every rank) ------------------------------------------------------------------
 
@@ -92,10 +104,10 @@ class MultiRun:
             if m.policy.run.rollout_dir(m.step).is_dir():
                 ready.append((m.trained_at, name))
                 continue
-            age = m.policy.run.heartbeat_age()
-            if age is None or age > self.lora_cfg.run_timeout_s:
-                why = ("its orchestrator stopped" if age is None else
-                       f"no heartbeat from its orchestrator for {age:.0f} s (trainer.lora.run_timeout_s)")
+            peer = self.orchestrator(name)
+            if peer.state != "alive":
+                why = ("its orchestrator stopped" if peer.state != "silent" else
+                       f"no heartbeat from its orchestrator for {peer.silent_s:.0f} s (trainer.lora.run_timeout_s)")
                 leave.append((name, f"{why}, waiting for batch {m.step}", "left"))
         join = []
         free = len(self.free) + len(leave)
@@ -105,8 +117,7 @@ class MultiRun:
             run = self.root.run(name)
             if name in self.members or not run.config_file("orchestrator").is_file():
                 continue
-            age = run.heartbeat_age()
-            if age is None or age > self.lora_cfg.run_timeout_s or (
+            if self.orchestrator(name).state != "alive" or (
                     name in self.settled and self.settled[name] == _instance(run)):
                 continue
             join.append(name)
@@ -159,10 +170,11 @@ class MultiRun:
         except ConfigError as e:
             raise RunRejected(f"{path}: {e}") from None
         mine = self.cfg
-        if cfg.run_dir.resolve() != run.root.resolve():
-            raise RunRejected(f"run_name: {cfg.run_name!r} with output_dir {cfg.output_dir} is not this run's "
-                              f"directory {run.root}")
-        if cfg.model.resolve() != mine.model.resolve():
+        # Paths are the orchestrator's, on its host: they may name the shared directory and the
+        # model differently from here. What must agree is the run's name and the model itself.
+        if cfg.run_name != run.root.name:
+            raise RunRejected(f"run_name: {cfg.run_name!r} is not this run's directory name {run.root.name!r}")
+        if not same_model(cfg.model, mine.model):
             raise RunRejected(f"model: {cfg.model} differs from the trainer's base model {mine.model}")
         if cfg.seq_len > mine.seq_len:
             raise RunRejected(f"seq_len: {cfg.seq_len} exceeds the trainer's {mine.seq_len}")
@@ -204,8 +216,20 @@ class MultiRun:
 
     def status(self, run: RunDir, status: str, detail: str, **extra) -> None:
         if self.t.rank == 0:
-            record = {"status": status, "detail": detail, "time": time.time(), **extra}
+            # The orchestrator instance it concerns: a restarted orchestrator ignores its
+            # predecessor's verdict without comparing clocks across hosts.
+            record = {"status": status, "detail": detail, "orchestrator": _instance(run), **extra}
             write_file_atomic(run.trainer_status, json.dumps(record).encode())
+
+
+def same_model(theirs: Path, mine: Path) -> bool:
+    """The same directory, or (seen from another host) one whose config.json is the same."""
+    if theirs.resolve() == mine.resolve():
+        return True
+    try:
+        return json.loads((theirs / "config.json").read_text()) == json.loads((mine / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def _instance(run: RunDir) -> str:
