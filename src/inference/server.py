@@ -75,6 +75,7 @@ from rl.inference_api import (
     UpdateWeightsRequest,
     resolve_token,
 )
+from rl.heartbeat import set_phase
 from rl.rundir import RunDir
 
 log = logging.getLogger("inference")
@@ -672,6 +673,7 @@ async def _serve(args, admin: AdminRoutes) -> None:
             admin.attach(app, engine)
             await init_app_state(engine, app.state, args, tasks)
             log.info("serving %s on http://%s:%d (version 0)", args.model, args.host, args.port)
+            set_phase("serving")
             shutdown = await serve_http(
                 app, sock=sock, host=args.host, port=args.port,
                 log_level="warning", access_log=False,

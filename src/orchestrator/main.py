@@ -234,10 +234,18 @@ class Orchestrator:
         damaged, and stop if a multi-run trainer turned this run away."""
         watch = PeerWatch(heartbeat_path(self.cfg, "trainer"), "trainer", self.cfg.heartbeat_timeout_s)
         trainer = PeerReporter(watch, log, "batches wait for it (restart it with --resume)")
+        ranks: dict[str, PeerReporter] = {}  # the trainer's other ranks, on other nodes maybe
         instance = None
         while True:
             if self.next_step <= self.cfg.max_steps:  # after the last batch, a trainer that exits is done
                 trainer.poll()
+                for path in heartbeat_path(self.cfg, "trainer").parent.glob("trainer-rank*"):
+                    if path.name not in ranks:
+                        ranks[path.name] = PeerReporter(
+                            PeerWatch(path, path.name, self.cfg.heartbeat_timeout_s), log,
+                            "the trainer's collectives wait for it (torchrun stops the trainer if it is gone)")
+                for reporter in ranks.values():
+                    reporter.poll()
             self.sender.forget(self.run_dir.latest_stable_weights() or 0)
             if self.cfg.transport.kind == "filesystem":
                 await self.sender.resend_rejected()

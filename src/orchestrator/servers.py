@@ -51,6 +51,9 @@ class Server:
     so a burst of new groups spreads over the servers)."""
     healthy: bool = False
     updating: bool = False
+    update: asyncio.Task | None = None
+    """Its weight update in progress (file sync): cancelled when it leaves rotation, so that a
+    server cut off mid-update does not hold the other servers' next version back."""
     backoff_s: float = 1.0
     retry_at: float = 0.0
     idle_s: float = 0.0
@@ -151,6 +154,8 @@ class ServerPool:
         if not s.healthy:
             return
         s.healthy = False
+        if s.update is not None:
+            s.update.cancel()
         wait = self._back_off(s)
         log.warning("server %s out of rotation (%s); %d of %d left, retry in %.0f s",
                     s.url, reason, len(self.in_rotation), len(self.servers), wait)
@@ -245,15 +250,16 @@ class ServerPool:
         candidates = self.servers if broadcast else self.in_rotation
         stale = [s for s in candidates if s.version != version]
         timeout = self.reload_timeout_s + (self.broadcast_timeout_s if broadcast else 0.0)
-        for s in stale:
-            s.updating = True
+        tasks = [asyncio.create_task(s.client.update_weights(self.path, version, self.mode, timeout))
+                 for s in stale]
+        for s, task in zip(stale, tasks):
+            # A broadcast cannot drop a member half-way: the trainer's collective needs it.
+            s.updating, s.update = True, None if broadcast else task
         try:
-            results = await asyncio.gather(*(
-                s.client.update_weights(self.path, version, self.mode, timeout) for s in stale),
-                return_exceptions=True)
+            results = await asyncio.gather(*tasks, return_exceptions=True)
         finally:
             for s in stale:
-                s.updating = False
+                s.updating, s.update = False, None
         reload_s = []
         for s, r in zip(stale, results):
             if isinstance(r, BaseException):
@@ -353,16 +359,17 @@ class ServerPool:
         return health.get("version") == s.version
 
     async def check(self) -> None:
-        """A server restarted between two requests comes back serving the base model and fails
-        nothing: compare what each one reports with what it should serve."""
-        servers = [s for s in self.in_rotation if not s.updating]
+        """A server whose host is cut off answers nothing; one restarted between two requests
+        comes back serving the base model and fails nothing: compare what each one reports with
+        what it should serve (not while it updates: /health answers then, the version moves)."""
+        servers = list(self.in_rotation)
         results = await asyncio.gather(*(s.client.health() for s in servers), return_exceptions=True)
         for s, r in zip(servers, results):
-            if s.updating or not s.healthy:
+            if not s.healthy:
                 continue  # changed while we asked
             if isinstance(r, BaseException):
                 self.fail(s, f"health check failed: {r}")
-            elif not self._serves(s, r):
+            elif not s.updating and not self._serves(s, r):
                 self.fail(s, f"reports version {self._reported_version(r)}, expected {s.version} (restarted?)")
 
     async def heal(self, check_every_s: float = 2.0) -> None:

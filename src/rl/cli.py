@@ -5,6 +5,7 @@
     rl orchestrator @ configs/demo.toml
     rl trainer @ configs/demo.toml              # torchrun --nproc-per-node 2 -m trainer @ ...
     rl trainer @ configs/demo.toml --trainer.optim.lr 1e-4 --dry-run
+    rl slurm @ configs/demo.toml > job.sbatch   # the same run as a SLURM job (docs/slurm.md)
 
 Programs are imported only after the config parsed, so `--help` and config errors are instant.
 """
@@ -67,14 +68,15 @@ def _program(program: str, argv: list[str], main: Callable[[RunConfig], object])
     from rl.config_doc import save_resolved
     from rl.heartbeat import Heartbeat, heartbeat_path
 
-    if os.environ.get("RANK", "0") != "0":
-        # A trainer rank other than 0 (torchrun, possibly on another node): rank 0 speaks for
-        # the trainer in the run directory; torchrun watches its other ranks.
-        raise typer.Exit(int(main(cfg) or 0))
-    save_resolved(cfg, program)
+    rank = os.environ.get("RANK", "0")  # set by torchrun: a trainer rank, maybe on another node
+    if rank == "0":
+        save_resolved(cfg, program)
     # First thing, before the heavy imports: peers and `rl run` see the program from its start.
+    # Every trainer rank beats (trainer-rank<r> besides rank 0's "trainer"), so that a node cut
+    # off is named even while rank 0 sits in a collective waiting for it.
+    name = program if rank == "0" else f"{program}-rank{rank}"
     url = cfg.inference.url if program == "inference" else None
-    heartbeat = Heartbeat(heartbeat_path(cfg, program), url=url).start()
+    heartbeat = Heartbeat(heartbeat_path(cfg, name), url=url).start()
     try:
         code = main(cfg)
     finally:
@@ -125,6 +127,22 @@ def run(ctx: typer.Context) -> None:
     from rl.launcher import launch
 
     raise typer.Exit(launch(cfg, ctx.args))
+
+
+@app.command(context_settings=_ARGS)
+def slurm(ctx: typer.Context) -> None:
+    """Print an sbatch script that runs this config on a SLURM cluster ([slurm] table, docs/slurm.md)."""
+    cfg = resolve(ctx.args, "slurm")
+    from rl.slurm import SlurmError, render
+
+    try:
+        script, notes = render(cfg)
+    except SlurmError as e:
+        typer.echo(f"rl slurm: {e}", err=True)
+        raise typer.Exit(2) from None
+    for note in notes:
+        typer.echo(f"rl slurm: {note}", err=True)
+    typer.echo(script, nl=False)
 
 
 def main() -> None:

@@ -1,0 +1,144 @@
+"""Separate "hosts" on one machine, for multi-host tests.
+
+Where the machine allows it (root, iproute2), each host is a network namespace with its own
+address on a bridge, and cutting its link takes its interface down: requests to it hang and time
+out as they would across a real network. Elsewhere each host is a loopback address (127.0.0.x).
+Either way a host has its own working directory, and the processes started on it are frozen
+(SIGSTOP, the whole tree) while it is cut off: a host whose link is cut reaches neither the
+network nor the shared storage, so its heartbeat stops too.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+import psutil
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+def namespaces_available() -> bool:
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return False
+    probe = f"rlprobe{os.getpid()}"
+    try:
+        _ip("netns", "add", probe)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
+        return False
+    _ip("netns", "del", probe)
+    return True
+
+
+class Host:
+    def __init__(self, network: Network, name: str, index: int):
+        self.network, self.name = network, name
+        self.workdir = network.root / name
+        self.workdir.mkdir(parents=True)
+        self.procs: list[subprocess.Popen] = []
+        self.frozen: list[psutil.Process] = []
+        tag = f"{network.tag}{index}"
+        if network.namespaces:
+            self.address = f"{network.subnet}.{10 + index}"
+            self.netns, self.link = f"rlns{tag}", f"rlv{tag}"
+            _ip("netns", "add", self.netns)
+            _ip("link", "add", self.link, "type", "veth", "peer", "name", "eth0", "netns", self.netns)
+            _ip("link", "set", self.link, "master", network.bridge, "up")
+            for cmd in (["addr", "add", f"{self.address}/24", "dev", "eth0"], ["link", "set", "eth0", "up"],
+                        ["link", "set", "lo", "up"]):
+                _ip("netns", "exec", self.netns, "ip", *cmd)
+        else:
+            self.address, self.netns, self.link = f"127.0.0.{20 + index}", None, None
+
+    @property
+    def interface(self) -> str:
+        """The interface its address lives on (gloo must be told: the machine's host name
+        resolves to an address outside the namespace)."""
+        return "eth0" if self.netns else "lo"
+
+    def start(self, argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+        """Run argv on this host, in its working directory, in a session of its own."""
+        prefix = ["ip", "netns", "exec", self.netns] if self.netns else []
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(prefix + argv, cwd=self.workdir, stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True, env={**os.environ, **env})
+        self.procs.append(proc)
+        return proc
+
+    def _tree(self) -> list[psutil.Process]:
+        tree = []
+        for p in self.procs:
+            try:
+                root = psutil.Process(p.pid)
+                tree += [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                pass
+        return tree
+
+    def cut(self) -> None:
+        if self.link:
+            _ip("link", "set", self.link, "down")
+        self.frozen = self._tree()
+        for p in self.frozen:
+            try:
+                p.send_signal(signal.SIGSTOP)
+            except psutil.NoSuchProcess:
+                pass
+
+    def restore(self) -> None:
+        for p in self.frozen:
+            try:
+                p.send_signal(signal.SIGCONT)
+            except psutil.NoSuchProcess:
+                pass
+        self.frozen = []
+        if self.link:
+            _ip("link", "set", self.link, "up")
+
+    def kill(self) -> None:
+        """The host crashes: everything on it dies at once."""
+        for p in self._tree():
+            try:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+class Network:
+    """Hosts joined by a bridge (namespaces) or by the loopback interface."""
+
+    def __init__(self, root: Path, namespaces: bool):
+        self.root, self.namespaces = root, namespaces
+        self.tag = f"{os.getpid() % 10000}"
+        self.subnet = f"10.{200 + os.getpid() % 50}.{os.getpid() % 250}"
+        self.hosts: list[Host] = []
+        self.bridge = f"rlbr{self.tag}"
+        if namespaces:
+            _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("addr", "add", f"{self.subnet}.1/24", "dev", self.bridge)
+            _ip("link", "set", self.bridge, "up")
+
+    def host(self, name: str) -> Host:
+        h = Host(self, name, len(self.hosts) + 1)
+        self.hosts.append(h)
+        return h
+
+    def close(self) -> None:
+        for h in self.hosts:
+            h.restore()
+            h.kill()
+            if h.netns:
+                subprocess.run(["ip", "netns", "del", h.netns], capture_output=True, timeout=30)
+        if self.namespaces:
+            subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, timeout=30)
