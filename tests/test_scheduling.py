@@ -324,3 +324,49 @@ def test_a_server_restarted_between_requests_is_reloaded(tmp_path):
     check_rules(o)
     assert b.version == a.version == 50
     assert any(t > restarted[0] for t, v in b.versions if v > 0), "never reloaded after the restart"
+
+
+def test_a_server_announced_in_the_run_directory_joins_on_the_current_version_and_leaves(tmp_path):
+    """A server nobody listed starts mid-run and announces itself with its heartbeat (as `rl
+    inference` on another host does): it joins once healthy, loaded with the current version
+    before its first request, and leaves when its heartbeat goes; its groups are requeued and
+    no prompt is lost."""
+    from aiohttp import web
+
+    from rl.heartbeat import Heartbeat, server_heartbeat_path
+
+    a, b = FakeServer(lambda: 0.002), FakeServer(lambda: 0.002)
+    run = RunDir(tmp_path)
+    timeline = {}
+
+    async def join_and_leave():
+        port = free_port()
+        runner = await start(b, port)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            while len(run.rollout_steps()) < 2:
+                await asyncio.sleep(0.01)
+            beat = Heartbeat(server_heartbeat_path(tmp_path, url), every_s=0.2, url=url).start()
+            timeline["announced"] = time.monotonic()
+            while len(b.requests) < 5:
+                await asyncio.sleep(0.01)
+            beat.stop()  # a clean stop: the heartbeat file goes
+            timeline["stopped"] = time.monotonic()
+            await asyncio.sleep(3.0)
+        finally:
+            await runner.cleanup()
+
+    async def scenario():
+        task = asyncio.create_task(join_and_leave())
+        o = await run_scenario(tmp_path, [a], step_latency=lambda: 0.15, max_steps=40)
+        await task
+        return o
+
+    o = asyncio.run(scenario())
+    check_rules(o)
+    first_request = min(r.started for r in b.requests.values())
+    loaded = [(t, v) for t, v in b.versions if v > 0]
+    assert loaded and loaded[0][0] < first_request, "served before it was brought to the current version"
+    assert b.versions[1][1] >= 2  # joined after batch 2: not on the base model
+    assert all(r.started < timeline["stopped"] + 0.5 for r in b.requests.values()), "used after it left"
+    assert [s.url for s in o.orchestrator.pool.servers] == [o.cfg.orchestrator.server_urls[0]]

@@ -163,7 +163,10 @@ class InferenceClient:
                     text = await r.text()
                     raise InferenceError(f"{self.url}{route}: HTTP {r.status}: {text[:300]}")
                 return await r.json()
-        except (aiohttp.ClientError, TimeoutError) as e:
+        except TimeoutError:
+            raise InferenceError(f"{self.url}{route}: no answer in {timeout:g} s (server down or "
+                                 "unreachable?)") from None
+        except aiohttp.ClientError as e:
             raise InferenceError(f"{self.url}{route}: {type(e).__name__}: {e}") from None
 
     async def health(self, timeout: float = 5.0) -> dict:

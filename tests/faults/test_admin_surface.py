@@ -197,6 +197,9 @@ def test_weight_paths_outside_the_roots_are_refused(server):
         "symlink inside to outside": str(run.weights / "link"),
         "../": f"{run.weights}/../../outside",
         "../ from the model": f"{TINY_MODEL}{'/..' * len(TINY_MODEL.parts)}{outside}",
+        # Relative paths are read from the server's output_dir (hosts mount it where they like).
+        "relative ../": "../outside",
+        "relative through the symlink": "weights/link",
     }
     for route, body in (("/update_weights", {"version": 2}), ("/load_lora_adapter", {"name": "a", "version": 2})):
         for why, path in escapes.items():
