@@ -331,8 +331,6 @@ def test_a_server_announced_in_the_run_directory_joins_on_the_current_version_an
     inference` on another host does): it joins once healthy, loaded with the current version
     before its first request, and leaves when its heartbeat goes; its groups are requeued and
     no prompt is lost."""
-    from aiohttp import web
-
     from rl.heartbeat import Heartbeat, server_heartbeat_path
 
     a, b = FakeServer(lambda: 0.002), FakeServer(lambda: 0.002)

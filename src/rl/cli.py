@@ -131,7 +131,7 @@ def run(ctx: typer.Context) -> None:
 
 @app.command(context_settings=_ARGS)
 def slurm(ctx: typer.Context) -> None:
-    """Print an sbatch script that runs this config on a SLURM cluster ([slurm] table, docs/slurm.md)."""
+    """Print an sbatch script that runs this config on a SLURM cluster (see docs/slurm.md)."""
     cfg = resolve(ctx.args, "slurm")
     from rl.slurm import SlurmError, render
 
