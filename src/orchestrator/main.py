@@ -71,6 +71,8 @@ class Counters:
     failed_requests: int = 0
     filtered: int = 0
     dropped_stale: int = 0
+    requeued: int = 0
+    """Groups taken off a server that stopped answering, prompts requeued."""
     started: float = field(default_factory=time.monotonic)
 
 
@@ -373,7 +375,7 @@ class Orchestrator:
         task.add_done_callback(lambda t: (self.chores.discard(t), t.cancelled() or t.exception()))
 
     def requeue_from(self, server: Server) -> None:
-        """A server left rotation (it failed, its heartbeat stopped, its host is cut off): its
+        """A server stopped answering (health check, heartbeat: its host died or is cut off): its
         groups would finish late or never (request_timeout_s), so their prompts go back to the
         queue now, for the servers still there. Aborts are best effort: it may be unreachable."""
         doomed = [(gid, g) for gid, g in self.in_flight.items() if g.server is server]
@@ -384,7 +386,7 @@ class Orchestrator:
             if g.requests:
                 self.spawn(server.client.abort(sorted(g.requests), timeout=2.0))
             g.task.cancel()
-        self.counters.failed_requests += len(doomed)
+        self.counters.requeued += len(doomed)
         if doomed:
             log.warning("requeued the prompts of %d group(s) in flight on %s", len(doomed), server.url)
         self.spawn(self.notify())
@@ -485,7 +487,7 @@ class Orchestrator:
             "wait_s": trainer_wait + group_wait, "trainer_wait_frac": trainer_wait / elapsed,
             "group_wait_s": group_wait, "inference_idle_frac": self.pool.take_idle_s() / (elapsed * servers),
             "cancelled": c.cancelled, "failed": c.failed, "failed_requests": c.failed_requests,
-            "filtered": c.filtered, "dropped_stale": c.dropped_stale,
+            "filtered": c.filtered, "dropped_stale": c.dropped_stale, "requeued": c.requeued,
             "in_flight": len(self.in_flight), "buffered": len(self.finished),
             "serving_version": self.pool.serving_version, "servers_in_rotation": len(self.pool.in_rotation),
         }

@@ -4,7 +4,8 @@ requests each has in flight, which are in rotation.
 Servers join and leave while the run goes on. A listed server (orchestrator.server_urls) or
 one that announces itself in the run directory (discover) joins once it answers /health, loaded
 with the pool's current version first. A server that fails a request or a health check is taken
-out of rotation at once (on_fail requeues its groups) and health-checked with exponential
+out of rotation at once (one that no longer answers at all: on_fail requeues its groups in
+flight) and health-checked with exponential
 backoff; it rejoins only after it serves the pool's current version, so the async rule (every
 server in rotation serves >= n-1-k) never regresses. A discovered server whose heartbeat stops
 (removed, or silent for heartbeat_timeout_s) leaves the pool; it joins again when it comes back.
@@ -63,7 +64,9 @@ class Server:
     listed: bool = True
     """In orchestrator.server_urls: never forgotten, only taken out of rotation."""
     joined: bool = False
-    """Has served in this run (before that it is joining: probed every second, quietly)."""
+    """Has served in this run (before that it is joining: probed every second, noted every
+    30 s)."""
+    noted_at: float = field(default_factory=time.monotonic)
     silent: bool = False
     """Its heartbeat stopped: kept out of rotation even if it answers HTTP (it cannot read
     the run directory, so it cannot load new weights)."""
@@ -150,7 +153,10 @@ class ServerPool:
             s.idle_s = 0.0
         return total
 
-    def fail(self, s: Server, reason: str) -> None:
+    def fail(self, s: Server, reason: str, gone: bool = False) -> None:
+        """Out of rotation. `gone`: it no longer answers at all (health check, heartbeat), so its
+        groups in flight will not finish either: on_fail requeues them. After a failed request
+        the others may well finish, and are left to."""
         if not s.healthy:
             return
         s.healthy = False
@@ -159,7 +165,7 @@ class ServerPool:
         wait = self._back_off(s)
         log.warning("server %s out of rotation (%s); %d of %d left, retry in %.0f s",
                     s.url, reason, len(self.in_rotation), len(self.servers), wait)
-        if self.on_fail is not None:
+        if gone and self.on_fail is not None:
             self.on_fail(s)
 
     def find(self, url: str) -> Server | None:
@@ -175,7 +181,7 @@ class ServerPool:
 
     def remove(self, s: Server, why: str) -> None:
         """Forget a discovered server: it stopped or is gone (its groups are requeued)."""
-        self.fail(s, why)
+        self.fail(s, why, gone=True)
         if s in self.servers:
             self.servers.remove(s)
         log.warning("server %s left the pool (%s); %d server(s) in rotation", s.url, why, len(self.in_rotation))
@@ -203,7 +209,8 @@ class ServerPool:
                     s.healthy = s.joined = True
                     s.idle_since = time.monotonic()
             left = [s for s in self.servers if not s.joined]
-            if not left if every else self.in_rotation:
+            ready = not left if every else bool(self.in_rotation)
+            if ready:
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"inference server(s) {', '.join(s.url for s in left)} not healthy "
@@ -368,7 +375,7 @@ class ServerPool:
             if not s.healthy:
                 continue  # changed while we asked
             if isinstance(r, BaseException):
-                self.fail(s, f"health check failed: {r}")
+                self.fail(s, f"health check failed: {r}", gone=True)
             elif not s.updating and not self._serves(s, r):
                 self.fail(s, f"reports version {self._reported_version(r)}, expected {s.version} (restarted?)")
 
@@ -396,8 +403,11 @@ class ServerPool:
                 except InferenceError as e:
                     if s.joined:
                         log.warning("server %s still down (%s); retry in %.0f s", s.url, e, self._back_off(s))
-                    else:
+                    else:  # still starting (vLLM takes a while), or never coming
                         s.retry_at = time.monotonic() + 1.0
+                        if s.retry_at - s.noted_at > 30:
+                            log.info("server %s not up yet (%s)", s.url, e)
+                            s.noted_at = s.retry_at
                     continue
                 if s not in self.servers:
                     continue  # removed while we asked
@@ -433,7 +443,7 @@ class ServerPool:
                         s.silent = True
                         why = peer.describe() if peer.state == "silent" else "stopped: its heartbeat was removed"
                         if s.listed:
-                            self.fail(s, why)
+                            self.fail(s, why, gone=True)
                         else:
                             self.remove(s, why)
                     if peer.state == "stopped":

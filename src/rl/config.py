@@ -426,7 +426,8 @@ class SlurmConfig(Section):
     """Further #SBATCH lines, verbatim (e.g. ["--exclusive", "--mem=0"])."""
 
     setup: list[str] = []
-    """Shell lines every node runs first (module loads, `source .venv/bin/activate`)."""
+    """Shell lines the job runs first (module loads, `source .venv/bin/activate`); every step
+    inherits the environment they leave."""
 
     rendezvous_port: int = Field(29500, ge=1, le=65535)
     """Port of the trainer's torchrun rendezvous on the first trainer node."""

@@ -110,7 +110,8 @@ def status_line(step: int, total: int, orch: dict, train: dict) -> str:
         f"| inference idle {100 * orch.get('inference_idle_frac', 0):.0f}%"
     )
     # Only when something went wrong or was thrown away: the usual line stays short.
-    extra = {k: orch.get(k, 0) for k in ("cancelled", "failed", "failed_requests", "filtered", "dropped_stale")}
+    extra = {k: orch.get(k, 0) for k in ("cancelled", "failed", "failed_requests", "requeued", "filtered",
+                                          "dropped_stale")}
     if any(extra.values()):
         line += " | " + " ".join(f"{k} {v}" for k, v in extra.items() if v)
     return line

@@ -1,0 +1,334 @@
+"""`rl slurm`: the sbatch script it renders, run by bash on a fake cluster.
+
+No SLURM here: `scontrol` and `srun` are shims first in PATH. The fake srun runs its command
+locally in a session of its own (killed whole when the step ends, as slurmstepd would), or, in
+record mode, only records what it was asked to run and stands in for the program (a server
+waits to be stopped, the others exit 0)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, TINY_MODEL, free_port, rl_command
+from rl.config import load_config
+from rl.config_doc import render_toml
+
+JOB_ID = "4242"
+
+SRUN = r'''#!{python}
+import json, os, signal, subprocess, sys, threading
+
+args = sys.argv[1:]
+node = None
+while args and args[0].startswith("-"):
+    a = args.pop(0)
+    if a in ("-w", "--nodelist"):
+        node = args.pop(0)
+    elif a.startswith("--nodelist="):
+        node = a.split("=", 1)[1]
+    elif a != "--overlap" and not a.startswith(("--nodes=1", "--ntasks=1", "--export=ALL", "--job-name=")):
+        sys.exit(f"fake srun: unexpected option {{a}}")
+if not node or "," in node or not args:
+    sys.exit(f"fake srun: one node and a command expected: {{sys.argv}}")
+with open(os.environ["FAKE_SRUN_LOG"], "a") as f:
+    f.write(json.dumps({{"node": node, "argv": args, "token": os.environ.get("ASYNCRL_API_TOKEN")}}) + "\n")
+if os.environ.get("FAKE_SRUN_RECORD"):
+    fail = os.environ.get("FAKE_FAIL")
+    if "inference" in args:
+        args = ["sh", "-c", "sleep 0.5; exit 3"] if fail and fail in args else ["sleep", "1000"]
+    else:
+        args = ["sleep", "1000"] if os.environ.get("FAKE_HANG") else ["true"]
+proc = subprocess.Popen(args, env={{**os.environ, "SLURMD_NODENAME": node}}, start_new_session=True)
+with open(os.environ["FAKE_SRUN_LOG"] + ".pgids", "a") as f:
+    f.write(f"{{proc.pid}}\n")
+
+def kill(sig):
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+def stop(signum, _):
+    kill(signum)  # then SIGKILL after a grace, like srun's KillWait
+    threading.Timer(20, kill, (signal.SIGKILL,)).start()
+
+signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGINT, stop)
+rc = proc.wait()
+kill(signal.SIGKILL)  # nothing of a step outlives it (vLLM's engine processes)
+os._exit(rc if rc >= 0 else 128 - rc)
+'''
+
+SCONTROL = """#!/bin/sh
+[ "$1 $2" = "show hostnames" ] || { echo "fake scontrol: $*" >&2; exit 1; }
+for n in $FAKE_NODES; do echo "$n"; done
+"""
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """Shims in PATH, a job environment, and a run() that renders a config and runs the job."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(SRUN.format(python=sys.executable))
+    (bin_dir / "scontrol").write_text(SCONTROL)
+    for shim in bin_dir.iterdir():
+        shim.chmod(0o755)
+    submit = tmp_path / "submit"
+    submit.mkdir()
+    log = tmp_path / "srun.jsonl"
+    env = {**os.environ, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "SLURM_JOB_ID": JOB_ID, "SLURM_JOB_NODELIST": "fake[1-4]", "SLURM_SUBMIT_DIR": str(submit),
+           "FAKE_SRUN_LOG": str(log)}
+    env.pop("ASYNCRL_API_TOKEN", None)
+
+    class Cluster:
+        def __init__(self):
+            self.env, self.submit, self.started = env, submit, []
+
+        def script(self, cfg: Path, *extra: str) -> Path:
+            out = render(cfg, *extra)
+            assert out.returncode == 0, out.stderr
+            path = tmp_path / "job.sbatch"
+            path.write_text(out.stdout)
+            return path
+
+        def start(self, script: Path, **more: str) -> subprocess.Popen:
+            proc = subprocess.Popen(["bash", str(script)], env={**env, **more}, cwd=tmp_path,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    start_new_session=True)
+            self.started.append(proc)
+            return proc
+
+        def steps(self) -> list[dict]:
+            return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+        def leftovers(self, wait_s: float = 10) -> list[int]:
+            """Process groups of steps still alive; killed ones get wait_s to be reaped."""
+            pgids = Path(f"{log}.pgids")
+            groups = [int(p) for p in pgids.read_text().split()] if pgids.exists() else []
+            deadline = time.monotonic() + wait_s
+            while (left := [g for g in groups if alive(g)]) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            return left
+
+    c = Cluster()
+    yield c
+    for proc in c.started:  # a failed test must not leave a job (or vLLM) running
+        for pgid in [proc.pid, *c.leftovers(wait_s=0)]:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def render(cfg: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(rl_command("slurm", "@", str(cfg), *extra), capture_output=True, text=True,
+                          timeout=60)
+
+
+def big_config(write_toml, output_dir: Path, port: int = 8000, extra: str = "") -> Path:
+    """2 inference nodes x 2 servers, 2 trainer nodes, 4 GPUs each, ZMQ and weight broadcast."""
+    return write_toml(
+        f'model = "{TINY_MODEL}"\noutput_dir = "{output_dir}"\n'
+        f'[inference]\nport = {port}\napi_token = "do-not-embed-me"\n'
+        '[transport]\nkind = "zmq"\naddress = "tcp://127.0.0.1:5557"\n'
+        '[weight_sync]\nkind = "broadcast"\naddress = "127.0.0.1:29710"\n'
+        '[slurm]\ninference_nodes = 2\nservers_per_node = 2\ntrainer_nodes = 2\ngpus_per_node = 4\n'
+        'partition = "gpu"\naccount = "rl"\ntime_limit = "2:00:00"\njob_name = "rev"\n'
+        'sbatch_args = ["--exclusive", "--mem=0"]\nsetup = ["export FROM_SETUP=1"]\n'
+        'rendezvous_port = 29555\n' + extra)
+
+
+# --- rendering ---------------------------------------------------------------------------------
+
+
+def test_script_has_the_sbatch_lines_and_is_valid_bash(write_toml, tmp_path):
+    out = render(big_config(write_toml, tmp_path / "run"))
+    assert out.returncode == 0, out.stderr
+    script = out.stdout
+    sbatch = re.findall(r"^#SBATCH (.*)$", script, re.M)
+    assert sbatch == ["--job-name=rev", "--nodes=4", "--ntasks-per-node=1", "--time=2:00:00",
+                      "--output=%x-%j.out", "--partition=gpu", "--account=rl", "--gpus-per-node=4",
+                      "--exclusive", "--mem=0"]
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    assert "do-not-embed-me" not in script
+    # The embedded config is the resolved one, token left out.
+    embedded = re.search(r"<<'ASYNCRL_CONFIG'\n(.*?)\nASYNCRL_CONFIG\n", script, re.S).group(1)
+    cfg, _ = load_config(["@", str(tmp_path / "cfg.toml")])
+    assert embedded + "\n" == render_toml(cfg, omit_secrets=True)
+    assert "api_token" not in tomllib.loads(embedded)["inference"]
+    assert "inference.api_token is not written into the script" in out.stderr
+
+
+def test_job_places_servers_trainer_and_orchestrator_on_their_nodes(cluster, write_toml, tmp_path):
+    run = tmp_path / "run"
+    script = cluster.script(big_config(write_toml, run, port=8100))
+    job = cluster.start(script, FAKE_NODES="n1 n2 n3 n4", FAKE_SRUN_RECORD="1")
+    _, err = job.communicate(timeout=60)
+    assert job.returncode == 0, err
+    steps = cluster.steps()
+    by_node = {}
+    for s in steps:
+        by_node.setdefault(s["node"], []).append(s["argv"])
+    assert sorted(by_node) == ["n1", "n2", "n3", "n4"]
+    config_file = str(run / "config" / f"slurm-{JOB_ID}.toml")
+    for node in ("n1", "n2"):
+        servers = sorted(by_node[node], key=lambda a: a[a.index("--inference.port") + 1])
+        assert [a[:2] for a in servers] == [["env", "CUDA_VISIBLE_DEVICES=0,1"], ["env", "CUDA_VISIBLE_DEVICES=2,3"]]
+        for argv, port in zip(servers, ("8100", "8101")):
+            assert argv[2:] == ["python", "-m", "rl", "inference", "@", config_file, "--inference.host", node,
+                                "--inference.port", port, "--weight_sync.address", "n3:29710"]
+    trainers = [a for n in ("n3", "n4") for a in by_node[n] if "trainer" in a]
+    for rank, (node, argv) in enumerate(zip(("n3", "n4"), trainers)):
+        assert argv in by_node[node]
+        assert argv == ["python", "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "4",
+                        "--rdzv-backend", "static", "--node-rank", str(rank), "--master-addr", "n3",
+                        "--master-port", "29555", "-m", "trainer", "@", config_file, "--transport.bind", "tcp://*:5557",
+                        "--transport.address", "tcp://n3:5557", "--weight_sync.address", "n3:29710"]
+    (orchestrator,) = [a for a in by_node["n3"] if "orchestrator" in a]
+    i = orchestrator.index("--orchestrator.server_urls")
+    assert orchestrator[:i] == ["python", "-m", "rl", "orchestrator", "@", config_file]
+    assert orchestrator[i + 2:] == ["--transport.address", "tcp://n3:5557", "--weight_sync.address", "n3:29710"]
+    urls = tomllib.loads(f"v = {orchestrator[i + 1]}")["v"]
+    assert sorted(urls) == [f"http://n{n}:{p}" for n in (1, 2) for p in (8100, 8101)]
+    # One fresh token for every step, never the config's.
+    tokens = {s["token"] for s in steps}
+    assert len(tokens) == 1 and re.fullmatch(r"[0-9a-f]{64}", tokens.pop())
+    # Every program reads the embedded config, which resolves as the submitted one did.
+    submitted, _ = load_config(["@", str(tmp_path / "cfg.toml")])
+    written, _ = load_config(["@", config_file])
+    assert written == submitted.model_copy(update={"inference": submitted.inference.model_copy(
+        update={"api_token": None})})
+    assert cluster.leftovers() == []
+
+
+def test_a_step_that_fails_fails_the_job_and_stops_the_rest(cluster, write_toml, tmp_path):
+    script = cluster.script(big_config(write_toml, tmp_path / "run", port=8100))
+    job = cluster.start(script, FAKE_NODES="n1 n2 n3 n4", FAKE_SRUN_RECORD="1", FAKE_FAIL="8101",
+                        FAKE_HANG="1")
+    _, err = job.communicate(timeout=90)
+    assert job.returncode == 1
+    assert re.search(r"step inference-n[12]-8101 exited with code 3 before the run ended", err), err
+    assert len(cluster.steps()) == 7 and cluster.leftovers() == []
+
+
+def test_sigterm_stops_every_step(cluster, write_toml, tmp_path):
+    script = cluster.script(big_config(write_toml, tmp_path / "run"))
+    job = cluster.start(script, FAKE_NODES="n1 n2 n3 n4", FAKE_SRUN_RECORD="1", FAKE_HANG="1")
+    deadline = time.monotonic() + 30
+    while len(cluster.steps()) < 7 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(0.5)
+    job.send_signal(signal.SIGTERM)
+    _, err = job.communicate(timeout=60)
+    assert job.returncode == 143, err
+    assert "terminated; stopping all steps" in err
+    assert cluster.leftovers() == []
+
+
+def test_too_few_nodes_is_an_error(cluster, write_toml, tmp_path):
+    job = cluster.start(cluster.script(big_config(write_toml, tmp_path / "run")), FAKE_NODES="n1 n2 n3")
+    _, err = job.communicate(timeout=30)
+    assert job.returncode == 2
+    assert "the job has 3 node(s), the layout needs 4" in err
+    assert cluster.steps() == []
+
+
+def documented_variables() -> list[str]:
+    text = (ROOT / "docs" / "slurm.md").read_text()
+    section = text.split("## Template variables", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\| `(\w+)` \|", section, re.M)
+
+
+def test_a_custom_template_gets_every_documented_variable(write_toml, tmp_path):
+    names = documented_variables()
+    assert {"cfg", "sbatch", "servers", "config_toml", "nproc_per_node", "transport_port"} <= set(names)
+    template = tmp_path / "mine.j2"
+    # StrictUndefined: naming a variable the renderer does not pass fails the render.
+    template.write_text("".join(f"{n}={{{{ {n} is defined }}}}\n" for n in names) +
+                        "ports={{ servers|map(attribute='port')|join(',') }} "
+                        "gpus={{ servers|map(attribute='gpus')|join(' ') }} "
+                        "dir={{ run_dir|q }} name={{ slurm.job_name }} ranks={{ nproc_per_node }}\n")
+    cfg = big_config(write_toml, tmp_path / "my run", extra=f'template = "{template}"\n')
+    out = render(cfg)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[:len(names)] == [f"{n}=True" for n in names]
+    assert lines[-1] == f"ports=8000,8001 gpus=0,1 2,3 dir='{tmp_path / 'my run'}' name=rev ranks=4"
+
+
+def test_missing_template_is_a_one_line_error(write_toml, tmp_path):
+    out = render(big_config(write_toml, tmp_path / "run"), "--slurm.template", str(tmp_path / "nope.j2"))
+    assert out.returncode == 2
+    assert out.stdout == ""
+    assert len(out.stderr.strip().splitlines()) == 1
+    assert out.stderr.startswith("rl slurm: slurm.template") and "nope.j2" in out.stderr
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--trainer.lora.rank", "8", "--trainer.lora.multi_run", "true", "--transport.kind", "filesystem",
+      "--weight_sync.kind", "filesystem"], "trainer.lora.multi_run"),
+    (["--slurm.servers_per_node", "3"], "slurm.gpus_per_node (4) must be a multiple of slurm.servers_per_node (3)"),
+    (["--inference.advertise_url", "http://lb:80"], "inference.advertise_url"),
+    (["--orchestrator.teacher_url", "http://127.0.0.1:9000"], "orchestrator.teacher_url"),
+    (["--slurm.rendezvous_port", "5557"], "both use port 5557"),
+    (["--transport.address", "tcp://host"], "transport.address"),
+])
+def test_configs_that_cannot_work_on_a_cluster_are_refused(write_toml, tmp_path, extra, message):
+    out = render(big_config(write_toml, tmp_path / "run"), *extra)
+    assert out.returncode == 2
+    assert len(out.stderr.strip().splitlines()) == 1 and message in out.stderr, out.stderr
+
+
+# --- a real job ----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_real_job_on_a_fake_cluster_trains(cluster, write_toml, tmp_path):
+    """vLLM on "node" 127.0.0.21, orchestrator and trainer on 127.0.0.22, over ZMQ, 2 steps."""
+    run = tmp_path / "run"
+    port, zmq, rdzv = free_port(), free_port(), free_port()
+    cfg = write_toml(
+        f'model = "{TINY_MODEL}"\noutput_dir = "{run}"\nmax_steps = 2\nseq_len = 64\n'
+        f'[inference]\nport = {port}\ndtype = "float32"\ncpus = [0]\n'
+        f'[transport]\nkind = "zmq"\naddress = "tcp://127.0.0.1:{zmq}"\n'
+        "[orchestrator]\ncpus = [0]\nprompts_per_step = 4\ngroup_size = 4\nmax_tokens = 12\n"
+        "max_in_flight_groups = 8\n"
+        "[trainer]\ncpus = [1]\ntorch_threads = 1\n"
+        "[slurm]\ninference_nodes = 1\ntrainer_nodes = 1\ngpus_per_node = 0\n"
+        f'rendezvous_port = {rdzv}\nsetup = ["touch setup-ran"]\n')
+    job = cluster.start(cluster.script(cfg), FAKE_NODES="127.0.0.21 127.0.0.22")
+    try:
+        _, err = job.communicate(timeout=480)
+    except subprocess.TimeoutExpired:
+        job.send_signal(signal.SIGTERM)
+        _, err = job.communicate(timeout=60)
+        raise AssertionError(f"job did not finish:\n{err}") from None
+    logs = run / "logs"
+    assert job.returncode == 0, err + "".join(f"\n--- {p.name}\n{p.read_text()[-3000:]}" for p in logs.iterdir())
+    assert (cluster.submit / "setup-ran").exists()  # the script ran in SLURM_SUBMIT_DIR
+    steps = [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+             if r.get("program") == "trainer"]
+    assert sorted(steps) == [1, 2]
+    assert f"http://127.0.0.21:{port}" in (logs / "orchestrator.log").read_text()
+    assert {s["node"] for s in cluster.steps()} == {"127.0.0.21", "127.0.0.22"}
+    assert cluster.leftovers() == []
