@@ -107,3 +107,8 @@ def test_cpus_pin_the_program_and_what_it_starts(tmp_path):
     out = subprocess.run([sys.executable, "-c", script, str(cfg)], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [f"[{core}]", f"[{core}]", str(core)]
+
+
+def test_a_malformed_advertise_url_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match="inference.advertise_url"):
+        load_config(["--model", "m", "--inference.advertise_url", "gpu7:8000"])

@@ -111,3 +111,29 @@ def test_meta_that_lies_about_the_sample_count_is_refused():
     meta = meta.replace(b'"num_samples": 2', b'"num_samples": 5')
     with pytest.raises(BatchError, match="2 samples, but meta.json says 5"):
         Batch.decode(meta, payload, "src")
+
+
+def test_servers_announce_their_url_and_are_found_by_it(tmp_path):
+    """A server's heartbeat is named after the host and port of its URL and carries the URL:
+    that is how an orchestrator on another host finds it. Files that are not a server's, or
+    carry no URL, are not servers."""
+    from rl.config import InferenceConfig
+    from rl.heartbeat import Heartbeat, announced_servers, server_heartbeat_path
+
+    urls = ["http://10.0.0.5:8000", "http://10.0.0.6:8000", "http://[fd00::7]:8001"]
+    beats = [Heartbeat(server_heartbeat_path(tmp_path, u), every_s=60, url=u).start() for u in urls]
+    (tmp_path / "heartbeats" / "trainer").write_text("1@h 0\n1 0s training\n")
+    (tmp_path / "heartbeats" / "inference-old").write_text("1@h 0\n1 0s starting\n")  # no URL line
+    try:
+        found = announced_servers(tmp_path)
+        assert sorted(found) == sorted(urls)
+        assert found["http://10.0.0.5:8000"].name == "inference-10.0.0.5-8000"
+        assert len({p.name for p in found.values()}) == 3  # same port, other hosts: other files
+    finally:
+        for b in beats:
+            b.stop()
+    assert announced_servers(tmp_path) == {}  # a clean stop removes the announcement
+
+    assert InferenceConfig(host="10.0.0.5", port=8001).url == "http://10.0.0.5:8001"
+    assert InferenceConfig(host="0.0.0.0").url.startswith("http://") and "0.0.0.0" not in InferenceConfig(host="0.0.0.0").url
+    assert InferenceConfig(advertise_url="https://gpu7.lab:443").url == "https://gpu7.lab:443"
