@@ -4,10 +4,10 @@ Hosts are network namespaces on a bridge where the machine allows it, else loopb
 (tests/hosts.py). Each host has its own working directory, its own copy of the model, and reaches
 the shared run directory under its own path (a symlink), as hosts mounting an NFS export at
 different places would. The trainer spans two hosts (torchrun, one rank each); the orchestrator
-has a host of its own and lists one server; a second server is started mid-run on another host
-and is found through the run directory. Then the first server's host crashes, the second
-server's link is cut and restored, then the second trainer node's, and the run still trains
-every step exactly once. Each cut must be reported by name within 30 s.
+has a host of its own and lists one server. Mid-run the second trainer node's link is cut while
+a second server starts on another host and is found through the run directory; then the first
+server's host crashes, the second server's link is cut and restored, then trainer rank 0's, and
+the run still trains every step exactly once. Each cut must be reported by name within 30 s.
 """
 
 from __future__ import annotations
@@ -157,6 +157,16 @@ def test_hosts_share_only_the_run_directory_servers_join_and_leave_and_cuts_are_
                         REPORT_S, all_logs)
         print(f"server link cut reported after {took:.1f} s")
         hosts["server_b"].restore()
+
+        # Cut trainer rank 0's host: named by the ZMQ link (or its heartbeat); once the link is
+        # back, batches it may have lost in transit go again.
+        mark = len(read(orch_log))
+        hosts["trainer0"].cut()
+        address = re.escape(f"tcp://{hosts['trainer0'].address}:5557")
+        took = wait_for("a report naming the trainer", logged(rf"lost the connection to the trainer at {address}|"
+                                                              r"trainer silent for", mark), REPORT_S, all_logs)
+        print(f"trainer rank 0 cut reported after {took:.1f} s")
+        hosts["trainer0"].restore()
         assert len(steps(run, "trainer")) < MAX_STEPS, "the run ended before every event happened: raise MAX_STEPS"
 
         assert orchestrator.wait(timeout=600) == 0, read(orch_log)[-3000:]

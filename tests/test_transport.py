@@ -184,3 +184,41 @@ def test_without_reject_a_damaged_batch_file_raises_naming_it(tmp_path):
     (run.rollout_dir(1) / "meta.json").write_text("{")
     with pytest.raises(BatchError, match=r"rollouts/step_1/meta.json: not valid JSON"):
         BatchReceiver(TransportConfig(kind="filesystem"), run, reject_damaged=False).receive(1, 5)
+
+
+def test_a_dropped_connection_is_reported_and_untrained_batches_go_again(tmp_path, caplog):
+    """The trainer's end of the connection goes (its process, or its host's link: ZMTP
+    heartbeats drop a silent connection): the orchestrator says so, and once a trainer is
+    there again it gets every batch whose version is not published yet, since one in transit
+    went down with the connection."""
+    cfg = TransportConfig(kind="zmq", address=f"tcp://127.0.0.1:{free_port()}")
+    run = RunDir(tmp_path)
+
+    async def main():
+        sender = BatchSender(cfg, run)
+        watcher = asyncio.create_task(sender.watch_connection(timeout_s=30))
+        receiver = BatchReceiver(cfg, run)
+        try:
+            await sender.send(batch(1), timeout_s=30)
+            await sender.send(batch(2), timeout_s=30)
+            first = await asyncio.to_thread(receiver.receive, 1, 30)
+            sender.forget(1)  # version 1 published: batch 1 is trained for good
+            receiver.close()  # gone before batch 2 was taken
+            for _ in range(200):
+                if "lost the connection to the trainer" in caplog.text:
+                    break
+                await asyncio.sleep(0.05)
+            again = BatchReceiver(cfg, run)
+            try:
+                second = await asyncio.to_thread(again.receive, 2, 30)
+            finally:
+                again.close()
+            return first.batch.step, second.batch.step
+        finally:
+            watcher.cancel()
+            sender.close()
+
+    with caplog.at_level("INFO"):
+        assert asyncio.run(main()) == (1, 2)
+    assert f"lost the connection to the trainer at {cfg.address}" in caplog.text
+    assert "batch 2 sent again" in caplog.text and "batch 1 sent again" not in caplog.text

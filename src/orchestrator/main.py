@@ -518,6 +518,9 @@ class Orchestrator:
             raise RuntimeError(f"no inference server could load version {version} from {path}")
         log.info("connected to %d server(s) (%s), serving version %d; first batch %d", len(self.pool.in_rotation),
                  ", ".join(s.url for s in self.pool.in_rotation), self.pool.serving_version, self.next_step)
+        if self.cfg.transport.kind == "zmq":
+            self.background.append(asyncio.create_task(
+                self.sender.watch_connection(self.o.trainer_timeout_s), name="watch_connection"))
         self.background += [asyncio.create_task(self.follow_weights(), name="follow_weights"),
                              asyncio.create_task(self.pool.heal(), name="heal"),
                              asyncio.create_task(self.produce(), name="produce")]

@@ -25,6 +25,7 @@ from typing import Callable
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from rl.batch import Batch, BatchError
 from rl.config import TransportConfig
@@ -35,6 +36,7 @@ log = logging.getLogger("transport")
 
 TAG = b"asyncrl.batch"
 HEARTBEAT_S = 30.0
+LINK_TIMEOUT_S = 10.0  # no ZMTP heartbeat answer for this long: the connection to the trainer is dropped
 
 
 class BatchSender:
@@ -55,6 +57,11 @@ class BatchSender:
             # the trainer is there; on close, queued batches get 5 s to leave.
             self.socket.setsockopt(zmq.IMMEDIATE, 1)
             self.socket.setsockopt(zmq.LINGER, 5000)
+            # ZMTP heartbeats: a trainer whose host is cut off is noticed (connection dropped)
+            # within LINK_TIMEOUT_S, not after TCP's own retransmission timeout (~15 min).
+            self.socket.setsockopt(zmq.HEARTBEAT_IVL, 2000)
+            self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(LINK_TIMEOUT_S * 1000))
+            self.monitor = self.socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
             self.socket.connect(cfg.address)
 
     async def send(self, batch: Batch, timeout_s: float) -> None:
@@ -88,11 +95,27 @@ class BatchSender:
             del self.unconsumed[step]
 
     async def resend(self, timeout_s: float) -> None:
-        """ZMQ: send every untrained batch again, to a restarted trainer (it drops those it
-        kept on disk or already trained)."""
+        """ZMQ: send every untrained batch again, to a restarted or reconnected trainer (it drops
+        those it kept on disk or already trained)."""
         for step, (meta, payload) in sorted(self.unconsumed.items()):
-            log.warning("batch %d sent again to the restarted trainer at %s", step, self.cfg.address)
+            log.warning("batch %d sent again to the trainer at %s", step, self.cfg.address)
             await self._push(step, meta, payload, timeout_s)
+
+    async def watch_connection(self, timeout_s: float) -> None:
+        """ZMQ, forever: say when the connection to the trainer drops (dead, or its host cut
+        off), and once it is back send every untrained batch again: one in transit when the
+        connection dropped went with it (the trainer drops the copies it does not need)."""
+        lost = False
+        while True:
+            event = parse_monitor_message(await self.monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_DISCONNECTED and not lost:
+                lost = True
+                log.warning("lost the connection to the trainer at %s (dead, or its host cut off?); "
+                            "batches wait for it", self.cfg.address)
+            elif event == zmq.EVENT_CONNECTED and lost:
+                lost = False
+                log.info("connected to the trainer at %s again", self.cfg.address)
+                await self.resend(timeout_s)
 
     async def resend_rejected(self) -> None:
         """Filesystem: write again each untrained batch whose directory is gone: the trainer
@@ -110,6 +133,8 @@ class BatchSender:
 
     def close(self) -> None:
         if self.socket is not None:
+            self.socket.disable_monitor()
+            self.monitor.close()
             self.socket.close()
             self.context.term()
 
