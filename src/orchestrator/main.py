@@ -241,7 +241,7 @@ class Orchestrator:
         while True:
             if self.next_step <= self.cfg.max_steps:  # after the last batch, a trainer that exits is done
                 trainer.poll()
-                for path in heartbeat_path(self.cfg, "trainer").parent.glob("trainer-rank*"):
+                for path in RunDir(self.cfg.output_dir).heartbeat_dir.glob("trainer-rank*"):
                     if path.name not in ranks:
                         ranks[path.name] = PeerReporter(
                             PeerWatch(path, path.name, self.cfg.heartbeat_timeout_s), log,

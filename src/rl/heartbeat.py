@@ -65,7 +65,7 @@ def server_heartbeat_path(output_dir: Path, url: str) -> Path:
 def announced_servers(output_dir: Path) -> dict[str, Path]:
     """URL -> heartbeat file of every server announcing itself under output_dir/heartbeats/."""
     found = {}
-    for path in sorted(RunDir(output_dir).heartbeat_file("x").parent.glob(SERVER_PREFIX + "*")):
+    for path in sorted(RunDir(output_dir).heartbeat_dir.glob(SERVER_PREFIX + "*")):
         try:
             lines = path.read_text(errors="replace").splitlines()
         except OSError:  # removed meanwhile, or the share hiccuped: next look

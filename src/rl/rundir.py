@@ -76,8 +76,12 @@ class RunDir:
         except OSError:  # another program's part is still there
             pass
 
+    @property
+    def heartbeat_dir(self) -> Path:
+        return self.root / "heartbeats"
+
     def heartbeat_file(self, program: str) -> Path:
-        return self.root / "heartbeats" / program
+        return self.heartbeat_dir / program
 
     @property
     def heartbeat(self) -> Path:
@@ -100,7 +104,7 @@ class RunDir:
         return self.root / "config" / f"{program}.toml"
 
     def make(self) -> None:
-        for d in (self.rollouts, self.weights, self.logs, self.root / "config", self.root / "heartbeats"):
+        for d in (self.rollouts, self.weights, self.logs, self.root / "config", self.heartbeat_dir):
             d.mkdir(parents=True, exist_ok=True)
 
     def latest_stable_weights(self) -> int | None:
