@@ -29,13 +29,19 @@ def namespaces_available() -> bool:
         return False
     if os.geteuid() != 0 or shutil.which("ip") is None:
         return False
-    probe = f"rlprobe{os.getpid()}"
+    # Everything Network does, once: some sandboxes allow namespaces but not bridges or veths.
+    tag = f"rlp{os.getpid() % 100000}"
     try:
-        _ip("netns", "add", probe)
+        _ip("netns", "add", tag)
+        _ip("link", "add", f"{tag}b", "type", "bridge")
+        _ip("link", "add", f"{tag}v", "type", "veth", "peer", "name", "eth0", "netns", tag)
+        _ip("link", "set", f"{tag}v", "master", f"{tag}b", "up")
+        return True
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
         return False
-    _ip("netns", "del", probe)
-    return True
+    finally:
+        for cmd in (["link", "del", f"{tag}v"], ["link", "del", f"{tag}b"], ["netns", "del", tag]):
+            subprocess.run(["ip", *cmd], capture_output=True, timeout=30)
 
 
 class Host:
