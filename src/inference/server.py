@@ -79,6 +79,7 @@ from rl.heartbeat import set_phase
 from rl.rundir import RunDir
 
 log = logging.getLogger("inference")
+SHUTDOWN_GRACE_S = 5  # requests still running at shutdown get this long, then are cancelled
 
 EXTENSION = "inference.worker_extension.WeightReloadExtension"
 FINISH_REASONS = ("stop", "length", "abort")
@@ -677,8 +678,14 @@ async def _serve(args, admin: AdminRoutes) -> None:
             shutdown = await serve_http(
                 app, sock=sock, host=args.host, port=args.port,
                 log_level="warning", access_log=False,
+                # A request still running at shutdown (a reload waiting on the engine that
+                # just stopped) would otherwise hold the process up to reload_timeout_s.
+                timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
             )
-        await shutdown
+        try:
+            await asyncio.wait_for(shutdown, 4 * SHUTDOWN_GRACE_S)
+        except TimeoutError:
+            log.warning("the HTTP server is still shutting down after %d s: exiting anyway", 4 * SHUTDOWN_GRACE_S)
     finally:
         sock.close()
 
