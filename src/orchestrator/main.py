@@ -98,7 +98,6 @@ class Orchestrator:
         self.counters = Counters()
         self.background: list[asyncio.Task] = []
         self.chores: set[asyncio.Task] = set()
-        self.resending: asyncio.Task | None = None
         self.attempts: dict[int, int] = {}  # prompt index -> failed groups so far
         # Request ids must not collide with a previous orchestrator's still running on a server.
         self.tag, self.seq = secrets.token_hex(3), 0
@@ -237,7 +236,6 @@ class Orchestrator:
         watch = PeerWatch(heartbeat_path(self.cfg, "trainer"), "trainer", self.cfg.heartbeat_timeout_s)
         trainer = PeerReporter(watch, log, "batches wait for it (restart it with --resume)")
         ranks: dict[str, PeerReporter] = {}  # the trainer's other ranks, on other nodes maybe
-        instance = None
         while True:
             if self.next_step <= self.cfg.max_steps:  # after the last batch, a trainer that exits is done
                 trainer.poll()
@@ -251,12 +249,8 @@ class Orchestrator:
             self.sender.forget(self.run_dir.latest_stable_weights() or 0)
             if self.cfg.transport.kind == "filesystem":
                 await self.sender.resend_rejected()
-            elif instance is not None and watch.instance not in (None, instance):
-                if self.resending is not None:
-                    self.resending.cancel()
-                # Its own task: it blocks until the new trainer binds, and stop() cancels it.
-                self.resending = asyncio.create_task(self.sender.resend(self.o.trainer_timeout_s))
-            instance = watch.instance or instance
+            # Over ZMQ a restarted trainer gets the untrained batches again from
+            # sender.watch_connection, once it has connected.
             self.check_trainer()
             await asyncio.sleep(1.0)
 
@@ -540,9 +534,8 @@ class Orchestrator:
 
     async def stop(self) -> None:
         """Stop the loops, then abort what is still generating (servers outlive the orchestrator)."""
-        for t in [*self.background, self.resending]:
-            if t is not None:
-                t.cancel()
+        for t in self.background:
+            t.cancel()
         await asyncio.gather(*self.background, return_exceptions=True)
         groups = list(self.in_flight.values())
         for g in groups:

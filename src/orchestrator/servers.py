@@ -35,7 +35,7 @@ from pathlib import Path
 import aiohttp
 
 from rl.broadcast import MANIFEST
-from rl.heartbeat import PeerWatch, announced_servers
+from rl.heartbeat import PeerWatch, announced_url, server_heartbeats
 from rl.inference_api import InferenceClient, InferenceError
 
 log = logging.getLogger("orchestrator")
@@ -426,8 +426,10 @@ class ServerPool:
         watches: dict[str, PeerWatch] = {}
         instances: dict[str, str | None] = {}
         while True:
-            for url, path in announced_servers(output_dir).items():
-                if url not in exclude and url not in watches:
+            # Only new files are read here: the watches read the known ones.
+            watched = {w.path for w in watches.values()}
+            for path in server_heartbeats(output_dir):
+                if path not in watched and (url := announced_url(path)) and url not in exclude:
                     watches[url] = PeerWatch(path, f"server {url}", timeout_s)
             for url, watch in list(watches.items()):
                 peer = watch.poll()

@@ -404,7 +404,8 @@ class SlurmConfig(Section):
     are split evenly between them (tensor parallelism goes in inference.extra_args)."""
 
     trainer_nodes: int = Field(1, ge=1)
-    """Nodes of the trainer (one torchrun per node, joined by a c10d rendezvous on the first).
+    """Nodes of the trainer (one torchrun per node, a static rendezvous on the first: rank 0
+    must be there, where the orchestrator connects).
     The orchestrator runs on the first trainer node too: it needs CPU only."""
 
     gpus_per_node: int = Field(8, ge=0)

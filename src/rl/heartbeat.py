@@ -62,17 +62,22 @@ def server_heartbeat_path(output_dir: Path, url: str) -> Path:
     return RunDir(output_dir).heartbeat_file(SERVER_PREFIX + name)
 
 
+def server_heartbeats(output_dir: Path) -> list[Path]:
+    return sorted(RunDir(output_dir).heartbeat_dir.glob(SERVER_PREFIX + "*"))
+
+
+def announced_url(path: Path) -> str | None:
+    """The URL a server's heartbeat announces; None: no URL line, or unreadable just now."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:  # removed meanwhile, or the share hiccuped: next look
+        return None
+    return lines[2][4:].strip().rstrip("/") if len(lines) >= 3 and lines[2].startswith("url ") else None
+
+
 def announced_servers(output_dir: Path) -> dict[str, Path]:
     """URL -> heartbeat file of every server announcing itself under output_dir/heartbeats/."""
-    found = {}
-    for path in sorted(RunDir(output_dir).heartbeat_dir.glob(SERVER_PREFIX + "*")):
-        try:
-            lines = path.read_text(errors="replace").splitlines()
-        except OSError:  # removed meanwhile, or the share hiccuped: next look
-            continue
-        if len(lines) >= 3 and lines[2].startswith("url "):
-            found[lines[2][4:].strip().rstrip("/")] = path
-    return found
+    return {url: path for path in server_heartbeats(output_dir) if (url := announced_url(path))}
 
 
 class Heartbeat:
