@@ -11,7 +11,9 @@ rl/inference_api.py) in front:
   POST /abort            abort the engine requests of those /generate calls
   POST /update_weights   {"path", "version", "mode"}: pause the engine ("wait": running requests
                          finish first; "keep": they are frozen between two decode steps), reload
-                         in place, resume; answers once the new weights serve
+                         in place, resume; answers once the new weights serve. Paths (here
+                         and in /load_lora_adapter) are relative to this server's output_dir,
+                         "base" (the model it started with), or absolute within the roots
   POST /init_broadcaster {"address", "rank_offset", "world_size"}: every worker joins the
                          trainer's weight broadcast group (rl/broadcast.py); after that an
                          /update_weights whose directory holds broadcast.json receives the

@@ -9,7 +9,8 @@
       checkpoints/step_<n>/   orchestrator/ (and trainer/) state after step n
       logs/<program>.log
       metrics.jsonl
-      heartbeats/<program>    each program's liveness file (rl/heartbeat.py), removed on exit
+      heartbeats/<program>    each program's liveness file (rl/heartbeat.py), removed on exit:
+                              inference-<host>-<port> (carrying its URL), trainer-rank<r> too
       runs/<name>/            multi-run LoRA: one such directory per run (docs/lora.md)
       trainer_status.json     multi-run: the trainer's word on this run (joined, finished, left...)
 
