@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from conftest import rl_command
+from conftest import TINY_MODEL, free_port, rl_command
 from rl.config import ConfigError, load_config
 
 
@@ -69,9 +69,11 @@ def test_cli_errors_exit_2_with_one_line(write_toml, text, args, message):
     assert "Traceback" not in result.stderr
 
 
-def test_dry_run_prints_resolved_config_with_docs(write_toml):
-    result = run_rl("orchestrator", "@", str(write_toml('model = "m"\n')), "--orchestrator.group_size", "5", "--dry-run")
+def test_dry_run_prints_resolved_config_with_docs(write_toml, tmp_path):
+    cfg = write_toml(f'model = "{TINY_MODEL}"\noutput_dir = "{tmp_path / "run"}"\n')
+    result = run_rl("orchestrator", "@", str(cfg), "--orchestrator.group_size", "5", "--dry-run")
     assert result.returncode == 0, result.stderr
+    assert not (tmp_path / "run").exists()  # checked, not created
     assert "group_size = 5" in result.stdout
     assert "# Completions per prompt" in result.stdout
     assert "[trainer.optim]" in result.stdout
@@ -102,7 +104,8 @@ def test_cpus_pin_the_program_and_what_it_starts(tmp_path):
         "print(sorted(os.sched_getaffinity(0)), child, os.environ['VLLM_CPU_OMP_THREADS_BIND'])\n"
     )
     cfg = tmp_path / "c.toml"
-    cfg.write_text(f'model = "m"\n[inference]\ncpus = [{core}]\n')
+    cfg.write_text(f'model = "{TINY_MODEL}"\noutput_dir = "{tmp_path / "run"}"\n[inference]\nport = {free_port()}\n'
+                   f"cpus = [{core}]\n")
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
     out = subprocess.run([sys.executable, "-c", script, str(cfg)], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr

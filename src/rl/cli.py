@@ -41,9 +41,13 @@ def setup_logging(program: str) -> None:
 
 
 def resolve(argv: list[str], program: str) -> RunConfig:
-    """Parse and validate, or exit 2 with one line naming the culprit. --dry-run prints and exits."""
+    """Parse, validate and check what the config names (rl/preflight.py), or exit 2 with one line
+    naming the culprit, before anything is written or started. --dry-run prints and exits."""
     try:
         cfg, dry_run = load_config(argv)
+        from rl.preflight import check
+
+        check(cfg, program)
     except ConfigError as e:
         typer.echo(f"rl {program}: {e}", err=True)
         raise typer.Exit(2) from None
@@ -51,19 +55,16 @@ def resolve(argv: list[str], program: str) -> RunConfig:
         from rl.config_doc import render_toml
 
         typer.echo(render_toml(cfg))
+        typer.echo(f"rl {program}: config and start-up checks passed", err=True)
         raise typer.Exit(0)
     return cfg
 
 
 def _program(program: str, argv: list[str], main: Callable[[RunConfig], object]) -> None:
     cfg = resolve(argv, program)
-    from rl.placement import PlacementError, pin
+    from rl.placement import pin
 
-    try:
-        pin(f"{program}.cpus", getattr(cfg, program).cpus)
-    except PlacementError as e:
-        typer.echo(f"rl {program}: {e}", err=True)
-        raise typer.Exit(2) from None
+    pin(f"{program}.cpus", getattr(cfg, program).cpus)  # checked by resolve
     setup_logging(program)
     from rl.config_doc import save_resolved
     from rl.heartbeat import Heartbeat, heartbeat_path

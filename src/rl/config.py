@@ -13,11 +13,18 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, field_validator, model_validator
+
+from rl.addresses import HostPort, HttpUrl, ZmqEndpoint, check_http_url, check_zmq_endpoint
 
 
 class ConfigError(Exception):
     """A config problem, with a one-line message naming the key or file at fault."""
+
+
+def _is_module_attr(spec: str) -> bool:
+    module, colon, attr = spec.partition(":")
+    return bool(colon and module.strip() and attr.strip() and " " not in spec)
 
 
 class Section(BaseModel):
@@ -85,7 +92,7 @@ class OrchestratorConfig(Section):
     cpus: list[NonNegativeInt] = []
     """Cores this program and everything it starts may run on; empty: all (see inference.cpus)."""
 
-    server_urls: list[str] = []
+    server_urls: list[HttpUrl] = []
     """Base URLs of the inference servers (http://host:port). Empty: the one `[inference]`
     describes (unless discover_servers finds others). A listed server that is down is waited for
     and joins when it answers; each group goes to the server with the fewest groups."""
@@ -121,7 +128,7 @@ class OrchestratorConfig(Section):
     max_turns: int = Field(8, ge=1)
     """Most model calls in one multi-turn episode."""
 
-    teacher_url: str | None = None
+    teacher_url: HttpUrl | None = None
     """Inference server holding a teacher model. Set: every model token's advantage gains
     teacher_coef * (teacher logprob - sampled logprob), a per-token reverse-KL signal (on-policy
     distillation)."""
@@ -186,6 +193,22 @@ class OrchestratorConfig(Section):
     keep_checkpoints: int = Field(2, ge=1)
     """Orchestrator checkpoints (step, data cursor, pending prompts) kept under checkpoints/."""
 
+    @field_validator("dataset", "environment")
+    @classmethod
+    def _module_attr(cls, spec: str) -> str:
+        if spec and not _is_module_attr(spec):
+            raise ValueError("expected 'package.module:name'")
+        return spec
+
+    @field_validator("reward")
+    @classmethod
+    def _reward_form(cls, spec: str) -> str:
+        if "://" in spec:
+            return check_http_url(spec)
+        if spec and not _is_module_attr(spec):
+            raise ValueError("expected 'package.module:function' or an http(s):// URL")
+        return spec
+
     @model_validator(mode="after")
     def _check_scoring(self) -> OrchestratorConfig:
         if self.environment:
@@ -203,13 +226,18 @@ class TransportConfig(Section):
     kind: Literal["filesystem", "zmq"] = "filesystem"
     """How batches reach the trainer: rollouts/step_n in the run directory, or ZMQ PUSH/PULL."""
 
-    address: str = "tcp://127.0.0.1:5557"
+    address: ZmqEndpoint = "tcp://127.0.0.1:5557"
     """ZMQ address the orchestrator connects to, and the trainer binds unless `bind` is set
     (tcp://host:port or ipc:///path); kind = "zmq" only."""
 
     bind: str = ""
     """ZMQ address trainer rank 0 binds when it differs from `address`, e.g. tcp://*:5557 when
     the orchestrator runs on another host. Empty: address."""
+
+    @field_validator("bind")
+    @classmethod
+    def _bind_form(cls, bind: str) -> str:
+        return check_zmq_endpoint(bind) if bind else bind
 
 
 class WeightSyncConfig(Section):
@@ -218,7 +246,7 @@ class WeightSyncConfig(Section):
     broadcast: trainer rank 0 streams the weights to every inference worker over a collective
     (NCCL on GPU, gloo on CPU); weights/step_n then holds only the bucket manifest + STABLE."""
 
-    address: str = "127.0.0.1:29710"
+    address: HostPort = "127.0.0.1:29710"
     """host:port where trainer rank 0 hosts the broadcast group's rendezvous store; servers
     must reach it."""
 
@@ -488,6 +516,11 @@ class RunConfig(Section):
                 f"orchestrator.max_in_flight_groups ({o.max_in_flight_groups}) must be >= "
                 f"orchestrator.prompts_per_step ({o.prompts_per_step}), or no batch could fill"
             )
+        if o.max_tokens >= self.seq_len:
+            raise ValueError(
+                f"orchestrator.max_tokens ({o.max_tokens}) must be below seq_len ({self.seq_len}): "
+                "seq_len bounds prompt + completion, so no prompt would fit"
+            )
         t = self.trainer
         if t.pack and t.micro_batch_tokens < self.seq_len:
             raise ValueError(
@@ -563,6 +596,13 @@ def _read_toml(path: Path) -> dict:
             data = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory, not a TOML file") from None
+    except PermissionError:
+        raise ConfigError(f"config file {path}: permission denied") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                          f"{e.start}): save it as UTF-8 TOML") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
     return data

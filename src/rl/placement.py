@@ -13,20 +13,27 @@ from __future__ import annotations
 import os
 
 
-class PlacementError(Exception):
+from rl.config import ConfigError
+
+
+class PlacementError(ConfigError):
     pass
 
 
-def pin(key: str, cpus: list[int]) -> None:
-    """Restrict this process (and so its future threads and children) to `cpus`; [] leaves it be.
-    `key` names the config setting in the error."""
-    if not cpus:
-        return
+def check(key: str, cpus: list[int]) -> None:
+    """Every core in `cpus` is one this process may use; `key` names the config setting."""
     available = os.sched_getaffinity(0)
     missing = sorted(set(cpus) - available)
     if missing:
         raise PlacementError(f"{key} = {cpus}: core(s) {missing} are not available to this process "
                              f"(it may use {sorted(available)})")
+
+
+def pin(key: str, cpus: list[int]) -> None:
+    """Restrict this process (and so its future threads and children) to `cpus`; [] leaves it be."""
+    if not cpus:
+        return
+    check(key, cpus)
     os.sched_setaffinity(0, set(cpus))
     # vLLM's CPU worker binds its OpenMP threads itself ("auto": the last cores of the node, not
     # ours); tell it to use exactly ours unless the user chose otherwise.

@@ -1,0 +1,299 @@
+"""Start-up checks: everything a config names that can be checked without starting an engine or
+loading a model. Paths exist and are of the right kind, the run directory can be written,
+modules and functions import, ports are free, lengths fit the model, cores exist, the run
+directory's state suits the start (fresh or --resume).
+
+Each program runs the checks of the keys it uses (`rl run`: all three programs') right after its
+config parses, before it writes anything, imports torch or vLLM, or starts a heartbeat;
+`--dry-run` runs them too. A failed check raises ConfigError: one line naming the key, the value
+and what would fix it, which the CLI prints before exiting with code 2. The schema (rl/config.py)
+already checked the forms (URLs, ranges, cross-key rules): here is what needs the machine.
+"""
+
+from __future__ import annotations
+
+import inspect
+import ipaddress
+import json
+import os
+import socket
+import struct
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from rl.callables import load_callable
+from rl.config import ConfigError, RunConfig
+from rl import placement
+from rl.inference_api import resolve_token
+from rl.rundir import RunDir
+
+Check = Callable[[RunConfig], None]
+WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+MODEL_HINT = "a local HF-format model directory (config.json, tokenizer, *.safetensors)"
+
+
+def _is_rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"  # torchrun sets it; other ranks leave shared state to rank 0
+
+
+# --- the run directory ------------------------------------------------------------------------
+
+
+def output_dir(cfg: RunConfig) -> None:
+    """It exists as a writable directory, or can be created: tried in its deepest existing
+    ancestor with a scratch directory removed at once (root passes any permission test)."""
+    path = cfg.output_dir.absolute()
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is None or not existing.is_dir():
+        raise ConfigError(f"output_dir = {cfg.output_dir}: cannot be created, {existing} is not a directory; "
+                          "choose another output_dir")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".rl-check-", dir=existing))
+    except OSError as e:
+        where = "" if existing == path else f" (in {existing})"
+        raise ConfigError(f"output_dir = {cfg.output_dir}: cannot write there{where}: {e.strerror}; "
+                          "choose a writable output_dir") from None
+
+
+def trainer_run_state(cfg: RunConfig) -> None:
+    """A fresh trainer refuses a run directory holding weights; --resume needs a checkpoint then."""
+    if cfg.trainer.lora.multi_run or not _is_rank0():
+        return  # multi-run: each run's state is judged when it joins
+    run = RunDir(cfg.run_dir)
+    if not run.weight_steps():
+        return
+    if not cfg.resume:
+        raise ConfigError(f"output_dir {run.root} already holds weights from an earlier run: pass --resume to "
+                          "continue it, or choose another output_dir")
+    if not run.checkpoint_steps("trainer"):
+        raise ConfigError(f"--resume: no complete trainer checkpoint under {run.checkpoints} but weights exist, "
+                          "so that run cannot continue exactly: choose another output_dir")
+
+
+def orchestrator_run_state(cfg: RunConfig) -> None:
+    run = RunDir(cfg.run_dir)
+    if cfg.transport.kind == "filesystem" and run.rollout_steps() and not run.checkpoint_steps("orchestrator"):
+        raise ConfigError(f"output_dir {run.root} holds batches but no orchestrator checkpoint: remove it or "
+                          "choose another output_dir")
+
+
+# --- the model --------------------------------------------------------------------------------
+
+
+def _model_config(cfg: RunConfig) -> dict:
+    m = cfg.model
+    if not m.exists():
+        raise ConfigError(f"model = {m}: no such directory; expected {MODEL_HINT}")
+    if not m.is_dir():
+        raise ConfigError(f"model = {m}: is a file; expected {MODEL_HINT}")
+    try:
+        data = json.loads((m / "config.json").read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"model = {m}: no config.json; expected {MODEL_HINT}") from None
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"model = {m}: config.json is unreadable ({e})") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise ConfigError(f"model = {m}: config.json names no model_type; expected {MODEL_HINT}")
+    return data
+
+
+def _weight_files(cfg: RunConfig) -> list[Path]:
+    files = [p for pattern in WEIGHT_GLOBS for p in sorted(cfg.model.glob(pattern))]
+    if not files:
+        raise ConfigError(f"model = {cfg.model}: no weights (*.safetensors); expected {MODEL_HINT}")
+    return files
+
+
+def _positions(data: dict) -> int | None:
+    text = data.get("text_config") if isinstance(data.get("text_config"), dict) else data
+    n = text.get("max_position_embeddings")
+    return n if isinstance(n, int) and n > 0 else None
+
+
+def model_for_generation(cfg: RunConfig) -> None:
+    """Inference: config, weights and tokenizer; seq_len within the model's positions."""
+    data = _model_config(cfg)
+    _weight_files(cfg)
+    _tokenizer(cfg)
+    _seq_len(cfg, data)
+
+
+def model_for_scoring(cfg: RunConfig) -> None:
+    """Orchestrator: the tokenizer (it decodes completions, counts prompt tokens)."""
+    _seq_len(cfg, _model_config(cfg))
+    _tokenizer(cfg)
+
+
+def model_for_training(cfg: RunConfig) -> None:
+    """Trainer: config and weights; with LoRA, every target module exists in the weights."""
+    data = _model_config(cfg)
+    files = _weight_files(cfg)
+    _seq_len(cfg, data)
+    if cfg.trainer.lora.rank:
+        _lora_targets(cfg, files)
+
+
+def _tokenizer(cfg: RunConfig) -> None:
+    if not any((cfg.model / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(f"model = {cfg.model}: no tokenizer ({' or '.join(TOKENIZER_FILES[:2])}); "
+                          f"expected {MODEL_HINT}")
+
+
+def _seq_len(cfg: RunConfig, data: dict) -> None:
+    n = _positions(data)
+    if n is not None and cfg.seq_len > n:
+        raise ConfigError(f"seq_len = {cfg.seq_len} exceeds the model's max_position_embeddings ({n}, "
+                          f"{cfg.model}/config.json): lower seq_len")
+
+
+def _tensor_names(files: list[Path]) -> set[str]:
+    """Names in safetensors headers (8-byte length, then JSON): no tensor is read."""
+    names: set[str] = set()
+    for path in files:
+        if path.suffix != ".safetensors":
+            return set()  # .bin files are pickles: never opened here
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            names |= set(json.loads(f.read(size))) - {"__metadata__"}
+    return names
+
+
+def _lora_targets(cfg: RunConfig, files: list[Path]) -> None:
+    try:
+        parts = {part for name in _tensor_names(files) for part in name.split(".")}
+    except (OSError, ValueError, struct.error) as e:
+        raise ConfigError(f"model = {cfg.model}: unreadable safetensors header ({e})") from None
+    missing = [t for t in cfg.trainer.lora.target_modules if parts and t not in parts]
+    if missing:
+        raise ConfigError(f"trainer.lora.target_modules: {missing} name no layer of {cfg.model}; "
+                          "use names from its weights (e.g. q_proj, v_proj)")
+
+
+# --- code the config names --------------------------------------------------------------------
+
+
+def _takes(fn: Callable, key: str, spec: str, args: tuple, expected: str) -> None:
+    try:
+        inspect.signature(fn).bind(*args)
+    except TypeError:
+        raise ConfigError(f"{key} = {spec!r}: it is called as {expected}, which its signature "
+                          f"{inspect.signature(fn)} does not accept") from None
+    except ValueError:
+        pass  # no signature to inspect (a builtin): let the call tell
+
+
+def orchestrator_code(cfg: RunConfig) -> None:
+    o = cfg.orchestrator
+    if o.environment:
+        env = load_callable(o.environment, "orchestrator.environment")
+        _takes(env, "orchestrator.environment", o.environment, (), "Class()")
+        return
+    dataset = load_callable(o.dataset, "orchestrator.dataset")
+    _takes(dataset, "orchestrator.dataset", o.dataset, (cfg.seed,), "function(seed)")
+    if o.reward and "://" not in o.reward:
+        reward = load_callable(o.reward, "orchestrator.reward")
+        _takes(reward, "orchestrator.reward", o.reward, ("", "", {}), "function(prompt, completion, row)")
+
+
+def trainer_attention(cfg: RunConfig) -> None:
+    import importlib.util
+
+    if cfg.trainer.attention == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        raise ConfigError('trainer.attention = "flash_attention_2": the flash-attn package is not installed; '
+                          'install it (CUDA only) or use "auto"')
+
+
+def slurm_template(cfg: RunConfig) -> None:
+    t = cfg.slurm.template
+    if t is not None and not t.is_file():
+        raise ConfigError(f"slurm.template = {t}: no such file")
+
+
+# --- the machine: ports, cores, memory --------------------------------------------------------
+
+
+def _bindable(key: str, host: str, port: int) -> None:
+    """Binding host:port now works (a taken port, or an address not of this machine, fails)."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ConfigError(f"{key}: host {host!r} does not resolve ({e.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT is no conflict
+        try:
+            s.bind(address)
+        except OSError as e:
+            raise ConfigError(f"{key}: cannot listen on {host or '*'}:{port} ({e.strerror}): "
+                              "choose another port or stop what holds it") from None
+
+
+def exposure_error(host: str, token: str | None) -> str | None:
+    """Why the server must not start on `host`, or None: off loopback, the admin routes would
+    load weights and abort requests for anyone who can reach the port."""
+    if token or host == "localhost":
+        return None
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:
+        pass  # a host name other than localhost may resolve anywhere
+    return f"inference.host {host} exposes the admin routes: set inference.api_token or ASYNCRL_API_TOKEN"
+
+
+def inference_endpoint(cfg: RunConfig) -> None:
+    inf = cfg.inference
+    if error := exposure_error(inf.host, resolve_token(inf.api_token)):
+        raise ConfigError(error)
+    _bindable("inference.host/port", inf.host, inf.port)
+
+
+def inference_memory(cfg: RunConfig) -> None:
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    if cfg.inference.cpu_kv_cache_gib >= total:
+        raise ConfigError(f"inference.cpu_kv_cache_gib = {cfg.inference.cpu_kv_cache_gib}: this machine has "
+                          f"{total:.1f} GiB of memory in all; lower it")
+
+
+def trainer_endpoints(cfg: RunConfig) -> None:
+    """Rank 0 binds the batch transport (zmq) and hosts the broadcast rendezvous."""
+    if not _is_rank0():
+        return
+    if cfg.transport.kind == "zmq":
+        endpoint = cfg.transport.bind or cfg.transport.address
+        key = "transport.bind" if cfg.transport.bind else "transport.address"
+        scheme, _, rest = endpoint.partition("://")
+        if scheme == "ipc":
+            if not Path(rest).parent.is_dir():
+                raise ConfigError(f"{key} = {endpoint}: directory {Path(rest).parent} does not exist")
+        else:
+            host, _, port = rest.rpartition(":")
+            _bindable(key, "" if host == "*" else host.strip("[]"), int(port))
+    if cfg.weight_sync.kind == "broadcast":
+        _bindable("weight_sync.address", "", int(cfg.weight_sync.address.rpartition(":")[2]))
+
+
+def cores(program: str) -> Check:
+    def check(cfg: RunConfig) -> None:
+        placement.check(f"{program}.cpus", getattr(cfg, program).cpus)
+
+    return check
+
+
+CHECKS: dict[str, tuple[Check, ...]] = {
+    "inference": (cores("inference"), output_dir, model_for_generation, inference_memory, inference_endpoint),
+    "orchestrator": (cores("orchestrator"), output_dir, model_for_scoring, orchestrator_code,
+                     orchestrator_run_state),
+    "trainer": (cores("trainer"), output_dir, model_for_training, trainer_attention, trainer_run_state,
+                trainer_endpoints),
+    "slurm": (slurm_template,),
+}
+CHECKS["run"] = tuple(dict.fromkeys(CHECKS["inference"] + CHECKS["orchestrator"] + CHECKS["trainer"]))
+
+
+def check(cfg: RunConfig, program: str) -> None:
+    """Run `program`'s checks in order; the first failure raises ConfigError."""
+    for one in CHECKS[program]:
+        one(cfg)
