@@ -21,8 +21,12 @@ demo: install
 	rm -rf runs/demo
 	$(VENV)/bin/rl run @ configs/demo.toml
 
+# Two workers (pytest-xdist): most of the suite waits on engines, processes and timeouts, and
+# each worker's vLLM engines get a core of their own (tests/conftest.py).
+TEST_WORKERS ?= 2
+
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 clean-demo:
 	rm -rf runs/demo

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import socket
 import sys
 from pathlib import Path
@@ -28,3 +29,33 @@ def write_toml(tmp_path):
         return path
 
     return write
+
+
+# --- running the suite on several workers (pytest-xdist, `make test`) -------------------------
+
+
+def pytest_configure(config):
+    """Each xdist worker's vLLM engines compute on a core of its own: vLLM's CPU worker binds
+    its OpenMP threads to fixed cores (core 0 unless told), so two engines started by two
+    workers would otherwise share one core and leave the other idle."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw"):
+        cores = sorted(os.sched_getaffinity(0))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cores[int(worker[2:]) % len(cores)]))
+
+
+def _module_scoped(item) -> bool:
+    defs = getattr(item, "_fixtureinfo", None)
+    return bool(defs) and any(d.scope == "module" for ds in defs.name2fixturedefs.values() for d in ds)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the groups
+def pytest_collection_modifyitems(config, items):
+    """Tests that share a module-scoped fixture (a vLLM server, a trained run) stay on one
+    worker, so it starts once (`--dist loadgroup`); the rest spread one by one. Slow tests (real
+    engines, trainers, hosts) go first: a long one picked up last would leave the other worker
+    idle at the end."""
+    for item in items:
+        if _module_scoped(item):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: order kept within

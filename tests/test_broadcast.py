@@ -20,6 +20,8 @@ from rl import broadcast as bc
 from rl.config import RunConfig
 from rl.rundir import STABLE, RunDir
 
+pytestmark = pytest.mark.slow
+
 # Heavier imports (trainer, aiohttp, safetensors) live inside the tests: the receiver processes
 # are spawned and import this module, and on two busy cores every second counts against the
 # handshake's timeouts.

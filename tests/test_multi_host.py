@@ -38,6 +38,7 @@ output_dir = "{workdir}/share"
 max_steps = {max_steps}
 seq_len = 64
 max_async_level = 1
+heartbeat_timeout_s = 10  # a cut node named after 10 s instead of the default 20
 
 [inference]
 host = "{address}"

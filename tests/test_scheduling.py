@@ -31,6 +31,8 @@ from rl.batch import Batch
 from rl.config import RunConfig
 from rl.rundir import RunDir, mark_stable
 
+pytestmark = pytest.mark.slow
+
 NAMES = {row_name(i): i for i in range(5000)}
 
 

@@ -23,6 +23,8 @@ from conftest import ROOT, TINY_MODEL, free_port, rl_command
 from rl.config import load_config
 from rl.config_doc import render_toml
 
+pytestmark = pytest.mark.slow
+
 JOB_ID = "4242"
 
 SRUN = r'''#!{python}

@@ -20,6 +20,8 @@ from rl.rundir import RunDir
 from rl.transport import BatchReceiver, BatchSender
 from test_trainer import write_batches
 
+pytestmark = pytest.mark.slow
+
 
 def batch(step: int) -> Batch:
     return Batch.from_samples(step, 1.0, [

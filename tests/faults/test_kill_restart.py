@@ -35,6 +35,7 @@ pytestmark = pytest.mark.slow
 
 MAX_STEPS = 6
 MAX_ASYNC = 1
+HEARTBEAT_TIMEOUT_S = 10
 
 
 class RealRun:
@@ -48,6 +49,8 @@ class RealRun:
         self.cfg.write_text(
             f'model = "{TINY_MODEL}"\noutput_dir = "{self.run.root}"\nmax_steps = {max_steps}\nseq_len = 64\n'
             f"max_async_level = {MAX_ASYNC}\n"
+            # A kill is named after this long (default 20 s): five missed beats is margin enough.
+            f"heartbeat_timeout_s = {HEARTBEAT_TIMEOUT_S}\n"
             f'[inference]\nport = {port}\ndtype = "float32"\n'
             "[orchestrator]\nprompts_per_step = 4\ngroup_size = 4\nmax_tokens = 12\nmax_in_flight_groups = 8\n"
             # Every step checkpointed: a restarted trainer redoes no published step.
