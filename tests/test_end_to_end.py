@@ -49,18 +49,26 @@ class Program:
 
 
 def start_server(tmp, name: str, model, output_dir, extra: str = "") -> tuple[Program, str]:
+    server, url = launch_server(tmp, name, model, output_dir, extra)
+    wait_healthy(server, url)
+    return server, url
+
+
+def launch_server(tmp, name: str, model, output_dir, extra: str = "") -> tuple[Program, str]:
     port = free_port()
     cfg = tmp / f"{name}.toml"
     cfg.write_text(f'model = "{model}"\noutput_dir = "{output_dir}"\nseq_len = 64\n'
                    f'[inference]\nport = {port}\ndtype = "float32"\n' + extra)
-    server = Program("inference", cfg, tmp)
-    url = f"http://127.0.0.1:{port}"
+    return Program("inference", cfg, tmp), f"http://127.0.0.1:{port}"
+
+
+def wait_healthy(server: Program, url: str) -> None:
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         assert server.proc.poll() is None, server.tail()
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return server, url
+                return
         except httpx.HTTPError:
             pass
         time.sleep(1)

@@ -1,19 +1,22 @@
 """The inference server's own routes (rl/inference_api.py) against a real vLLM server: token-in
-token-out generation, abort, in-flight weight updates with exact per-token versions, health."""
+token-out generation, abort, in-flight weight updates with exact per-token versions, health; and
+its readiness line, true the moment it appears (the fixture's first request)."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 import time
 
 import aiohttp
+import openai
 import pytest
 from safetensors.torch import load_file, save_file
 
 from conftest import TINY_MODEL
 from rl.rundir import RunDir
-from test_end_to_end import start_server
+from test_end_to_end import Program, launch_server, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -22,6 +25,7 @@ Z, A, EQ = 28, 3, 29  # "z", "a", "=" in the char tokenizer (vocab 30)
 # Greedy on "z" the tiny model writes "z" until max_tokens, never <eos>: long, deterministic runs.
 LONG = {"prompt_token_ids": [Z], "max_tokens": SEQ_LEN - 1, "temperature": 0}
 MAX_NUM_SEQS = 128  # vLLM's default for a CPU server: more requests than this wait in a queue
+READY_LINE = re.compile(r" inference INFO ready: serving \S+ on http://")  # what README tells users to wait for
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +39,31 @@ def server(tmp_path_factory):
     tensors = load_file(zero / "model.safetensors")
     tensors["model.norm.weight"].zero_()
     save_file(tensors, zero / "model.safetensors")
-    proc, url = start_server(tmp, "server", TINY_MODEL, run.root)
+    proc, url = launch_server(tmp, "server", TINY_MODEL, run.root)
     try:
+        first = complete_right_after_the_ready_line(proc, url, str(TINY_MODEL))
+        wait_healthy(proc, url)
         # The engine's first batches are several times slower: keep them out of the timings.
         asyncio.run(_warm_up(url))
-        yield {"url": url, "zero": str(zero), "model": str(TINY_MODEL)}
+        yield {"url": url, "zero": str(zero), "model": str(TINY_MODEL), "first_completion": first}
     finally:
         proc.stop()
+
+
+def complete_right_after_the_ready_line(proc: Program, url: str, model: str):
+    """Wait for the line users are told to wait for ("ready: serving ..."), then at once ask the official
+    OpenAI client for a completion, with no retries, so that a port not yet accepting shows (it
+    did: "Connection error"). Returns the completion, or the error."""
+    deadline = time.monotonic() + 240
+    while not READY_LINE.search(proc.log.read_text(errors="replace")):
+        assert proc.proc.poll() is None, proc.tail()
+        assert time.monotonic() < deadline, f"no readiness line:\n{proc.tail()}"
+        time.sleep(0.02)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    try:
+        return client.completions.create(model=model, prompt="abc=", max_tokens=4, temperature=0)
+    except openai.APIError as e:
+        return e
 
 
 async def _warm_up(url: str) -> None:
@@ -78,6 +100,12 @@ async def wait_running(s, url: str, done, timeout: float = 30.0) -> float:
 async def health(s, url: str) -> dict:
     async with s.get(f"{url}/health") as r:
         return await r.json()
+
+
+def test_the_readiness_line_is_true_an_openai_client_gets_a_completion_at_once(server):
+    first = server["first_completion"]
+    assert not isinstance(first, Exception), f"{type(first).__name__}: {first}"
+    assert len(first.choices) == 1 and first.choices[0].finish_reason in ("stop", "length")
 
 
 def test_generate_returns_tokens_logprobs_and_versions(server):
@@ -275,11 +303,10 @@ def test_a_multi_turn_episode_on_real_vllm(server):
     """Guess-the-letter through the orchestrator's rollout code against the real engine: each
     turn's request is the whole episode so far, token for token, and only the model's tokens
     are trained on."""
-    from transformers import AutoTokenizer
-
     from orchestrator.prompts import Prompt
     from orchestrator.rollouts import Rollouts
     from orchestrator.tasks.guess_letter import GuessLetter
+    from orchestrator.tokenizer import load_tokenizer
     from rl.config import RunConfig
     from rl.inference_api import InferenceClient
 
@@ -297,7 +324,7 @@ def test_a_multi_turn_episode_on_real_vllm(server):
                 sent.append(list(request.prompt_token_ids))
                 return await client.generate(request, 60)
 
-            rollouts = Rollouts(cfg, AutoTokenizer.from_pretrained(TINY_MODEL), None, None, GuessLetter())
+            rollouts = Rollouts(cfg, load_tokenizer(str(TINY_MODEL)), None, None, GuessLetter())
             return await rollouts.group(Prompt(0, {"secret": "z"}), "episode-test", generate)
 
     group = asyncio.run(scenario())

@@ -9,7 +9,6 @@ import asyncio
 import aiohttp
 import pytest
 from aiohttp import web
-from transformers import AutoTokenizer
 
 from conftest import TINY_MODEL, free_port
 from fake_inference import FakeServer, score_over_http, start
@@ -18,10 +17,11 @@ from orchestrator.prompts import Prompt
 from orchestrator.rollouts import Rollouts
 from orchestrator.scoring import Reward, Teacher
 from orchestrator.tasks.guess_letter import Game, GuessLetter
+from orchestrator.tokenizer import load_tokenizer
 from rl.config import RunConfig
 from rl.inference_api import InferenceClient
 
-TOKENIZER = AutoTokenizer.from_pretrained(TINY_MODEL)
+TOKENIZER = load_tokenizer(str(TINY_MODEL))
 
 
 def config(**orchestrator) -> RunConfig:

@@ -47,15 +47,14 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import logging
 import os
 import socket
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import aiohttp
 from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
@@ -82,6 +81,7 @@ from rl.rundir import RunDir
 
 log = logging.getLogger("inference")
 SHUTDOWN_GRACE_S = 5  # requests still running at shutdown get this long, then are cancelled
+READY_POLL_S = 0.1  # how often a starting server asks its own /health whether it is up
 
 EXTENSION = "inference.worker_extension.WeightReloadExtension"
 FINISH_REASONS = ("stop", "length", "abort")
@@ -92,21 +92,6 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 # the engine or reveals more than the version served.
 PUBLIC = frozenset({"/health", "/ping", "/metrics", "/version", "/load"})
 UNAUTHORIZED = "missing or wrong bearer token (inference.api_token or ASYNCRL_API_TOKEN)"
-
-
-def exposure_error(host: str, token: str | None) -> str | None:
-    """Why the server must not start on `host`, or None: off loopback, the admin routes would
-    load weights and abort requests for anyone who can reach the port."""
-    if token:
-        return None
-    if host == "localhost":
-        return None
-    try:
-        if ipaddress.ip_address(host).is_loopback:
-            return None
-    except ValueError:
-        pass  # a host name other than localhost may resolve anywhere
-    return f"inference.host {host} exposes the admin routes: set inference.api_token or ASYNCRL_API_TOKEN"
 
 
 def authorized(headers: Headers, token: str) -> bool:
@@ -661,7 +646,23 @@ def vllm_args(cfg: RunConfig) -> list[str]:
     return args + inf.extra_args
 
 
-async def _serve(args, admin: AdminRoutes) -> None:
+def keep_root_logging() -> Callable[[], None]:
+    """Returns a function that puts the root logger's level and its handlers' levels back as
+    they are now. Importing model_hosting_container_standards (vLLM's SageMaker routes, in
+    build_app) sets them to ERROR unless $SAGEMAKER_CONTAINER_LOG_LEVEL says otherwise: every
+    line of ours after that was lost, the readiness line and each "now serving version" included."""
+    root = logging.getLogger()
+    level, handlers = root.level, [(h, h.level) for h in root.handlers]
+
+    def restore() -> None:
+        root.setLevel(level)
+        for handler, handler_level in handlers:
+            handler.setLevel(handler_level)
+
+    return restore
+
+
+async def _serve(args, admin: AdminRoutes, restore_logging: Callable[[], None]) -> None:
     # Mirrors vllm.entrypoints.launchers.api_server.entry.run_server_worker, plus admin.attach.
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
@@ -675,15 +676,18 @@ async def _serve(args, admin: AdminRoutes) -> None:
             app = build_app(args, tasks, engine.model_config)
             admin.attach(app, engine)
             await init_app_state(engine, app.state, args, tasks)
-            log.info("serving %s on http://%s:%d (version 0)", args.model, args.host, args.port)
-            set_phase("serving")
-            shutdown = await serve_http(
-                app, sock=sock, host=args.host, port=args.port,
-                log_level="warning", access_log=False,
-                # A request still running at shutdown (a reload waiting on the engine that
-                # just stopped) would otherwise hold the process up to reload_timeout_s.
-                timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
-            )
+            restore_logging()
+            ready = asyncio.create_task(announce_when_ready(args))
+            try:
+                shutdown = await serve_http(
+                    app, sock=sock, host=args.host, port=args.port,
+                    log_level="warning", access_log=False,
+                    # A request still running at shutdown (a reload waiting on the engine that
+                    # just stopped) would otherwise hold the process up to reload_timeout_s.
+                    timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+                )
+            finally:
+                ready.cancel()
         try:
             await asyncio.wait_for(shutdown, 4 * SHUTDOWN_GRACE_S)
         except TimeoutError:
@@ -692,12 +696,34 @@ async def _serve(args, admin: AdminRoutes) -> None:
         sock.close()
 
 
+async def announce_when_ready(args) -> None:
+    """Log "ready: serving ..." once it is true: this server's own port answers GET /health with
+    200 (the route needs no token). README tells users to wait for that line. Users took vLLM's
+    own "vLLM server version ..., serving model ..." for it, which vLLM logs once the socket is
+    bound, before the engine starts, 15-20 s here before uvicorn listens on it (clients got
+    "Connection error"); our line, logged before serve_http, was lost (keep_root_logging)."""
+    host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(args.host or "", args.host)
+    scheme = "https" if args.ssl_certfile else "http"
+    url = f"{scheme}://{f'[{host}]' if ':' in host else host}:{args.port}/health"
+    timeout = aiohttp.ClientTimeout(total=5)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        while True:
+            try:
+                # ssl=False: our own certificate, reached by address, need not match its name.
+                async with session.get(url, ssl=False) as r:
+                    if r.status == 200:
+                        version = (await r.json())["version"]
+                        break
+            except (aiohttp.ClientError, TimeoutError):
+                pass  # not listening yet
+            await asyncio.sleep(READY_POLL_S)
+    log.info("ready: serving %s on %s://%s:%d (version %d)", args.model, scheme, args.host, args.port, version)
+    set_phase("serving")
+
+
 def main(cfg: RunConfig) -> int:
-    # Before vLLM is imported: a refusal costs no engine start.
-    if error := exposure_error(cfg.inference.host, resolve_token(cfg.inference.api_token)):
-        print(f"rl inference: {error}", file=sys.stderr)
-        return 2
-    # Before the engine's processes exist: they must not outlive this one (inference/orphans.py).
+    # rl.cli checked the config (rl/preflight.py: the port, the exposure of the admin routes, the
+    # model) before calling this. Before the engine's processes exist: they must not outlive this one (inference/orphans.py).
     orphans.start()
     # The CPU engine sizes its KV cache from this variable; GPU engines ignore it.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.inference.cpu_kv_cache_gib))
@@ -706,6 +732,7 @@ def main(cfg: RunConfig) -> int:
     if os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true"):
         log.warning("VLLM_ALLOW_RUNTIME_LORA_UPDATING is ignored: use /load_lora_adapter")
     os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "0"
+    restore_logging = keep_root_logging()  # before vLLM's imports touch it
     import uvloop
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
@@ -715,5 +742,5 @@ def main(cfg: RunConfig) -> int:
     parser = make_arg_parser(FlexibleArgumentParser(prog="rl inference"))
     args = parser.parse_args(vllm_args(cfg))
     validate_parsed_serve_args(args)
-    uvloop.run(_serve(args, AdminRoutes(cfg)))
+    uvloop.run(_serve(args, AdminRoutes(cfg), restore_logging))
     return 0

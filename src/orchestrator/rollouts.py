@@ -15,6 +15,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from tokenizers import Tokenizer
+
 from orchestrator.advantages import group_advantages
 from orchestrator.environment import Environment, Turn
 from orchestrator.prompts import Prompt
@@ -89,9 +91,10 @@ class Rollouts:
                  env: Environment | None):
         self.cfg, self.o = cfg, cfg.orchestrator
         self.tokenizer, self.reward, self.teacher, self.env = tokenizer, reward, teacher, env
-        # The Rust tokenizer behind a fast HF tokenizer, called directly: the HF wrapper costs
-        # ~10x more per call, which shows at thousands of groups per second.
-        self.fast = getattr(tokenizer, "backend_tokenizer", None)
+        # A Rust tokenizer (orchestrator/tokenizer.py), or the one behind a fast HF tokenizer,
+        # called directly: the HF wrapper costs ~10x more per call, which shows at thousands of
+        # groups per second.
+        self.fast = tokenizer if isinstance(tokenizer, Tokenizer) else getattr(tokenizer, "backend_tokenizer", None)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.fast is not None:

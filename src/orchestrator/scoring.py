@@ -10,37 +10,21 @@ replaced, and leaked, once half are stuck.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import logging
 import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable
 
 import aiohttp
 
+from rl.callables import load_callable
 from rl.inference_api import GenerateRequest, InferenceClient, InferenceError
 
 log = logging.getLogger("orchestrator")
 
 REWARD_THREADS = 8  # Python rewards mostly hold the GIL: more threads would help only those waiting on I/O
-
-
-def load_callable(spec: str, key: str) -> Callable:
-    """Resolve "package.module:name"; errors name the config key."""
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"{key}: {spec!r} is not of the form 'module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"{key}: cannot import {module_name!r} ({e})") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"{key}: {module_name!r} has no callable {attr!r}")
-    return fn
 
 
 class Reward:
