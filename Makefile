@@ -21,12 +21,14 @@ demo: install
 	rm -rf runs/demo
 	$(VENV)/bin/rl run @ configs/demo.toml
 
-# Two workers (pytest-xdist): most of the suite waits on engines, processes and timeouts, and
-# each worker's vLLM engines get a core of their own (tests/conftest.py).
+# Two workers (pytest-xdist), each taking whole files (a module's vLLM server starts once): most
+# of the suite waits on engines, processes and timeouts, and each worker's vLLM engines get a
+# core of their own (tests/conftest.py). (--dist loadgroup did not keep a group on one worker
+# with pytest 9.2 and xdist 3.8.)
 TEST_WORKERS ?= 2
 
 test: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 clean-demo:
 	rm -rf runs/demo

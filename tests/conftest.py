@@ -44,18 +44,8 @@ def pytest_configure(config):
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cores[int(worker[2:]) % len(cores)]))
 
 
-def _module_scoped(item) -> bool:
-    defs = getattr(item, "_fixtureinfo", None)
-    return bool(defs) and any(d.scope == "module" for ds in defs.name2fixturedefs.values() for d in ds)
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Tests that share a module-scoped fixture (a vLLM server, a trained run) stay on one
-    worker, so it starts once (`--dist loadgroup`); the rest spread one by one. Slow tests (real
-    engines, trainers, hosts) go first: a long one picked up last would leave the other worker
-    idle at the end."""
-    for item in items:
-        if _module_scoped(item):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    """Slow tests (real engines, trainers, hosts) go first: `make test` hands whole files to the
+    workers (`--dist loadfile`: a module-scoped server starts once), and a long file picked up
+    last would leave the other worker idle at the end."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: order kept within
