@@ -156,6 +156,8 @@ def _tensor_names(files: list[Path]) -> set[str]:
             return set()  # .bin files are pickles: never opened here
         with open(path, "rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
+            if size > 1 << 28:  # a damaged length must not make us read the whole file
+                raise ValueError(f"{path.name}: header length {size}")
             names |= set(json.loads(f.read(size))) - {"__metadata__"}
     return names
 
