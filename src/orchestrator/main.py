@@ -44,6 +44,7 @@ from rl.inference_api import GenerateRequest, GenerateResponse, InferenceClient,
 from rl.faults import crash_point
 from rl.heartbeat import PeerReporter, PeerWatch, current_instance, heartbeat_path, set_phase
 from rl.polling import Backoff
+from rl.preflight import orchestrator_state_refusal
 from rl.rundir import RunDir, mark_stable, remove_quietly, write_file_atomic
 from rl.transport import BatchSender
 
@@ -132,9 +133,8 @@ class Orchestrator:
             for partial in self.run_dir.rollouts.glob(".step_*"):
                 remove_quietly(partial)
         if not saved:
-            if on_disk:
-                raise SystemExit(f"output_dir {self.run_dir.root} holds batches but no orchestrator checkpoint; "
-                                 "remove it or choose another output_dir")
+            if refusal := orchestrator_state_refusal(self.run_dir):  # rl.cli refused it already
+                raise SystemExit(refusal)
             return 1, 0, []
         path = self.run_dir.checkpoint_dir(saved[-1]) / "orchestrator" / "state.json"
         step, cursor, pending = decode_state(path.read_bytes())

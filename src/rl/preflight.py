@@ -57,26 +57,38 @@ def output_dir(cfg: RunConfig) -> None:
                           "choose a writable output_dir") from None
 
 
+def trainer_state_refusal(run: RunDir, resume: bool) -> str | None:
+    """Why a trainer must not start on `run`, or None: fresh, it refuses weights from an earlier
+    run; resuming, it needs a checkpoint once weights exist. Also asked by the trainer itself for
+    each run a multi-run trainer admits."""
+    if not run.weight_steps():
+        return None
+    if not resume:
+        return (f"output_dir {run.root} already holds weights from an earlier run: pass --resume to "
+                "continue it, or choose another output_dir")
+    if not run.checkpoint_steps("trainer"):
+        return (f"--resume: no complete trainer checkpoint under {run.checkpoints} but weights exist, "
+                "so that run cannot continue exactly: choose another output_dir")
+    return None
+
+
+def orchestrator_state_refusal(run: RunDir) -> str | None:
+    """Why an orchestrator must not start on `run`, or None: batches without its checkpoint."""
+    if run.rollout_steps() and not run.checkpoint_steps("orchestrator"):
+        return f"output_dir {run.root} holds batches but no orchestrator checkpoint: remove it or choose another output_dir"
+    return None
+
+
 def trainer_run_state(cfg: RunConfig) -> None:
-    """A fresh trainer refuses a run directory holding weights; --resume needs a checkpoint then."""
     if cfg.trainer.lora.multi_run or not _is_rank0():
         return  # multi-run: each run's state is judged when it joins
-    run = RunDir(cfg.run_dir)
-    if not run.weight_steps():
-        return
-    if not cfg.resume:
-        raise ConfigError(f"output_dir {run.root} already holds weights from an earlier run: pass --resume to "
-                          "continue it, or choose another output_dir")
-    if not run.checkpoint_steps("trainer"):
-        raise ConfigError(f"--resume: no complete trainer checkpoint under {run.checkpoints} but weights exist, "
-                          "so that run cannot continue exactly: choose another output_dir")
+    if refusal := trainer_state_refusal(RunDir(cfg.run_dir), cfg.resume):
+        raise ConfigError(refusal)
 
 
 def orchestrator_run_state(cfg: RunConfig) -> None:
-    run = RunDir(cfg.run_dir)
-    if cfg.transport.kind == "filesystem" and run.rollout_steps() and not run.checkpoint_steps("orchestrator"):
-        raise ConfigError(f"output_dir {run.root} holds batches but no orchestrator checkpoint: remove it or "
-                          "choose another output_dir")
+    if refusal := orchestrator_state_refusal(RunDir(cfg.run_dir)):
+        raise ConfigError(refusal)
 
 
 # --- the model --------------------------------------------------------------------------------

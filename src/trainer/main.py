@@ -26,6 +26,7 @@ from rl.batch import BatchError
 from rl.config import RunConfig
 from rl.faults import crash_point
 from rl.heartbeat import PeerReporter, PeerWatch, heartbeat_path, set_phase
+from rl.preflight import trainer_state_refusal
 from rl.rundir import RunDir, remove_quietly
 from rl.transport import BatchReceiver
 from trainer import checkpoint
@@ -153,16 +154,12 @@ class Trainer:
     def start_step(self, policy: Policy, resume: bool) -> int:
         """1, or the step after the policy's latest complete checkpoint when resuming."""
         run = policy.run
+        if refusal := trainer_state_refusal(run, resume):  # rl.cli refused a single run already
+            raise SystemExit(refusal)
         latest = checkpoint.latest(run)
         if not resume:
-            if run.weight_steps():
-                raise SystemExit(f"output_dir {run.root} already holds weights from an earlier run; "
-                                 "pass --resume to continue it, or choose another output_dir")
             return 1
         if latest is None:
-            if run.weight_steps():
-                raise SystemExit(f"--resume: no complete trainer checkpoint under {run.checkpoints}, "
-                                 "but weights exist; cannot continue that run exactly")
             log.info("--resume: nothing to resume in %s, starting at step 1", run.root)
             return 1
         state = self.checkpoint_state(policy)
