@@ -324,7 +324,7 @@ def test_a_multi_turn_episode_on_real_vllm(server):
                 sent.append(list(request.prompt_token_ids))
                 return await client.generate(request, 60)
 
-            rollouts = Rollouts(cfg, load_tokenizer(str(TINY_MODEL)), None, None, GuessLetter())
+            rollouts = Rollouts(cfg, load_tokenizer(str(TINY_MODEL)), {}, None, GuessLetter())
             return await rollouts.group(Prompt(0, {"secret": "z"}), "episode-test", generate)
 
     group = asyncio.run(scenario())

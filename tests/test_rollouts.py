@@ -16,6 +16,7 @@ from orchestrator.environment import Turn
 from orchestrator.prompts import Prompt
 from orchestrator.rollouts import Rollouts
 from orchestrator.scoring import Reward, Teacher
+from orchestrator.sources import Source
 from orchestrator.tasks.guess_letter import Game, GuessLetter
 from orchestrator.tokenizer import load_tokenizer
 from rl.config import RunConfig
@@ -23,6 +24,11 @@ from rl.inference_api import InferenceClient
 
 TOKENIZER = load_tokenizer(str(TINY_MODEL))
 
+
+
+def unscored_sources(cfg: RunConfig) -> dict[str, Source]:
+    """The config's datasets with no reward (every rollout scores 0)."""
+    return {d.name: Source(d, cfg.seed) for d in cfg.orchestrator.resolved_datasets()}
 
 def config(**orchestrator) -> RunConfig:
     return RunConfig.model_validate({"model": str(TINY_MODEL), "seq_len": 64, "orchestrator": orchestrator})
@@ -67,7 +73,7 @@ def test_multi_turn_episode_interleaves_model_and_environment_tokens():
     server = FakeServer()
 
     async def body(client, session):
-        rollouts = Rollouts(cfg, TOKENIZER, None, None, AlwaysWrong())
+        rollouts = Rollouts(cfg, TOKENIZER, {}, None, AlwaysWrong())
         return await rollouts.group(Prompt(0, {"secret": "="}), "g1", lambda r: client.generate(r, 10))
 
     group = asyncio.run(with_server(server, body))
@@ -133,7 +139,7 @@ def test_teacher_logprobs_become_per_token_advantages():
         try:
             async def body(client, session):
                 t = Teacher(InferenceClient(f"http://127.0.0.1:{tport}", session), 0.5, 10)
-                rollouts = Rollouts(cfg, TOKENIZER, None, t, None)
+                rollouts = Rollouts(cfg, TOKENIZER, unscored_sources(cfg), t, None)
                 return await rollouts.group(Prompt(0, {"prompt": "abc="}), "g", lambda r: client.generate(r, 10))
             return await with_server(policy, body)
         finally:

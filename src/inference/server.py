@@ -300,12 +300,13 @@ class AdminRoutes:
             return GeneratedSample(token_ids=[], logprobs=[], versions=[],
                                    finish_reason="abort"), None
         params = SamplingParams(
-            n=1, temperature=body.temperature, top_p=body.top_p, max_tokens=body.max_tokens,
-            stop_token_ids=body.stop_token_ids, logprobs=0,
+            n=1, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+            max_tokens=body.max_tokens, stop=body.stop or None, stop_token_ids=body.stop_token_ids, logprobs=0,
             # One sample scores the prompt: the samples share it, and asking on all n would
             # compute it n times instead of sharing the prefix cache.
             prompt_logprobs=0 if body.prompt_logprobs and i == 0 else None,
-            output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False,
+            # Stop strings are matched on text: only they need the detokenizer.
+            output_kind=RequestOutputKind.FINAL_ONLY, detokenize=bool(body.stop),
         )
         # An adapter request is registered without switch points (None): a full reload does not
         # change what version its tokens are, and switch() leaves it alone.

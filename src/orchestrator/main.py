@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from orchestrator.prompts import Prompt, PromptQueue, decode_state, encode_state
-from orchestrator.rollouts import Aborted, Group, Rollouts, RowError
+from orchestrator.rollouts import Aborted, Group, Rollouts
 from orchestrator.scoring import Reward, Teacher
 from orchestrator.servers import Server, ServerPool
+from orchestrator.sources import RowError, Source, mix
 from orchestrator.tokenizer import load_tokenizer
 from rl.async_rule import can_hand_over, is_fresh, min_serving_version, oldest_usable_version
 from rl.batch import Batch
@@ -76,6 +77,8 @@ class Counters:
     dropped_stale: int = 0
     requeued: int = 0
     """Groups taken off a server that stopped answering, prompts requeued."""
+    skipped_rows: int = 0
+    """Rows that cannot make a prompt (no prompt, a template that fails on them, too long)."""
     started: float = field(default_factory=time.monotonic)
 
 
@@ -93,7 +96,7 @@ class Orchestrator:
         self.rollouts = self._make_rollouts(session)
         self.sender = BatchSender(cfg.transport, self.run_dir)
         self.next_step, cursor, pending = self._resume_point()
-        self.queue = PromptQueue(self._rows(), cursor, pending)
+        self.queue = PromptQueue(self._draws(), self._fetch, cursor, pending)
         self.in_flight: dict[str, InFlight] = {}
         self.finished: list[Group] = []
         self.weights_poll = Backoff(self.o.poll_interval_s, 5 * self.o.poll_interval_s)
@@ -108,17 +111,26 @@ class Orchestrator:
     def _make_rollouts(self, session: aiohttp.ClientSession) -> Rollouts:
         o = self.o
         env = load_callable(o.environment, "orchestrator.environment")() if o.environment else None
-        reward = Reward(o.reward, o.reward_timeout_s, session, o.reward_inline) if o.reward and env is None else None
+        sources = {}
+        for ds in ([] if env else o.resolved_datasets()):
+            source = sources[ds.name] = Source(ds, self.cfg.seed)
+            key = "orchestrator.reward" if not o.datasets else f"dataset {ds.name}: reward"
+            source.reward = Reward(ds.reward, o.reward_timeout_s, session, o.reward_inline, key) if ds.reward else None
         teacher = None
         if o.teacher_url:
             teacher = Teacher(InferenceClient(o.teacher_url, session, self.cfg.inference.api_token),
                               o.teacher_coef, o.request_timeout_s)
-        return Rollouts(self.cfg, load_tokenizer(self.cfg.model), reward, teacher, env)
+        return Rollouts(self.cfg, load_tokenizer(self.cfg.model), sources, teacher, env)
 
-    def _rows(self):
+    def _draws(self):
         if self.rollouts.env is not None:
-            return iter(self.rollouts.env.dataset(self.cfg.seed))
-        return iter(load_callable(self.o.dataset, "orchestrator.dataset")(self.cfg.seed))
+            return (("", row) for row in self.rollouts.env.dataset(self.cfg.seed))
+        return mix(list(self.rollouts.sources.values()), self.cfg.seed)
+
+    def _fetch(self, source: str, draw) -> tuple[dict, str]:
+        if self.rollouts.env is not None:
+            return draw, "orchestrator.environment"
+        return self.rollouts.sources[source].fetch(draw)
 
     # --- checkpoint and resume -----------------------------------------------------------
 
@@ -344,8 +356,8 @@ class Orchestrator:
             self.queue.give_back(g.prompt)
             self.pool.fail(g.server, str(e))
         elif isinstance(e, RowError):
-            self.counters.failed += self.o.group_size
-            log.warning("group %s dropped: %s", gid, e)
+            self.counters.skipped_rows += 1
+            log.warning("row skipped: %s", e)
         else:  # a teacher that is down, a tokenizer that chokes
             self.counters.failed += self.o.group_size
             self.retry_or_drop(gid, g.prompt, f"{type(e).__name__}: {e}")
@@ -455,7 +467,7 @@ class Orchestrator:
         # From here on new groups are meant for the next batch (the send below yields to them).
         self.next_step = step + 1
         samples = [s for g in groups for s in g.samples]
-        batch = Batch.from_samples(step, self.o.temperature, samples)
+        batch = Batch.from_samples(step, samples)
         set_phase(f"handing over batch {step}")
         await self.sender.send(batch, self.o.trainer_timeout_s)
         crash_point("orchestrator.handed_over", step)
@@ -483,14 +495,16 @@ class Orchestrator:
             "filtered": c.filtered, "dropped_stale": c.dropped_stale, "requeued": c.requeued,
             "in_flight": len(self.in_flight), "buffered": len(self.finished),
             "serving_version": self.pool.serving_version, "servers_in_rotation": len(self.pool.in_rotation),
+            "truncated": sum(g.truncated for g in groups), "skipped_rows": c.skipped_rows,
+            **reward_details(groups, len(self.rollouts.sources) > 1),
         }
         self.run_dir.append_metrics(record)
         log.info("batch %d reward %.3f staleness %.2f (max %d) %.0f tok/s | waited trainer %.2fs groups %.2fs "
-                 "| in-flight %d idle %.0f%% | cancelled %d failed %d filtered %d stale %d",
+                 "| in-flight %d idle %.0f%% | cancelled %d failed %d filtered %d stale %d truncated %d",
                  step, record["reward_mean"], record["staleness_mean"], record["staleness_max"],
                  record["tokens_per_s"], trainer_wait, group_wait, record["in_flight"],
                  100 * record["inference_idle_frac"], c.cancelled, c.failed + c.failed_requests,
-                 c.filtered, c.dropped_stale)
+                 c.filtered, c.dropped_stale, record["truncated"])
 
     # --- the run ---------------------------------------------------------------------------
 
@@ -550,6 +564,19 @@ class Orchestrator:
             # The server outlives this run: free its adapter slots for other runs. The final
             # adapter stays on disk (weights/step_n) for anyone to load again.
             await self.pool.unload_all()
+
+
+def reward_details(groups: list[Group], per_dataset: bool) -> dict[str, float]:
+    """Mean of each named reward component ("reward/<name>") and, with several datasets, each
+    dataset's mean reward ("reward_mean/<dataset>")."""
+    parts: dict[str, list[float]] = collections.defaultdict(list)
+    for g in groups:
+        if per_dataset:
+            parts[f"reward_mean/{g.prompt.source}"] += g.rewards
+        for components in g.components:
+            for name, value in components.items():
+                parts[f"reward/{name}"].append(value)
+    return {key: sum(values) / len(values) for key, values in sorted(parts.items())}
 
 
 def tune_gc() -> None:

@@ -1,7 +1,7 @@
-"""The prompt queue: the dataset stream plus prompts given back (by cancelled, failed or stale
-groups), which go out again before any new row. Its state (how many rows were drawn, which
-prompts are pending) is what the orchestrator checkpoints, so a resumed run neither skips nor
-repeats data.
+"""The prompt queue: the datasets' seeded mix (orchestrator/sources.py) plus prompts given back
+(by cancelled, failed or stale groups), which go out again before any new row. Its state (how
+many rows were drawn, which prompts are pending) is what the orchestrator checkpoints, so a
+resumed run neither skips nor repeats data.
 """
 
 from __future__ import annotations
@@ -9,21 +9,31 @@ from __future__ import annotations
 import collections
 import itertools
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class Prompt:
     index: int
-    """Position of the row in the seeded dataset stream: identifies it across requeues and resumes."""
+    """Position of the row in the seeded stream: identifies it across requeues and resumes."""
     row: dict
+    source: str = ""
+    """Name of the dataset it came from ("": the only one)."""
+    where: str = ""
+    """Where the row came from (file and row), for messages about it."""
+
+
+# (dataset name, draw) -> (row, where): a draw is a table position or a function's row.
+Fetch = Callable[[str, object], tuple[dict, str]]
 
 
 class PromptQueue:
-    def __init__(self, rows: Iterator[dict], cursor: int = 0, pending: list[Prompt] = ()):
-        # Rows are re-generated from the seed, so skipping `cursor` rows lands where the run was.
-        self.rows = itertools.islice(rows, cursor, None)
+    def __init__(self, draws: Iterator[tuple[str, object]], fetch: Fetch, cursor: int = 0,
+                 pending: list[Prompt] = ()):
+        # The stream is re-made from the seed, so skipping `cursor` draws lands where the run was.
+        self.draws = itertools.islice(draws, cursor, None)
+        self.fetch = fetch
         self.cursor = cursor
         self.requeued: collections.deque[Prompt] = collections.deque(pending)
 
@@ -31,13 +41,15 @@ class PromptQueue:
         if self.requeued:
             return self.requeued.popleft()
         try:
-            row = next(self.rows)
+            source, draw = next(self.draws)
         except StopIteration:
-            raise RuntimeError(f"the dataset ran out after {self.cursor} rows "
-                               "(orchestrator.dataset must yield enough rows for max_steps)") from None
+            raise RuntimeError(f"the datasets ran out after {self.cursor} rows (a function dataset must "
+                               "yield enough rows for max_steps; a dataset with passes set leaves the mix "
+                               "once used up)") from None
+        row, where = self.fetch(source, draw)
         if not isinstance(row, dict):
-            raise TypeError(f"orchestrator.dataset: row {self.cursor} is a {type(row).__name__}, not a dict")
-        prompt = Prompt(self.cursor, row)
+            raise TypeError(f"{where}: row {self.cursor} is a {type(row).__name__}, not a dict")
+        prompt = Prompt(self.cursor, row, source, where)
         self.cursor += 1
         return prompt
 
@@ -49,12 +61,15 @@ def encode_state(step: int, cursor: int, pending: list[Prompt]) -> bytes:
     """The orchestrator's checkpoint: batches 1..step are handed over; rows below `cursor` were
     drawn; `pending` were drawn but are in no batch (queued, in flight or finished but unbatched)."""
     try:
+        # default=str: a file's dates and the like come back as text, which no reward has relied on.
         return json.dumps({"step": step, "cursor": cursor,
-                           "pending": [{"index": p.index, "row": p.row} for p in pending]}).encode()
+                           "pending": [{"index": p.index, "row": p.row, "source": p.source, "where": p.where}
+                                       for p in pending]}, default=str).encode()
     except TypeError as e:
         raise TypeError(f"orchestrator.dataset rows must be JSON-able to checkpoint them: {e}") from None
 
 
 def decode_state(data: bytes) -> tuple[int, int, list[Prompt]]:
     state = json.loads(data)
-    return state["step"], state["cursor"], [Prompt(p["index"], p["row"]) for p in state["pending"]]
+    return state["step"], state["cursor"], [Prompt(p["index"], p["row"], p.get("source", ""), p.get("where", ""))
+                                            for p in state["pending"]]

@@ -9,6 +9,7 @@ records each request id so a cancelled group can be aborted on that server.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import inspect
 import logging
@@ -20,9 +21,11 @@ from tokenizers import Tokenizer
 from orchestrator.advantages import group_advantages
 from orchestrator.environment import Environment, Turn
 from orchestrator.prompts import Prompt
-from orchestrator.scoring import Reward, Teacher
+from orchestrator.scoring import Teacher, combine
+from orchestrator.sources import Renderer, RowError, Source
 from rl.batch import Sample
 from rl.config import RunConfig
+from rl.dataset_config import Sampling
 from rl.inference_api import GeneratedSample, GenerateRequest, GenerateResponse
 
 log = logging.getLogger("orchestrator")
@@ -43,10 +46,6 @@ async def gather_or_cancel(coros) -> list:
         raise
 
 
-class RowError(Exception):
-    """A row that can never make a rollout (no prompt, too long): dropped, not requeued."""
-
-
 class Aborted(Exception):
     """The server aborted a request of this group (it was cancelled, or the server is going down)."""
 
@@ -57,6 +56,10 @@ class Group:
     samples: list[Sample]
     failed: int
     """Rollouts of this group that failed (reward or environment raised or timed out)."""
+    truncated: int = 0
+    """Completions cut at max_tokens (orchestrator.overlong says what became of them)."""
+    components: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    """Per sample: the named parts of its reward (empty for a plain float)."""
 
     @functools.cached_property
     def oldest_version(self) -> int:
@@ -78,6 +81,8 @@ class Trajectory:
     logprobs: list[float]
     versions: list[int]
     reward: float
+    components: dict[str, float] = dataclasses.field(default_factory=dict)
+    truncated: bool = False
 
     def add(self, ids: list[int], model: GeneratedSample | None = None) -> None:
         self.tokens += ids
@@ -87,14 +92,18 @@ class Trajectory:
 
 
 class Rollouts:
-    def __init__(self, cfg: RunConfig, tokenizer, reward: Reward | None, teacher: Teacher | None,
+    def __init__(self, cfg: RunConfig, tokenizer, sources: dict[str, Source], teacher: Teacher | None,
                  env: Environment | None):
         self.cfg, self.o = cfg, cfg.orchestrator
-        self.tokenizer, self.reward, self.teacher, self.env = tokenizer, reward, teacher, env
+        self.tokenizer, self.sources, self.teacher, self.env = tokenizer, sources, teacher, env
         # A Rust tokenizer (orchestrator/tokenizer.py), or the one behind a fast HF tokenizer,
         # called directly: the HF wrapper costs ~10x more per call, which shows at thousands of
         # groups per second.
         self.fast = tokenizer if isinstance(tokenizer, Tokenizer) else getattr(tokenizer, "backend_tokenizer", None)
+        self.renderer = Renderer(self.o, cfg.model, self.fast, self.encode) if env is None else None
+        o = self.o  # an environment's turns are sampled with the orchestrator-level settings
+        self.env_sampling = Sampling(temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, min_p=o.min_p,
+                                     max_tokens=o.max_tokens, stop=tuple(o.stop))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.fast is not None:
@@ -109,13 +118,16 @@ class Rollouts:
     def decode(self, ids: list[int]) -> str:
         return self.decode_all([ids])[0]
 
-    def request(self, request_id: str, tokens: list[int], n: int) -> GenerateRequest:
+    def request(self, request_id: str, tokens: list[int], n: int, sampling: Sampling) -> GenerateRequest:
         # A teacher scores the finished sequence plus one generated token: leave it that room.
         room = self.cfg.seq_len - len(tokens) - (1 if self.teacher is not None else 0)
         if room < 1:
             raise RowError(f"{len(tokens)} tokens leave no room to generate within seq_len {self.cfg.seq_len}")
+        stop_ids = self.renderer.stop_token_ids if self.renderer else []
         return GenerateRequest(request_id=request_id, prompt_token_ids=tokens, n=n,
-                               max_tokens=min(self.o.max_tokens, room), temperature=self.o.temperature)
+                               max_tokens=min(sampling.max_tokens, room), temperature=sampling.temperature,
+                               top_p=sampling.top_p, top_k=sampling.top_k, min_p=sampling.min_p,
+                               stop=list(sampling.stop), stop_token_ids=stop_ids)
 
     async def group(self, prompt: Prompt, gid: str, generate: Generate) -> Group:
         if self.env is None:
@@ -128,33 +140,57 @@ class Rollouts:
         if len(kept) < 2:  # no group-relative signal left
             return Group(prompt, [], failed + len(kept))
         advantages = group_advantages([t.reward for t in kept], self.o.normalize_advantages)
-        samples = [Sample(t.tokens, t.loss_mask, t.logprobs, [a * m for m in t.loss_mask], t.versions, t.reward)
+        sampling = self.env_sampling if self.env is not None else self.source(prompt).ds.sampling
+        samples = [Sample(t.tokens, self.trained_mask(t), t.logprobs, [a * m for m in t.loss_mask], t.versions,
+                          t.reward, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                          min_p=sampling.min_p)
                    for t, a in zip(kept, advantages)]
         if self.teacher is not None:
             await self.add_teacher_signal(samples, gid)
-        return Group(prompt, samples, failed)
+        return Group(prompt, samples, failed, sum(t.truncated for t in kept), [t.components for t in kept])
+
+    def source(self, prompt: Prompt) -> Source:
+        # "": a prompt checkpointed before datasets had names, when there was only one.
+        return self.sources[prompt.source] if prompt.source else next(iter(self.sources.values()))
+
+    def trained_mask(self, t: Trajectory) -> list[int]:
+        # overlong = "mask": a cut completion still counts in its group's mean reward (the
+        # advantages above), but none of its tokens is trained on (DAPO's overlong filtering).
+        return [0] * len(t.loss_mask) if t.truncated and self.o.overlong == "mask" else t.loss_mask
 
     async def single_turn(self, prompt: Prompt, gid: str, generate: Generate) -> list[Trajectory | None]:
-        text = prompt.row.get("prompt")
-        if not isinstance(text, str):
-            raise RowError(f"orchestrator.dataset: row {prompt.index} has no string 'prompt'")
-        ids = self.encode(text)
-        response = await generate(self.request(gid, ids, self.o.group_size))
+        source = self.source(prompt)
+        text, ids = self.renderer.render(source.ds, prompt.row, prompt.where or f"row {prompt.index}")
+        request = self.request(gid, ids, self.o.group_size, source.ds.sampling)
+        response = await generate(request)
         if any(s.finish_reason == "abort" for s in response.samples):
             raise Aborted(gid)
         completions = self.decode_all([s.token_ids for s in response.samples])
-        rewards = (await self.reward.score(text, completions, prompt.row) if self.reward
-                   else [0.0] * len(completions))
+        scores = (await source.reward.score(text, completions, prompt.row) if source.reward
+                  else [0.0] * len(completions))
+        weights = {**(source.reward.weights if source.reward else {}), **source.ds.reward_weights}
         out = []
-        for s, r in zip(response.samples, rewards):
-            if r is None:
+        for s, score in zip(response.samples, scores):
+            if score is None:
                 out.append(None)
                 continue
-            t = Trajectory([], [], [], [], r)
+            reward, components = combine(score, weights)
+            t = Trajectory([], [], [], [], reward, components, s.finish_reason == "length")
+            t.reward -= self.overlong_penalty(len(s.token_ids), request.max_tokens, t)
             t.add(ids)
             t.add(s.token_ids, s)
             out.append(t)
         return out
+
+    def overlong_penalty(self, length: int, max_tokens: int, t: Trajectory) -> float:
+        """DAPO's soft overlong punishment: 0 up to max_tokens - overlong_buffer, then growing
+        linearly to overlong_penalty at max_tokens (logged as a reward component)."""
+        if self.o.overlong != "penalty":
+            return 0.0
+        buffer = min(self.o.overlong_buffer, max_tokens)
+        penalty = self.o.overlong_penalty * max(0, length - (max_tokens - buffer)) / buffer
+        t.components = {**t.components, "overlong_penalty": -penalty}
+        return penalty
 
     async def episode(self, row: dict, eid: str, generate: Generate) -> Trajectory | None:
         """One multi-turn episode; None if the environment raised (that rollout alone fails)."""
@@ -165,11 +201,12 @@ class Rollouts:
         except Exception as e:
             return self._env_failed(eid, e)
         for turn_index in range(self.o.max_turns):
-            response = await generate(self.request(f"{eid}-t{turn_index}", t.tokens, 1))
+            response = await generate(self.request(f"{eid}-t{turn_index}", t.tokens, 1, self.env_sampling))
             sample = response.samples[0]
             if sample.finish_reason == "abort":
                 raise Aborted(eid)
             t.add(sample.token_ids, sample)
+            t.truncated = sample.finish_reason == "length"
             try:
                 turn = episode.step(self.decode(sample.token_ids))
                 if inspect.isawaitable(turn):

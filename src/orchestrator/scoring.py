@@ -1,6 +1,7 @@
 """Scoring is an interface: a reward is a Python callable, an HTTP endpoint, or nothing; a
 teacher model adds a per-token signal (on-policy distillation). The rest of the pipeline only
-sees numbers.
+sees numbers: a reward gives a float, or named components (a dict of floats) that `combine`
+weighs into one, each logged.
 
 A reward that raises or times out fails that one rollout (None here); the caller counts it and
 the run goes on. A sync reward that hangs for good holds its thread for good: those threads are
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import math
 import queue
 import threading
 import time
@@ -20,27 +22,51 @@ import weakref
 import aiohttp
 
 from rl.callables import load_callable
+from rl.dataset_config import BUILTIN_REWARDS
 from rl.inference_api import GenerateRequest, InferenceClient, InferenceError
 
 log = logging.getLogger("orchestrator")
 
 REWARD_THREADS = 8  # Python rewards mostly hold the GIL: more threads would help only those waiting on I/O
 
+Score = float | dict[str, float]
+
+
+def as_score(value) -> Score:
+    """A reward's answer checked: a finite number, or a dict of them (raises ValueError)."""
+    if isinstance(value, dict):
+        if not value:
+            raise ValueError("returned an empty dict of components")
+        return {str(k): as_score(v) for k, v in value.items()}  # type: ignore[misc]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"returned {value!r}, not a finite number or a dict of them")
+    return float(value)
+
+
+def combine(score: Score, weights: dict[str, float]) -> tuple[float, dict[str, float]]:
+    """(the reward, its components): a dict's components weighted (unlisted: 1.0) and summed."""
+    if isinstance(score, float):
+        return score, {}
+    return sum(weights.get(k, 1.0) * v for k, v in score.items()), score
+
 
 class Reward:
-    """Scores a group's completions; returns one float or None (failed) per completion."""
+    """Scores a group's completions; returns one Score or None (failed) per completion."""
 
-    def __init__(self, spec: str, timeout_s: float, session: aiohttp.ClientSession, inline: bool = False):
+    def __init__(self, spec: str, timeout_s: float, session: aiohttp.ClientSession, inline: bool = False,
+                 key: str = "orchestrator.reward"):
         self.spec, self.timeout_s, self.session, self.inline = spec, timeout_s, session, inline
         self.url = spec if spec.startswith(("http://", "https://")) else None
-        self.fn = None if self.url else load_callable(spec, "orchestrator.reward")
+        self.fn = None if self.url else load_callable(BUILTIN_REWARDS.get(spec, spec), key)
+        # A reward function may carry its components' default weights (orchestrator/tasks/math_answer.py).
+        self.weights: dict[str, float] = dict(getattr(self.fn, "weights", None) or {})
         self.is_async = self.fn is not None and inspect.iscoroutinefunction(self.fn)
         # Its own threads: hung rewards must never take the loop's default executor, which the
         # batch writes use.
         threaded = self.fn is not None and not self.is_async and not inline
         self.threads = RewardThreads(REWARD_THREADS) if threaded else None
 
-    async def score(self, prompt: str, completions: list[str], row: dict) -> list[float | None]:
+    async def score(self, prompt: str, completions: list[str], row: dict) -> list[Score | None]:
         if self.url:
             return list(await asyncio.gather(*(self._http(prompt, c, row) for c in completions)))
         if self.is_async:
@@ -50,19 +76,19 @@ class Reward:
         # One thread hop per group, not per completion: a slow or hung reward cannot stall the
         # event loop. A call that times out fails its rollout only; the group's later
         # completions go on in a fresh job (the hung call keeps its thread).
-        scores: list[float | None] = []
+        scores: list[Score | None] = []
         while len(scores) < len(completions):
             scores += await self._threaded(_Job(self, prompt, completions[len(scores):], row))
         return scores
 
-    def call(self, prompt: str, completion: str, row: dict) -> float | None:
+    def call(self, prompt: str, completion: str, row: dict) -> Score | None:
         try:
-            return float(self.fn(prompt, completion, row))
+            return as_score(self.fn(prompt, completion, row))
         except Exception as e:
             log.warning("reward %s raised %s: %s", self.spec, type(e).__name__, e)
             return None
 
-    async def _threaded(self, job: _Job) -> list[float | None]:
+    async def _threaded(self, job: _Job) -> list[Score | None]:
         """The job's scores, or those before its first call to overrun reward_timeout_s plus
         None for that one. The clock starts when a call starts, not when the job is queued: a
         job waiting behind slow or hung calls is not the reward's fault (hung threads are
@@ -102,9 +128,9 @@ class Reward:
         for job in old.retire():
             self.threads.submit(job)
 
-    async def _async(self, prompt: str, completion: str, row: dict) -> float | None:
+    async def _async(self, prompt: str, completion: str, row: dict) -> Score | None:
         try:
-            return float(await asyncio.wait_for(self.fn(prompt, completion, row), self.timeout_s))
+            return as_score(await asyncio.wait_for(self.fn(prompt, completion, row), self.timeout_s))
         except TimeoutError:
             log.warning("reward %s timed out after %g s (orchestrator.reward_timeout_s); that rollout fails",
                         self.spec, self.timeout_s)
@@ -112,14 +138,14 @@ class Reward:
             log.warning("reward %s failed: %s: %s", self.spec, type(e).__name__, e)
         return None
 
-    async def _http(self, prompt: str, completion: str, row: dict) -> float | None:
+    async def _http(self, prompt: str, completion: str, row: dict) -> Score | None:
         # The total timeout also counts waiting for a free connection of the session's pool,
         # which is sized for every generation request in flight plus some, so that wait is short.
         try:
             async with self.session.post(self.url, json={"prompt": prompt, "completion": completion, "row": row},
                                          timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as r:
                 r.raise_for_status()
-                return float((await r.json())["reward"])
+                return as_score((await r.json())["reward"])
         except TimeoutError:
             log.warning("reward endpoint %s timed out after %g s (orchestrator.reward_timeout_s); that rollout fails",
                         self.url, self.timeout_s)
@@ -138,7 +164,7 @@ class _Job:
         self.loop = asyncio.get_running_loop()
         self.done: asyncio.Future = self.loop.create_future()
         self.lock = threading.Lock()  # the loop's verdict "late" and the thread's next result exclude each other
-        self.scores: list[float | None] = []
+        self.scores: list[Score | None] = []
         self.started: float | None = None
         """When the call now running started (None: queued, or between two calls)."""
         self.given_up = False
@@ -176,7 +202,7 @@ class _Job:
         started = self.started
         return timeout_s if started is None else max(0.0, started + timeout_s - time.monotonic())
 
-    def give_up_if_late(self, timeout_s: float) -> list[float | None] | None:
+    def give_up_if_late(self, timeout_s: float) -> list[Score | None] | None:
         """If the running call is overdue: stop the job, return the scores so far plus None."""
         with self.lock:
             if not self.overdue(timeout_s):

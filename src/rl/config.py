@@ -16,15 +16,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, field_validator, model_validator
 
 from rl.addresses import HostPort, HttpUrl, ZmqEndpoint, check_http_url, check_zmq_endpoint
+from rl.dataset_config import Dataset, DatasetConfig, Sampling, check_reward_spec, is_module_attr
 
 
 class ConfigError(Exception):
     """A config problem, with a one-line message naming the key or file at fault."""
-
-
-def _is_module_attr(spec: str) -> bool:
-    module, colon, attr = spec.partition(":")
-    return bool(colon and module.strip() and attr.strip() and " " not in spec)
 
 
 class Section(BaseModel):
@@ -106,12 +102,34 @@ class OrchestratorConfig(Section):
 
     dataset: str = "orchestrator.tasks.reverse:dataset"
     """`module:function` taking the seed and returning an iterator of rows (JSON-able dicts with
-    "prompt"). It must yield the same rows for the same seed: resuming skips the rows used."""
+    "prompt"). It must yield the same rows for the same seed: resuming skips the rows used.
+    Unused when `datasets` is given."""
 
     reward: str = "orchestrator.tasks.reverse:reward"
-    """`module:function(prompt, completion, row) -> float` (sync or async), or an http(s):// URL
-    answering POST {"prompt", "completion", "row"} with {"reward": float}, or "" for none (a
-    teacher alone drives learning)."""
+    """`module:function(prompt, completion, row)` (sync or async) returning a float or a dict of
+    named floats (components, weighted by a dataset's reward_weights); an http(s):// URL answering
+    POST {"prompt", "completion", "row"} with {"reward": float or {name: float}}; "math_verify"
+    or "reasoning_gym" (orchestrator/tasks/); or "" for none (a teacher alone drives learning).
+    The default of every dataset that names no reward of its own."""
+
+    datasets: list[DatasetConfig] = []
+    """Datasets mixed by weight (`[[orchestrator.datasets]]`, rl/dataset_config.py): jsonl,
+    parquet, HF datasets, reasoning-gym tasks or functions, each with its own fields, reward and
+    sampling. Empty: one dataset, orchestrator.dataset scored by orchestrator.reward."""
+
+    chat: Literal["auto", "on", "off"] = "auto"
+    """Render prompts with the tokenizer's chat template (generation prompt added): "on", "off"
+    (raw completion: the prompt text as is, for base models), or "auto": on when the model has a
+    template (or chat_template is set)."""
+
+    chat_template: Path | None = None
+    """A Jinja chat template file used instead of the tokenizer's."""
+
+    chat_template_kwargs: dict[str, Any] = {}
+    """Extra variables for the template, e.g. {enable_thinking = false} for Qwen3."""
+
+    system_prompt: str = ""
+    """System message put before every chat prompt that has none (a dataset may set its own)."""
 
     reward_timeout_s: float = Field(60, gt=0)
     """Longest one reward may take; a reward that raises or times out fails that rollout only."""
@@ -147,6 +165,26 @@ class OrchestratorConfig(Section):
 
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature; the trainer scales its logits by the same value."""
+
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    """Nucleus, top-k (-1: off) and min-p sampling; recorded with each sample."""
+
+    stop: list[str] = []
+    """Strings that end a completion (besides eos and the chat template's end-of-turn tokens)."""
+
+    overlong: Literal["keep", "mask", "penalty"] = "keep"
+    """Completions cut at max_tokens: "keep" them as they are; "mask" them out of the loss (they
+    still count in their group's mean reward); or "penalty": DAPO's soft overlong punishment, a
+    reward penalty growing linearly from 0 to overlong_penalty over the last overlong_buffer
+    tokens before max_tokens. Counted per step as `truncated`."""
+
+    overlong_buffer: int = Field(0, ge=0)
+    """overlong = "penalty": the length of the ramp, tokens (DAPO: L_cache)."""
+
+    overlong_penalty: float = Field(1.0, ge=0)
+    """overlong = "penalty": the penalty at max_tokens."""
 
     max_in_flight_groups: int = Field(32, ge=1)
     """Most groups generating or waiting to be batched at once. Above prompts_per_step it
@@ -196,30 +234,65 @@ class OrchestratorConfig(Section):
     @field_validator("dataset", "environment")
     @classmethod
     def _module_attr(cls, spec: str) -> str:
-        if spec and not _is_module_attr(spec):
+        if spec and not is_module_attr(spec):
             raise ValueError("expected 'package.module:name'")
         return spec
 
     @field_validator("reward")
     @classmethod
     def _reward_form(cls, spec: str) -> str:
-        if "://" in spec:
-            return check_http_url(spec)
-        if spec and not _is_module_attr(spec):
-            raise ValueError("expected 'package.module:function' or an http(s):// URL")
-        return spec
+        return check_reward_spec(spec)
 
     @model_validator(mode="after")
     def _check_scoring(self) -> OrchestratorConfig:
         if self.environment:
-            for key in ("dataset", "reward"):
+            for key in ("dataset", "reward", "datasets"):
                 if key in self.model_fields_set:
                     raise ValueError(f"orchestrator.{key} is unused when orchestrator.environment is set "
                                      "(the environment supplies rows and rewards); remove one of them")
-        elif not self.reward and not self.teacher_url:
-            raise ValueError("orchestrator.reward is empty and no orchestrator.teacher_url is set: "
-                             "nothing would score the rollouts")
+            return self
+        if self.datasets and "dataset" in self.model_fields_set:
+            raise ValueError("orchestrator.dataset is unused when orchestrator.datasets is given: "
+                             "list that dataset in orchestrator.datasets (function = ...) instead")
+        names = [d.name for d in self.resolved_datasets()]
+        if len(set(names)) != len(names):
+            raise ValueError(f"orchestrator.datasets: names must differ (got {names}); set name = ...")
+        for d in self.resolved_datasets():
+            if not d.reward and not self.teacher_url and not self.datasets:
+                raise ValueError("orchestrator.reward is empty and no orchestrator.teacher_url is set: "
+                                 "nothing would score the rollouts")
+            if not d.reward and not self.teacher_url:
+                raise ValueError(f"dataset {d.name}: no reward (orchestrator.reward or the dataset's reward) and "
+                                 "no orchestrator.teacher_url: nothing would score its rollouts")
+            if self.overlong == "penalty" and not 0 < self.overlong_buffer <= d.sampling.max_tokens:
+                raise ValueError(f"orchestrator.overlong = \"penalty\" needs 0 < overlong_buffer <= max_tokens "
+                                 f"(dataset {d.name}: max_tokens {d.sampling.max_tokens}, overlong_buffer "
+                                 f"{self.overlong_buffer})")
         return self
+
+    def resolved_datasets(self) -> list[Dataset]:
+        """Every dataset with the orchestrator-level defaults applied (one from dataset/reward
+        when no `datasets` are listed)."""
+        specs = self.datasets or [DatasetConfig(name="data", function=self.dataset)]
+        out = []
+        for spec in specs:
+            def pick(key: str):
+                value = getattr(spec, key)
+                return getattr(self, key) if value is None else value
+
+            reward = spec.reward or self._default_reward(spec)
+            sampling = Sampling(temperature=pick("temperature"), top_p=pick("top_p"), top_k=pick("top_k"),
+                                min_p=pick("min_p"), max_tokens=pick("max_tokens"), stop=tuple(pick("stop")))
+            out.append(Dataset(spec.label, spec, reward, dict(spec.reward_weights),
+                               pick("system_prompt"), sampling))
+        return out
+
+    def _default_reward(self, spec: DatasetConfig) -> str:
+        """A listed dataset naming no reward: orchestrator.reward if given explicitly (its default
+        scores the reversal task only), else a reasoning-gym task's own scorer, else none."""
+        if not self.datasets or "reward" in self.model_fields_set:
+            return self.reward
+        return "reasoning_gym" if spec.reasoning_gym else ""
 
 
 class TransportConfig(Section):
@@ -516,11 +589,13 @@ class RunConfig(Section):
                 f"orchestrator.max_in_flight_groups ({o.max_in_flight_groups}) must be >= "
                 f"orchestrator.prompts_per_step ({o.prompts_per_step}), or no batch could fill"
             )
-        if o.max_tokens >= self.seq_len:
-            raise ValueError(
-                f"orchestrator.max_tokens ({o.max_tokens}) must be below seq_len ({self.seq_len}): "
-                "seq_len bounds prompt + completion, so no prompt would fit"
-            )
+        for d in o.resolved_datasets():
+            if d.sampling.max_tokens >= self.seq_len:
+                key = "orchestrator.max_tokens" if d.spec.max_tokens is None else f"dataset {d.name}: max_tokens"
+                raise ValueError(
+                    f"{key} ({d.sampling.max_tokens}) must be below seq_len ({self.seq_len}): "
+                    "seq_len bounds prompt + completion, so no prompt would fit"
+                )
         t = self.trainer
         if t.pack and t.micro_batch_tokens < self.seq_len:
             raise ValueError(

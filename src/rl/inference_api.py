@@ -67,6 +67,11 @@ class GenerateRequest(Body):
     max_tokens: int = Field(16, ge=1)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+    """-1: off."""
+    min_p: float = Field(0.0, ge=0, le=1)
+    stop: list[str] = Field([], max_length=32)
+    """Strings that end a completion; its token ids still include every token sampled."""
     stop_token_ids: list[int] = []
     prompt_logprobs: bool = False
     """Also return the logprob of every prompt token (a teacher scoring a student's tokens)."""

@@ -22,11 +22,16 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import jinja2
+
 from rl.callables import load_callable
+from rl.chat import ChatTemplate, row_messages
 from rl.config import ConfigError, RunConfig
+from rl.dataset_config import BUILTIN_REWARDS
 from rl import placement
 from rl.inference_api import resolve_token
 from rl.rundir import RunDir
+from rl.tables import load_table
 
 Check = Callable[[RunConfig], None]
 WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
@@ -204,11 +209,43 @@ def orchestrator_code(cfg: RunConfig) -> None:
         env = load_callable(o.environment, "orchestrator.environment")
         _takes(env, "orchestrator.environment", o.environment, (), "Class()")
         return
-    dataset = load_callable(o.dataset, "orchestrator.dataset")
-    _takes(dataset, "orchestrator.dataset", o.dataset, (cfg.seed,), "function(seed)")
-    if o.reward and "://" not in o.reward:
-        reward = load_callable(o.reward, "orchestrator.reward")
-        _takes(reward, "orchestrator.reward", o.reward, ("", "", {}), "function(prompt, completion, row)")
+    for ds in o.resolved_datasets():
+        listed = bool(o.datasets)
+        if ds.spec.function:
+            key = f"dataset {ds.name}: function" if listed else "orchestrator.dataset"
+            dataset = load_callable(ds.spec.function, key)
+            _takes(dataset, key, ds.spec.function, (cfg.seed,), "function(seed)")
+        if ds.reward and "://" not in ds.reward:
+            key = f"dataset {ds.name}: reward" if listed and ds.spec.reward else "orchestrator.reward"
+            reward = load_callable(BUILTIN_REWARDS.get(ds.reward, ds.reward), key)
+            _takes(reward, key, ds.reward, ("", "", {}), "function(prompt, completion, row)")
+
+
+def orchestrator_data(cfg: RunConfig) -> None:
+    """Dataset files and columns exist, reasoning-gym tasks exist, and the chat template (if
+    any) renders each dataset's first row."""
+    o = cfg.orchestrator
+    if o.environment:
+        return
+    template = None if o.chat == "off" else ChatTemplate.load(cfg.model, o.chat_template, o.chat_template_kwargs)
+    if o.chat == "on" and template is None:
+        raise ConfigError(f"orchestrator.chat = \"on\": {cfg.model} has no chat template (chat_template.jinja or "
+                          "tokenizer_config.json chat_template); set orchestrator.chat_template")
+    for ds in o.resolved_datasets():
+        if ds.spec.function:
+            continue  # a stream: its rows are checked as they come
+        table = load_table(ds.spec, cfg.seed)
+        row = table[0]
+        if template is None:
+            if row.get(ds.spec.messages_key) is not None:
+                raise ConfigError(f"dataset {ds.name}: {table.where} row {table.source_row(0)} holds chat messages "
+                                  f"but {cfg.model} has no chat template (set orchestrator.chat_template)")
+            continue
+        try:
+            template.render(row_messages(row, ds.spec.prompt_key, ds.spec.messages_key, ds.system_prompt))
+        except jinja2.TemplateError as e:
+            raise ConfigError(f"dataset {ds.name}: the chat template ({template.origin}) fails on {table.where} "
+                              f"row {table.source_row(0)}: {e}") from None
 
 
 def trainer_attention(cfg: RunConfig) -> None:
@@ -298,7 +335,7 @@ def cores(program: str) -> Check:
 
 CHECKS: dict[str, tuple[Check, ...]] = {
     "inference": (cores("inference"), output_dir, model_for_generation, inference_memory, inference_endpoint),
-    "orchestrator": (cores("orchestrator"), output_dir, model_for_scoring, orchestrator_code,
+    "orchestrator": (cores("orchestrator"), output_dir, model_for_scoring, orchestrator_code, orchestrator_data,
                      orchestrator_run_state),
     "trainer": (cores("trainer"), output_dir, model_for_training, trainer_attention, trainer_run_state,
                 trainer_endpoints),

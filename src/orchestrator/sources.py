@@ -1,0 +1,122 @@
+"""Datasets as the orchestrator uses them: where each prompt comes from (the seeded mix of the
+configured datasets), how a row becomes prompt ids (the chat template, or raw text), and what
+the generation request asks for (the dataset's sampling settings, stop tokens).
+
+The mix is a pure function of the seed: each draw picks a dataset by weight, then that dataset's
+next row (a table's rows are reshuffled for every pass, a function's come in its own order). A
+draw of a table row is just a position, so a resumed orchestrator replays `cursor` draws cheaply
+and lands exactly where the run was (orchestrator/prompts.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import jinja2
+
+from rl.callables import load_callable
+from rl.chat import ChatTemplate, read_json, row_messages
+from rl.config import ConfigError, OrchestratorConfig
+from rl.dataset_config import Dataset
+from rl.tables import Table, load_table, row_problem
+
+log = logging.getLogger("orchestrator")
+
+
+class RowError(Exception):
+    """A row that can never make a rollout (no prompt, too long): dropped, not requeued."""
+
+
+class Source:
+    """One configured dataset: its rows and how they become requests."""
+
+    def __init__(self, ds: Dataset, seed: int):
+        self.ds, self.name, self.spec = ds, ds.name, ds.spec
+        self.reward = None  # the orchestrator's Reward for it (orchestrator/scoring.py)
+        self.table: Table | None = None if self.spec.function else load_table(self.spec, seed)
+
+    def draws(self, seed: int) -> Iterator[int | dict]:
+        """This dataset's order: positions in its table, or the rows of its function."""
+        if self.table is None:
+            rows = load_callable(self.spec.function, f"dataset {self.name}: function")(seed)
+            yield from rows
+            return
+        n = len(self.table)
+        for p in itertools.count() if self.spec.passes is None else range(self.spec.passes):
+            order = list(range(n))
+            if self.spec.shuffle:  # a str seed: the same order on every machine and Python run
+                random.Random(f"{seed}/{self.name}/{p}").shuffle(order)
+            yield from order
+
+    def fetch(self, draw: int | dict) -> tuple[dict, str]:
+        """(row, where it came from: for messages about it)."""
+        if self.table is None:
+            return draw, f"dataset {self.name}"
+        return self.table[draw], f"dataset {self.name} ({self.table.where} row {self.table.source_row(draw)})"
+
+
+def mix(sources: list[Source], seed: int) -> Iterator[tuple[str, int | dict]]:
+    """The run's stream of (dataset name, draw). A used-up dataset leaves the mix."""
+    live = list(sources)
+    streams = {s.name: s.draws(seed) for s in live}
+    rng = random.Random(seed)
+    while live:
+        # One dataset draws no random numbers, so a run from before datasets could be mixed
+        # resumes on the very same stream.
+        s = live[0] if len(live) == 1 else rng.choices(live, weights=[x.spec.weight for x in live])[0]
+        try:
+            yield s.name, next(streams[s.name])
+        except StopIteration:
+            live.remove(s)
+
+
+class Renderer:
+    """A row -> (the prompt text a reward sees, prompt ids). Chat: the row's messages (or its
+    prompt as one user message), a system message first if configured, through the chat
+    template with the generation prompt. Raw: the prompt text as is."""
+
+    def __init__(self, o: OrchestratorConfig, model: Path, tokenizer, encode):
+        self.encode = encode
+        self.template = None if o.chat == "off" else ChatTemplate.load(model, o.chat_template, o.chat_template_kwargs)
+        if o.chat == "on" and self.template is None:
+            raise ConfigError(f"orchestrator.chat = \"on\": {model} has no chat template (tokenizer_config.json "
+                              "chat_template or chat_template.jinja); set orchestrator.chat_template")
+        self.stop_token_ids = stop_token_ids(model, tokenizer, self.template)
+
+    def render(self, ds: Dataset, row: dict, where: str) -> tuple[str, list[int]]:
+        problem = row_problem(row, ds.spec)
+        if problem is not None:
+            raise RowError(f"{where} {problem}")
+        messages = row.get(ds.spec.messages_key)
+        if self.template is None:
+            if messages is not None:
+                raise RowError(f"{where} holds chat messages but the model has no chat template "
+                               "(orchestrator.chat_template, or orchestrator.chat = \"on\" with a chat model)")
+            return row[ds.spec.prompt_key], self.encode(row[ds.spec.prompt_key])
+        messages = row_messages(row, ds.spec.prompt_key, ds.spec.messages_key, ds.system_prompt)
+        try:
+            text = self.template.render(messages)
+        except jinja2.TemplateError as e:
+            raise RowError(f"{where}: the chat template ({self.template.origin}) failed: {e}") from None
+        # The reward sees what the user asked (the last user message), not the markup.
+        asked = next((m["content"] for m in reversed(messages) if m["role"] == "user"), text)
+        return asked, self.encode(text, add_special_tokens=False)
+
+
+def stop_token_ids(model: Path, tokenizer, template: ChatTemplate | None) -> list[int]:
+    """Where a completion ends: the tokenizer's eos, generation_config.json's eos ids (several in
+    chat models), and the template's end-of-turn token."""
+    ids: list[int] = []
+    eos = read_json(Path(model) / "tokenizer_config.json").get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if isinstance(eos, str) and tokenizer is not None and tokenizer.token_to_id(eos) is not None:
+        ids.append(tokenizer.token_to_id(eos))
+    generation = read_json(Path(model) / "generation_config.json").get("eos_token_id")
+    ids += generation if isinstance(generation, list) else [generation] if isinstance(generation, int) else []
+    if template is not None and tokenizer is not None:
+        ids += template.end_of_turn(tokenizer)
+    return sorted(set(ids))

@@ -1,0 +1,163 @@
+"""What a dataset is, in the config: where its rows come from, which fields hold the prompt and
+the answer, what scores it, and how its completions are sampled. `[[orchestrator.datasets]]`
+lists them; several are mixed by weight. A run without that list has one dataset made from
+orchestrator.dataset and orchestrator.reward, as before.
+
+    [[orchestrator.datasets]]
+    name = "arithmetic"
+    reasoning_gym = "basic_arithmetic"          # or path = "data/train.jsonl", or function = "m:f"
+    task_config = { min_terms = 2, max_terms = 3 }
+    weight = 2.0
+    temperature = 0.8                           # unset keys take orchestrator.<key>
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from rl.addresses import check_http_url
+
+# reward = "<name>" shorthands for the scorers shipped in orchestrator/tasks/.
+BUILTIN_REWARDS = {
+    "reasoning_gym": "orchestrator.tasks.gym_tasks:reward",
+    "math_verify": "orchestrator.tasks.math_answer:reward",
+}
+
+
+def is_module_attr(spec: str) -> bool:
+    module, colon, attr = spec.partition(":")
+    return bool(colon and module.strip() and attr.strip() and " " not in spec)
+
+
+def check_reward_spec(spec: str) -> str:
+    if "://" in spec:
+        return check_http_url(spec)
+    if spec and spec not in BUILTIN_REWARDS and not is_module_attr(spec):
+        raise ValueError(f"expected 'package.module:function', an http(s):// URL, or one of {sorted(BUILTIN_REWARDS)}")
+    return spec
+
+
+class Sampling(BaseModel):
+    """How one dataset's completions are drawn; recorded with every sample (rl/batch.py)."""
+
+    model_config = ConfigDict(frozen=True)
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    max_tokens: int
+    stop: tuple[str, ...]
+
+
+class DatasetConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+
+    name: str = Field("", pattern=r"^[A-Za-z0-9_.-]{0,64}$")
+    """Names the dataset in logs and metrics (reward_mean/<name>). Empty: the task name or file stem."""
+
+    weight: float = Field(1.0, gt=0)
+    """Share of prompts drawn from this dataset, relative to the others' weights."""
+
+    path: str = ""
+    """A .jsonl or .parquet file; a directory saved by datasets' save_to_disk; or a directory or
+    glob of .jsonl/.parquet data files (read with the `datasets` package)."""
+
+    split: str = "train"
+    """Split to use where `path` holds several (save_to_disk of a DatasetDict)."""
+
+    reasoning_gym: str = ""
+    """A procedural task of the reasoning-gym package by name (e.g. "basic_arithmetic"): rows are
+    generated from the run's seed, and its own scorer is the default reward."""
+
+    size: int = Field(10_000, ge=1)
+    """reasoning_gym: rows generated per pass (then reshuffled and reused)."""
+
+    task_config: dict[str, Any] = {}
+    """reasoning_gym: the task's own settings (its config class's fields), e.g. {min_terms = 2}."""
+
+    function: str = ""
+    """`module:function` taking the seed and returning an iterator of rows (JSON-able dicts), the
+    same rows for the same seed. Its order is its own: not shuffled, one pass."""
+
+    prompt_key: str = "prompt"
+    """Field holding the prompt text (reasoning_gym rows: their question)."""
+
+    messages_key: str = "messages"
+    """Field holding the prompt as chat messages ([{role, content}, ...]); used when present."""
+
+    answer_key: str = "answer"
+    """Field holding the reference answer, which rewards read as row["answer"]."""
+
+    system_prompt: str | None = None
+    """System message put before each prompt that has none. Unset: orchestrator.system_prompt."""
+
+    shuffle: bool = True
+    """Shuffle rows with the run's seed, again for every pass (function datasets: never)."""
+
+    passes: int | None = Field(None, ge=1)
+    """Passes over the rows before the dataset is used up (it then leaves the mix). Unset: as many
+    as the run needs."""
+
+    reward: str = ""
+    """`module:function(prompt, completion, row)` returning a float or a dict of named floats; an
+    http(s):// URL; "math_verify" (final answer against row["answer"]); or "reasoning_gym" (the
+    task's scorer; the default for reasoning_gym datasets). Empty: orchestrator.reward."""
+
+    reward_weights: dict[str, float] = {}
+    """A reward returning named components: the weight of each in the reward (missing: 1.0). Each
+    component's mean is logged."""
+
+    temperature: float | None = Field(None, gt=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    max_tokens: int | None = Field(None, ge=1)
+    stop: list[str] | None = None
+    """Sampling for this dataset; unset keys take orchestrator.<key>."""
+
+    @field_validator("function")
+    @classmethod
+    def _function_form(cls, spec: str) -> str:
+        if spec and not is_module_attr(spec):
+            raise ValueError("expected 'package.module:function'")
+        return spec
+
+    @field_validator("reward")
+    @classmethod
+    def _reward_form(cls, spec: str) -> str:
+        return check_reward_spec(spec)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DatasetConfig:
+        given = [k for k in ("path", "reasoning_gym", "function") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError(f"a dataset needs exactly one of path, reasoning_gym, function (got {given or 'none'})")
+        if self.reward == "reasoning_gym" and not self.reasoning_gym:
+            raise ValueError('reward = "reasoning_gym" scores reasoning_gym datasets only')
+        return self
+
+    @property
+    def label(self) -> str:
+        if self.name:
+            return self.name
+        if self.reasoning_gym:
+            return self.reasoning_gym
+        if self.path:
+            stem = self.path.rstrip("/").rsplit("/", 1)[-1].split(".", 1)[0]
+            return stem.replace("*", "") or "data"
+        return self.function.rpartition(":")[0].rpartition(".")[2] or "data"
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """A dataset with every orchestrator-level default applied: what the orchestrator uses."""
+
+    name: str
+    spec: DatasetConfig
+    reward: str
+    reward_weights: dict[str, float]
+    system_prompt: str
+    sampling: Sampling
