@@ -133,6 +133,9 @@ class FakeServer:
     """Share of /generate requests answered with HTTP 500."""
     hang_rate: float = 0.0
     """Share of /generate requests that generate nothing until aborted (a stuck engine request)."""
+    lengths: Callable[[], int] | None = None
+    """Drawn per sample: it stops ("stop", as at eos) after that many tokens if below max_tokens.
+    None: every sample runs to max_tokens ("length")."""
     errors: list[float] = field(default_factory=list)
     """When each HTTP 500 was sent."""
     hung: set[str] = field(default_factory=set)
@@ -185,6 +188,7 @@ class FakeServer:
         else:
             step_s = self.token_latency()
         samples = [{"token_ids": [], "logprobs": [], "versions": [], "finish_reason": "length"} for _ in range(n)]
+        stops = [self.lengths() if self.lengths else None for _ in range(n)]
         try:
             for _ in range(body.get("max_tokens", 16)):
                 if step_s:
@@ -197,13 +201,15 @@ class FakeServer:
                     for s in samples:
                         s["finish_reason"] = "abort"
                     break
-                for s in samples:
+                for s, stop in zip(samples, stops):
                     if s["finish_reason"] == "stop":
                         continue
                     token = self.rng.choice(LETTER_IDS)
                     s["token_ids"].append(token)
                     s["logprobs"].append(-3.2)
                     s["versions"].append(self.version)
+                    if len(s["token_ids"]) == stop:
+                        s["finish_reason"] = "stop"
                 rec.tokens += 1
         finally:
             rec.finished = time.monotonic()

@@ -17,6 +17,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
@@ -116,6 +118,24 @@ CASES = [
     Case("inference core missing", ("inference", "run"), ("--inference.cpus", "[4096]"), "inference.cpus = [4096]: core(s) [4096]"),
     Case("orchestrator core missing", ("orchestrator", "run"), ("--orchestrator.cpus", "[4096]"), "orchestrator.cpus = [4096]"),
     Case("trainer core missing", ("trainer", "run"), ("--trainer.cpus", "[4096]"), "trainer.cpus = [4096]"),
+    # datasets and chat templates (orchestrator.datasets, rl/tables.py, rl/chat.py)
+    Case("dataset file missing", ("orchestrator", "run"),
+         ("--orchestrator.datasets", '[{{path = "{tmp}/nowhere.jsonl", reward = "math_verify"}}]'),
+         "dataset nowhere: path = {tmp}/nowhere.jsonl: no such file or directory"),
+    Case("dataset column missing", ("orchestrator", "run"),
+         ("--orchestrator.datasets", '[{{path = "{tmp}/questions.jsonl", reward = "math_verify"}}]'),
+         "questions.jsonl row 0 has neither a 'prompt' string nor a 'messages' list"),
+    Case("parquet column missing", ("orchestrator", "run"),
+         ("--orchestrator.datasets", '[{{path = "{tmp}/questions.parquet", reward = "math_verify"}}]'),
+         "questions.parquet has no column 'prompt' or 'messages' (columns: question, answer)"),
+    Case("reasoning-gym task unknown", ("orchestrator", "run"),
+         ("--orchestrator.datasets", '[{{reasoning_gym = "no_such_task"}}]'), "reasoning_gym = 'no_such_task'"),
+    Case("chat template fails to render", ("orchestrator", "run"), ("--orchestrator.chat_template", "{tmp}/strict.jinja"),
+         "the chat template ({tmp}/strict.jinja) fails on orchestrator.dataset row 0: only chat with a system prompt"),
+    Case("chat template not Jinja", ("orchestrator", "run"), ("--orchestrator.chat_template", "{tmp}/broken.jinja"),
+         "chat template ({tmp}/broken.jinja) line 1"),
+    Case("chat on, model without template", ("orchestrator", "run"), ("--orchestrator.chat", "on"),
+         'orchestrator.chat = "on": ' + str(TINY_MODEL) + " has no chat template"),
     Case("flash attention not installed", ("trainer",), ("--trainer.attention", "flash_attention_2", "--trainer.dtype", "bfloat16"),
          'trainer.attention = "flash_attention_2": the flash-attn package is not installed'),
 ]
@@ -127,6 +147,11 @@ def world(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bad_starts")
     (tmp / "latin1.toml").write_bytes('model = "modèle"\n'.encode("latin-1"))
     (tmp / "broken_reward.py").write_text("def score(prompt, completion, row):\n    return 1.0\n\nundefined_name\n")
+    (tmp / "questions.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n')
+    pq.write_table(pa.Table.from_pylist([{"question": "1+1?", "answer": "2"}]), tmp / "questions.parquet")
+    (tmp / "strict.jinja").write_text("{% if messages[0]['role'] != 'system' %}"
+                                      "{{ raise_exception('only chat with a system prompt') }}{% endif %}")
+    (tmp / "broken.jinja").write_text("{% for m in messages %}")
     for name, files in {"with_weights": ("weights/step_1",), "with_batches": ("rollouts/step_1",)}.items():
         for f in files:
             (tmp / name / f).mkdir(parents=True)

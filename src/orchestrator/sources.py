@@ -53,10 +53,16 @@ class Source:
             yield from order
 
     def fetch(self, draw: int | dict) -> tuple[dict, str]:
-        """(row, where it came from: for messages about it)."""
+        """(row, where it came from: for messages about it). Rewards read the reference answer
+        as row["answer"] whatever the dataset's answer_key."""
         if self.table is None:
-            return draw, f"dataset {self.name}"
-        return self.table[draw], f"dataset {self.name} ({self.table.where} row {self.table.source_row(draw)})"
+            row, where = draw, f"dataset {self.name}"
+        else:
+            row, where = self.table[draw], f"dataset {self.name} ({self.table.where} row {self.table.source_row(draw)})"
+        key = self.spec.answer_key
+        if key != "answer" and isinstance(row, dict) and key in row:
+            row = {**row, "answer": row[key]}
+        return row, where
 
 
 def mix(sources: list[Source], seed: int) -> Iterator[tuple[str, int | dict]]:

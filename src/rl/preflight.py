@@ -31,7 +31,7 @@ from rl.dataset_config import BUILTIN_REWARDS
 from rl import placement
 from rl.inference_api import resolve_token
 from rl.rundir import RunDir
-from rl.tables import load_table
+from rl.tables import load_table, row_problem
 
 Check = Callable[[RunConfig], None]
 WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
@@ -232,20 +232,32 @@ def orchestrator_data(cfg: RunConfig) -> None:
         raise ConfigError(f"orchestrator.chat = \"on\": {cfg.model} has no chat template (chat_template.jinja or "
                           "tokenizer_config.json chat_template); set orchestrator.chat_template")
     for ds in o.resolved_datasets():
-        if ds.spec.function:
-            continue  # a stream: its rows are checked as they come
-        table = load_table(ds.spec, cfg.seed)
-        row = table[0]
+        row, where = _first_row(cfg, ds)
         if template is None:
-            if row.get(ds.spec.messages_key) is not None:
-                raise ConfigError(f"dataset {ds.name}: {table.where} row {table.source_row(0)} holds chat messages "
-                                  f"but {cfg.model} has no chat template (set orchestrator.chat_template)")
+            if isinstance(row, dict) and row.get(ds.spec.messages_key) is not None:
+                raise ConfigError(f"dataset {ds.name}: {where} holds chat messages but {cfg.model} has no chat "
+                                  "template (set orchestrator.chat_template)")
             continue
+        if row_problem(row, ds.spec) is not None:
+            continue  # a function's bad row: skipped and counted when drawn, like any other
         try:
             template.render(row_messages(row, ds.spec.prompt_key, ds.spec.messages_key, ds.system_prompt))
         except jinja2.TemplateError as e:
-            raise ConfigError(f"dataset {ds.name}: the chat template ({template.origin}) fails on {table.where} "
-                              f"row {table.source_row(0)}: {e}") from None
+            raise ConfigError(f"dataset {ds.name}: the chat template ({template.origin}) fails on {where}: {e}") from None
+
+
+def _first_row(cfg: RunConfig, ds) -> tuple[object, str]:
+    """A dataset's first usable row (a table's) or first row (a function's), and where it is."""
+    if ds.spec.function:
+        key = f"dataset {ds.name}: function" if cfg.orchestrator.datasets else "orchestrator.dataset"
+        try:
+            return next(iter(load_callable(ds.spec.function, key)(cfg.seed))), f"{key} row 0"
+        except StopIteration:
+            raise ConfigError(f"{key} = {ds.spec.function!r} yields no rows") from None
+        except Exception as e:
+            raise ConfigError(f"{key} = {ds.spec.function!r}: its first row raised {type(e).__name__}: {e}") from None
+    table = load_table(ds.spec, cfg.seed)
+    return table[0], f"{table.where} row {table.source_row(0)}"
 
 
 def trainer_attention(cfg: RunConfig) -> None:
