@@ -57,7 +57,7 @@ def random_batch(samples: int, min_len: int, max_len: int, vocab: int, seed: int
         out.append(Sample.single_turn(rng.integers(1, vocab, size=p).tolist(), completion,
                                       (-rng.random(len(completion))).tolist(), [0] * len(completion),
                                       reward=0.0, advantage=float(rng.normal())))
-    return Batch.from_samples(1, 1.0, out)
+    return Batch.from_samples(1, out)
 
 
 def trainer(model: Path, out: Path, seq_len: int, **trainer_keys) -> Trainer:
@@ -70,7 +70,7 @@ def timed_steps(t: Trainer, batch: Batch, repeats: int) -> list[float]:
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        t.train_step(t.micro_batches(batch, t.policy), 1.0, t.policy)
+        t.train_step(t.micro_batches(batch, t.policy), t.policy)
         times.append(time.perf_counter() - start)
     return times
 

@@ -67,7 +67,7 @@ def test_jsonl_parquet_and_hf_datasets_give_the_same_rows(tmp_path):
     for spec in specs:
         cfg = run_config([{**spec, **mapping}])
         (source,) = sources(cfg)
-        got = [source.fetch(d)[0] for d in itertools.islice(source.draws(0), 20)]
+        got = [source.fetch(d)[0] for d in itertools.islice(source.draws(), 20)]
         assert got == [{**r, "answer": r["solution"]} for r in rows], spec
     with pytest.raises(ConfigError, match=r"has no split 'train' \(splits: test\); set split"):
         load_table(run_config([{"path": str(tmp_path / "dict"), **mapping}]).orchestrator.datasets[0], 0)

@@ -166,14 +166,17 @@ def test_huge_log_ratio_on_a_loss_token_stays_finite(d):
     assert math.isfinite(out.ratio_sum) and math.isfinite(out.mismatch_kl_sum)
 
 
+@pytest.mark.parametrize("per_token", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_token_logprobs_and_entropy_match_hand_softmax(dtype):
-    rows, temp = [[1.0, 2.0, 3.0], [0.0, -1.0, 2.0], [5.0, 0.0, 0.0]], 2.0
+def test_token_logprobs_and_entropy_match_hand_softmax(dtype, per_token):
+    """One temperature for all, or one per predicted token (a packed row holding samples drawn
+    at different temperatures)."""
+    rows, temps = [[1.0, 2.0, 3.0], [0.0, -1.0, 2.0], [5.0, 0.0, 0.0]], [2.0, 0.5] if per_token else [2.0, 2.0]
     tokens = torch.tensor([[0, 2, 1]])
     logits = torch.tensor([rows], dtype=dtype, requires_grad=True)  # values exact in bfloat16
-    logprobs, entropy = token_logprobs_and_entropy(logits, tokens, temp)
+    logprobs, entropy = token_logprobs_and_entropy(logits, tokens, torch.tensor([temps]) if per_token else 2.0)
     want_lp, want_ent = [], []
-    for row, tok in zip(rows[:2], [2, 1]):  # logits[:, t] predicts tokens[:, t+1]
+    for row, tok, temp in zip(rows[:2], [2, 1], temps):  # logits[:, t] predicts tokens[:, t+1]
         z = [x / temp for x in row]
         lse = math.log(sum(E(x) for x in z))
         logp = [x - lse for x in z]
@@ -183,3 +186,11 @@ def test_token_logprobs_and_entropy_match_hand_softmax(dtype):
     assert logprobs[0].tolist() == pytest.approx(want_lp, rel=1e-6)
     assert entropy[0].tolist() == pytest.approx(want_ent, rel=1e-6)
     assert logprobs.requires_grad and not entropy.requires_grad
+
+
+def test_per_token_temperature_must_cover_every_predicted_token():
+    """A [1, 1] (or [R, 1]) temperature would broadcast and scale every token alike: refused."""
+    logits, tokens = torch.zeros(2, 4, 5), torch.zeros(2, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"temperature \[1, 1\], expected one per predicted token \[2, 3\]"):
+        token_logprobs_and_entropy(logits, tokens, torch.ones(1, 1))
+    assert token_logprobs_and_entropy(logits, tokens, torch.ones(2, 3))[0].shape == (2, 3)

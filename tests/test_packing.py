@@ -1,6 +1,10 @@
-"""Micro-batch planning (trainer/data.py): packing, rank balance, loss weights."""
+"""Micro-batch planning (trainer/data.py): packing, rank balance, loss weights, per-sample
+temperatures; and the batch's per-sample sampling settings on the wire (rl/batch.py)."""
 
 from __future__ import annotations
+
+import json
+import math
 
 import numpy as np
 import pytest
@@ -8,20 +12,23 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import TINY_MODEL
-from rl.batch import Batch, Sample
+from rl.batch import Batch, BatchError, Sample
 from trainer.data import assign_ranks, loss_weights, pack, rank_micro_batches
+from trainer.loss import token_logprobs_and_entropy
 
 
-def variable_batch(seed: int = 0, n: int = 12) -> Batch:
+def variable_batch(seed: int = 0, n: int = 12, temperatures: list[float] = (1.0,)) -> Batch:
+    """Samples of random lengths; sample i is sampled at temperatures[i % len(temperatures)]."""
     rng = np.random.default_rng(seed)
     samples = []
-    for _ in range(n):
+    for i in range(n):
         prompt = rng.integers(2, 30, size=int(rng.integers(3, 9))).tolist()
         completion = rng.integers(2, 30, size=int(rng.integers(1, 40))).tolist()
         logprobs = (-rng.random(len(completion))).tolist()
         samples.append(Sample.single_turn(prompt, completion, logprobs, [0] * len(completion),
-                                          reward=float(rng.random()), advantage=float(rng.normal())))
-    return Batch.from_samples(1, 1.0, samples)
+                                          reward=float(rng.random()), advantage=float(rng.normal()),
+                                          temperature=temperatures[i % len(temperatures)]))
+    return Batch.from_samples(1, samples)
 
 
 def per_sample_logprobs(model, micro_batches) -> dict[int, torch.Tensor]:
@@ -85,7 +92,7 @@ def test_ranks_get_equal_micro_batch_counts_even_with_odd_sample_counts(packed):
     """Sample counts vary (failed rollouts leave groups smaller): every rank must still run the
     same number of forward/backward passes, padding-only ones included, or FSDP2 hangs."""
     for samples, world, mbs in [(5, 2, 1), (7, 4, 1), (9, 2, 2), (3, 2, 4), (1, 2, 1), (3, 8, 2)]:
-        batch = Batch.from_samples(1, 1.0, [Sample.single_turn([5, 6], [7], [-1.0], [0], 1.0, 0.5)] * samples)
+        batch = Batch.from_samples(1, [Sample.single_turn([5, 6], [7], [-1.0], [0], 1.0, 0.5)] * samples)
         w = loss_weights(batch, "token", 0)
         per_rank = [rank_micro_batches(batch, r, world, row_len=3 if packed else None,
                                        per_micro_batch=mbs, pad_id=0, weights=w) for r in range(world)]
@@ -97,8 +104,8 @@ def test_ranks_get_equal_micro_batch_counts_even_with_odd_sample_counts(packed):
 
 def test_loss_weights_by_normalisation():
     # Two samples: 1 and 3 loss tokens.
-    batch = Batch.from_samples(1, 1.0, [Sample.single_turn([5], [7], [-1.0], [0], 1.0, 0.5),
-                                        Sample.single_turn([5], [7, 8, 9], [-1.0] * 3, [0] * 3, 1.0, 0.5)])
+    batch = Batch.from_samples(1, [Sample.single_turn([5], [7], [-1.0], [0], 1.0, 0.5),
+                                   Sample.single_turn([5], [7, 8, 9], [-1.0] * 3, [0] * 3, 1.0, 0.5)])
     mask = batch.loss_mask.astype(bool)
     assert loss_weights(batch, "token", 0)[mask].tolist() == pytest.approx([0.25] * 4)
     assert loss_weights(batch, "sequence", 0)[mask].tolist() == pytest.approx([0.5] + [1 / 6] * 3)
@@ -135,7 +142,7 @@ def test_a_sample_whose_first_token_is_trained_weighs_the_same_packed_or_padded(
     sample's last token, which must not train on it either."""
     samples = [Sample.single_turn([], [7, 8, 9], [-1.0] * 3, [0] * 3, 1.0, 0.5),
                Sample.single_turn([], [4, 5], [-1.0] * 2, [0] * 2, 1.0, 0.5)]
-    batch = Batch.from_samples(1, 1.0, samples)
+    batch = Batch.from_samples(1, samples)
     w = loss_weights(batch, "token", 0)
     assert w.tolist() == pytest.approx([0, 1 / 3, 1 / 3, 0, 1 / 3])
     packed = rank_micro_batches(batch, 0, 1, row_len=16, per_micro_batch=1, pad_id=0, weights=w)
@@ -143,3 +150,98 @@ def test_a_sample_whose_first_token_is_trained_weighs_the_same_packed_or_padded(
     for mbs in (packed, padded):
         assert sum(float(mb.loss_weight.sum()) for mb in mbs) == pytest.approx(1.0)
         assert sum(float(mb.loss_mask.sum()) for mb in mbs) == 3
+
+
+@pytest.mark.parametrize("layout", ["packed", "packed_as_one_row", "padded"])
+def test_each_sample_is_scored_at_its_own_temperature(layout):
+    """A batch mixing samples drawn at different temperatures: through the trainer's path
+    (micro-batches -> micro_batch_logprobs), each sample's logprobs and entropies equal those of
+    the sample forwarded alone at its own scalar temperature."""
+    from trainer.main import micro_batch_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL, dtype=torch.float32, attn_implementation="sdpa").eval()
+    temps = [0.5, 1.3, 1.0, 0.8]
+    batch = variable_batch(seed=2, n=10, temperatures=temps)
+    w = loss_weights(batch, "token", 0)
+    mbs = rank_micro_batches(batch, 0, 1, row_len=None if layout == "padded" else 64, per_micro_batch=2,
+                             pad_id=0, weights=w)
+    got: dict[int, list] = {}
+    mixed_rows = 0
+    with torch.no_grad():
+        for mb in mbs:
+            assert mb.temperature.shape == mb.loss_mask.shape
+            # Predictions no sample owns (padding, packed-sample boundaries) stay at 1.0.
+            assert (mb.temperature[mb.sequence_ids < 0] == 1.0).all()
+            lp, ent = micro_batch_logprobs(model, mb, torch.device("cpu"), single_row=layout == "packed_as_one_row")
+            for row in range(mb.tokens.shape[0]):
+                ids = [i for i in mb.sequence_ids[row].unique().tolist() if i >= 0]
+                mixed_rows += len({temps[i % len(temps)] for i in ids}) > 1
+                for i in ids:
+                    sel = mb.sequence_ids[row] == i
+                    assert (mb.temperature[row][sel] == temps[i % len(temps)]).all()
+                    got.setdefault(i, []).append((lp[row][sel], ent[row][sel]))
+    if layout != "padded":
+        assert mixed_rows > 0  # samples of different temperatures share a packed row
+    assert sorted(got) == list(range(batch.num_samples))
+    for i, s in enumerate(batch.sample_slices()):
+        tokens = torch.from_numpy(batch.tokens[s])[None]
+        with torch.no_grad():
+            logits = model(input_ids=tokens).logits
+        want_lp, want_ent = (x[0] for x in token_logprobs_and_entropy(logits, tokens, temps[i % len(temps)]))
+        lp, ent = (torch.cat(x) for x in zip(*got[i]))
+        # Layout changes only the shapes of the matrix products and attention's sums: float32
+        # rounding of the logits (< 2e-6, as measured above), which dividing by a temperature
+        # >= 0.5 at most doubles (measured here: < 1e-6 for logprobs and entropies alike).
+        # Another sample's temperature moves them by > 0.01 (checked below; measured: > 0.27).
+        torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ent, want_ent, atol=1e-5, rtol=1e-5)
+        if temps[i % len(temps)] != 1.0:  # the batch-wide temperature 1.0 would be far off
+            at_one = token_logprobs_and_entropy(logits, tokens, 1.0)[0][0]
+            assert (lp - at_one).abs().max() > 1e-2
+
+
+def sampled_batch() -> Batch:
+    return Batch.from_samples(3, [
+        Sample.single_turn([5, 6], [7, 8], [-1.0, -2.0], [2, 2], 1.0, 0.5,
+                           temperature=0.7, top_p=0.9, top_k=20, min_p=0.05),
+        Sample.single_turn([5], [9], [-0.5], [1], 0.0, -0.5),  # the defaults
+        Sample([4, 5, 6], [0, 1, 1], [0.0, -0.1, -0.2], [0.0, 1.0, 1.0], [-1, 2, 2], 1.0, temperature=1.5),
+    ])
+
+
+def test_batch_round_trip_keeps_per_sample_sampling_settings(tmp_path):
+    batch = sampled_batch()
+    meta, payload = batch.encode()
+    assert set(json.loads(meta)) == {"format", "step", "num_samples", "sha256"}  # no batch-wide temperature
+    batch.write(tmp_path / "step_3")
+    for back in (Batch.decode(meta, payload, "wire"), Batch.read(tmp_path / "step_3")):
+        assert back.temperatures.dtype == back.top_p.dtype == back.min_p.dtype == np.float32
+        assert back.top_k.dtype == np.int64
+        assert back.temperatures.tolist() == pytest.approx([0.7, 1.0, 1.5])
+        assert back.top_p.tolist() == pytest.approx([0.9, 1.0, 1.0])
+        assert back.top_k.tolist() == [20, -1, -1]
+        assert back.min_p.tolist() == pytest.approx([0.05, 0.0, 0.0])
+        for name in Batch._TENSORS:
+            np.testing.assert_array_equal(getattr(back, name), getattr(batch, name))
+
+
+@pytest.mark.parametrize("name, value, want", [
+    ("temperatures", 0.0, "finite and > 0"), ("temperatures", -0.5, "finite and > 0"),
+    ("temperatures", math.nan, "finite and > 0"), ("temperatures", math.inf, "finite and > 0"),
+    ("top_p", 0.0, "in (0, 1]"), ("top_p", 1.5, "in (0, 1]"), ("top_p", math.nan, "in (0, 1]"),
+    ("min_p", -0.1, "in [0, 1]"), ("min_p", 1.1, "in [0, 1]"), ("top_k", -2, "-1 (off)"),
+])
+def test_decode_rejects_out_of_range_sampling_settings_naming_them(name, value, want):
+    batch = sampled_batch()
+    getattr(batch, name)[1] = value
+    meta, payload = batch.encode()  # checksummed as written: only the range check can catch it
+    with pytest.raises(BatchError) as e:
+        Batch.decode(meta, payload, "rollouts/step_3/batch.safetensors")
+    msg = str(e.value)
+    assert msg.startswith(f"rollouts/step_3/batch.safetensors: tensor {name!r} holds "), msg
+    assert "for sample 1" in msg and want in msg, msg
+
+
+def test_from_samples_refuses_a_non_positive_temperature():
+    with pytest.raises(ValueError, match=r"tensor 'temperatures' holds 0.0 for sample 0"):
+        Batch.from_samples(1, [Sample.single_turn([5], [7], [-1.0], [0], 1.0, 0.5, temperature=0.0)])

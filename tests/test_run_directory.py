@@ -12,15 +12,20 @@ def make_batch(step: int = 1) -> Batch:
     samples = [
         Sample.single_turn([5, 6, 7], [8, 9], [-0.5, -1.5], [0, 0], reward=0.75, advantage=0.25),
         # An in-flight weight update landed after its first token: versions 1 then 2.
-        Sample.single_turn([5], [8, 9, 10], [-0.1, -0.2, -0.3], [1, 2, 2], reward=0.25, advantage=-0.25),
+        Sample.single_turn([5], [8, 9, 10], [-0.1, -0.2, -0.3], [1, 2, 2], reward=0.25, advantage=-0.25,
+                           temperature=0.7, top_p=0.9, top_k=20, min_p=0.05),
     ]
-    return Batch.from_samples(step, 0.7, samples)
+    return Batch.from_samples(step, samples)
 
 
 def test_batch_round_trip(tmp_path):
     make_batch(3).write(tmp_path / "step_3")
     b = Batch.read(tmp_path / "step_3")
-    assert (b.step, b.temperature, b.num_samples) == (3, pytest.approx(0.7), 2)
+    assert (b.step, b.num_samples) == (3, 2)
+    # How each sample was drawn: the defaults, and a dataset's own settings.
+    assert b.temperatures.tolist() == pytest.approx([1.0, 0.7])
+    assert (b.top_p.tolist(), b.top_k.tolist(), b.min_p.tolist()) == (pytest.approx([1.0, 0.9]), [-1, 20],
+                                                                     pytest.approx([0.0, 0.05]))
     assert b.tokens.tolist() == [5, 6, 7, 8, 9, 5, 8, 9, 10]
     assert b.loss_mask.tolist() == [0, 0, 0, 1, 1, 0, 1, 1, 1]
     assert b.logprobs.tolist() == pytest.approx([0, 0, 0, -0.5, -1.5, 0, -0.1, -0.2, -0.3])

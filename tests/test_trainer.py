@@ -52,7 +52,7 @@ def write_batches(run: RunDir, steps, *, prompts: int = 4) -> None:
         return Sample.single_turn(PROMPT, completion, per_token, [0] * len(completion), reward=0.5 + adv, advantage=adv)
     for n in steps:
         samples = [sample(GOOD, 0.5), sample(BAD, -0.5), sample(LONG, 0.25 * (-1) ** n)] * prompts
-        Batch.from_samples(n, 1.0, samples[:-1]).write(run.rollout_dir(n))  # odd count: ranks differ
+        Batch.from_samples(n, samples[:-1]).write(run.rollout_dir(n))  # odd count: ranks differ
 
 
 def torchrun(ranks: int) -> list[str]:
@@ -307,3 +307,29 @@ def test_reference_kl_sequence_ratio_and_bfloat16_run_through_the_real_trainer(t
     assert 0 < m[0]["entropy"] < math.log(30)  # vocab of 30
     # Once the policy moved, some samples' sequence ratios leave [0.1, 1.02] and are masked whole.
     assert m[2]["masked_frac"] > 0 and all(r["masked_frac"] < 1 for r in m)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_each_sample_is_scored_at_its_own_temperature_by_the_real_trainer(tmp_path, write_toml, pack):
+    """One batch mixing samples drawn at temperatures 0.5, 1.0 and 1.5, each with the base
+    model's logprobs at its own temperature (what the engine reports): step 1 is on-policy, so
+    the trainer agrees with the "engine" only if it scores each sample at that sample's own
+    temperature (any one batch-wide temperature puts mismatch_kl orders of magnitude higher)."""
+    run = RunDir(tmp_path / "run")
+    base = AutoModelForCausalLM.from_pretrained(TINY_MODEL, dtype=torch.float32)
+
+    def sample(completion, adv, temperature):
+        ids = torch.tensor([PROMPT + completion])
+        with torch.no_grad():
+            logp = torch.log_softmax(base(input_ids=ids).logits[0, :-1] / temperature, -1)
+        per_token = logp[torch.arange(ids.shape[1] - 1), ids[0, 1:]][len(PROMPT) - 1:].tolist()
+        return Sample.single_turn(PROMPT, completion, per_token, [0] * len(completion), reward=0.5 + adv,
+                                  advantage=adv, temperature=temperature)
+    samples = [sample(c, a, t) for t in (0.5, 1.0, 1.5) for c, a in ((GOOD, 0.5), (BAD, -0.5), (LONG, 0.25))]
+    Batch.from_samples(1, samples).write(run.rollout_dir(1))
+    extra = f"[trainer]\npack = {str(pack).lower()}\nmicro_batch_size = 4\n"
+    run_trainer(rl_command("trainer"), ["@", config(write_toml, run, "cfg.toml"),
+                                        "@", str(write_toml(extra, "extra.toml")), "--max_steps", "1"])
+    (m,) = trainer_metrics(run)
+    assert m["mismatch_kl"] < 1e-6, m
+    assert 0.999 < m["ratio_mean"] < 1.001, m

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 
 def batch(step: int) -> Batch:
-    return Batch.from_samples(step, 1.0, [
+    return Batch.from_samples(step, [
         Sample.single_turn([5, 6], [7, 8], [-0.5, -0.25], [step - 1, step - 1], reward=1.0, advantage=0.5),
         Sample.single_turn([5], [9], [-1.0], [step - 1], reward=0.0, advantage=-0.5)])
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from orchestrator.evaluation import Evaluation
 from orchestrator.prompts import Prompt, PromptQueue, decode_state, encode_state
 from orchestrator.rollouts import Aborted, Group, Rollouts
 from orchestrator.scoring import Reward, Teacher
@@ -94,6 +95,8 @@ class Orchestrator:
                                adapter_prefix=cfg.adapter_prefix if cfg.trainer.lora.rank else None,
                                root=cfg.output_dir, on_fail=self.requeue_from)
         self.rollouts = self._make_rollouts(session)
+        evals = self._sources(session, evaluation=True)
+        self.evaluation = Evaluation(self.rollouts, evals, self.o.eval.rows, self.o.eval.timeout_s) if evals else None
         self.sender = BatchSender(cfg.transport, self.run_dir)
         self.next_step, cursor, pending = self._resume_point()
         self.queue = PromptQueue(self._draws(), self._fetch, cursor, pending)
@@ -111,16 +114,22 @@ class Orchestrator:
     def _make_rollouts(self, session: aiohttp.ClientSession) -> Rollouts:
         o = self.o
         env = load_callable(o.environment, "orchestrator.environment")() if o.environment else None
-        sources = {}
-        for ds in ([] if env else o.resolved_datasets()):
-            source = sources[ds.name] = Source(ds, self.cfg.seed)
-            key = "orchestrator.reward" if not o.datasets else f"dataset {ds.name}: reward"
-            source.reward = Reward(ds.reward, o.reward_timeout_s, session, o.reward_inline, key) if ds.reward else None
+        sources = {} if env else {s.name: s for s in self._sources(session)}
         teacher = None
         if o.teacher_url:
             teacher = Teacher(InferenceClient(o.teacher_url, session, self.cfg.inference.api_token),
                               o.teacher_coef, o.request_timeout_s)
         return Rollouts(self.cfg, load_tokenizer(self.cfg.model), sources, teacher, env)
+
+    def _sources(self, session: aiohttp.ClientSession, evaluation: bool = False) -> list[Source]:
+        o = self.o
+        sources = []
+        for ds in o.resolved_datasets(evaluation):
+            source = Source(ds, self.cfg.seed)
+            key = "orchestrator.reward" if not (o.datasets or evaluation) else f"dataset {ds.name}: reward"
+            source.reward = Reward(ds.reward, o.reward_timeout_s, session, o.reward_inline, key) if ds.reward else None
+            sources.append(source)
+        return sources
 
     def _draws(self):
         if self.rollouts.env is not None:
@@ -506,6 +515,27 @@ class Orchestrator:
                  100 * record["inference_idle_frac"], c.cancelled, c.failed + c.failed_requests,
                  c.filtered, c.dropped_stale, record["truncated"])
 
+    # --- held-out evaluation -------------------------------------------------------------------
+
+    async def evaluate(self, step: int) -> None:
+        """Evaluate the version a server serves now; a failure is logged, the run goes on."""
+        server = self.pool.pick() or (self.pool.in_rotation[0] if self.pool.in_rotation else None)
+        if self.evaluation is None or server is None:
+            return
+        version = server.version
+        set_phase(f"evaluating version {version}")
+        try:
+            record = await asyncio.wait_for(
+                self.evaluation.run(server.client, version, step, f"{self.tag}-eval{step}", self.pool.adapter(version)),
+                self.o.eval.timeout_s)
+        except (InferenceError, TimeoutError) as e:
+            log.warning("evaluation of version %d failed (%s): %s; the run goes on", version, type(e).__name__, e)
+            return
+        self.run_dir.append_metrics(record)
+        scores = ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in record.items()
+                           if k.startswith("eval/") and not k.endswith("/rows"))
+        log.info("eval version %d (greedy, held-out): %s (%.1f s)", version, scores, record["eval_s"])
+
     # --- the run ---------------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -535,12 +565,18 @@ class Orchestrator:
     async def run(self) -> None:
         try:
             await self.start()
+            if self.next_step == 1:
+                await self.evaluate(0)
+            every = self.o.eval.every
             for step in range(self.next_step, self.cfg.max_steps + 1):
                 await self.make_batch(step)
+                if every and step % every == 0 and step < self.cfg.max_steps:
+                    await self.evaluate(step)
             # Serve the final policy before stopping, so the run ends with it loaded.
             final = self.cfg.max_steps
             await self.wait_until(lambda: self.pool.serving_version >= final,
                                   f"final version {final} to serve", self.o.trainer_timeout_s)
+            await self.evaluate(final)
             log.info("done: %d batches; version %d serving", final, self.pool.serving_version)
         finally:
             await self.stop()

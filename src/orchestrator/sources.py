@@ -36,11 +36,13 @@ class Source:
 
     def __init__(self, ds: Dataset, seed: int):
         self.ds, self.name, self.spec = ds, ds.name, ds.spec
+        self.seed = seed if self.spec.seed is None else self.spec.seed
         self.reward = None  # the orchestrator's Reward for it (orchestrator/scoring.py)
-        self.table: Table | None = None if self.spec.function else load_table(self.spec, seed)
+        self.table: Table | None = None if self.spec.function else load_table(self.spec, self.seed)
 
-    def draws(self, seed: int) -> Iterator[int | dict]:
+    def draws(self) -> Iterator[int | dict]:
         """This dataset's order: positions in its table, or the rows of its function."""
+        seed = self.seed
         if self.table is None:
             rows = load_callable(self.spec.function, f"dataset {self.name}: function")(seed)
             yield from rows
@@ -68,7 +70,7 @@ class Source:
 def mix(sources: list[Source], seed: int) -> Iterator[tuple[str, int | dict]]:
     """The run's stream of (dataset name, draw). A used-up dataset leaves the mix."""
     live = list(sources)
-    streams = {s.name: s.draws(seed) for s in live}
+    streams = {s.name: s.draws() for s in live}
     rng = random.Random(seed)
     while live:
         # One dataset draws no random numbers, so a run from before datasets could be mixed

@@ -1,7 +1,7 @@
 """The batch wire format between orchestrator and trainer (never pickle).
 
 A batch is two blobs, the same over either transport (rl/transport.py):
-  meta.json          step, sample count, temperature, and the sha256 of the tensors
+  meta.json          step, sample count, and the sha256 of the tensors
   batch.safetensors  flat tensors: every sample's tokens back to back
 
 Per token: `tokens` (prompt, then model and environment turns), `loss_mask` (1 on tokens the
@@ -10,6 +10,12 @@ model sampled), `logprobs` (the inference engine's logprob of each sampled token
 reverse KL differs token by token), `token_versions` (the policy version that sampled each token,
 -1 on tokens the model did not sample). Per sample: `lengths`, `rewards`, and `versions`, the
 OLDEST version among its tokens: the staleness bound is a statement about the oldest token.
+
+Sampling settings are per sample too (`temperatures`, `top_p`, `top_k`, `min_p`), because one
+batch may mix datasets that each sample their own way. The trainer recomputes each token's
+logprob under its own sample's temperature (the distribution the engine sampled from); top_p,
+top_k and min_p travel with the sample so that what it was sampled under is on record. top_k
+-1 (or 0, as vLLM accepts too) is off.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from safetensors.numpy import save as st_save
 from rl.faults import crash_point
 from rl.rundir import publish_dir
 
-FORMAT = "asyncrl.batch.v2"
+FORMAT = "asyncrl.batch.v3"
 
 
 class BatchError(Exception):
@@ -45,21 +51,29 @@ class Sample:
     advantages: list[float]
     versions: list[int]
     reward: float
+    # What the engine sampled it with (vLLM's conventions: top_k -1 is off).
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
 
     @classmethod
     def single_turn(cls, prompt_ids: list[int], completion_ids: list[int], logprobs: list[float],
-                    versions: list[int], reward: float, advantage: float) -> Sample:
+                    versions: list[int], reward: float, advantage: float, *, temperature: float = 1.0,
+                    top_p: float = 1.0, top_k: int = -1, min_p: float = 0.0) -> Sample:
         if not len(completion_ids) == len(logprobs) == len(versions):
             raise ValueError(f"{len(completion_ids)} tokens, {len(logprobs)} logprobs, {len(versions)} versions")
         p, c = len(prompt_ids), len(completion_ids)
         return cls(list(prompt_ids) + list(completion_ids), [0] * p + [1] * c,
                    [0.0] * p + list(logprobs), [0.0] * p + [advantage] * c,
-                   [-1] * p + list(versions), reward)
+                   [-1] * p + list(versions), reward, temperature, top_p, top_k, min_p)
 
     @functools.cached_property
     def oldest_version(self) -> int:
-        """Oldest version among the sampled tokens (a sample with none is as new as can be)."""
-        return min((v for v, m in zip(self.versions, self.loss_mask) if m), default=1 << 62)
+        """Oldest version among the sampled tokens (a sample with none is as new as can be).
+        Sampled tokens are those with a version, trained on or not (orchestrator.overlong = "mask"
+        keeps a cut completion out of the loss, not out of the staleness bound)."""
+        return min((v for v in self.versions if v >= 0), default=1 << 62)
 
     @property
     def num_model_tokens(self) -> int:
@@ -69,7 +83,6 @@ class Sample:
 @dataclass
 class Batch:
     step: int
-    temperature: float
     tokens: np.ndarray  # int64 [total_tokens]
     loss_mask: np.ndarray  # uint8 [total_tokens]
     logprobs: np.ndarray  # float32 [total_tokens]
@@ -78,13 +91,17 @@ class Batch:
     lengths: np.ndarray  # int64 [num_samples]
     rewards: np.ndarray  # float32 [num_samples]
     versions: np.ndarray  # int64 [num_samples], oldest token version
+    temperatures: np.ndarray  # float32 [num_samples]
+    top_p: np.ndarray  # float32 [num_samples]
+    top_k: np.ndarray  # int64 [num_samples]
+    min_p: np.ndarray  # float32 [num_samples]
 
     @property
     def num_samples(self) -> int:
         return len(self.lengths)
 
     @classmethod
-    def from_samples(cls, step: int, temperature: float, samples: list[Sample]) -> Batch:
+    def from_samples(cls, step: int, samples: list[Sample]) -> Batch:
         for i, s in enumerate(samples):
             n = len(s.tokens)
             if not len(s.loss_mask) == len(s.logprobs) == len(s.advantages) == len(s.versions) == n:
@@ -93,9 +110,11 @@ class Batch:
         def cat(field: str, dtype) -> np.ndarray:
             return np.asarray([x for s in samples for x in getattr(s, field)], dtype=dtype)
 
-        return cls(
+        def each(field: str, dtype) -> np.ndarray:
+            return np.asarray([getattr(s, field) for s in samples], dtype=dtype)
+
+        batch = cls(
             step=step,
-            temperature=temperature,
             tokens=cat("tokens", np.int64),
             loss_mask=cat("loss_mask", np.uint8),
             logprobs=cat("logprobs", np.float32),
@@ -104,7 +123,15 @@ class Batch:
             lengths=np.asarray([len(s.tokens) for s in samples], dtype=np.int64),
             rewards=np.asarray([s.reward for s in samples], dtype=np.float32),
             versions=np.asarray([s.oldest_version for s in samples], dtype=np.int64),
+            temperatures=each("temperature", np.float32),
+            top_p=each("top_p", np.float32),
+            top_k=each("top_k", np.int64),
+            min_p=each("min_p", np.float32),
         )
+        # Refused here, where the culprit is known, rather than by the trainer that decodes it.
+        if problem := batch.sampling_problem():
+            raise ValueError(problem)
+        return batch
 
     def sample_slices(self) -> list[slice]:
         ends = np.cumsum(self.lengths)
@@ -113,7 +140,9 @@ class Batch:
     # name -> (dtype, one value per "token" or per "sample")
     _SCHEMA = {"tokens": (np.int64, "token"), "loss_mask": (np.uint8, "token"), "logprobs": (np.float32, "token"),
                "advantages": (np.float32, "token"), "token_versions": (np.int64, "token"),
-               "lengths": (np.int64, "sample"), "rewards": (np.float32, "sample"), "versions": (np.int64, "sample")}
+               "lengths": (np.int64, "sample"), "rewards": (np.float32, "sample"), "versions": (np.int64, "sample"),
+               "temperatures": (np.float32, "sample"), "top_p": (np.float32, "sample"), "top_k": (np.int64, "sample"),
+               "min_p": (np.float32, "sample")}
     _TENSORS = tuple(_SCHEMA)
 
     # --- encoding: the same two blobs on disk and on the wire ---------------------------------
@@ -125,7 +154,6 @@ class Batch:
             "format": FORMAT,
             "step": self.step,
             "num_samples": self.num_samples,
-            "temperature": self.temperature,
             "sha256": hashlib.sha256(payload).hexdigest(),
         }
         return json.dumps(meta).encode(), payload
@@ -144,11 +172,9 @@ class Batch:
             raise BatchError(f"{meta_source}: format {got!r}, expected {FORMAT!r}")
         if hashlib.sha256(payload).hexdigest() != meta.get("sha256"):
             raise BatchError(f"{source}: checksum mismatch (truncated or corrupted)")
-        step, temperature = meta.get("step"), meta.get("temperature")
+        step = meta.get("step")
         if not isinstance(step, int) or isinstance(step, bool) or step < 1:
             raise BatchError(f"{meta_source}: step {step!r} is not a positive integer")
-        if not isinstance(temperature, (int, float)) or not temperature > 0:
-            raise BatchError(f"{meta_source}: temperature {temperature!r} is not a positive number")
         try:
             arrays = st_load(payload)
         except Exception as e:  # safetensors raises its own error types on a bad header
@@ -159,7 +185,7 @@ class Batch:
             a = arrays[name]
             if a.dtype != dtype or a.ndim != 1:
                 raise BatchError(f"{source}: tensor {name!r} is {a.dtype}{list(a.shape)}, expected 1-D {dtype}")
-        batch = cls(step=step, temperature=float(temperature), **{k: arrays[k] for k in cls._TENSORS})
+        batch = cls(step=step, **{k: arrays[k] for k in cls._TENSORS})
         batch.validate(source, meta.get("num_samples"))
         return batch
 
@@ -184,6 +210,22 @@ class Batch:
         for name in ("logprobs", "advantages", "rewards"):
             if not np.isfinite(getattr(self, name)).all():
                 raise BatchError(f"{source}: tensor {name!r} holds NaN or infinity")
+        if problem := self.sampling_problem():
+            raise BatchError(f"{source}: {problem}")
+
+    def sampling_problem(self) -> str | None:
+        """The first sample whose sampling settings are out of range, or None. A temperature
+        of 0 or NaN would make the trainer's logits (logits / temperature) inf or NaN."""
+        # Written so that NaN fails every check (every comparison with NaN is false).
+        checks = (("temperatures", (self.temperatures > 0) & np.isfinite(self.temperatures), "finite and > 0"),
+                  ("top_p", (self.top_p > 0) & (self.top_p <= 1), "in (0, 1]"),
+                  ("top_k", self.top_k >= -1, "-1 (off), 0 (off) or >= 1"),
+                  ("min_p", (self.min_p >= 0) & (self.min_p <= 1), "in [0, 1]"))
+        for name, ok, want in checks:
+            if not ok.all():
+                i = int(np.flatnonzero(~ok)[0])
+                return f"tensor {name!r} holds {getattr(self, name)[i].item()!r} for sample {i}, expected {want}"
+        return None
 
     def write(self, final: Path) -> None:
         """Write the batch to directory `final` atomically (temporary directory, then one rename)."""

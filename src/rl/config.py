@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, field_validator, model_validator
 
 from rl.addresses import HostPort, HttpUrl, ZmqEndpoint, check_http_url, check_zmq_endpoint
-from rl.dataset_config import Dataset, DatasetConfig, Sampling, check_reward_spec, is_module_attr
+from rl.dataset_config import Dataset, DatasetConfig, EvalConfig, Sampling, check_reward_spec, is_module_attr
 
 
 class ConfigError(Exception):
@@ -116,6 +116,9 @@ class OrchestratorConfig(Section):
     """Datasets mixed by weight (`[[orchestrator.datasets]]`, rl/dataset_config.py): jsonl,
     parquet, HF datasets, reasoning-gym tasks or functions, each with its own fields, reward and
     sampling. Empty: one dataset, orchestrator.dataset scored by orchestrator.reward."""
+
+    eval: EvalConfig = EvalConfig()
+    """Held-out evaluation (`[orchestrator.eval]`, rl/dataset_config.py)."""
 
     chat: Literal["auto", "on", "off"] = "auto"
     """Render prompts with the tokenizer's chat template (generation prompt added): "on", "off"
@@ -254,9 +257,14 @@ class OrchestratorConfig(Section):
         if self.datasets and "dataset" in self.model_fields_set:
             raise ValueError("orchestrator.dataset is unused when orchestrator.datasets is given: "
                              "list that dataset in orchestrator.datasets (function = ...) instead")
-        names = [d.name for d in self.resolved_datasets()]
-        if len(set(names)) != len(names):
-            raise ValueError(f"orchestrator.datasets: names must differ (got {names}); set name = ...")
+        for evaluation in (False, True):
+            names = [d.name for d in self.resolved_datasets(evaluation)]
+            if len(set(names)) != len(names):
+                key = "orchestrator.eval.datasets" if evaluation else "orchestrator.datasets"
+                raise ValueError(f"{key}: names must differ (got {names}); set name = ...")
+        for d in self.resolved_datasets(evaluation=True):
+            if not d.reward:
+                raise ValueError(f"eval dataset {d.name}: no reward to score it (set its reward)")
         for d in self.resolved_datasets():
             if not d.reward and not self.teacher_url and not self.datasets:
                 raise ValueError("orchestrator.reward is empty and no orchestrator.teacher_url is set: "
@@ -270,27 +278,30 @@ class OrchestratorConfig(Section):
                                  f"{self.overlong_buffer})")
         return self
 
-    def resolved_datasets(self) -> list[Dataset]:
+    def resolved_datasets(self, evaluation: bool = False) -> list[Dataset]:
         """Every dataset with the orchestrator-level defaults applied (one from dataset/reward
-        when no `datasets` are listed)."""
-        specs = self.datasets or [DatasetConfig(name="data", function=self.dataset)]
+        when no `datasets` are listed); with `evaluation`, the eval datasets."""
+        if evaluation:
+            specs = self.eval.datasets
+        else:
+            specs = self.datasets or [DatasetConfig(name="data", function=self.dataset)]
         out = []
         for spec in specs:
             def pick(key: str):
                 value = getattr(spec, key)
                 return getattr(self, key) if value is None else value
 
-            reward = spec.reward or self._default_reward(spec)
+            reward = spec.reward or self._default_reward(spec, listed=bool(evaluation or self.datasets))
             sampling = Sampling(temperature=pick("temperature"), top_p=pick("top_p"), top_k=pick("top_k"),
                                 min_p=pick("min_p"), max_tokens=pick("max_tokens"), stop=tuple(pick("stop")))
             out.append(Dataset(spec.label, spec, reward, dict(spec.reward_weights),
                                pick("system_prompt"), sampling))
         return out
 
-    def _default_reward(self, spec: DatasetConfig) -> str:
+    def _default_reward(self, spec: DatasetConfig, listed: bool) -> str:
         """A listed dataset naming no reward: orchestrator.reward if given explicitly (its default
         scores the reversal task only), else a reasoning-gym task's own scorer, else none."""
-        if not self.datasets or "reward" in self.model_fields_set:
+        if not listed or "reward" in self.model_fields_set:
             return self.reward
         return "reasoning_gym" if spec.reasoning_gym else ""
 
@@ -589,7 +600,7 @@ class RunConfig(Section):
                 f"orchestrator.max_in_flight_groups ({o.max_in_flight_groups}) must be >= "
                 f"orchestrator.prompts_per_step ({o.prompts_per_step}), or no batch could fill"
             )
-        for d in o.resolved_datasets():
+        for d in o.resolved_datasets() + o.resolved_datasets(evaluation=True):
             if d.sampling.max_tokens >= self.seq_len:
                 key = "orchestrator.max_tokens" if d.spec.max_tokens is None else f"dataset {d.name}: max_tokens"
                 raise ValueError(

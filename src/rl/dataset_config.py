@@ -75,6 +75,10 @@ class DatasetConfig(BaseModel):
     size: int = Field(10_000, ge=1)
     """reasoning_gym: rows generated per pass (then reshuffled and reused)."""
 
+    seed: int | None = None
+    """Seed of this dataset's rows and order instead of the run's: e.g. a held-out evaluation set
+    of the task the run trains on (reasoning_gym rows differ by seed)."""
+
     task_config: dict[str, Any] = {}
     """reasoning_gym: the task's own settings (its config class's fields), e.g. {min_terms = 2}."""
 
@@ -149,6 +153,27 @@ class DatasetConfig(BaseModel):
             stem = self.path.rstrip("/").rsplit("/", 1)[-1].split(".", 1)[0]
             return stem.replace("*", "") or "data"
         return self.function.rpartition(":")[0].rpartition(".")[2] or "data"
+
+
+class EvalConfig(BaseModel):
+    """Held-out evaluation: greedy completions of the first `rows` rows of each dataset, scored
+    by its reward, before the first batch, every `every` steps, and once the final version serves.
+    Logged as program "eval" in metrics.jsonl (eval/<dataset>/reward, .../accuracy)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+
+    datasets: list[DatasetConfig] = []
+    """Evaluation datasets, as in orchestrator.datasets (sampling keys: max_tokens and stop only;
+    completions are greedy). Empty: no evaluation."""
+
+    rows: int = Field(100, ge=1)
+    """Rows evaluated per dataset."""
+
+    every: int = Field(0, ge=0)
+    """Evaluate every this many steps too; 0: only before the first batch and after the last."""
+
+    timeout_s: float = Field(600, gt=0)
+    """Longest one evaluation may take before it is given up (logged) and the run goes on."""
 
 
 @dataclass(frozen=True)

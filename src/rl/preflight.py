@@ -209,8 +209,8 @@ def orchestrator_code(cfg: RunConfig) -> None:
         env = load_callable(o.environment, "orchestrator.environment")
         _takes(env, "orchestrator.environment", o.environment, (), "Class()")
         return
-    for ds in o.resolved_datasets():
-        listed = bool(o.datasets)
+    for ds in o.resolved_datasets() + o.resolved_datasets(evaluation=True):
+        listed = bool(o.datasets) or ds in o.resolved_datasets(evaluation=True)
         if ds.spec.function:
             key = f"dataset {ds.name}: function" if listed else "orchestrator.dataset"
             dataset = load_callable(ds.spec.function, key)
@@ -231,7 +231,7 @@ def orchestrator_data(cfg: RunConfig) -> None:
     if o.chat == "on" and template is None:
         raise ConfigError(f"orchestrator.chat = \"on\": {cfg.model} has no chat template (chat_template.jinja or "
                           "tokenizer_config.json chat_template); set orchestrator.chat_template")
-    for ds in o.resolved_datasets():
+    for ds in o.resolved_datasets() + o.resolved_datasets(evaluation=True):
         row, where = _first_row(cfg, ds)
         if template is None:
             if isinstance(row, dict) and row.get(ds.spec.messages_key) is not None:
@@ -251,7 +251,8 @@ def _first_row(cfg: RunConfig, ds) -> tuple[object, str]:
     if ds.spec.function:
         key = f"dataset {ds.name}: function" if cfg.orchestrator.datasets else "orchestrator.dataset"
         try:
-            return next(iter(load_callable(ds.spec.function, key)(cfg.seed))), f"{key} row 0"
+            seed = cfg.seed if ds.spec.seed is None else ds.spec.seed
+            return next(iter(load_callable(ds.spec.function, key)(seed))), f"{key} row 0"
         except StopIteration:
             raise ConfigError(f"{key} = {ds.spec.function!r} yields no rows") from None
         except Exception as e:

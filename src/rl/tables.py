@@ -170,6 +170,7 @@ class _GymRows:
 
 def load_table(spec: DatasetConfig, seed: int) -> Table:
     """The rows of a path or reasoning_gym dataset (function datasets are streams: no table)."""
+    seed = seed if spec.seed is None else spec.seed
     if spec.reasoning_gym:
         return _reasoning_gym(spec, seed)
     path = Path(spec.path)

@@ -68,6 +68,11 @@ class MicroBatch:
     advantages: torch.Tensor  # per token: a teacher's signal differs token by token
     loss_weight: torch.Tensor  # the token's share of the batch loss (the normalisation)
     sequence_ids: torch.Tensor  # int64 sample index in the batch, -1 on padding
+    # The temperature the token was sampled at (its sample's): the trainer divides the logits
+    # predicting it by this. 1.0 where no sample owns the prediction (padding, a packed-sample
+    # boundary): any positive value keeps those logits finite, and a NaN there would reach the
+    # gradient through log_softmax's backward even though the loss masks the token.
+    temperature: torch.Tensor
 
     @property
     def num_tokens(self) -> int:
@@ -151,10 +156,12 @@ def rank_micro_batches(batch: Batch, rank: int, world: int, *, row_len: int | No
     return out
 
 
-def _fields(batch: Batch, s: slice, weights: np.ndarray):
+def _fields(batch: Batch, i: int, s: slice, weights: np.ndarray):
+    """Sample i's per-token fields (tokens, mask, inference logprobs, advantages, weights,
+    temperature), not yet shifted to the predicted token."""
     return (torch.from_numpy(batch.tokens[s]), torch.from_numpy(batch.loss_mask[s].astype(np.float32)),
             torch.from_numpy(batch.logprobs[s]), torch.from_numpy(batch.advantages[s]),
-            torch.from_numpy(weights[s]))
+            torch.from_numpy(weights[s]), torch.full((s.stop - s.start,), float(batch.temperatures[i])))
 
 
 def _packed(batch: Batch, slices: list[slice], rows: list[list[int]], pad_id: int, weights: np.ndarray) -> MicroBatch:
@@ -163,22 +170,23 @@ def _packed(batch: Batch, slices: list[slice], rows: list[list[int]], pad_id: in
     width = max(sum(slices[i].stop - slices[i].start for i in row) for row in rows)
     cols = []
     for row in rows:
-        parts = [_fields(batch, slices[i], weights) for i in row]
+        parts = [_fields(batch, i, slices[i], weights) for i in row]
         pad = width - sum(len(p[0]) for p in parts)
-        tokens, mask, old, adv, w = (torch.cat(x) for x in zip(*parts))
+        tokens, mask, old, adv, w, temp = (torch.cat(x) for x in zip(*parts))
         positions = torch.cat([torch.arange(len(p[0])) for p in parts] + [torch.arange(pad)])
         seq = torch.cat([torch.full((len(p[0]),), i, dtype=torch.long) for i, p in zip(row, parts)]
                         + [torch.full((pad,), -1, dtype=torch.long)])
         zeros = torch.zeros(pad)
         cols.append((torch.cat([tokens, torch.full((pad,), pad_id, dtype=torch.long)]), positions,
-                     *(torch.cat([x, zeros]) for x in (mask, old, adv, w)), seq))
-    tokens, positions, mask, old, adv, w, seq = (torch.stack(x) for x in zip(*cols))
+                     *(torch.cat([x, zeros]) for x in (mask, old, adv, w)), seq,
+                     torch.cat([temp, torch.ones(pad)])))
+    tokens, positions, mask, old, adv, w, seq, temp = (torch.stack(x) for x in zip(*cols))
     # Shift by one: position t predicts token t+1. The prediction across a sample boundary
     # (last token of one sample -> first token of the next) belongs to no sample: no loss.
     boundary = positions[:, 1:] == 0
     seq = seq[:, 1:].masked_fill(boundary, -1)
     return MicroBatch(tokens, positions, None, mask[:, 1:].masked_fill(boundary, 0.0), old[:, 1:], adv[:, 1:],
-                      w[:, 1:].masked_fill(boundary, 0.0), seq)
+                      w[:, 1:].masked_fill(boundary, 0.0), seq, temp[:, 1:].masked_fill(boundary, 1.0))
 
 
 def _padded(batch: Batch, slices: list[slice], rows: list[list[int]], pad_id: int, weights: np.ndarray) -> MicroBatch:
@@ -188,16 +196,17 @@ def _padded(batch: Batch, slices: list[slice], rows: list[list[int]], pad_id: in
     attn = torch.zeros((len(ids), width), dtype=torch.long)
     mask, old, adv, w = (torch.zeros((len(ids), width)) for _ in range(4))
     seq = torch.full((len(ids), width), -1, dtype=torch.long)
+    temp = torch.ones((len(ids), width))
     for row, i in enumerate(ids):
-        t, m, o, a, ww = _fields(batch, slices[i], weights)
+        t, m, o, a, ww, tt = _fields(batch, i, slices[i], weights)
         n = len(t)
         tokens[row, :n], attn[row, :n], mask[row, :n], old[row, :n], adv[row, :n], w[row, :n] = t, 1, m, o, a, ww
-        seq[row, :n] = i
-    return MicroBatch(tokens, None, attn, mask[:, 1:], old[:, 1:], adv[:, 1:], w[:, 1:], seq[:, 1:])
+        seq[row, :n], temp[row, :n] = i, tt
+    return MicroBatch(tokens, None, attn, mask[:, 1:], old[:, 1:], adv[:, 1:], w[:, 1:], seq[:, 1:], temp[:, 1:])
 
 
 def _padding(pad_id: int, packed: bool) -> MicroBatch:
     z = torch.zeros((1, 1))
     tokens = torch.full((1, 2), pad_id, dtype=torch.long)
     return MicroBatch(tokens, torch.arange(2)[None] if packed else None, None if packed else torch.ones_like(tokens),
-                      z, z, z, z, torch.full((1, 1), -1, dtype=torch.long))
+                      z, z, z, z, torch.full((1, 1), -1, dtype=torch.long), torch.ones((1, 1)))

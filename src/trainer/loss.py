@@ -36,10 +36,18 @@ class LossOutput:
     kl_sum: float  # k3 value of the KL penalty (without kl_coef); 0.0 when kl_coef == 0
 
 
-def token_logprobs_and_entropy(logits: Tensor, tokens: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-    """logits [R, T, V] (any float dtype), tokens [R, T] int64. Returns (logprobs, entropy), both
-    float32 [R, T-1]: the logprob of tokens[:, t+1] under logits[:, t] / temperature (the
-    distribution the engine sampled from) and that distribution's entropy (detached, metrics only)."""
+def token_logprobs_and_entropy(logits: Tensor, tokens: Tensor, temperature: float | Tensor) -> tuple[Tensor, Tensor]:
+    """logits [R, T, V] (any float dtype), tokens [R, T] int64, temperature a number or one per
+    predicted token ([R, T-1], as MicroBatch.temperature: samples of one batch may be sampled at
+    different temperatures). Returns (logprobs, entropy), both float32 [R, T-1]: the logprob of
+    tokens[:, t+1] under logits[:, t] / temperature[:, t] (the distribution the engine sampled
+    from) and that distribution's entropy (detached, metrics only)."""
+    if isinstance(temperature, Tensor):
+        if temperature.shape != tokens[:, 1:].shape:
+            # [1, 1] or [R, 1] would broadcast silently and scale every token alike.
+            raise ValueError(f"temperature {list(temperature.shape)}, expected one per predicted token "
+                             f"{list(tokens[:, 1:].shape)}")
+        temperature = temperature.to(device=logits.device, dtype=torch.float32)[..., None]
     logp_all = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
     logprobs = logp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)
     with torch.no_grad():

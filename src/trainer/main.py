@@ -94,6 +94,15 @@ def forward_logits(model: torch.nn.Module, mb: MicroBatch, device: torch.device,
     return logits.reshape(*tokens.shape, -1) if flat else logits
 
 
+def micro_batch_logprobs(model: torch.nn.Module, mb: MicroBatch, device: torch.device, single_row: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs, entropy) [R, T-1] of a micro-batch's tokens, each under its own sample's
+    temperature (mb.temperature): the distribution the engine sampled it from, which a batch
+    mixing datasets with different sampling settings makes differ from sample to sample."""
+    logits = forward_logits(model, mb, device, single_row)
+    return token_logprobs_and_entropy(logits, mb.tokens.to(device), mb.temperature.to(device))
+
+
 @dataclass
 class Policy:
     """What one optimizer step updates and by which rules: the whole model (full fine-tuning),
@@ -235,7 +244,7 @@ class Trainer:
         set_phase(f"training step {step}")
         start = time.perf_counter()
         lr = policy.scheduler.get_last_lr()[0]
-        stats = self.train_step(self.micro_batches(batch, policy), batch.temperature, policy)
+        stats = self.train_step(self.micro_batches(batch, policy), policy)
         step_s = time.perf_counter() - start
         set_phase(f"publishing version {step}")
         write_s = self.publish(policy, step)
@@ -282,18 +291,19 @@ class Trainer:
             if old <= keep_from:
                 remove_quietly(policy.run.rollout_dir(old))
 
-    def forward_logprobs(self, model: torch.nn.Module, mb: MicroBatch, temperature: float):
-        logits = forward_logits(model, mb, self.device, single_row=self.flash)
-        return token_logprobs_and_entropy(logits, mb.tokens.to(self.device), temperature)
+    def forward_logprobs(self, model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        return micro_batch_logprobs(model, mb, self.device, single_row=self.flash)
 
     @torch.no_grad()
-    def reference_logprobs(self, mb: MicroBatch, temperature: float) -> torch.Tensor:
+    def reference_logprobs(self, mb: MicroBatch) -> torch.Tensor:
+        # The same per-token temperatures as the policy's: the KL compares the two at the
+        # distributions the samples were drawn from.
         if self.lora is not None:
             with self.lora.use(None):
-                return self.forward_logprobs(self.model, mb, temperature)[0]
-        return self.forward_logprobs(self.reference, mb, temperature)[0]
+                return self.forward_logprobs(self.model, mb)[0]
+        return self.forward_logprobs(self.reference, mb)[0]
 
-    def train_step(self, micro_batches: list[MicroBatch], temperature: float, policy: Policy) -> dict:
+    def train_step(self, micro_batches: list[MicroBatch], policy: Policy) -> dict:
         # loss_weight already divides by the whole batch's normaliser (trainer/data.py), so the
         # summed loss does not depend on how samples fall into micro-batches and ranks. FSDP2
         # averages gradients over ranks; scaling by the world size turns that back into the sum.
@@ -305,9 +315,9 @@ class Trainer:
             return self.lora.use(policy.slot) if self.lora is not None else contextlib.nullcontext()
 
         for mb in micro_batches:
-            reference = self.reference_logprobs(mb, temperature) if use_reference else None
+            reference = self.reference_logprobs(mb) if use_reference else None
             with slot():
-                logprobs, entropy = self.forward_logprobs(self.model, mb, temperature)
+                logprobs, entropy = self.forward_logprobs(self.model, mb)
             d = {k: v.to(self.device) for k, v in (("inference_logprobs", mb.inference_logprobs),
                                                    ("advantages", mb.advantages), ("loss_mask", mb.loss_mask),
                                                    ("loss_weight", mb.loss_weight), ("sequence_ids", mb.sequence_ids))}
