@@ -118,13 +118,21 @@ def status_line(step: int, total: int, orch: dict, train: dict) -> str:
 
 
 def summarize(run: RunDir, console: Console) -> None:
-    """First-5 vs last-5 mean reward, and the reward curve as a PNG in the run directory."""
-    records = [r for r in MetricsFollower(run.metrics).new_records() if r.get("program") == "orchestrator"]
+    """First-5 vs last-5 mean reward, the first and last held-out evaluation, and the reward
+    curve as a PNG in the run directory."""
+    everything = MetricsFollower(run.metrics).new_records()
+    records = [r for r in everything if r.get("program") == "orchestrator"]
     if not records:
         return
     rewards = [r["reward_mean"] for r in sorted(records, key=lambda r: r["step"])]
     first, last = sum(rewards[:5]) / len(rewards[:5]), sum(rewards[-5:]) / len(rewards[-5:])
     console.print(f"mean reward: first 5 steps {first:.3f}, last 5 steps {last:.3f} ({last - first:+.3f})")
+    evals = sorted((r for r in everything if r.get("program") == "eval"), key=lambda r: r["step"])
+    if len(evals) >= 2:
+        before, after = evals[0], evals[-1]
+        for key in (k for k in after if k.startswith("eval/") and not k.endswith("/rows")):
+            console.print(f"held-out greedy {key.removeprefix('eval/')}: version {before['version']} "
+                          f"{before.get(key, float('nan')):.3f} -> version {after['version']} {after[key]:.3f}")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -136,8 +144,11 @@ def summarize(run: RunDir, console: Console) -> None:
     if len(rewards) >= window:
         smooth = [sum(rewards[i - window:i]) / window for i in range(window, len(rewards) + 1)]
         ax.plot(range(window, len(rewards) + 1), smooth, label=f"trailing {window}-step mean")
+    for key in sorted({k for r in evals for k in r if k.startswith("eval/") and k.endswith("/accuracy")}):
+        points = [(r["step"], r[key]) for r in evals if key in r]
+        ax.plot(*zip(*points), "o-", label=f"held-out greedy {key[5:]}")
     ax.set_xlabel("step")
-    ax.set_ylabel("mean sampled reward")
+    ax.set_ylabel("reward / accuracy" if evals else "mean sampled reward")
     ax.legend()
     fig.tight_layout()
     out = run.root / "reward_curve.png"
