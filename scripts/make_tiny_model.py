@@ -76,26 +76,30 @@ def encode_batch(tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Tenso
 
 
 @torch.no_grad()
-def mean_reward(model, tokenizer, task, rows: list[dict], sample: bool = False) -> float:
+def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, sample: bool = False) -> list[str]:
+    """One completion per prompt (ids), decoded without special tokens; greedy unless `sample`
+    (T=1, no top-k, from torch's global generator)."""
     model.eval()
-    total = 0.0
-    for row in rows:
-        ids = torch.tensor([tokenizer.encode(row["prompt"])])
+    texts = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
         out = model.generate(
-            ids, max_new_tokens=task.MAX_ANSWER + 2, do_sample=sample, temperature=1.0, top_k=0,
+            ids, max_new_tokens=max_new_tokens, do_sample=sample, temperature=1.0, top_k=0,
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         )
-        text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-        total += task.reward(row["prompt"], text, row)
+        texts.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
     model.train()
-    return total / len(rows)
+    return texts
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=Path("models/tiny-reverse"))
-    ap.add_argument("--task", choices=sorted(TASKS), default="reverse")
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+def mean_reward(model, tokenizer, task, rows: list[dict], sample: bool = False) -> float:
+    prompts = [tokenizer.encode(row["prompt"]) for row in rows]
+    texts = generate(model, tokenizer, prompts, task.MAX_ANSWER + 2, sample)
+    return sum(task.reward(row["prompt"], text, row) for row, text in zip(rows, texts)) / len(rows)
+
+
+def add_sft_args(ap: argparse.ArgumentParser) -> None:
+    """The supervised run's options, shared with make_chat_model.py (which changes some defaults)."""
     ap.add_argument("--eval-rows", type=int, default=100)
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--target", type=float, default=0.45, help="stop at this greedy reward")
@@ -104,21 +108,15 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--label-smoothing", type=float, default=0.3)
-    args = ap.parse_args()
 
-    task = TASKS[args.task]
-    torch.manual_seed(args.seed)
-    tokenizer = build_tokenizer()
-    model = build_model(tokenizer, args.shape)
-    print(f"parameters: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M")
+
+def sft(model, next_batch, evaluate, args: argparse.Namespace) -> float:
+    """Train on `next_batch()`'s (ids, labels) until `evaluate()` (the greedy held-out reward,
+    run every --eval-every steps) reaches --target or --max-steps pass; returns the last score."""
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    rng = random.Random(args.seed)
-    # Held-out prompts come from another seed than the RL runs' (which use the config's seed).
-    eval_rows = [task.make_row(random.Random(10_000 + i)) for i in range(args.eval_rows)]
-
     score = 0.0
     for step in range(1, args.max_steps + 1):
-        ids, labels = encode_batch(tokenizer, [task.make_row(rng) for _ in range(args.batch_size)])
+        ids, labels = next_batch()
         logits = model(input_ids=ids).logits[:, :-1]
         # Label smoothing keeps the sampling distribution broad: the model's greedy answer has
         # partial skill while its samples at T=1 are much worse, the regime where RL's gains
@@ -130,10 +128,36 @@ def main() -> None:
         opt.step()
         opt.zero_grad()
         if step % args.eval_every == 0:
-            score = mean_reward(model, tokenizer, task, eval_rows)
+            score = evaluate()
             print(f"step {step} loss {loss.item():.3f} greedy reward {score:.3f}", flush=True)
             if score >= args.target:
                 break
+    return score
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("models/tiny-reverse"))
+    ap.add_argument("--task", choices=sorted(TASKS), default="reverse")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    add_sft_args(ap)
+    args = ap.parse_args()
+
+    task = TASKS[args.task]
+    torch.manual_seed(args.seed)
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, args.shape)
+    print(f"parameters: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M")
+    rng = random.Random(args.seed)
+    # Held-out prompts come from another seed than the RL runs' (which use the config's seed).
+    eval_rows = [task.make_row(random.Random(10_000 + i)) for i in range(args.eval_rows)]
+
+    score = sft(
+        model,
+        lambda: encode_batch(tokenizer, [task.make_row(rng) for _ in range(args.batch_size)]),
+        lambda: mean_reward(model, tokenizer, task, eval_rows),
+        args,
+    )
 
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out, safe_serialization=True)

@@ -1,0 +1,124 @@
+"""The chat path on real vLLM, the real trainer and orchestrator (`rl run`): a model with a
+ChatML template whose eos is NOT its end-of-turn token (a base model with a template), a jsonl
+dataset of chat messages mixed with a reasoning-gym task at another temperature, a held-out
+evaluation before and after. What the trainer got is checked against transformers'
+apply_chat_template and against where generation must stop."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from conftest import ROOT, free_port, rl_command
+from rl.batch import Batch
+from rl.rundir import RunDir
+
+pytestmark = pytest.mark.slow
+
+CHAT_MODEL = ROOT / "models" / "tiny-chat"
+USER = re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", re.DOTALL)
+
+
+def base_model_with_template(tmp_path):
+    """The demo's chat model, told that its eos is <|endoftext|>: only the template says that a
+    turn ends at <|im_end|>, so stopping there is the orchestrator's doing."""
+    model = shutil.copytree(CHAT_MODEL, tmp_path / "model")
+    tok = AutoTokenizer.from_pretrained(model)
+    eos_id = tok.convert_tokens_to_ids("<|endoftext|>")
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|endoftext|>"}))
+    for name in ("generation_config.json", "config.json"):
+        data = json.loads((model / name).read_text())
+        (model / name).write_text(json.dumps({**data, "eos_token_id": eos_id}))
+    return model
+
+
+def test_a_chat_run_trains_on_exactly_the_rendered_and_sampled_ids(tmp_path):
+    model = base_model_with_template(tmp_path)
+    words = ["ammonia", "splat", "canroyer", "kettle", "orbit", "sun", "mirror", "lantern"]
+    data = tmp_path / "spell.jsonl"
+    data.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"Spell this word backward (example: sun -> nus): {w}"}], "answer": w[::-1]}) + "\n"
+        for w in words))
+    (tmp_path / "spell_reward.py").write_text(
+        "def reward(prompt, completion, row):\n"
+        "    right = sum(a == b for a, b in zip(completion.strip(), row['answer']))\n"
+        "    return {'letters': right / len(row['answer']), 'exact': float(completion.strip() == row['answer'])}\n")
+    out = tmp_path / "run"
+    cfg = tmp_path / "chat.toml"
+    cfg.write_text(f'''model = "{model}"
+output_dir = "{out}"
+max_steps = 3
+seq_len = 96
+[inference]
+port = {free_port()}
+dtype = "float32"
+[orchestrator]
+prompts_per_step = 4
+group_size = 4
+max_in_flight_groups = 8
+max_tokens = 16
+[[orchestrator.datasets]]
+path = "{data}"
+reward = "spell_reward:reward"
+reward_weights = {{ exact = 0.0 }}
+[[orchestrator.datasets]]
+reasoning_gym = "spell_backward"
+task_config = {{ max_word_len = 8 }}
+temperature = 0.7
+top_k = 20
+[orchestrator.eval]
+rows = 8
+[[orchestrator.eval.datasets]]
+name = "heldout"
+reasoning_gym = "spell_backward"
+task_config = {{ max_word_len = 8 }}
+seed = 10000
+[transport]
+address = "tcp://127.0.0.1:{free_port()}"
+[weight_sync]
+address = "127.0.0.1:{free_port()}"
+[trainer]
+keep_rollouts = 10
+checkpoint_every = 0
+''')
+    result = subprocess.run(rl_command("run", "@", str(cfg)), capture_output=True, text=True, timeout=420,
+                            cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:] + (out / "logs" / "orchestrator.log").read_text()[-3000:]
+    assert "held-out greedy heldout/accuracy: version 0" in result.stderr
+
+    tok = AutoTokenizer.from_pretrained(model)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    run = RunDir(out)
+    batches = [Batch.read(run.rollout_dir(step)) for step in (1, 2, 3)]
+    ended = 0
+    for batch in batches:
+        for s, temperature, top_k in zip(batch.sample_slices(), batch.temperatures, batch.top_k):
+            tokens, mask = batch.tokens[s].tolist(), batch.loss_mask[s].tolist()
+            first = mask.index(1)
+            prompt, completion = tokens[:first], tokens[first:]
+            # The prompt: exactly apply_chat_template's ids for the question it holds.
+            (question,) = USER.findall(tok.decode(prompt))
+            assert prompt == tok.apply_chat_template([{"role": "user", "content": question}],
+                                                     add_generation_prompt=True, tokenize=True, return_dict=False)
+            # Generation stopped at the end of the turn, though eos is another token.
+            assert im_end not in completion[:-1]
+            ended += completion[-1] == im_end
+            # Each dataset's sampling, recorded with its samples.
+            reasoning_gym = question not in {f"Spell this word backward (example: sun -> nus): {w}" for w in words}
+            assert (temperature, top_k) == ((np.float32(0.7), 20) if reasoning_gym else (1.0, -1))
+    assert ended > 0  # the model was taught to end its turns: some did within 16 tokens
+
+    records = [json.loads(line) for line in run.metrics.read_text().splitlines()]
+    orch = [r for r in records if r["program"] == "orchestrator"]
+    assert len(orch) == 3 and all("truncated" in r and "skipped_rows" in r for r in orch)
+    assert {"reward/letters", "reward/exact", "reward_mean/spell", "reward_mean/spell_backward"} <= set().union(*orch)
+    evals = [r for r in records if r["program"] == "eval"]
+    assert [(r["step"], r["version"]) for r in evals] == [(0, 0), (3, 3)]
+    assert all(r["eval/heldout/rows"] == 8 and 0 <= r["eval/heldout/accuracy"] <= 1 for r in evals)
