@@ -159,9 +159,15 @@ def test_reasoning_gym_rows_are_scored_by_their_task():
     row, _ = source.fetch(0)
     assert row["prompt"].startswith("Calculate ")
     right, wrong = row["answer"], str(int(row["answer"]) + 1)
-    assert gym_tasks.reward(row["prompt"], right, row) == 1.0
-    assert gym_tasks.reward(row["prompt"], wrong, row) == 0.0
-    assert gym_tasks.reward(row["prompt"], f"Let me think. 1+1 <answer>{right}</answer>", row) == 1.0
+    assert gym_tasks.reward(row["prompt"], right, row) == {"score": 1.0, "correct": 1.0}
+    assert gym_tasks.reward(row["prompt"], wrong, row) == {"score": 0.0, "correct": 0.0}
+    assert gym_tasks.reward(row["prompt"], f"Let me think. 1+1 <answer>{right}</answer>", row)["correct"] == 1.0
+    # Partial credit stays the reward by default; `correct` is logged beside it.
+    spell = sources(run_config([{"reasoning_gym": "spell_backward", "size": 3}]))[0]
+    row, _ = spell.fetch(0)
+    almost = gym_tasks.reward(row["prompt"], row["answer"][:-1] + "#", row)
+    assert 0 < almost["score"] < 1 and almost["correct"] == 0.0
+    assert combine(almost, gym_tasks.reward.weights)[0] == almost["score"]
     with pytest.raises(ConfigError, match="reasoning_gym = 'no_such_task'"):
         sources(run_config([{"reasoning_gym": "no_such_task"}]))
 

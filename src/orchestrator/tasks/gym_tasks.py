@@ -27,7 +27,14 @@ def extract_answer(completion: str) -> str:
     return (tagged[-1] if tagged else completion).strip()
 
 
-def reward(prompt: str, completion: str, row: dict) -> float:
+def reward(prompt: str, completion: str, row: dict) -> dict[str, float]:
+    """Components: `score`, the task's own score; `correct`, 1 when that score is full marks.
+    By default the reward is the score (correct weighs 0, see reward.weights); a dataset's
+    reward_weights may trade partial credit for exactness, e.g. {score = 0.5, correct = 1.0}."""
     task = row["metadata"]["source_dataset"]
     entry = {"question": prompt, "answer": row["answer"], "metadata": row["metadata"]}
-    return float(_scorer(task)(extract_answer(completion), entry))
+    score = float(_scorer(task)(extract_answer(completion), entry))
+    return {"score": score, "correct": float(score >= 1.0)}
+
+
+reward.weights = {"correct": 0.0}
