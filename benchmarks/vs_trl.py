@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/vs_trl.py reward  [--steps 600] [--target 0.7]
     .venv/bin/python benchmarks/vs_trl.py throughput [--steps 8]
 
-reward:     the reversal task on the demo model (configs/demo.toml): wall time from launch until
+reward:     the reversal task on the demo model (configs/reverse_demo.toml): wall time from launch until
             the trailing-10 mean reward reaches --target (and lower thresholds, for runs that
             stop short of it); both stop at --steps.
 throughput: the generation-heavy workload (configs/long.toml): completions/s over the steps
@@ -67,11 +67,11 @@ def ours_curve(started: float, records: list[dict]) -> list[dict]:
 
 
 def reward_race(args) -> dict:
-    cfg = {"prompts": 8, "group": 8, "max_tokens": 12, "temperature": 1.0, "lr": 5e-4}  # configs/demo.toml's
+    cfg = {"prompts": 8, "group": 8, "max_tokens": 12, "temperature": 1.0, "lr": 5e-4}  # configs/reverse_demo.toml's
     trl_wall, trl = trl_run("vs_trl_reward_trl", "models/tiny-reverse", "reverse", args.steps, cfg["prompts"],
                             cfg["group"], cfg["max_tokens"], cfg["temperature"], cfg["lr"], stop_at=None)
     started = time.time()
-    ours_wall, records = run_rl("configs/demo.toml", ROOT / "runs" / "bench" / "vs_trl_reward_ours",
+    ours_wall, records = run_rl("configs/reverse_demo.toml", ROOT / "runs" / "bench" / "vs_trl_reward_ours",
                                 ["--max_steps", str(args.steps), "--trainer.checkpoint_every", "0"], timeout_s=7200)
     ours = ours_curve(started, records)
     thresholds = sorted({args.target, 0.3, 0.35, 0.4, 0.45, 0.5, 0.6})

@@ -115,3 +115,22 @@ def test_cpus_pin_the_program_and_what_it_starts(tmp_path):
 def test_a_malformed_advertise_url_is_refused_naming_the_key():
     with pytest.raises(ConfigError, match="inference.advertise_url"):
         load_config(["--model", "m", "--inference.advertise_url", "gpu7:8000"])
+
+
+def test_a_saved_config_with_datasets_and_template_options_loads_as_the_same_config(write_toml):
+    """What each program saves (output_dir/config/<program>.toml, read again by a multi-run
+    trainer and by SLURM jobs) holds tables inside keys (chat_template_kwargs, a dataset's
+    task_config) and lists of them; it must parse back to the very same config, and a key left
+    unset (orchestrator.reward) must stay unset, not become its default."""
+    from rl.config_doc import render_toml
+
+    cfg, _ = load_config(["@", str(write_toml('model = "m"\n')),
+                          "--orchestrator.chat_template_kwargs", '{enable_thinking = false, "odd key" = "a\\"b"}',
+                          "--orchestrator.stop", '["</s>", "\\n\\n"]',
+                          "--orchestrator.datasets", '[{reasoning_gym = "spell_backward", task_config = {max_word_len = 7},'
+                                                     ' reward_weights = {correct = 1.0}}, {path = "d.jsonl", reward = "math_verify"}]',
+                          "--orchestrator.eval.datasets", '[{reasoning_gym = "spell_backward", seed = 10000}]'])
+    again, _ = load_config(["@", str(write_toml(render_toml(cfg, omit_secrets=True), "saved.toml"))])
+    assert again == cfg
+    assert again.orchestrator.reward is None
+    assert [d.reward for d in again.orchestrator.resolved_datasets()] == ["reasoning_gym", "math_verify"]

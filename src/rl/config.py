@@ -84,6 +84,10 @@ class InferenceConfig(Section):
         return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
 
 
+# What a config that names no dataset trains on: the tiny model's string reversal.
+REVERSE_DATASET, REVERSE_REWARD = "orchestrator.tasks.reverse:dataset", "orchestrator.tasks.reverse:reward"
+
+
 class OrchestratorConfig(Section):
     cpus: list[NonNegativeInt] = []
     """Cores this program and everything it starts may run on; empty: all (see inference.cpus)."""
@@ -100,12 +104,12 @@ class OrchestratorConfig(Section):
     heartbeat falls silent. Not with weight_sync.kind = "broadcast" (its group is fixed at
     start)."""
 
-    dataset: str = "orchestrator.tasks.reverse:dataset"
+    dataset: str | None = None
     """`module:function` taking the seed and returning an iterator of rows (JSON-able dicts with
     "prompt"). It must yield the same rows for the same seed: resuming skips the rows used.
-    Unused when `datasets` is given."""
+    Not with `datasets`. Unset: the reversal task (orchestrator.tasks.reverse:dataset)."""
 
-    reward: str = "orchestrator.tasks.reverse:reward"
+    reward: str | None = None
     """`module:function(prompt, completion, row)` (sync or async) returning a float or a dict of
     named floats (components, weighted by a dataset's reward_weights); an http(s):// URL answering
     POST {"prompt", "completion", "row"} with {"reward": float or {name: float}}; "math_verify"
@@ -243,18 +247,18 @@ class OrchestratorConfig(Section):
 
     @field_validator("reward")
     @classmethod
-    def _reward_form(cls, spec: str) -> str:
-        return check_reward_spec(spec)
+    def _reward_form(cls, spec: str | None) -> str | None:
+        return spec if spec is None else check_reward_spec(spec)
 
     @model_validator(mode="after")
     def _check_scoring(self) -> OrchestratorConfig:
         if self.environment:
             for key in ("dataset", "reward", "datasets"):
-                if key in self.model_fields_set:
+                if getattr(self, key):
                     raise ValueError(f"orchestrator.{key} is unused when orchestrator.environment is set "
                                      "(the environment supplies rows and rewards); remove one of them")
             return self
-        if self.datasets and "dataset" in self.model_fields_set:
+        if self.datasets and self.dataset is not None:
             raise ValueError("orchestrator.dataset is unused when orchestrator.datasets is given: "
                              "list that dataset in orchestrator.datasets (function = ...) instead")
         for evaluation in (False, True):
@@ -284,7 +288,7 @@ class OrchestratorConfig(Section):
         if evaluation:
             specs = self.eval.datasets
         else:
-            specs = self.datasets or [DatasetConfig(name="data", function=self.dataset)]
+            specs = self.datasets or [DatasetConfig(name="data", function=self.dataset or REVERSE_DATASET)]
         out = []
         for spec in specs:
             def pick(key: str):
@@ -301,8 +305,10 @@ class OrchestratorConfig(Section):
     def _default_reward(self, spec: DatasetConfig, listed: bool) -> str:
         """A listed dataset naming no reward: orchestrator.reward if given explicitly (its default
         scores the reversal task only), else a reasoning-gym task's own scorer, else none."""
-        if not listed or "reward" in self.model_fields_set:
+        if self.reward is not None:
             return self.reward
+        if not listed:
+            return REVERSE_REWARD
         return "reasoning_gym" if spec.reasoning_gym else ""
 
 

@@ -6,11 +6,25 @@ takes the token from ASYNCRL_API_TOKEN instead of sending a placeholder."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import tomli_w
 from pydantic import BaseModel
 
 from rl.config import RunConfig, to_toml_dict
 from rl.rundir import RunDir, write_file_atomic
+
+
+def _inline(value) -> str:
+    """A value on one line. tomli_w writes a dict (chat_template_kwargs, a dataset's task_config)
+    as a [table] of its own, which in a key-by-key listing would swallow the keys after it."""
+    if isinstance(value, dict):
+        keys = (k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else json.dumps(k) for k in value)
+        return "{ " + ", ".join(f"{k} = {_inline(v)}" for k, v in zip(keys, value.values())) + " }" if value else "{}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_inline(v) for v in value) + "]"
+    return tomli_w.dumps({"v": value}).strip()[len("v = "):]
 
 
 def _render(model: BaseModel, data: dict, prefix: str) -> list[str]:
@@ -24,7 +38,7 @@ def _render(model: BaseModel, data: dict, prefix: str) -> list[str]:
             tables.append((f"{prefix}{name}", value, data[name]))
             continue
         lines += [f"# {line.strip()}" for line in (field.description or "").splitlines()]
-        lines.append(tomli_w.dumps({name: data[name]}).strip())
+        lines.append(f"{name} = {_inline(data[name])}")
     for table, sub, subdata in tables:
         lines += ["", f"[{table}]"] + _render(sub, subdata, f"{table}.")
     return lines

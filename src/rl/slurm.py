@@ -60,8 +60,9 @@ def _check(cfg: RunConfig) -> tuple[int | None, int | None, list[str]]:
     if cfg.inference.port + s.servers_per_node - 1 > 65535:
         raise SlurmError(f"inference.port {cfg.inference.port} + slurm.servers_per_node "
                          f"{s.servers_per_node} runs past port 65535")
-    for key, url in (("orchestrator.teacher_url", cfg.orchestrator.teacher_url or ""),
-                     ("orchestrator.reward", cfg.orchestrator.reward)):
+    rewards = [(f"dataset {d.name}: reward", d.reward) for d in
+               cfg.orchestrator.resolved_datasets() + cfg.orchestrator.resolved_datasets(evaluation=True)]
+    for key, url in (("orchestrator.teacher_url", cfg.orchestrator.teacher_url or ""), *rewards):
         if url.startswith(("http://", "https://")) and _is_loopback(url):
             raise SlurmError(f"{key} = {url!r} is loopback, i.e. the orchestrator's own node in the "
                              "job, where nothing serves it; give its host name")
