@@ -157,6 +157,30 @@ def test_generate_returns_tokens_logprobs_and_versions(server):
     assert "body.n" in messages[3][1]
 
 
+def test_sampling_controls_and_stop_strings_reach_the_engine(server):
+    """top_k = 1 and min_p = 1 leave only the most likely token: sampling at T = 1 then gives
+    the greedy tokens. A stop string ends the completion where the text completes it, and the ids
+    are still every token sampled (the trainer trains on them)."""
+    url = server["url"]
+    prompt = [A, 4, 5, 6, EQ]
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            greedy = await generate(s, url, "g", prompt_token_ids=prompt, max_tokens=8, temperature=0)
+            top_k = await generate(s, url, "k", prompt_token_ids=prompt, n=4, max_tokens=8, top_k=1)
+            min_p = await generate(s, url, "m", prompt_token_ids=prompt, n=4, max_tokens=8, min_p=1.0)
+            stopped = await generate(s, url, "s", prompt_token_ids=[Z], max_tokens=20, temperature=0, stop=["zzz"])
+            return greedy, top_k, min_p, stopped
+
+    greedy, top_k, min_p, stopped = asyncio.run(main())
+    want = greedy["samples"][0]["token_ids"]
+    assert [x["token_ids"] for x in top_k["samples"]] == [want] * 4
+    assert [x["token_ids"] for x in min_p["samples"]] == [want] * 4
+    (sample,) = stopped["samples"]  # greedy on "z" writes "z" until max_tokens (LONG) unless stopped
+    assert (sample["token_ids"], sample["finish_reason"]) == ([Z, Z, Z], "stop")
+    assert len(sample["logprobs"]) == len(sample["versions"]) == 3
+
+
 def test_abort_stops_the_engine_requests(server):
     url = server["url"]
     calls, n = 6, 64  # 384 engine requests, 128 at a time: ~2-3 s on one core
