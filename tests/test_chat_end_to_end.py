@@ -18,6 +18,7 @@ from transformers import AutoTokenizer
 from conftest import ROOT, free_port, rl_command
 from rl.batch import Batch
 from rl.rundir import RunDir
+from test_tracking import scalars
 
 pytestmark = pytest.mark.slow
 
@@ -87,6 +88,9 @@ address = "127.0.0.1:{free_port()}"
 [trainer]
 keep_rollouts = 10
 checkpoint_every = 0
+[tracking]
+tensorboard = true
+wandb = true
 ''')
     result = subprocess.run(rl_command("run", "@", str(cfg)), capture_output=True, text=True, timeout=420,
                             cwd=tmp_path)
@@ -122,3 +126,11 @@ checkpoint_every = 0
     evals = [r for r in records if r["program"] == "eval"]
     assert [(r["step"], r["version"]) for r in evals] == [(0, 0), (3, 3)]
     assert all(r["eval/heldout/rows"] == 8 and 0 <= r["eval/heldout/accuracy"] <= 1 for r in evals)
+
+    # The trackers got every program's records, the trainer's last one included (it lands after
+    # the final version serves, when the orchestrator is about to stop).
+    tb = scalars(out / "tracking" / "tensorboard")
+    assert [s for s, _ in tb["orchestrator/reward_mean"]] == [1, 2, 3]
+    assert [s for s, _ in tb["trainer/loss"]] == [1, 2, 3]
+    assert tb["eval/heldout/accuracy"] == [(r["step"], pytest.approx(r["eval/heldout/accuracy"])) for r in evals]
+    assert list((out / "tracking" / "wandb").glob("offline-run-*/run-*.wandb"))

@@ -48,6 +48,7 @@ from rl.heartbeat import PeerReporter, PeerWatch, current_instance, heartbeat_pa
 from rl.polling import Backoff
 from rl.preflight import orchestrator_state_refusal
 from rl.rundir import RunDir, mark_stable, remove_quietly, write_file_atomic
+from rl.tracking import Tracker
 from rl.transport import BatchSender
 
 log = logging.getLogger("orchestrator")
@@ -110,6 +111,8 @@ class Orchestrator:
         self.attempts: dict[int, int] = {}  # prompt index -> failed groups so far
         # Request ids must not collide with a previous orchestrator's still running on a server.
         self.tag, self.seq = secrets.token_hex(3), 0
+        t = cfg.tracking
+        self.tracker = Tracker(cfg) if t.wandb or t.tensorboard else None
 
     def _make_rollouts(self, session: aiohttp.ClientSession) -> Rollouts:
         o = self.o
@@ -515,6 +518,36 @@ class Orchestrator:
                  100 * record["inference_idle_frac"], c.cancelled, c.failed + c.failed_requests,
                  c.filtered, c.dropped_stale, record["truncated"])
 
+    # --- trackers ------------------------------------------------------------------------------
+
+    async def track(self) -> None:
+        """Forward metrics.jsonl to the trackers (rl/tracking.py), off the event loop."""
+        while True:
+            await asyncio.to_thread(self.tracker.forward)
+            await asyncio.sleep(2.0)
+
+    async def close_tracker(self) -> None:
+        """Last records: the trainer writes its final step's after publishing the version this
+        orchestrator waited for, so give it a moment."""
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not self._trainer_logged(self.cfg.max_steps):
+            await asyncio.sleep(0.5)
+        await asyncio.to_thread(self.tracker.close)
+
+    def _trainer_logged(self, step: int) -> bool:
+        try:
+            lines = self.run_dir.metrics.read_bytes()[-65536:].splitlines()[1:]  # the first may be cut
+        except OSError:
+            return True
+        for line in reversed(lines):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("program") == "trainer" and record.get("step") == step:
+                return True
+        return False
+
     # --- held-out evaluation -------------------------------------------------------------------
 
     async def evaluate(self, step: int) -> None:
@@ -558,6 +591,8 @@ class Orchestrator:
         if self.cfg.transport.kind == "zmq":
             self.background.append(asyncio.create_task(
                 self.sender.watch_connection(self.o.trainer_timeout_s), name="watch_connection"))
+        if self.tracker is not None:
+            self.background.append(asyncio.create_task(self.track(), name="track"))
         self.background += [asyncio.create_task(self.follow_weights(), name="follow_weights"),
                              asyncio.create_task(self.pool.heal(), name="heal"),
                              asyncio.create_task(self.produce(), name="produce")]
@@ -578,6 +613,8 @@ class Orchestrator:
                                   f"final version {final} to serve", self.o.trainer_timeout_s)
             await self.evaluate(final)
             log.info("done: %d batches; version %d serving", final, self.pool.serving_version)
+            if self.tracker is not None:
+                await self.close_tracker()
         finally:
             await self.stop()
 

@@ -556,6 +556,25 @@ class SlurmConfig(Section):
     documented in docs/slurm.md)."""
 
 
+class TrackingConfig(Section):
+    """Experiment trackers fed from metrics.jsonl by the orchestrator (rl/tracking.py)."""
+
+    wandb: bool = False
+    """Log to Weights & Biases (`pip install wandb`); files under output_dir/tracking/."""
+
+    wandb_mode: Literal["auto", "online", "offline"] = "auto"
+    """auto: online when WANDB_API_KEY is set, else offline (`wandb sync` uploads it later)."""
+
+    wandb_project: str = "asyncrl"
+    wandb_entity: str | None = None
+
+    run_name: str = ""
+    """The run's name in the trackers; empty: the run directory's name."""
+
+    tensorboard: bool = False
+    """Write TensorBoard event files to output_dir/tracking/tensorboard (`pip install tensorboard`)."""
+
+
 class RunConfig(Section):
     model: Path
     """Path of the starting model, a local HF-format directory (config, tokenizer, safetensors)."""
@@ -597,6 +616,7 @@ class RunConfig(Section):
     orchestrator: OrchestratorConfig = OrchestratorConfig()
     trainer: TrainerConfig = TrainerConfig()
     slurm: SlurmConfig = SlurmConfig()
+    tracking: TrackingConfig = TrackingConfig()
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:

@@ -221,6 +221,15 @@ def orchestrator_code(cfg: RunConfig) -> None:
             _takes(reward, key, ds.reward, ("", "", {}), "function(prompt, completion, row)")
 
 
+def trackers(cfg: RunConfig) -> None:
+    import importlib.util
+
+    for key, module in (("wandb", "wandb"), ("tensorboard", "tensorboard")):
+        if getattr(cfg.tracking, key) and importlib.util.find_spec(module) is None:
+            raise ConfigError(f"tracking.{key} = true: the {module} package is not installed "
+                              f"(pip install {module}, or set tracking.{key} = false)")
+
+
 def orchestrator_data(cfg: RunConfig) -> None:
     """Dataset files and columns exist, reasoning-gym tasks exist, and the chat template (if
     any) renders each dataset's first row."""
@@ -349,7 +358,7 @@ def cores(program: str) -> Check:
 CHECKS: dict[str, tuple[Check, ...]] = {
     "inference": (cores("inference"), output_dir, model_for_generation, inference_memory, inference_endpoint),
     "orchestrator": (cores("orchestrator"), output_dir, model_for_scoring, orchestrator_code, orchestrator_data,
-                     orchestrator_run_state),
+                     trackers, orchestrator_run_state),
     "trainer": (cores("trainer"), output_dir, model_for_training, trainer_attention, trainer_run_state,
                 trainer_endpoints),
     "slurm": (slurm_template,),
