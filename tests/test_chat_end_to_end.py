@@ -134,3 +134,5 @@ wandb = true
     assert [s for s, _ in tb["trainer/loss"]] == [1, 2, 3]
     assert tb["eval/heldout/accuracy"] == [(r["step"], pytest.approx(r["eval/heldout/accuracy"])) for r in evals]
     assert list((out / "tracking" / "wandb").glob("offline-run-*/run-*.wandb"))
+    # rl run drew the run's plots at the end (rl/plots.py).
+    assert all((out / f"{name}.png").is_file() for name in ("reward_curve", "staleness", "throughput", "weight_updates"))

@@ -508,6 +508,7 @@ class Orchestrator:
             "in_flight": len(self.in_flight), "buffered": len(self.finished),
             "serving_version": self.pool.serving_version, "servers_in_rotation": len(self.pool.in_rotation),
             "truncated": sum(g.truncated for g in groups), "skipped_rows": c.skipped_rows,
+            **({} if (update_s := self.pool.take_update_s()) is None else {"weight_update_s": update_s}),
             **reward_details(groups, len(self.rollouts.sources) > 1),
         }
         self.run_dir.append_metrics(record)

@@ -87,6 +87,7 @@ class ServerPool:
         self.session, self.token = session, token
         self.servers = [Server(InferenceClient(u.rstrip("/"), session, token)) for u in urls]
         self.root, self.on_fail = root, on_fail
+        self.update_s: list[float] = []  # each full-weights update's duration, until reported
         self.reload_timeout_s, self.retry_max_s = reload_timeout_s, retry_max_s
         self.broadcast_address, self.broadcast_timeout_s = broadcast_address, broadcast_timeout_s
         self.mode = "keep" if in_flight_updates else "wait"
@@ -256,6 +257,7 @@ class ServerPool:
         # part (and so stay current), one that is gone fails the trainer's broadcast loudly.
         candidates = self.servers if broadcast else self.in_rotation
         stale = [s for s in candidates if s.version != version]
+        started = time.monotonic()
         timeout = self.reload_timeout_s + (self.broadcast_timeout_s if broadcast else 0.0)
         tasks = [asyncio.create_task(s.client.update_weights(self.path, version, self.mode, timeout))
                  for s in stale]
@@ -275,8 +277,15 @@ class ServerPool:
                 s.version = version
                 reload_s.append(r.get("reload_s", 0.0))
         if reload_s:
+            self.update_s.append(time.monotonic() - started)
             log.info("version %d serving on %d server(s) (reload %.3f s, mode %s)",
                      version, len(reload_s), max(reload_s), self.mode)
+
+    def take_update_s(self) -> float | None:
+        """Mean seconds from a version's discovery to every server serving it, since the
+        previous call (None: no update since)."""
+        taken, self.update_s = self.update_s, []
+        return sum(taken) / len(taken) if taken else None
 
     async def _load_adapters(self, version: int) -> None:
         """LoRA: load the adapter next to those serving; no server pauses, so none is marked

@@ -6,6 +6,7 @@
     rl trainer @ configs/demo.toml              # torchrun --nproc-per-node 2 -m trainer @ ...
     rl trainer @ configs/demo.toml --trainer.optim.lr 1e-4 --dry-run
     rl slurm @ configs/demo.toml > job.sbatch   # the same run as a SLURM job (docs/slurm.md)
+    rl plot runs/demo                           # the run's PNGs from its metrics.jsonl
 
 Programs are imported only after the config parsed, so `--help` and config errors are instant.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Callable
 
 import typer
@@ -144,6 +146,19 @@ def slurm(ctx: typer.Context) -> None:
     for note in notes:
         typer.echo(f"rl slurm: {note}", err=True)
     typer.echo(script, nl=False)
+
+
+@app.command()
+def plot(output_dir: Path = typer.Argument(..., help="a run directory (holding metrics.jsonl)")) -> None:
+    """Write the run's plots (reward and evaluation, staleness, throughput and idle time, weight
+    updates, one curve per run of a multi-run) as PNGs into its directory."""
+    from rl.plots import write_plots
+
+    if not (output_dir / "metrics.jsonl").is_file() and not list(output_dir.glob("runs/*/metrics.jsonl")):
+        typer.echo(f"rl plot: {output_dir} holds no metrics.jsonl (is it a run's output_dir?)", err=True)
+        raise typer.Exit(2)
+    for path in write_plots(output_dir):
+        typer.echo(str(path))
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ from rich.markup import escape
 
 from rl.config import RunConfig
 from rl.heartbeat import PeerWatch, heartbeat_path
+from rl.plots import write_plots
 from rl.rundir import RunDir
 
 PROGRAMS = ("inference", "trainer", "orchestrator")
@@ -118,8 +119,8 @@ def status_line(step: int, total: int, orch: dict, train: dict) -> str:
 
 
 def summarize(run: RunDir, console: Console) -> None:
-    """First-5 vs last-5 mean reward, the first and last held-out evaluation, and the reward
-    curve as a PNG in the run directory."""
+    """First-5 vs last-5 mean reward, the first and last held-out evaluation, and the plots
+    (rl/plots.py) in the run directory."""
     everything = MetricsFollower(run.metrics).new_records()
     records = [r for r in everything if r.get("program") == "orchestrator"]
     if not records:
@@ -133,27 +134,8 @@ def summarize(run: RunDir, console: Console) -> None:
         for key in (k for k in after if k.startswith("eval/") and not k.endswith("/rows")):
             console.print(f"held-out greedy {key.removeprefix('eval/')}: version {before['version']} "
                           f"{before.get(key, float('nan')):.3f} -> version {after['version']} {after[key]:.3f}")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(1, len(rewards) + 1), rewards, label="batch mean reward")
-    window = 5
-    if len(rewards) >= window:
-        smooth = [sum(rewards[i - window:i]) / window for i in range(window, len(rewards) + 1)]
-        ax.plot(range(window, len(rewards) + 1), smooth, label=f"trailing {window}-step mean")
-    for key in sorted({k for r in evals for k in r if k.startswith("eval/") and k.endswith("/accuracy")}):
-        points = [(r["step"], r[key]) for r in evals if key in r]
-        ax.plot(*zip(*points), "o-", label=f"held-out greedy {key[5:]}")
-    ax.set_xlabel("step")
-    ax.set_ylabel("reward / accuracy" if evals else "mean sampled reward")
-    ax.legend()
-    fig.tight_layout()
-    out = run.root / "reward_curve.png"
-    fig.savefig(out, dpi=100)
-    console.print(f"reward curve: {out}")
+    written = write_plots(run.root)
+    console.print(f"plots: {', '.join(str(p) for p in written)}")
 
 
 def _trainer_finished(run: RunDir) -> bool:
