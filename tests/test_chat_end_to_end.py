@@ -40,6 +40,26 @@ def base_model_with_template(tmp_path):
     return model
 
 
+def assert_the_promised_metrics(orch: list[dict], trainer: list[dict], samples: int) -> None:
+    """What each per-step field means, checked on a real run's records."""
+    for r in orch:
+        assert sum(r["staleness_hist"].values()) == samples  # every sample of the batch, once
+        assert 0 <= r["staleness_mean"] <= r["staleness_max"] <= 1  # max_async_level 1
+        assert 0 <= r["inference_idle_frac"] <= 1 and 0 <= r["trainer_wait_frac"] <= 1
+        # Tokens generated since the previous batch: 0 when this batch's groups all finished
+        # before that one was handed over (oversampling), never negative.
+        assert r["tokens_per_s"] >= 0 and r["wait_s"] >= r["group_wait_s"] >= 0
+        assert 0 <= r["truncated"] <= samples and r["skipped_rows"] == 0
+        assert 0 <= r["reward_mean"] <= 1 and r["servers_in_rotation"] == 1
+        assert all(r[k] == 0 for k in ("cancelled", "failed", "failed_requests", "requeued"))
+    assert orch[0]["tokens_per_s"] > 0
+    assert [r["step"] for r in trainer] == [1, 2, 3]
+    for r in trainer:
+        assert 0 < r["loss_tokens"] <= r["tokens"] and r["step_s"] > 0 and r["trainer_tokens_per_s"] > 0
+        assert r["grad_norm"] >= 0 and r["entropy"] >= 0 and 0 <= r["clipped_frac"] <= 1
+        assert 0 <= r["masked_frac"] <= 1 and r["max_staleness"] in (0, 1) and r["wait_s"] >= 0
+
+
 def test_a_chat_run_trains_on_exactly_the_rendered_and_sampled_ids(tmp_path):
     model = base_model_with_template(tmp_path)
     words = ["ammonia", "splat", "canroyer", "kettle", "orbit", "sun", "mirror", "lantern"]
@@ -122,6 +142,7 @@ wandb = true
     records = [json.loads(line) for line in run.metrics.read_text().splitlines()]
     orch = [r for r in records if r["program"] == "orchestrator"]
     assert len(orch) == 3 and all("truncated" in r and "skipped_rows" in r for r in orch)
+    assert_the_promised_metrics(orch, [r for r in records if r["program"] == "trainer"], samples=4 * 4)
     assert {"reward/letters", "reward/exact", "reward_mean/spell", "reward_mean/spell_backward"} <= set().union(*orch)
     evals = [r for r in records if r["program"] == "eval"]
     assert [(r["step"], r["version"]) for r in evals] == [(0, 0), (3, 3)]

@@ -1,10 +1,13 @@
-"""Held-out evaluation (`[orchestrator.eval]`): greedy completions of the first rows of each
-eval dataset, through the same rendering, stop tokens and reward as training, on a server
-serving a known version. Training rewards are sampled at the training temperature and drawn
-from the training rows; this is the number a person judges a run by.
+"""Held-out evaluation (`[orchestrator.eval]`): completions of the first rows of each eval
+dataset, through the same rendering, stop tokens and reward as training, on the run's servers.
+Training rewards are sampled at the training temperature from the training rows; this is the
+number a person judges a run by.
 
-A row's accuracy counts it right when its reward reaches 1 (the scorers shipped here give 1 for
-a right answer, partial credit below); `reward` is the mean reward itself.
+It runs beside training: the orchestrator starts it as a task and goes on handing batches over;
+at most eval.concurrency of its requests are in flight, so rollouts keep the rest of the servers.
+A row's completion counts as right when its reward reaches 1 (the scorers shipped here give 1 for
+a right answer, partial credit below). With n samples per row, pass@k is the unbiased estimate
+1 - C(n-c, k) / C(n, k) averaged over rows (c right of n), for k = 1 and k = n.
 """
 
 from __future__ import annotations
@@ -12,59 +15,76 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 
 from orchestrator.rollouts import Rollouts
 from orchestrator.scoring import combine
 from orchestrator.sources import RowError, Source
-from rl.dataset_config import Sampling
-from rl.inference_api import GenerateRequest, InferenceClient
+from rl.dataset_config import EvalConfig, Sampling
+from rl.inference_api import InferenceClient
 
 log = logging.getLogger("orchestrator")
 
-CONCURRENCY = 64  # requests in flight at once: enough to fill a server's batch
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Chance that at least one of k samples drawn from n (c of them right) is right."""
+    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 class Evaluation:
-    def __init__(self, rollouts: Rollouts, sources: list[Source], rows: int, timeout_s: float):
-        self.rollouts, self.sources, self.timeout_s = rollouts, sources, timeout_s
+    def __init__(self, rollouts: Rollouts, sources: list[Source], cfg: EvalConfig):
+        self.rollouts, self.sources, self.cfg = rollouts, sources, cfg
         # The same rows every time: a version's score is comparable with the one before.
-        self.rows = {s.name: [s.fetch(d) for d in itertools.islice(s.draws(), rows)] for s in sources}
+        self.rows = {s.name: [s.fetch(d) for d in itertools.islice(s.draws(), cfg.rows)] for s in sources}
 
     async def run(self, client: InferenceClient, version: int, step: int, tag: str, adapter: str | None) -> dict:
-        """Metrics for `version` (one record for metrics.jsonl); `adapter`: its LoRA name."""
-        self.adapter = adapter
+        """One record for metrics.jsonl: per dataset the mean reward, accuracy and pass@k of
+        `version` (`adapter`: its LoRA name)."""
         start = time.monotonic()
-        gate = asyncio.Semaphore(CONCURRENCY)
+        gate = asyncio.Semaphore(self.cfg.concurrency)
         record: dict = {"program": "eval", "step": step, "version": version}
         for source in self.sources:
-            scores = await asyncio.gather(*(self.one(client, source, row, where, f"{tag}-{source.name}-{i}", gate)
-                                            for i, (row, where) in enumerate(self.rows[source.name])))
-            scored = [s for s in scores if s is not None]
-            name = source.name
-            record[f"eval/{name}/reward"] = sum(scored) / len(scored) if scored else float("nan")
-            record[f"eval/{name}/accuracy"] = sum(s >= 1.0 for s in scored) / len(scored) if scored else float("nan")
-            record[f"eval/{name}/rows"] = len(scored)
+            rows = self.rows[source.name]
+            scores = await asyncio.gather(*(self.one(client, source, row, where, f"{tag}-{source.name}-{i}", gate,
+                                                    adapter) for i, (row, where) in enumerate(rows)))
+            record.update(self.summary(source.name, [s for s in scores if s is not None]))
         record["eval_s"] = time.monotonic() - start
         return record
 
+    def summary(self, name: str, scores: list[list[float]]) -> dict:
+        n = self.cfg.samples
+        if not scores:
+            return {f"eval/{name}/rows": 0}
+        right = [sum(s >= 1.0 for s in row) for row in scores]
+        out = {f"eval/{name}/reward": sum(map(sum, scores)) / (n * len(scores)),
+               f"eval/{name}/accuracy": sum(right) / (n * len(scores)), f"eval/{name}/rows": len(scores)}
+        if n > 1:
+            for k in (1, n):
+                out[f"eval/{name}/pass@{k}"] = sum(pass_at_k(n, c, k) for c in right) / len(scores)
+        return out
+
     async def one(self, client: InferenceClient, source: Source, row: dict, where: str, request_id: str,
-                  gate: asyncio.Semaphore) -> float | None:
+                  gate: asyncio.Semaphore, adapter: str | None) -> list[float] | None:
+        """The row's n scores, or None if the row cannot be evaluated (or a reward failed)."""
         s = source.ds.sampling
-        greedy = Sampling(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, max_tokens=s.max_tokens, stop=s.stop)
+        sampled = self.cfg.temperature > 0
+        sampling = Sampling(temperature=self.cfg.temperature, top_p=s.top_p if sampled else 1.0,
+                            top_k=s.top_k if sampled else -1, min_p=s.min_p if sampled else 0.0,
+                            max_tokens=s.max_tokens, stop=s.stop)
         try:
             text, ids = self.rollouts.renderer.render(source.ds, row, where)
-            request = self.rollouts.request(request_id, ids, 1, greedy)
-            if self.adapter is not None:
-                request = request.model_copy(update={"lora": self.adapter})
+            request = self.rollouts.request(request_id, ids, self.cfg.samples, sampling)
         except RowError as e:
             log.warning("eval row skipped: %s", e)
             return None
+        if adapter is not None:
+            request = request.model_copy(update={"lora": adapter})
         async with gate:
-            response = await client.generate(request, self.timeout_s)
-        completion = self.rollouts.decode(response.samples[0].token_ids)
-        (score,) = await source.reward.score(text, [completion], row)
-        if score is None:
+            response = await client.generate(request, self.cfg.timeout_s)
+        completions = self.rollouts.decode_all([x.token_ids for x in response.samples])
+        scores = await source.reward.score(text, completions, row)
+        if any(x is None for x in scores):
             return None
         weights = {**source.reward.weights, **source.ds.reward_weights}
-        return combine(score, weights)[0]
+        return [combine(x, weights)[0] for x in scores]

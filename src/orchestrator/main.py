@@ -97,7 +97,8 @@ class Orchestrator:
                                root=cfg.output_dir, on_fail=self.requeue_from)
         self.rollouts = self._make_rollouts(session)
         evals = self._sources(session, evaluation=True)
-        self.evaluation = Evaluation(self.rollouts, evals, self.o.eval.rows, self.o.eval.timeout_s) if evals else None
+        self.evaluation = Evaluation(self.rollouts, evals, self.o.eval) if evals else None
+        self.evaluations: list[asyncio.Task] = []  # running beside training
         self.sender = BatchSender(cfg.transport, self.run_dir)
         self.next_step, cursor, pending = self._resume_point()
         self.queue = PromptQueue(self._draws(), self._fetch, cursor, pending)
@@ -551,24 +552,32 @@ class Orchestrator:
 
     # --- held-out evaluation -------------------------------------------------------------------
 
+    def start_evaluation(self, step: int) -> None:
+        """Evaluate the version `step` published, beside training (orchestrator/evaluation.py)."""
+        if self.evaluation is not None:
+            self.evaluations.append(asyncio.create_task(self.evaluate(step), name=f"evaluate-{step}"))
+
     async def evaluate(self, step: int) -> None:
-        """Evaluate the version a server serves now; a failure is logged, the run goes on."""
-        server = self.pool.pick() or (self.pool.in_rotation[0] if self.pool.in_rotation else None)
-        if self.evaluation is None or server is None:
-            return
-        version = server.version
-        set_phase(f"evaluating version {version}")
+        """One evaluation of version `step` (or the newest serving once it does); a failure is
+        logged and the run goes on."""
         try:
+            await self.wait_until(lambda: self.pool.serving_version >= step and self.pool.pick() is not None,
+                                  f"version {step} to serve, to evaluate it", self.o.eval.timeout_s)
+            server = self.pool.pick()
+            version = server.version
             record = await asyncio.wait_for(
                 self.evaluation.run(server.client, version, step, f"{self.tag}-eval{step}", self.pool.adapter(version)),
                 self.o.eval.timeout_s)
-        except (InferenceError, TimeoutError) as e:
-            log.warning("evaluation of version %d failed (%s): %s; the run goes on", version, type(e).__name__, e)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the run goes on without this evaluation
+            log.warning("evaluation at step %d failed (%s: %s); the run goes on", step, type(e).__name__, e)
             return
+        record["version_end"] = server.version  # a long evaluation may see the next version land
         self.run_dir.append_metrics(record)
         scores = ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in record.items()
                            if k.startswith("eval/") and not k.endswith("/rows"))
-        log.info("eval version %d (greedy, held-out): %s (%.1f s)", version, scores, record["eval_s"])
+        log.info("eval of version %d (step %d): %s (%.1f s)", version, step, scores, record["eval_s"])
 
     # --- the run ---------------------------------------------------------------------------
 
@@ -602,16 +611,17 @@ class Orchestrator:
         try:
             await self.start()
             if self.next_step == 1:
-                await self.evaluate(0)
+                self.start_evaluation(0)
             every = self.o.eval.every
             for step in range(self.next_step, self.cfg.max_steps + 1):
                 await self.make_batch(step)
                 if every and step % every == 0 and step < self.cfg.max_steps:
-                    await self.evaluate(step)
+                    self.start_evaluation(step)
             # Serve the final policy before stopping, so the run ends with it loaded.
             final = self.cfg.max_steps
             await self.wait_until(lambda: self.pool.serving_version >= final,
                                   f"final version {final} to serve", self.o.trainer_timeout_s)
+            await asyncio.gather(*self.evaluations)  # each bounded by eval.timeout_s
             await self.evaluate(final)
             log.info("done: %d batches; version %d serving", final, self.pool.serving_version)
             if self.tracker is not None:
@@ -621,9 +631,9 @@ class Orchestrator:
 
     async def stop(self) -> None:
         """Stop the loops, then abort what is still generating (servers outlive the orchestrator)."""
-        for t in self.background:
+        for t in self.background + self.evaluations:
             t.cancel()
-        await asyncio.gather(*self.background, return_exceptions=True)
+        await asyncio.gather(*self.background, *self.evaluations, return_exceptions=True)
         groups = list(self.in_flight.values())
         for g in groups:
             g.cancelled = True

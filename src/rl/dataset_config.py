@@ -156,15 +156,26 @@ class DatasetConfig(BaseModel):
 
 
 class EvalConfig(BaseModel):
-    """Held-out evaluation: greedy completions of the first `rows` rows of each dataset, scored
-    by its reward, before the first batch, every `every` steps, and once the final version serves.
-    Logged as program "eval" in metrics.jsonl (eval/<dataset>/reward, .../accuracy)."""
+    """Held-out evaluation: `samples` completions (greedy by default) of the first `rows` rows of
+    each dataset, scored by its reward, of the version serving at step 0, every `every` steps, and
+    the final one. It runs beside training on the same servers (at most `concurrency` requests at
+    once), not in its way. Logged as program "eval" in metrics.jsonl (eval/<dataset>/reward,
+    .../accuracy, .../pass@k)."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
 
     datasets: list[DatasetConfig] = []
-    """Evaluation datasets, as in orchestrator.datasets (sampling keys: max_tokens and stop only;
-    completions are greedy). Empty: no evaluation."""
+    """Evaluation datasets, as in orchestrator.datasets (their max_tokens, stop and, when sampled,
+    top_p/top_k/min_p apply; the temperature is eval.temperature). Empty: no evaluation."""
+
+    samples: int = Field(1, ge=1, le=1024)
+    """Completions per row: pass@k is reported for k = 1 and k = samples (unbiased estimator)."""
+
+    temperature: float = Field(0.0, ge=0)
+    """0: greedy (then samples must be 1); above 0: sampled at this temperature."""
+
+    concurrency: int = Field(64, ge=1)
+    """Most evaluation requests in flight at once: the share of the servers evaluation may take."""
 
     rows: int = Field(100, ge=1)
     """Rows evaluated per dataset."""
@@ -174,6 +185,12 @@ class EvalConfig(BaseModel):
 
     timeout_s: float = Field(600, gt=0)
     """Longest one evaluation may take before it is given up (logged) and the run goes on."""
+
+    @model_validator(mode="after")
+    def _greedy_once(self) -> EvalConfig:
+        if self.temperature == 0 and self.samples > 1:
+            raise ValueError("eval.samples > 1 needs eval.temperature > 0: greedy completions of a row are all alike")
+        return self
 
 
 @dataclass(frozen=True)

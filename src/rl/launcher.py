@@ -101,6 +101,24 @@ class MetricsFollower:
         return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
 
 
+class Eta:
+    """Time left, from the steps' pace since the first one (the server start is not a step)."""
+
+    def __init__(self, total: int):
+        self.total, self.first = total, None
+
+    def update(self, step: int) -> str:
+        now = time.monotonic()
+        if self.first is None:
+            self.first = (step, now)
+            return ""
+        done, elapsed = step - self.first[0], now - self.first[1]
+        if done <= 0:
+            return ""
+        left = (self.total - step) * elapsed / done
+        return f", {done / elapsed:.1f} steps/s, ETA {int(left // 60)}:{int(left % 60):02d}"
+
+
 def status_line(step: int, total: int, orch: dict, train: dict) -> str:
     line = (
         f"step {step}/{total} | reward {orch.get('reward_mean', float('nan')):.3f} "
@@ -163,6 +181,7 @@ def launch(cfg: RunConfig, argv: list[str]) -> int:
     children = [_start(name, argv, run, cfg) for name in PROGRAMS]
     console.print(f"started {', '.join(f'{c.name} (pid {c.proc.pid})' for c in children)}; logs in {run.logs}")
     follower = MetricsFollower(run.metrics)
+    eta = Eta(cfg.max_steps)
     latest: dict[str, dict] = {"orchestrator": {}, "trainer": {}}
     shown = 0
     code = 0
@@ -177,7 +196,7 @@ def launch(cfg: RunConfig, argv: list[str]) -> int:
                     orch = latest["orchestrator"]
                     console.print(f"{time.strftime('%H:%M:%S')} {status_line(shown, cfg.max_steps, orch, train)}",
                                   soft_wrap=True, highlight=False, markup=False)
-                    spinner.update(f"training: step {shown}/{cfg.max_steps}")
+                    spinner.update(f"training: step {shown}/{cfg.max_steps}{eta.update(shown)}")
                 done = {c.name: c.proc.poll() for c in children}
                 failed = [c for c in children if done[c.name] not in (None, 0)
                           or (c.name == "inference" and done[c.name] is not None)]
