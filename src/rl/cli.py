@@ -148,6 +148,25 @@ def slurm(ctx: typer.Context) -> None:
     typer.echo(script, nl=False)
 
 
+@app.command("eval", context_settings=_ARGS)
+def evaluate(ctx: typer.Context) -> None:
+    """Evaluate weights/step_N (--step N) or the config's model on [orchestrator.eval] datasets,
+    with a server of its own; prints the numbers and appends them to <output_dir>/evals.jsonl."""
+    argv, step = list(ctx.args), None
+    if "--step" in argv:
+        i = argv.index("--step")
+        value = argv[i + 1] if i + 1 < len(argv) else ""
+        if not value.isdigit():
+            typer.echo(f"rl eval: --step {value!r}: expected a step number", err=True)
+            raise typer.Exit(2)
+        step, argv = int(value), argv[:i] + argv[i + 2:]
+    cfg = resolve(argv, "eval")
+    setup_logging("eval")
+    from orchestrator.eval_command import main as run_eval
+
+    raise typer.Exit(run_eval(cfg, argv, step))
+
+
 @app.command()
 def plot(output_dir: Path = typer.Argument(..., help="a run directory (holding metrics.jsonl)")) -> None:
     """Write the run's plots (reward and evaluation, staleness, throughput and idle time, weight

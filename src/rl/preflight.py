@@ -363,6 +363,8 @@ CHECKS: dict[str, tuple[Check, ...]] = {
                 trainer_endpoints),
     "slurm": (slurm_template,),
 }
+CHECKS["eval"] = (output_dir, model_for_generation, inference_memory, inference_endpoint, orchestrator_code,
+                  orchestrator_data)
 CHECKS["run"] = tuple(dict.fromkeys(CHECKS["inference"] + CHECKS["orchestrator"] + CHECKS["trainer"]))
 
 
