@@ -86,5 +86,4 @@ class Evaluation:
         scores = await source.reward.score(text, completions, row)
         if any(x is None for x in scores):
             return None
-        weights = {**source.reward.weights, **source.ds.reward_weights}
-        return [combine(x, weights)[0] for x in scores]
+        return [combine(x, source.reward_weights)[0] for x in scores]

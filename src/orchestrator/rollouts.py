@@ -101,9 +101,7 @@ class Rollouts:
         # groups per second.
         self.fast = tokenizer if isinstance(tokenizer, Tokenizer) else getattr(tokenizer, "backend_tokenizer", None)
         self.renderer = Renderer(self.o, cfg.model, self.fast, self.encode) if env is None else None
-        o = self.o  # an environment's turns are sampled with the orchestrator-level settings
-        self.env_sampling = Sampling(temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, min_p=o.min_p,
-                                     max_tokens=o.max_tokens, stop=tuple(o.stop))
+        self.env_sampling = self.o.sampling()  # an environment's turns: the orchestrator-level settings
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.fast is not None:
@@ -168,13 +166,12 @@ class Rollouts:
         completions = self.decode_all([s.token_ids for s in response.samples])
         scores = (await source.reward.score(text, completions, prompt.row) if source.reward
                   else [0.0] * len(completions))
-        weights = {**(source.reward.weights if source.reward else {}), **source.ds.reward_weights}
         out = []
         for s, score in zip(response.samples, scores):
             if score is None:
                 out.append(None)
                 continue
-            reward, components = combine(score, weights)
+            reward, components = combine(score, source.reward_weights)
             t = Trajectory([], [], [], [], reward, components, s.finish_reason == "length")
             t.reward -= self.overlong_penalty(len(s.token_ids), request.max_tokens, t)
             t.add(ids)

@@ -19,8 +19,8 @@ from pathlib import Path
 import jinja2
 
 from rl.callables import load_callable
-from rl.chat import ChatTemplate, read_json, row_messages
-from rl.config import ConfigError, OrchestratorConfig
+from rl.chat import ChatTemplate, read_json, row_messages, token_text
+from rl.config import OrchestratorConfig
 from rl.dataset_config import Dataset
 from rl.tables import Table, load_table, row_problem
 
@@ -53,6 +53,11 @@ class Source:
             if self.spec.shuffle:  # a str seed: the same order on every machine and Python run
                 random.Random(f"{seed}/{self.name}/{p}").shuffle(order)
             yield from order
+
+    @property
+    def reward_weights(self) -> dict[str, float]:
+        """The reward function's own component weights, with the dataset's over them."""
+        return {**(self.reward.weights if self.reward else {}), **self.ds.reward_weights}
 
     def fetch(self, draw: int | dict) -> tuple[dict, str]:
         """(row, where it came from: for messages about it). Rewards read the reference answer
@@ -89,10 +94,7 @@ class Renderer:
 
     def __init__(self, o: OrchestratorConfig, model: Path, tokenizer, encode):
         self.encode = encode
-        self.template = None if o.chat == "off" else ChatTemplate.load(model, o.chat_template, o.chat_template_kwargs)
-        if o.chat == "on" and self.template is None:
-            raise ConfigError(f"orchestrator.chat = \"on\": {model} has no chat template (tokenizer_config.json "
-                              "chat_template or chat_template.jinja); set orchestrator.chat_template")
+        self.template = ChatTemplate.configured(o, model)
         self.stop_token_ids = stop_token_ids(model, tokenizer, self.template)
 
     def render(self, ds: Dataset, row: dict, where: str) -> tuple[str, list[int]]:
@@ -119,9 +121,8 @@ def stop_token_ids(model: Path, tokenizer, template: ChatTemplate | None) -> lis
     """Where a completion ends: the tokenizer's eos, generation_config.json's eos ids (several in
     chat models), and the template's end-of-turn token."""
     ids: list[int] = []
-    eos = read_json(Path(model) / "tokenizer_config.json").get("eos_token")
-    eos = eos.get("content") if isinstance(eos, dict) else eos
-    if isinstance(eos, str) and tokenizer is not None and tokenizer.token_to_id(eos) is not None:
+    eos = token_text(read_json(Path(model) / "tokenizer_config.json").get("eos_token"))
+    if eos is not None and tokenizer is not None and tokenizer.token_to_id(eos) is not None:
         ids.append(tokenizer.token_to_id(eos))
     generation = read_json(Path(model) / "generation_config.json").get("eos_token_id")
     ids += generation if isinstance(generation, list) else [generation] if isinstance(generation, int) else []

@@ -27,7 +27,7 @@ from pathlib import Path
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from rl.config import ConfigError
+from rl.config import ConfigError, OrchestratorConfig
 
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 PROBE = "Probe0x5Fend"
@@ -42,7 +42,7 @@ def _raise(message: str):
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _token_text(value) -> str | None:
+def token_text(value) -> str | None:
     """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
     if isinstance(value, dict):
         value = value.get("content")
@@ -108,10 +108,20 @@ class ChatTemplate:
         special_map = read_json(Path(model) / "special_tokens_map.json")
         specials = {}
         for key in SPECIAL_KEYS:
-            text = _token_text(config.get(key)) or _token_text(special_map.get(key))
+            text = token_text(config.get(key)) or token_text(special_map.get(key))
             if text is not None:
                 specials[key] = text
         return cls(*found, specials, dict(kwargs or {}))
+
+    @classmethod
+    def configured(cls, o: OrchestratorConfig, model: Path) -> ChatTemplate | None:
+        """The template orchestrator config `o` asks for (chat, chat_template, chat_template_kwargs):
+        None for raw completion; ConfigError for chat = "on" without one."""
+        template = None if o.chat == "off" else cls.load(model, o.chat_template, o.chat_template_kwargs)
+        if o.chat == "on" and template is None:
+            raise ConfigError(f"orchestrator.chat = \"on\": {model} has no chat template (chat_template.jinja or "
+                              "tokenizer_config.json chat_template); set orchestrator.chat_template")
+        return template
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The prompt text; a template that raises (or a message it rejects) raises TemplateError."""

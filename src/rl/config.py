@@ -291,16 +291,19 @@ class OrchestratorConfig(Section):
             specs = self.datasets or [DatasetConfig(name="data", function=self.dataset or REVERSE_DATASET)]
         out = []
         for spec in specs:
-            def pick(key: str):
-                value = getattr(spec, key)
-                return getattr(self, key) if value is None else value
-
             reward = spec.reward or self._default_reward(spec, listed=bool(evaluation or self.datasets))
-            sampling = Sampling(temperature=pick("temperature"), top_p=pick("top_p"), top_k=pick("top_k"),
-                                min_p=pick("min_p"), max_tokens=pick("max_tokens"), stop=tuple(pick("stop")))
-            out.append(Dataset(spec.label, spec, reward, dict(spec.reward_weights),
-                               pick("system_prompt"), sampling))
+            system_prompt = self.system_prompt if spec.system_prompt is None else spec.system_prompt
+            out.append(Dataset(spec.label, spec, reward, dict(spec.reward_weights), system_prompt, self.sampling(spec)))
         return out
+
+    def sampling(self, spec: DatasetConfig | None = None) -> Sampling:
+        """The orchestrator's sampling settings, with those a dataset sets instead."""
+        def pick(key: str):
+            value = None if spec is None else getattr(spec, key)
+            return getattr(self, key) if value is None else value
+
+        return Sampling(temperature=pick("temperature"), top_p=pick("top_p"), top_k=pick("top_k"),
+                        min_p=pick("min_p"), max_tokens=pick("max_tokens"), stop=tuple(pick("stop")))
 
     def _default_reward(self, spec: DatasetConfig, listed: bool) -> str:
         """A listed dataset naming no reward: orchestrator.reward if given explicitly (its default

@@ -27,7 +27,7 @@ import jinja2
 from rl.callables import load_callable
 from rl.chat import ChatTemplate, row_messages
 from rl.config import ConfigError, RunConfig
-from rl.dataset_config import BUILTIN_REWARDS
+from rl.dataset_config import BUILTIN_REWARDS, Dataset
 from rl import placement
 from rl.inference_api import resolve_token
 from rl.rundir import RunDir
@@ -209,10 +209,9 @@ def orchestrator_code(cfg: RunConfig) -> None:
         env = load_callable(o.environment, "orchestrator.environment")
         _takes(env, "orchestrator.environment", o.environment, (), "Class()")
         return
-    for ds in o.resolved_datasets() + o.resolved_datasets(evaluation=True):
-        listed = bool(o.datasets) or ds in o.resolved_datasets(evaluation=True)
+    for ds, listed in _datasets(cfg):
         if ds.spec.function:
-            key = f"dataset {ds.name}: function" if listed else "orchestrator.dataset"
+            key = _function_key(ds, listed)
             dataset = load_callable(ds.spec.function, key)
             _takes(dataset, key, ds.spec.function, (cfg.seed,), "function(seed)")
         if ds.reward and "://" not in ds.reward:
@@ -236,12 +235,9 @@ def orchestrator_data(cfg: RunConfig) -> None:
     o = cfg.orchestrator
     if o.environment:
         return
-    template = None if o.chat == "off" else ChatTemplate.load(cfg.model, o.chat_template, o.chat_template_kwargs)
-    if o.chat == "on" and template is None:
-        raise ConfigError(f"orchestrator.chat = \"on\": {cfg.model} has no chat template (chat_template.jinja or "
-                          "tokenizer_config.json chat_template); set orchestrator.chat_template")
-    for ds in o.resolved_datasets() + o.resolved_datasets(evaluation=True):
-        row, where = _first_row(cfg, ds)
+    template = ChatTemplate.configured(o, cfg.model)
+    for ds, listed in _datasets(cfg):
+        row, where = _first_row(cfg, ds, listed)
         if template is None:
             if isinstance(row, dict) and row.get(ds.spec.messages_key) is not None:
                 raise ConfigError(f"dataset {ds.name}: {where} holds chat messages but {cfg.model} has no chat "
@@ -255,10 +251,22 @@ def orchestrator_data(cfg: RunConfig) -> None:
             raise ConfigError(f"dataset {ds.name}: the chat template ({template.origin}) fails on {where}: {e}") from None
 
 
-def _first_row(cfg: RunConfig, ds) -> tuple[object, str]:
+def _datasets(cfg: RunConfig) -> list[tuple[Dataset, bool]]:
+    """Training and eval datasets, each with whether the config lists it (False: the one made
+    from orchestrator.dataset, whose errors name that key)."""
+    o = cfg.orchestrator
+    return [(ds, bool(o.datasets)) for ds in o.resolved_datasets()] + \
+        [(ds, True) for ds in o.resolved_datasets(evaluation=True)]
+
+
+def _function_key(ds: Dataset, listed: bool) -> str:
+    return f"dataset {ds.name}: function" if listed else "orchestrator.dataset"
+
+
+def _first_row(cfg: RunConfig, ds: Dataset, listed: bool) -> tuple[object, str]:
     """A dataset's first usable row (a table's) or first row (a function's), and where it is."""
     if ds.spec.function:
-        key = f"dataset {ds.name}: function" if cfg.orchestrator.datasets else "orchestrator.dataset"
+        key = _function_key(ds, listed)
         try:
             seed = cfg.seed if ds.spec.seed is None else ds.spec.seed
             return next(iter(load_callable(ds.spec.function, key)(seed))), f"{key} row 0"
