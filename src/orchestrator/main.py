@@ -622,7 +622,8 @@ class Orchestrator:
             await self.wait_until(lambda: self.pool.serving_version >= final,
                                   f"final version {final} to serve", self.o.trainer_timeout_s)
             await asyncio.gather(*self.evaluations)  # each bounded by eval.timeout_s
-            await self.evaluate(final)
+            if self.evaluation is not None:
+                await self.evaluate(final)
             log.info("done: %d batches; version %d serving", final, self.pool.serving_version)
             if self.tracker is not None:
                 await self.close_tracker()

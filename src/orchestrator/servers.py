@@ -40,6 +40,10 @@ from rl.inference_api import InferenceClient, InferenceError
 
 log = logging.getLogger("orchestrator")
 
+# How often the run directory's heartbeats are read: a server that stops is out of rotation
+# within this (plus its in-flight requests), one that starts joins within this plus its load.
+DISCOVER_EVERY_S = 1.0
+
 
 @dataclass
 class Server:
@@ -428,7 +432,8 @@ class ServerPool:
                 s.joined = True
             await asyncio.sleep(0.2)
 
-    async def discover(self, output_dir: Path, exclude: set[str], timeout_s: float, every_s: float = 1.0) -> None:
+    async def discover(self, output_dir: Path, exclude: set[str], timeout_s: float,
+                       every_s: float = DISCOVER_EVERY_S) -> None:
         """Forever: follow the servers that announce themselves in output_dir/heartbeats/: add
         each new one, take out one whose heartbeat stops (removed or silent for `timeout_s`),
         forgetting it unless listed, and let it in again when it beats again."""
