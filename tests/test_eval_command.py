@@ -54,3 +54,61 @@ seed = 10000
     never = subprocess.run(rl_command("eval", "@", str(cfg), "--step", "2"), capture_output=True, text=True,
                            timeout=60)
     assert never.returncode == 2 and "--step 2: " in never.stderr and "no STABLE" in never.stderr
+
+
+def test_rl_eval_of_a_lora_step_loads_its_adapter_on_the_base_model(tmp_path):
+    """A LoRA run's weights/step_N is an adapter: `rl eval --step N` serves the base model with it,
+    and gets what the same adapter merged into the weights gets, which is not the base model's."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "run"
+    published = run / "weights" / "step_3"
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(CHAT_MODEL, dtype=torch.float32),
+                           LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # peft starts lora_B at zero, which would change nothing
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    model.save_pretrained(published)
+    (published / "STABLE").touch()
+    merged = tmp_path / "merged"
+    model.merge_and_unload().save_pretrained(merged)
+    for f in CHAT_MODEL.iterdir():  # the tokenizer and its template
+        if "token" in f.name or f.name == "chat_template.jinja":
+            shutil.copy(f, merged / f.name)
+
+    def evaluate(model_dir, *extra) -> dict:
+        cfg = tmp_path / "cfg.toml"
+        cfg.write_text(f'''model = "{model_dir}"
+output_dir = "{run}"
+seq_len = 64
+[inference]
+port = {free_port()}
+dtype = "float32"
+[orchestrator]
+max_tokens = 10
+[orchestrator.eval]
+rows = 30
+[[orchestrator.eval.datasets]]
+name = "heldout"
+reasoning_gym = "spell_backward"
+task_config = {{ min_word_len = 3, max_word_len = 7 }}
+seed = 10000
+''')
+        result = subprocess.run(rl_command("eval", "@", str(cfg), *extra), capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        record = json.loads((run / "evals.jsonl").read_text().splitlines()[-1])
+        return {k: v for k, v in record.items() if k.startswith("eval/")}
+
+    lora = evaluate(CHAT_MODEL, "--trainer.lora.rank", "8", "--step", "3")
+    as_merged = evaluate(merged)
+    base = evaluate(CHAT_MODEL)
+    # Merged weights and base + adapter agree to rounding; a greedy pick may flip where two
+    # logits tie to the last bits, so one row of the 30 may score differently.
+    assert abs(lora["eval/heldout/reward"] - as_merged["eval/heldout/reward"]) <= 1 / 30
+    assert abs(lora["eval/heldout/reward"] - base["eval/heldout/reward"]) > 2 / 30, (lora, base)
+    assert not list((run / "eval").glob("server-*")), "the scratch server directory was left behind"

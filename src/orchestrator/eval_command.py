@@ -6,7 +6,9 @@ evaluation a training run runs (orchestrator/evaluation.py), prints it, appends 
 same numbers every time.
 
 The server's run directory is a scratch directory under <output_dir>/eval/, so that an
-orchestrator still training in <output_dir> does not find it and send it rollouts.
+orchestrator still training in <output_dir> does not find it and send it rollouts. A LoRA run's
+step is an adapter: the server starts on the base model, and the adapter is copied into the
+scratch run's weights/ (the only adapter root a server accepts, and a few MB) and loaded there.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def weights_for(cfg: RunConfig, step: int | None) -> Path:
     return weights
 
 
-async def evaluate(cfg: RunConfig, url: str, version: int, proc: subprocess.Popen) -> dict:
+async def evaluate(cfg: RunConfig, url: str, version: int, proc: subprocess.Popen, adapter: Path | None) -> dict:
     async with aiohttp.ClientSession() as session:
         client = InferenceClient(url, session, cfg.inference.api_token)
         deadline = time.monotonic() + cfg.orchestrator.server_wait_timeout_s
@@ -60,8 +62,12 @@ async def evaluate(cfg: RunConfig, url: str, version: int, proc: subprocess.Pope
             source = Source(ds, cfg.seed)
             source.reward = Reward(ds.reward, cfg.orchestrator.reward_timeout_s, session, key=f"dataset {ds.name}: reward")
             sources.append(source)
+        name = None
+        if adapter is not None:
+            name = f"eval-v{version}"
+            await client.load_lora_adapter(name, str(adapter), version, cfg.inference.reload_timeout_s)
         rollouts = Rollouts(cfg, load_tokenizer(str(cfg.model)), {}, None, None)
-        return await Evaluation(rollouts, sources, cfg.orchestrator.eval).run(client, version, version, "eval", None)
+        return await Evaluation(rollouts, sources, cfg.orchestrator.eval).run(client, version, version, "eval", name)
 
 
 async def _answers(client: InferenceClient) -> bool:
@@ -76,9 +82,6 @@ def main(cfg: RunConfig, argv: list[str], step: int | None) -> int:
     if not cfg.orchestrator.eval.datasets:
         log.error("rl eval: no [[orchestrator.eval.datasets]] in the config: nothing to evaluate")
         return 2
-    if cfg.trainer.lora.rank:
-        log.error("rl eval: LoRA runs publish adapters; evaluating them standalone is not supported yet")
-        return 2
     try:
         weights = weights_for(cfg, step)
     except FileNotFoundError as e:
@@ -87,13 +90,17 @@ def main(cfg: RunConfig, argv: list[str], step: int | None) -> int:
     scratch = Path(cfg.output_dir) / "eval" / f"server-{os.getpid()}"
     scratch.mkdir(parents=True, exist_ok=True)
     log_file = scratch / "inference.log"
+    served, adapter = weights, None
+    if cfg.trainer.lora.rank and step is not None:
+        served, adapter = Path(cfg.model), RunDir(scratch).weights_dir(step)
+        shutil.copytree(weights, adapter)
     with open(log_file, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "rl", "inference", *argv, "--model", str(weights.absolute()),
+        proc = subprocess.Popen([sys.executable, "-m", "rl", "inference", *argv, "--model", str(served.absolute()),
                                  "--output_dir", str(scratch)], stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     try:
-        record = asyncio.run(evaluate(cfg, cfg.inference.url, step or 0, proc))
-    except (RuntimeError, TimeoutError) as e:
+        record = asyncio.run(evaluate(cfg, cfg.inference.url, step or 0, proc, adapter and adapter.absolute()))
+    except (RuntimeError, TimeoutError, InferenceError) as e:
         log.error("rl eval: %s; last lines of %s:\n%s", e, log_file, log_file.read_text(errors="replace")[-2000:])
         return 1
     finally:
