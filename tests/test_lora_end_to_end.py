@@ -50,11 +50,18 @@ def health(server) -> dict:
     return httpx.get(f"{server['url']}/health", timeout=10).json()
 
 
+# Two eval datasets, evaluated one after the other: between them no request holds the adapter,
+# which must stay loaded while training moves on.
+EVAL = ("[orchestrator.eval]\nrows = 24\nevery = 1\nconcurrency = 4\n" + "".join(
+    f'[[orchestrator.eval.datasets]]\nname = "{task}"\nfunction = "orchestrator.tasks.{task}:dataset"\n'
+    f'reward = "orchestrator.tasks.{task}:reward"\n' for task in ("reverse", "echo")))
+
+
 def test_a_lora_run_moves_only_adapters(server):
     tmp = server["tmp"]
     run = RunDir(server["root"])
     cfg = tmp / "single.toml"
-    cfg.write_text(base_config(server, "max_steps = 3\n") + run_config("reverse", 2e-3, 3))
+    cfg.write_text(base_config(server, "max_steps = 3\n") + run_config("reverse", 2e-3, 3) + EVAL)
     trainer = train(cfg, tmp)
 
     for n in (1, 2, 3):
@@ -62,7 +69,13 @@ def test_a_lora_run_moves_only_adapters(server):
             "STABLE", "adapter_config.json", "adapter_model.safetensors"]
         batch = Batch.read(run.rollout_dir(n))
         assert batch.versions.min() >= n - 2 and batch.versions.max() <= n - 1
-    assert "adapter policy-v3" in (tmp / "orchestrator.log").read_text()
+    orchestrator_log = (tmp / "orchestrator.log").read_text()
+    assert "adapter policy-v3" in orchestrator_log
+    # Evaluated with each step's adapter, on both datasets, none failing.
+    evals = [json.loads(line) for line in run.metrics.read_text().splitlines() if '"program": "eval"' in line]
+    assert sorted(r["step"] for r in evals) == [0, 1, 2, 3]
+    assert all(r["eval/reverse/rows"] == r["eval/echo/rows"] == 24 and r["version"] >= r["step"] for r in evals)
+    assert "evaluation at step" not in orchestrator_log
     # The base weights never moved, and the finished run gave its adapter slots back.
     h = health(server)
     assert h["version"] == 0 and h["adapters"] == {}

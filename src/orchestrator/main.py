@@ -99,6 +99,9 @@ class Orchestrator:
         evals = self._sources(session, evaluation=True)
         self.evaluation = Evaluation(self.rollouts, evals, self.o.eval) if evals else None
         self.evaluations: list[asyncio.Task] = []  # running beside training
+        # (server, version) of each evaluation running: LoRA keeps that adapter loaded until it ends
+        # (between its requests no group may hold it, and unload_unused would take it away).
+        self.evaluating: list[tuple[Server, int]] = []
         self.sender = BatchSender(cfg.transport, self.run_dir)
         self.next_step, cursor, pending = self._resume_point()
         self.queue = PromptQueue(self._draws(), self._fetch, cursor, pending)
@@ -231,6 +234,8 @@ class Orchestrator:
                 in_use: dict[int, set[int]] = {}
                 for g in self.in_flight.values():
                     in_use.setdefault(id(g.server), set()).add(g.version)
+                for server, v in self.evaluating:
+                    in_use.setdefault(id(server), set()).add(v)
                 await self.pool.unload_unused(in_use)
             await self.until_weights_due()
 
@@ -565,9 +570,14 @@ class Orchestrator:
                                   f"version {step} to serve, to evaluate it", self.o.eval.timeout_s)
             server = self.pool.pick()
             version = server.version
-            record = await asyncio.wait_for(
-                self.evaluation.run(server.client, version, step, f"{self.tag}-eval{step}", self.pool.adapter(version)),
-                self.o.eval.timeout_s)
+            pin = (server, version)
+            self.evaluating.append(pin)
+            try:
+                record = await asyncio.wait_for(self.evaluation.run(
+                    server.client, version, step, f"{self.tag}-eval{step}", self.pool.adapter(version)),
+                    self.o.eval.timeout_s)
+            finally:
+                self.evaluating.remove(pin)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the run goes on without this evaluation
