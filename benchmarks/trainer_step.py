@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from rl.batch import Batch, Sample  # noqa: E402
 from rl.config import RunConfig  # noqa: E402
-from trainer.main import Trainer  # noqa: E402
+from trainer.trainer import Trainer  # noqa: E402
 
 SHAPES = {
     # A small model whose step time is compute, not Python overhead.
@@ -107,7 +107,7 @@ def large(args, tmp: Path) -> dict:
     times = timed_steps(t, batch, args.repeats)
     tokens = int(batch.lengths.sum())
     start = time.perf_counter()
-    write_s = t.publish(t.policy, 1)
+    write_s = t.publisher.publish(t.policy, 1)
     publish_s = time.perf_counter() - start
     print(f"0.5B-class ({params / 1e6:.0f}M params): {tokens} tokens, steps {', '.join(f'{s:.1f}s' for s in times)} "
           f"({tokens / min(times):,.0f} tokens/s); gather + write weights {publish_s:.1f}s (write {write_s:.1f}s)")

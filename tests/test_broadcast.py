@@ -361,6 +361,7 @@ def test_real_server_receives_a_version_by_broadcast(vllm_server):
     import aiohttp
     from safetensors.torch import load_file, save_file
 
+    from orchestrator.delivery import BroadcastDelivery
     from orchestrator.servers import ServerPool
     from trainer.broadcast import WeightBroadcaster
 
@@ -397,10 +398,10 @@ def test_real_server_receives_a_version_by_broadcast(vllm_server):
                                "offset": {"address": address, "rank_offset": 0, "world_size": 2}}.items():
                 async with s.post(f"{url}/init_broadcaster", json=body) as r:
                     errors[name] = (r.status, await r.text())
-            pool = ServerPool([url], s, None, 60, 30, False, broadcast_address=address, broadcast_timeout_s=60)
+            pool = ServerPool([url], s, None, 30, lambda p: BroadcastDelivery(p, 60, None, False, address, 60))
             await pool.connect(30)
             thread = in_thread(lambda: WeightBroadcaster(cfg, run, tied=True))
-            await pool.init_broadcaster()
+            await pool.delivery.prepare()
             await asyncio.to_thread(thread.join)
             assert "error" not in sender, sender.get("error")
             broadcaster = sender.pop("result")
@@ -411,7 +412,7 @@ def test_real_server_receives_a_version_by_broadcast(vllm_server):
             thread = in_thread(lambda: broadcaster.publish(1, state))
             while not (run.weights_dir(1) / STABLE).exists():  # the orchestrator's cue
                 await asyncio.sleep(0.01)
-            await pool.load(1, run.weights_dir(1))
+            await pool.delivery.load(1, run.weights_dir(1))
             await asyncio.to_thread(thread.join)
             assert "error" not in sender, sender.get("error")
             by_broadcast = await greedy(s, url)

@@ -15,7 +15,6 @@ from orchestrator.sources import Renderer, RowError
 from orchestrator.tokenizer import load_tokenizer
 from rl.chat import ChatTemplate
 from rl.config import ConfigError, RunConfig
-from rl.dataset_config import DatasetConfig
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 2 + 3?"}],

@@ -134,3 +134,24 @@ def test_a_saved_config_with_datasets_and_template_options_loads_as_the_same_con
     assert again == cfg
     assert again.orchestrator.reward is None
     assert [d.reward for d in again.orchestrator.resolved_datasets()] == ["reasoning_gym", "math_verify"]
+
+
+def test_program_help_lists_its_config_keys_with_their_docs():
+    """`rl trainer --help` goes on after the usage with every key the trainer reads, each with its
+    docstring (wrapped); another program's table stays out."""
+    from rl.config import LoRAConfig, OptimConfig, OrchestratorConfig, RunConfig
+
+    result = run_rl("trainer", "--help")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.index("Usage:") < out.index("--trainer.optim.lr FLOAT")
+    words = " ".join(out.split())
+    for key, doc in (("--trainer.optim.lr", OptimConfig.model_fields["lr"].description),
+                     ("--trainer.lora.rank", LoRAConfig.model_fields["rank"].description),
+                     ("--seq_len", RunConfig.model_fields["seq_len"].description)):
+        assert f"{key} " in out and " ".join(doc.split()) in words, key
+    assert "--orchestrator.prompts_per_step" not in out and "[inference]" not in out
+    # The orchestrator's help has its own keys, and of the trainer's only the LoRA ones it reads.
+    out = run_rl("orchestrator", "--help").stdout
+    assert " ".join(OrchestratorConfig.model_fields["group_size"].description.split()) in " ".join(out.split())
+    assert "--trainer.lora.rank" in out and "--trainer.optim.lr" not in out

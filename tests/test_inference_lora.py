@@ -234,7 +234,8 @@ def test_unload_waits_for_no_generate_and_a_name_can_be_loaded_again(server):
 
 def test_lora_off_and_vllm_args(tmp_path):
     """Without a server: the 400 without LoRA, and the flags vLLM gets."""
-    from inference.server import AdminRoutes, vllm_args
+    from inference.routes import Routes as AdminRoutes
+    from inference.server import vllm_args
 
     cfg = RunConfig.model_validate({"model": str(TINY_MODEL), "output_dir": str(tmp_path)})
     assert "--enable-lora" not in vllm_args(cfg)

@@ -117,7 +117,7 @@ def test_packed_rows_as_one_row_give_the_same_logits():
     """The flash-attention path feeds a micro-batch's packed rows as one row (transformers finds
     varlen boundaries only in a single row); positions restart per sample, so attention must
     still stay inside each sample. Checked here with sdpa, which honours the same positions."""
-    from trainer.main import forward_logits
+    from trainer.model import forward_logits
 
     model = AutoModelForCausalLM.from_pretrained(TINY_MODEL, dtype=torch.float32, attn_implementation="sdpa").eval()
     batch = variable_batch(seed=1)
@@ -157,7 +157,7 @@ def test_each_sample_is_scored_at_its_own_temperature(layout):
     """A batch mixing samples drawn at different temperatures: through the trainer's path
     (micro-batches -> micro_batch_logprobs), each sample's logprobs and entropies equal those of
     the sample forwarded alone at its own scalar temperature."""
-    from trainer.main import micro_batch_logprobs
+    from trainer.model import micro_batch_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(TINY_MODEL, dtype=torch.float32, attn_implementation="sdpa").eval()
     temps = [0.5, 1.3, 1.0, 0.8]

@@ -1,1 +1,1 @@
-"""`rl inference`: vLLM's OpenAI-compatible server plus asyncrl's admin routes."""
+"""`rl inference`: vLLM's OpenAI-compatible server plus asyncrl's own routes (server.py)."""

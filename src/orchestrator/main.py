@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import gc
+import itertools
 import json
 import logging
 import secrets
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from orchestrator.delivery import weight_delivery
 from orchestrator.evaluation import Evaluation
 from orchestrator.prompts import Prompt, PromptQueue, decode_state, encode_state
 from orchestrator.rollouts import Aborted, Group, Rollouts
@@ -47,7 +49,7 @@ from rl.faults import crash_point
 from rl.heartbeat import PeerReporter, PeerWatch, current_instance, heartbeat_path, set_phase
 from rl.polling import Backoff
 from rl.preflight import orchestrator_state_refusal
-from rl.rundir import RunDir, mark_stable, remove_quietly, write_file_atomic
+from rl.rundir import RunDir, mark_stable, write_file_atomic
 from rl.tracking import Tracker
 from rl.transport import BatchSender
 
@@ -88,13 +90,9 @@ class Orchestrator:
     def __init__(self, cfg: RunConfig, session: aiohttp.ClientSession):
         self.cfg, self.o = cfg, cfg.orchestrator
         self.run_dir = RunDir(cfg.run_dir)
-        ws = cfg.weight_sync
-        self.pool = ServerPool(cfg.urls, session, cfg.inference.api_token, cfg.inference.reload_timeout_s,
-                               self.o.server_retry_max_s, self.o.in_flight_updates,
-                               broadcast_address=ws.address if ws.kind == "broadcast" else None,
-                               broadcast_timeout_s=ws.timeout_s,
-                               adapter_prefix=cfg.adapter_prefix if cfg.trainer.lora.rank else None,
-                               root=cfg.output_dir, on_fail=self.requeue_from)
+        self.pool = ServerPool(cfg.urls, session, cfg.inference.api_token, self.o.server_retry_max_s,
+                               lambda pool: weight_delivery(cfg, pool), on_fail=self.requeue_from)
+        self.delivery = self.pool.delivery  # files, broadcast or LoRA adapters, chosen once
         self.rollouts = self._make_rollouts(session)
         evals = self._sources(session, evaluation=True)
         self.evaluation = Evaluation(self.rollouts, evals, self.o.eval) if evals else None
@@ -154,12 +152,7 @@ class Orchestrator:
         """(next step, data cursor, pending prompts): a fresh start, or where the last
         checkpoint left off."""
         saved = self.run_dir.checkpoint_steps("orchestrator")
-        on_disk = self.run_dir.rollout_steps()
-        if self.cfg.transport.kind == "filesystem":
-            # A batch this orchestrator's predecessor was writing when it died: never published,
-            # its groups are still pending in the checkpoint and go out again.
-            for partial in self.run_dir.rollouts.glob(".step_*"):
-                remove_quietly(partial)
+        self.sender.discard_partial()
         if not saved:
             if refusal := orchestrator_state_refusal(self.run_dir):  # rl.cli refused it already
                 raise SystemExit(refusal)
@@ -168,12 +161,7 @@ class Orchestrator:
         step, cursor, pending = decode_state(path.read_bytes())
         # A crash between handing batch n over and checkpointing it: batch n is out, its prompts
         # are still listed as pending and go out again; batch numbers stay contiguous.
-        if self.cfg.transport.kind == "filesystem":
-            last = max(step, *on_disk)
-        else:
-            # Over ZMQ a batch counts as sent once queued locally: batch `step` may have died in
-            # this process's buffer. Make it again; a trainer that has it already drops the copy.
-            last = step - 1
+        last = self.sender.last_handed_over(step)
         log.info("resuming after batch %d from %s: %d rows drawn, %d pending prompts re-issued",
                  last, path, cursor, len(pending))
         return last + 1, cursor, pending
@@ -227,16 +215,13 @@ class Orchestrator:
         while True:
             version, path = self.latest_weights()
             if version > self.pool.version or any(s.version != version for s in self.pool.in_rotation):
-                await self.pool.load(version, path)
+                await self.delivery.load(version, path)
                 self.weights_poll.reset()
                 await self.notify()
-            if self.pool.adapter_prefix:
-                in_use: dict[int, set[int]] = {}
-                for g in self.in_flight.values():
-                    in_use.setdefault(id(g.server), set()).add(g.version)
-                for server, v in self.evaluating:
-                    in_use.setdefault(id(server), set()).add(v)
-                await self.pool.unload_unused(in_use)
+            # LoRA: what each group and evaluation in flight started on stays loaded (read only
+            # by AdapterDelivery, hence lazily).
+            in_use = itertools.chain(((g.server, g.version) for g in self.in_flight.values()), self.evaluating)
+            await self.delivery.unload_unused(in_use)
             await self.until_weights_due()
 
     def weights_due(self) -> bool:
@@ -260,8 +245,8 @@ class Orchestrator:
 
     async def watch_trainer(self) -> None:
         """Say within seconds when the trainer dies or freezes (batches then wait for it: a
-        trainer restarted with --resume continues), write again any batch it rejected as
-        damaged, and stop if a multi-run trainer turned this run away."""
+        trainer restarted with --resume continues), let the sender forget the batches it has
+        trained, and stop if a multi-run trainer turned this run away."""
         watch = PeerWatch(heartbeat_path(self.cfg, "trainer"), "trainer", self.cfg.heartbeat_timeout_s)
         trainer = PeerReporter(watch, log, "batches wait for it (restart it with --resume)")
         ranks: dict[str, PeerReporter] = {}  # the trainer's other ranks, on other nodes maybe
@@ -275,11 +260,8 @@ class Orchestrator:
                             "the trainer's collectives wait for it (torchrun stops the trainer if it is gone)")
                 for reporter in ranks.values():
                     reporter.poll()
+            # sender.redeliver hands the trainer again only the batches it has not trained.
             self.sender.forget(self.run_dir.latest_stable_weights() or 0)
-            if self.cfg.transport.kind == "filesystem":
-                await self.sender.resend_rejected()
-            # Over ZMQ a restarted trainer gets the untrained batches again from
-            # sender.watch_connection, once it has connected.
             self.check_trainer()
             await asyncio.sleep(1.0)
 
@@ -319,7 +301,7 @@ class Orchestrator:
             self.in_flight[gid] = g
 
     async def run_group(self, gid: str, g: InFlight) -> None:
-        adapter = self.pool.adapter(g.version)
+        adapter = self.delivery.adapter(g.version)
 
         async def generate(request: GenerateRequest) -> GenerateResponse:
             if g.cancelled:  # a multi-turn episode's next turn, after its group was aborted
@@ -514,7 +496,7 @@ class Orchestrator:
             "in_flight": len(self.in_flight), "buffered": len(self.finished),
             "serving_version": self.pool.serving_version, "servers_in_rotation": len(self.pool.in_rotation),
             "truncated": sum(g.truncated for g in groups), "skipped_rows": c.skipped_rows,
-            **({} if (update_s := self.pool.take_update_s()) is None else {"weight_update_s": update_s}),
+            **({} if (update_s := self.delivery.take_update_s()) is None else {"weight_update_s": update_s}),
             **reward_details(groups, len(self.rollouts.sources) > 1),
         }
         self.run_dir.append_metrics(record)
@@ -574,7 +556,7 @@ class Orchestrator:
             self.evaluating.append(pin)
             try:
                 record = await asyncio.wait_for(self.evaluation.run(
-                    server.client, version, step, f"{self.tag}-eval{step}", self.pool.adapter(version)),
+                    server.client, version, step, f"{self.tag}-eval{step}", self.delivery.adapter(version)),
                     self.o.eval.timeout_s)
             finally:
                 self.evaluating.remove(pin)
@@ -593,24 +575,21 @@ class Orchestrator:
 
     async def start(self) -> None:
         self.background = [asyncio.create_task(self.watch_trainer(), name="watch_trainer")]
-        broadcast = self.cfg.weight_sync.kind == "broadcast"
-        if self.o.discover_servers and not broadcast:
+        fixed = self.delivery.fixed_members  # a broadcast group: every listed server, none discovered
+        if self.o.discover_servers and not fixed:
             exclude = {self.o.teacher_url.rstrip("/")} if self.o.teacher_url else set()
             self.background.append(asyncio.create_task(
                 self.pool.discover(self.cfg.output_dir, exclude, self.cfg.heartbeat_timeout_s), name="discover"))
-        await self.pool.connect(self.o.server_wait_timeout_s, every=broadcast)
-        if broadcast:
-            # Before any load: the trainer's first broadcast needs every server in the group.
-            await self.pool.init_broadcaster()
+        await self.pool.connect(self.o.server_wait_timeout_s, every=fixed)
+        await self.delivery.prepare()  # before any load (a broadcast group forms here)
         version, path = self.latest_weights()
-        await self.pool.load(version, path)
+        await self.delivery.load(version, path)
         if not self.pool.in_rotation:
             raise RuntimeError(f"no inference server could load version {version} from {path}")
         log.info("connected to %d server(s) (%s), serving version %d; first batch %d", len(self.pool.in_rotation),
                  ", ".join(s.url for s in self.pool.in_rotation), self.pool.serving_version, self.next_step)
-        if self.cfg.transport.kind == "zmq":
-            self.background.append(asyncio.create_task(
-                self.sender.watch_connection(self.o.trainer_timeout_s), name="watch_connection"))
+        self.background.append(asyncio.create_task(
+            self.sender.redeliver(self.o.trainer_timeout_s), name="redeliver"))
         if self.tracker is not None:
             self.background.append(asyncio.create_task(self.track(), name="track"))
         self.background += [asyncio.create_task(self.follow_weights(), name="follow_weights"),
@@ -655,10 +634,9 @@ class Orchestrator:
         # Pending aborts are let finish (each has its own short timeout): they free server slots.
         await asyncio.gather(*tasks, *self.chores, return_exceptions=True)
         self.sender.close()
-        if self.pool.adapter_prefix:
-            # The server outlives this run: free its adapter slots for other runs. The final
-            # adapter stays on disk (weights/step_n) for anyone to load again.
-            await self.pool.unload_all()
+        # LoRA: the server outlives this run: free its adapter slots for other runs. The final
+        # adapter stays on disk (weights/step_n) for anyone to load again.
+        await self.delivery.unload_all()
 
 
 def reward_details(groups: list[Group], per_dataset: bool) -> dict[str, float]:

@@ -10,17 +10,8 @@ backoff; it rejoins only after it serves the pool's current version, so the asyn
 server in rotation serves >= n-1-k) never regresses. A discovered server whose heartbeat stops
 (removed, or silent for heartbeat_timeout_s) leaves the pool; it joins again when it comes back.
 
-Weight paths go to the servers relative to the run directory ("weights/step_3"): every host may
-mount the shared directory at its own path. The base model is "base", whatever its path here.
-
-With weight sync by broadcast every worker of every server is a rank of the trainer's group:
-init_broadcaster hands out the ranks, and each version is posted to every server, in rotation or
-not, because the trainer's broadcast needs all of them at once.
-
-With LoRA (adapter_prefix set) a version is an adapter, "<prefix>-v<version>", loaded next to
-the others with /load_lora_adapter: nothing pauses, each group names the adapter it started on
-(so its tokens carry exactly that version), and versions no group needs any more are unloaded.
-Version 0 is the base model, no adapter.
+How a version reaches a server (files, broadcast, LoRA adapters) and what its /health means is
+the run's weight delivery (orchestrator/delivery.py); the pool only decides who is in rotation.
 """
 
 from __future__ import annotations
@@ -31,12 +22,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 
-from rl.broadcast import MANIFEST
 from rl.heartbeat import PeerWatch, announced_url, server_heartbeats
 from rl.inference_api import InferenceClient, InferenceError
+
+if TYPE_CHECKING:
+    from orchestrator.delivery import WeightDelivery
 
 log = logging.getLogger("orchestrator")
 
@@ -64,7 +58,7 @@ class Server:
     idle_s: float = 0.0
     idle_since: float | None = field(default_factory=time.monotonic)
     adapters: set[int] = field(default_factory=set)
-    """LoRA: adapter versions this pool loaded on the server and has not unloaded."""
+    """LoRA: adapter versions this run loaded on the server and has not unloaded."""
     listed: bool = True
     """In orchestrator.server_urls: never forgotten, only taken out of rotation."""
     joined: bool = False
@@ -81,27 +75,22 @@ class Server:
 
 
 class ServerPool:
-    def __init__(self, urls: list[str], session: aiohttp.ClientSession, token: str | None,
-                 reload_timeout_s: float, retry_max_s: float, in_flight_updates: bool,
-                 broadcast_address: str | None = None, broadcast_timeout_s: float = 600.0,
-                 adapter_prefix: str | None = None, root: Path | None = None,
+    def __init__(self, urls: list[str], session: aiohttp.ClientSession, token: str | None, retry_max_s: float,
+                 delivery: Callable[[ServerPool], WeightDelivery],
                  on_fail: Callable[[Server], None] | None = None):
-        """`root`: the run directory weight paths are sent relative to (None: absolute).
+        """`delivery(pool)`: makes the run's weight delivery (orchestrator/delivery.py), which
+        brings a server to the current version before it (re)joins rotation.
         `on_fail(server)`: called when a server leaves rotation, to requeue its groups."""
         self.session, self.token = session, token
         self.servers = [Server(InferenceClient(u.rstrip("/"), session, token)) for u in urls]
-        self.root, self.on_fail = root, on_fail
-        self.update_s: list[float] = []  # each full-weights update's duration, until reported
-        self.reload_timeout_s, self.retry_max_s = reload_timeout_s, retry_max_s
-        self.broadcast_address, self.broadcast_timeout_s = broadcast_address, broadcast_timeout_s
-        self.mode = "keep" if in_flight_updates else "wait"
-        self.version, self.path = 0, ""  # what every server in rotation must serve (path: as sent)
-        self.local_path: Path | None = None  # the same, as this host sees it
-        self.adapter_prefix = adapter_prefix
+        self.on_fail = on_fail
+        self.retry_max_s = retry_max_s
+        self.delivery = delivery(self)
 
-    def adapter(self, version: int) -> str | None:
-        """The adapter a request for `version` names (None: the base weights)."""
-        return f"{self.adapter_prefix}-v{version}" if self.adapter_prefix and version > 0 else None
+    @property
+    def version(self) -> int:
+        """What every server in rotation must serve: the version last delivered."""
+        return self.delivery.target.version
 
     # --- rotation and load ---------------------------------------------------------------
 
@@ -197,7 +186,7 @@ class ServerPool:
         s.backoff_s = min(2 * wait, self.retry_max_s)
         return wait
 
-    # --- start-up, weights, health -------------------------------------------------------
+    # --- start-up and health -------------------------------------------------------------
 
     async def connect(self, timeout_s: float, every: bool = False) -> None:
         """Wait until a first server answers /health (servers start in ~30 s on a CPU), or with
@@ -209,8 +198,7 @@ class ServerPool:
             results = await asyncio.gather(*(s.client.health() for s in pending), return_exceptions=True)
             for s, r in zip(pending, results):
                 if not isinstance(r, BaseException):
-                    s.version = self._reported_version(r)
-                    s.adapters = self._ours(r)  # from an earlier orchestrator: unloaded once unused
+                    self.delivery.note(s, r)
                     s.healthy = s.joined = True
                     s.idle_since = time.monotonic()
             left = [s for s in self.servers if not s.joined]
@@ -225,159 +213,6 @@ class ServerPool:
                 last_beat = time.monotonic()
             await asyncio.sleep(1.0)
 
-    async def init_broadcaster(self) -> None:
-        """Every server's workers join the trainer's broadcast group (after connect). Rank 0 is
-        trainer rank 0, then each server's workers in server_urls order; all servers are asked at
-        once, because the group forms only when every member has joined."""
-        infos = await asyncio.gather(*(s.client.broadcaster() for s in self.servers), return_exceptions=True)
-        failed = [f"{s.url}: {r}" for s, r in zip(self.servers, infos) if isinstance(r, BaseException)]
-        if failed:
-            raise RuntimeError(f"weight broadcast group at {self.broadcast_address}: cannot count the servers' "
-                               "workers: " + "; ".join(failed))
-        offsets, rank = [], 1
-        for info in infos:
-            offsets.append(rank)
-            rank += int(info["workers"])
-        world = rank
-        log.info("joining %d server(s) (%d workers) to the weight broadcast group at %s",
-                 len(self.servers), world - 1, self.broadcast_address)
-        results = await asyncio.gather(*(
-            s.client.init_broadcaster(self.broadcast_address, offset, world, self.broadcast_timeout_s + 60)
-            for s, offset in zip(self.servers, offsets)), return_exceptions=True)
-        failed = [f"{s.url}: {r}" for s, r in zip(self.servers, results) if isinstance(r, BaseException)]
-        if failed:
-            # The trainer cannot publish a single version without every member.
-            raise RuntimeError(f"weight broadcast group at {self.broadcast_address} not formed: " + "; ".join(failed))
-        log.info("weight broadcast group at %s formed: world size %d", self.broadcast_address, world)
-
-    async def load(self, version: int, path: Path) -> None:
-        """Make every server in rotation serve `version`; a server that fails leaves rotation."""
-        self.version, self.path, self.local_path = version, self.wire_path(version, path), path
-        if self.adapter_prefix:
-            await self._load_adapters(version)
-            return
-        broadcast = (path / MANIFEST).is_file()
-        # A broadcast waits for every member: servers out of rotation that still answer take
-        # part (and so stay current), one that is gone fails the trainer's broadcast loudly.
-        candidates = self.servers if broadcast else self.in_rotation
-        stale = [s for s in candidates if s.version != version]
-        started = time.monotonic()
-        timeout = self.reload_timeout_s + (self.broadcast_timeout_s if broadcast else 0.0)
-        tasks = [asyncio.create_task(s.client.update_weights(self.path, version, self.mode, timeout))
-                 for s in stale]
-        for s, task in zip(stale, tasks):
-            # A broadcast cannot drop a member half-way: the trainer's collective needs it.
-            s.updating, s.update = True, None if broadcast else task
-        try:
-            results = await asyncio.gather(*tasks, return_exceptions=True)
-        finally:
-            for s in stale:
-                s.updating, s.update = False, None
-        reload_s = []
-        for s, r in zip(stale, results):
-            if isinstance(r, BaseException):
-                self.fail(s, f"weight update to version {version} failed: {r}")
-            else:
-                s.version = version
-                reload_s.append(r.get("reload_s", 0.0))
-        if reload_s:
-            self.update_s.append(time.monotonic() - started)
-            log.info("version %d serving on %d server(s) (reload %.3f s, mode %s)",
-                     version, len(reload_s), max(reload_s), self.mode)
-
-    def take_update_s(self) -> float | None:
-        """Mean seconds from a version's discovery to every server serving it, since the
-        previous call (None: no update since)."""
-        taken, self.update_s = self.update_s, []
-        return sum(taken) / len(taken) if taken else None
-
-    async def _load_adapters(self, version: int) -> None:
-        """LoRA: load the adapter next to those serving; no server pauses, so none is marked
-        updating (a group started meanwhile names the older adapter and is tagged with it)."""
-        stale = [s for s in self.in_rotation if s.version != version]
-        results = await asyncio.gather(*(self._load_one(s, version, self.path, self.local_path) for s in stale),
-                                       return_exceptions=True)
-        load_s = []
-        for s, r in zip(stale, results):
-            if isinstance(r, BaseException):
-                self.fail(s, f"loading adapter {self.adapter(version)} failed: {r}")
-            else:
-                load_s.append(r)
-        if load_s:
-            log.info("version %d (adapter %s) serving on %d server(s) (load %.3f s)", version,
-                     self.adapter(version), len(load_s), max(load_s))
-
-    def wire_path(self, version: int, path: Path) -> str:
-        """How a server finds `path`: relative to the run directory (each host mounts it where
-        it likes), "base" for the model the servers started with, else absolute."""
-        if version == 0:
-            return "base"
-        if self.root is not None:
-            try:
-                return path.resolve().relative_to(self.root.resolve()).as_posix()
-            except ValueError:
-                pass
-        return str(path.resolve())
-
-    async def _load_one(self, s: Server, version: int, path: str, local_path: Path) -> float:
-        """Bring one server to `version`; returns the server's load seconds."""
-        if self.adapter_prefix:
-            r = {"load_s": 0.0}
-            if version > 0:
-                # Recorded first: a load cut short here (a SIGTERM) may still land on the server,
-                # and unload_all must ask for it (a 404 if it never did).
-                s.adapters.add(version)
-                r = await s.client.load_lora_adapter(self.adapter(version), path, version, self.reload_timeout_s)
-            s.version = version
-            return r.get("load_s", 0.0)
-        # A broadcast version already delivered is refused at once (409), one still being
-        # broadcast is received, as in load().
-        broadcast = (local_path / MANIFEST).is_file()
-        timeout = self.reload_timeout_s + (self.broadcast_timeout_s if broadcast else 0.0)
-        r = await s.client.update_weights(path, version, self.mode, timeout)
-        s.version = version
-        return r.get("reload_s", 0.0)
-
-    async def unload_unused(self, in_use: dict[int, set[int]], keep_current: bool = True) -> int:
-        """LoRA: unload adapter versions that are neither current (unless keep_current is false)
-        nor used by a group in flight (in_use: id(server) -> versions its groups started on). A
-        server that still runs a request on one answers 409 and is asked again next time.
-        Returns how many are left."""
-        left = 0
-        for s in self.in_rotation:
-            current = {s.version} if keep_current else set()
-            for v in sorted(s.adapters - current - in_use.get(id(s), set())):
-                try:
-                    await s.client.unload_lora_adapter(self.adapter(v))
-                except InferenceError as e:
-                    if "HTTP 404" not in str(e):  # 404: gone already (a restart), forget it
-                        left += 1
-                        continue
-                s.adapters.discard(v)
-        return left
-
-    async def unload_all(self, timeout_s: float = 10.0) -> None:
-        """LoRA: unload every adapter version this pool loaded (the run is over). Requests just
-        aborted may hold one for a moment (409), hence the retries."""
-        deadline = time.monotonic() + timeout_s
-        while await self.unload_unused({}, keep_current=False) and time.monotonic() < deadline:
-            await asyncio.sleep(0.2)
-
-    def _ours(self, health: dict) -> set[int]:
-        """LoRA: the versions of this run's adapters a server's /health lists."""
-        return {v for name, v in health.get("adapters", {}).items() if self.adapter_prefix and name == self.adapter(v)}
-
-    def _reported_version(self, health: dict) -> int:
-        """The version a server reports: its own (full weights), or the newest of our adapters."""
-        return max(self._ours(health), default=0) if self.adapter_prefix else health["version"]
-
-    def _serves(self, s: Server, health: dict) -> bool:
-        """Whether the server still serves what we recorded. With adapters: ours is loaded (a
-        newer one may be, too: a load can finish on the server before we record it)."""
-        if self.adapter_prefix:
-            return s.version == 0 or s.version in self._ours(health)
-        return health.get("version") == s.version
-
     async def check(self) -> None:
         """A server whose host is cut off answers nothing; one restarted between two requests
         comes back serving the base model and fails nothing: compare what each one reports with
@@ -389,8 +224,8 @@ class ServerPool:
                 continue  # changed while we asked
             if isinstance(r, BaseException):
                 self.fail(s, f"health check failed: {r}", gone=True)
-            elif not s.updating and not self._serves(s, r):
-                self.fail(s, f"reports version {self._reported_version(r)}, expected {s.version} (restarted?)")
+            elif not s.updating and not self.delivery.serves(s, r):
+                self.fail(s, f"reports version {self.delivery.reported_version(r)}, expected {s.version} (restarted?)")
 
     async def heal(self, check_every_s: float = 2.0) -> None:
         """Forever: check the servers in rotation; retry those out of it, with backoff (joining
@@ -404,15 +239,14 @@ class ServerPool:
             for s in list(self.servers):
                 if s.healthy or s.silent or now < s.retry_at:
                     continue
-                # Read before awaiting: a load() meanwhile moves self.version on, and this server
+                # Read before awaiting: a load() meanwhile moves the version on, and this server
                 # must be recorded with the version it really loaded (follow_weights catches up).
-                version, path, local_path = self.version, self.path, self.local_path
+                target = self.delivery.target
                 try:
                     health = await s.client.health()
-                    s.version = self._reported_version(health)
-                    s.adapters = self._ours(health)  # what a restart lost is not there to unload
-                    if s.version != version and path:
-                        await self._load_one(s, version, path, local_path)
+                    self.delivery.note(s, health)
+                    if s.version != target.version and target.path:
+                        await self.delivery.bring(s, target)
                 except InferenceError as e:
                     if s.joined:
                         log.warning("server %s still down (%s); retry in %.0f s", s.url, e, self._back_off(s))

@@ -9,17 +9,22 @@
     rl plot runs/demo                           # the run's PNGs from its metrics.jsonl
 
 Programs are imported only after the config parsed, so `--help` and config errors are instant.
+`rl <program> --help` lists, after the usage, every config key the program reads with its
+type, default and documentation (the key's docstring in rl/config.py).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Callable
 
+import click
 import typer
+from typer.core import TyperCommand
 
 from rl.config import ConfigError, RunConfig, load_config
 
@@ -30,6 +35,29 @@ app = typer.Typer(
     "(several compose left to right), '--table.key value' overrides and '--dry-run'.",
 )
 _ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+# The config tables each command's --help lists besides the top-level keys: those its program
+# reads ("trainer.lora": that sub-table only).
+_ALL = ("inference", "transport", "weight_sync", "orchestrator", "trainer", "tracking")
+SECTIONS = {
+    "inference": ("inference", "weight_sync", "trainer.lora"),
+    "orchestrator": ("orchestrator", "inference", "transport", "weight_sync", "trainer.lora", "tracking"),
+    "trainer": ("trainer", "transport", "weight_sync"),
+    "run": _ALL,
+    "slurm": (*_ALL, "slurm"),
+    "eval": ("orchestrator", "inference", "trainer.lora"),
+}
+
+
+class ProgramCommand(TyperCommand):
+    """A command taking a config: its --help goes on to list the config keys with their docs."""
+
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        super().format_help(ctx, formatter)  # with rich, printed here; the formatter's text follows
+        from rl.config_doc import render_help
+
+        width = min(shutil.get_terminal_size((80, 24)).columns, 100)  # as rich draws the usage: 80 off a terminal
+        formatter.write(render_help(SECTIONS[self.name], width))
 
 
 def setup_logging(program: str) -> None:
@@ -87,7 +115,7 @@ def _program(program: str, argv: list[str], main: Callable[[RunConfig], object])
     raise typer.Exit(int(code or 0))
 
 
-@app.command(context_settings=_ARGS)
+@app.command(cls=ProgramCommand, context_settings=_ARGS)
 def inference(ctx: typer.Context) -> None:
     """Start a vLLM server with the admin routes (/health, /update_weights)."""
 
@@ -99,7 +127,7 @@ def inference(ctx: typer.Context) -> None:
     _program("inference", ctx.args, main)
 
 
-@app.command(context_settings=_ARGS)
+@app.command(cls=ProgramCommand, context_settings=_ARGS)
 def orchestrator(ctx: typer.Context) -> None:
     """Generate rollouts, score them, and hand batches to the trainer within the async bound."""
 
@@ -111,7 +139,7 @@ def orchestrator(ctx: typer.Context) -> None:
     _program("orchestrator", ctx.args, main)
 
 
-@app.command(context_settings=_ARGS)
+@app.command(cls=ProgramCommand, context_settings=_ARGS)
 def trainer(ctx: typer.Context) -> None:
     """Train with FSDP2 on each batch and publish weights/step_n (use torchrun for several ranks)."""
 
@@ -123,7 +151,7 @@ def trainer(ctx: typer.Context) -> None:
     _program("trainer", ctx.args, main)
 
 
-@app.command(context_settings=_ARGS)
+@app.command(cls=ProgramCommand, context_settings=_ARGS)
 def run(ctx: typer.Context) -> None:
     """Start inference, orchestrator and trainer locally; stop all if one fails."""
     cfg = resolve(ctx.args, "run")
@@ -132,7 +160,7 @@ def run(ctx: typer.Context) -> None:
     raise typer.Exit(launch(cfg, ctx.args))
 
 
-@app.command(context_settings=_ARGS)
+@app.command(cls=ProgramCommand, context_settings=_ARGS)
 def slurm(ctx: typer.Context) -> None:
     """Print an sbatch script that runs this config on a SLURM cluster (see docs/slurm.md)."""
     cfg = resolve(ctx.args, "slurm")
@@ -148,7 +176,7 @@ def slurm(ctx: typer.Context) -> None:
     typer.echo(script, nl=False)
 
 
-@app.command("eval", context_settings=_ARGS)
+@app.command("eval", cls=ProgramCommand, context_settings=_ARGS)
 def evaluate(ctx: typer.Context) -> None:
     """Evaluate weights/step_N (--step N) or the config's model on [orchestrator.eval] datasets,
     with a server of its own; prints the numbers and appends them to <output_dir>/evals.jsonl."""

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, field_validator, model_validator
 
-from rl.addresses import HostPort, HttpUrl, ZmqEndpoint, check_http_url, check_zmq_endpoint
+from rl.addresses import HostPort, HttpUrl, ZmqEndpoint, check_zmq_endpoint
 from rl.dataset_config import Dataset, DatasetConfig, EvalConfig, Sampling, check_reward_spec, is_module_attr
 
 

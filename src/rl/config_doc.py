@@ -1,16 +1,27 @@
-"""The resolved config as TOML with each key's docstring as a comment: what `--dry-run` prints
+"""The config's documentation, from each key's docstring.
+
+The resolved config as TOML with each key's docstring as a comment: what `--dry-run` prints
 and what each program saves as output_dir/config/<program>.toml when it starts. Secrets
 (inference.api_token) never appear: run directories get copied and shared. --dry-run shows
 "<redacted>"; a saved config leaves the key out, so that composing it again (`@ saved.toml`)
-takes the token from ASYNCRL_API_TOKEN instead of sending a placeholder."""
+takes the token from ASYNCRL_API_TOKEN instead of sending a placeholder.
+
+And the keys a program reads, each with its type, default and docstring: what
+`rl <program> --help` lists after the usage (render_help).
+"""
 
 from __future__ import annotations
 
 import json
 import re
+import textwrap
+import types
+from pathlib import Path
+from typing import Literal, Union, get_args, get_origin
 
 import tomli_w
 from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 
 from rl.config import RunConfig, to_toml_dict
 from rl.rundir import RunDir, write_file_atomic
@@ -61,3 +72,109 @@ def save_resolved(cfg: RunConfig, program: str) -> None:
     run = RunDir(cfg.run_dir)  # a multi-run's run saves under runs/<name>/
     run.make()
     write_file_atomic(run.config_file(program), render_toml(cfg, omit_secrets=True).encode())
+
+
+# --- rl <program> --help ---------------------------------------------------------------------
+
+_TYPE_NAMES = {int: "INT", float: "FLOAT", bool: "BOOL", str: "TEXT", Path: "PATH"}
+_INDENT = "  "
+
+
+def render_help(sections: tuple[str, ...], width: int = 100) -> str:
+    """The top-level keys and those of the given tables ("trainer", or "trainer.lora" for one
+    sub-table), each as `--table.key TYPE  (default ...)` over its docstring, table by table."""
+    head = ("Config keys, set in the tables of '@ cfg.toml' files or as --table.key value "
+            "(--dry-run prints the resolved config):")
+    return "\n".join(["", *_wrap(head, width, ""), *_table_help(RunConfig, "", None, sections, width, {})]) + "\n"
+
+
+def _table_help(cls: type[BaseModel], path: str, doc: str | None, sections: tuple[str, ...], width: int,
+                seen: dict[type, str]) -> list[str]:
+    """The lines of table `path` (model `cls`) and of the tables inside it that `sections` ask for."""
+    lines: list[str] = []
+    if _shown(path, sections):
+        lines += ["", f"[{path}]" if path else "top-level keys", *_wrap(doc, width, _INDENT)]
+        for name, field in cls.model_fields.items():
+            if _table(field) is None:
+                lines += _key_help(f"--{path}.{name}" if path else f"--{name}", field, width)
+        for name, field in cls.model_fields.items():
+            if entry := _entries(field):
+                lines += _entries_help(entry, f"{path}.{name}", width, seen)
+    for name, field in cls.model_fields.items():
+        sub, sub_path = _table(field), f"{path}.{name}" if path else name
+        if sub is not None and _leads_to(sub_path, sections):
+            lines += _table_help(sub, sub_path, field.description or sub.__doc__, sections, width, seen)
+    return lines
+
+
+def _entries_help(cls: type[BaseModel], path: str, width: int, seen: dict[type, str]) -> list[str]:
+    """The keys of each [[path]] entry (a TOML table, or an inline one in --path [{...}]), listed
+    once per help; a second list of the same entries points at the first."""
+    if cls in seen:
+        return ["", f"[[{path}]]", *_wrap(f"Each entry takes the keys of [[{seen[cls]}]].", width, _INDENT)]
+    seen[cls] = path
+    lines = ["", f"[[{path}]]", *_wrap("Each entry takes:", width, _INDENT)]
+    for name, field in cls.model_fields.items():
+        lines += _key_help(name, field, width)
+    return lines
+
+
+def _key_help(key: str, field: FieldInfo, width: int) -> list[str]:
+    return [f"{_INDENT}{key} {_type_name(field.annotation)}  ({_default(field)})",
+            *_wrap(field.description, width, _INDENT * 3)]
+
+
+def _shown(path: str, sections: tuple[str, ...]) -> bool:
+    return not path or any(path == s or path.startswith(f"{s}.") for s in sections)
+
+
+def _leads_to(path: str, sections: tuple[str, ...]) -> bool:
+    """Shown itself, or holding a table that is (trainer, for trainer.lora)."""
+    return _shown(path, sections) or any(s.startswith(f"{path}.") for s in sections)
+
+
+def _table(field: FieldInfo) -> type[BaseModel] | None:
+    a = field.annotation
+    return a if isinstance(a, type) and issubclass(a, BaseModel) else None
+
+
+def _entries(field: FieldInfo) -> type[BaseModel] | None:
+    """The entry model of a list-of-tables key (`[[orchestrator.datasets]]`)."""
+    if get_origin(field.annotation) is list:
+        (a,) = get_args(field.annotation)
+        if isinstance(a, type) and issubclass(a, BaseModel):
+            return a
+    return None
+
+
+def _type_name(annotation) -> str:
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Literal:
+        return "|".join(str(a) for a in args)
+    if origin in (Union, types.UnionType):  # X | None: unset is the default, not a value to type
+        return "|".join(_type_name(a) for a in args if a is not type(None))
+    if origin in (list, tuple):
+        return "LIST"
+    if origin is dict:
+        return "TABLE"
+    return _TYPE_NAMES.get(annotation, getattr(annotation, "__name__", str(annotation)).upper())
+
+
+def _default(field: FieldInfo) -> str:
+    if field.is_required():
+        return "required"
+    value = field.get_default(call_default_factory=True)
+    return "default unset" if value is None else f"default {_inline(_plain(value))}"
+
+
+def _plain(value):
+    """A default as TOML can write it (tomli_w knows neither paths nor tuples)."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return str(value) if isinstance(value, Path) else value
+
+
+def _wrap(text: str | None, width: int, indent: str) -> list[str]:
+    # No breaks at hyphens: flash_attention_2, tcp://*:5557 and file names stay whole.
+    return textwrap.wrap(" ".join((text or "").split()), width, initial_indent=indent, subsequent_indent=indent,
+                         break_on_hyphens=False, break_long_words=False)

@@ -1,5 +1,5 @@
 """The inference server's HTTP surface as the orchestrator uses it: request bodies (validated by
-the server with these same models) and an aiohttp client.
+the server with these same models), the table of routes and an aiohttp client.
 
 Generation is token-in, token-out (`POST /generate`): the orchestrator sends token ids and gets
 token ids, the sampled tokens' logprobs and, per token, the policy version that sampled it. Text
@@ -7,25 +7,9 @@ round trips would re-tokenize completions differently from how they were sampled
 multi-turn episodes and the trainer's logprob ratios. vLLM's OpenAI routes stay available for
 people; the run does not depend on them.
 
-    POST /generate        GenerateRequest -> GenerateResponse; the n samples are engine requests
-                          "<request_id>-<i>", so /abort can reach them
-    POST /abort           {"request_ids": [...]}: abort those generate requests in the engine
-    POST /update_weights  {"path", "version", "mode"}: load weights; mode "wait" lets running
-                          requests finish on the old weights first, "keep" swaps them between two
-                          decode steps (in-flight update: later tokens carry the new version)
-    POST /init_broadcaster {"address", "rank_offset", "world_size"}: the server's workers join
-                          the trainer's weight broadcast group (rl/broadcast.py) as ranks
-                          rank_offset.. rank_offset+workers-1; answers once the group is formed
-    GET  /broadcaster     {"workers", "group"}: ranks the server takes in a broadcast group, and
-                          the group it joined (null before /init_broadcaster)
-    POST /load_lora_adapter {"name", "path", "version"} (trainer.lora.rank > 0): load the peft
-                          adapter in path (under output_dir/weights/ or output_dir/runs/<run>/
-                          weights/) as `name`; {"name", "version", "load_s", "already"}. The same
-                          name, path and version again is a no-op; a name loaded from another
-                          path or version is 409, as is a load past inference.max_loras
-    POST /unload_lora_adapter {"name"}: drop an adapter; 409 while a /generate uses it
-    GET  /health          {"status", "version", "path", "running"}, and with trainer.lora.rank > 0
-                          "adapters": {name: version}
+The routes are listed once, in ROUTES (path, method, request and response models, one line on
+what each does): the server (inference/routes.py) registers its handlers from it and
+InferenceClient calls it from it, so neither can name a route or a body the other does not know.
 
 A GenerateRequest naming `lora` samples with that adapter on the base weights; every token's
 version is the version the adapter was loaded as.
@@ -38,6 +22,7 @@ Request bodies with unknown fields are refused.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Literal
 
 import aiohttp
@@ -132,6 +117,58 @@ class InitBroadcasterRequest(Body):
     """Trainer rank 0 plus every worker of every server."""
 
 
+@dataclass(frozen=True)
+class Route:
+    """One route of the inference server, as the server registers it and the client calls it."""
+
+    method: Literal["GET", "POST"]
+    path: str
+    request: type[Body] | None
+    """The JSON body; None: the route takes none."""
+    response: type[BaseModel] | None
+    """The answer's model; None: a small JSON object, whose keys `about` names."""
+    about: str
+    """What the route does and answers, in one line."""
+
+
+# Keyed by name: the server's handler and the client's method are both called this.
+ROUTES: dict[str, Route] = {
+    "health": Route(
+        "GET", "/health", None, None,
+        'engine health, the version now serving, its path and the engine requests running: {"status", '
+        '"version", "path", "running"}, and with trainer.lora.rank > 0 "adapters": {name: version}'),
+    "generate": Route(
+        "POST", "/generate", GenerateRequest, GenerateResponse,
+        "token ids in, token ids + logprobs + per-token policy versions out; the n samples are engine "
+        'requests "<request_id>-<i>", so /abort can reach them'),
+    "abort": Route(
+        "POST", "/abort", AbortRequest, None,
+        'abort the engine requests of those /generate calls: {"aborted": how many calls}'),
+    "update_weights": Route(
+        "POST", "/update_weights", UpdateWeightsRequest, None,
+        'load the weights in path as version; mode "wait" lets running requests finish on the old weights '
+        'first, "keep" swaps them between two decode steps (later tokens carry the new version); answers '
+        'once the new weights serve: {"version", "reload_s", "switched"}'),
+    "init_broadcaster": Route(
+        "POST", "/init_broadcaster", InitBroadcasterRequest, None,
+        "the server's workers join the trainer's weight broadcast group (rl/broadcast.py) as ranks "
+        "rank_offset.. rank_offset+workers-1, after which a path holding broadcast.json is received from "
+        'the trainer; answers once the group is formed: {"address", "ranks", "world_size", "already"}'),
+    "broadcaster": Route(
+        "GET", "/broadcaster", None, None,
+        'ranks the server takes in a broadcast group, and the group it joined (null before '
+        '/init_broadcaster): {"workers", "group"}'),
+    "load_lora_adapter": Route(
+        "POST", "/load_lora_adapter", LoadLoRARequest, None,
+        "(trainer.lora.rank > 0) load the peft adapter in path as name; the same name, path and version "
+        "again is a no-op, a name loaded from another path or version is 409, as is a load past "
+        'inference.max_loras: {"name", "version", "load_s", "already"}'),
+    "unload_lora_adapter": Route(
+        "POST", "/unload_lora_adapter", UnloadLoRARequest, None,
+        'drop an adapter; 409 while a /generate uses it: {"name", "version"}'),
+}
+
+
 class InferenceError(Exception):
     """A call to an inference server that failed; the message names the server and the route."""
 
@@ -158,7 +195,14 @@ class InferenceClient:
         token = resolve_token(token)
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
 
-    async def _call(self, method: str, route: str, timeout: float, body: dict | None = None) -> dict:
+    async def call(self, name: str, timeout: float, body: Body | None = None):
+        """The route ROUTES[name]; its response model, else the JSON object it answered."""
+        route = ROUTES[name]
+        assert isinstance(body, route.request or type(None)), (name, body)
+        data = await self._request(route.method, route.path, timeout, None if body is None else body.model_dump())
+        return data if route.response is None else route.response.model_validate(data)
+
+    async def _request(self, method: str, route: str, timeout: float, body: dict | None) -> dict:
         try:
             async with self.session.request(
                 method, f"{self.url}{route}", json=body, headers=self.headers,
@@ -175,30 +219,26 @@ class InferenceClient:
             raise InferenceError(f"{self.url}{route}: {type(e).__name__}: {e}") from None
 
     async def health(self, timeout: float = 5.0) -> dict:
-        return await self._call("GET", "/health", timeout)
+        return await self.call("health", timeout)
 
     async def update_weights(self, path: str, version: int, mode: str, timeout: float) -> dict:
-        body = UpdateWeightsRequest(path=path, version=version, mode=mode).model_dump()
-        return await self._call("POST", "/update_weights", timeout, body)
+        return await self.call("update_weights", timeout, UpdateWeightsRequest(path=path, version=version, mode=mode))
 
     async def broadcaster(self, timeout: float = 10.0) -> dict:
-        return await self._call("GET", "/broadcaster", timeout)
+        return await self.call("broadcaster", timeout)
 
     async def init_broadcaster(self, address: str, rank_offset: int, world_size: int, timeout: float) -> dict:
-        body = InitBroadcasterRequest(address=address, rank_offset=rank_offset, world_size=world_size).model_dump()
-        return await self._call("POST", "/init_broadcaster", timeout, body)
+        body = InitBroadcasterRequest(address=address, rank_offset=rank_offset, world_size=world_size)
+        return await self.call("init_broadcaster", timeout, body)
 
     async def load_lora_adapter(self, name: str, path: str, version: int, timeout: float) -> dict:
-        body = LoadLoRARequest(name=name, path=path, version=version).model_dump()
-        return await self._call("POST", "/load_lora_adapter", timeout, body)
+        return await self.call("load_lora_adapter", timeout, LoadLoRARequest(name=name, path=path, version=version))
 
     async def unload_lora_adapter(self, name: str, timeout: float = 30.0) -> dict:
-        body = UnloadLoRARequest(name=name).model_dump()
-        return await self._call("POST", "/unload_lora_adapter", timeout, body)
+        return await self.call("unload_lora_adapter", timeout, UnloadLoRARequest(name=name))
 
     async def generate(self, request: GenerateRequest, timeout: float) -> GenerateResponse:
-        data = await self._call("POST", "/generate", timeout, request.model_dump())
-        return GenerateResponse.model_validate(data)
+        return await self.call("generate", timeout, request)
 
     async def abort(self, request_ids: list[str], timeout: float = 10.0) -> dict:
-        return await self._call("POST", "/abort", timeout, {"request_ids": request_ids})
+        return await self.call("abort", timeout, AbortRequest(request_ids=request_ids))

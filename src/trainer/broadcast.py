@@ -52,7 +52,7 @@ class WeightBroadcaster:
         mark_stable(out)
         bc.send_version(self.group, manifest, state_dict)
         write_file_atomic(out / bc.DELIVERED, b"")
-        # trainer/main.py prunes only what it wrote itself.
+        # Each publisher prunes what it wrote itself (trainer/publish.py).
         prune_weights(self.run, self.keep)
         seconds = time.perf_counter() - start
         log.info("weight broadcast: version %d (%d buckets, %.1f MB) loaded on %d worker(s) in %.2f s", step,

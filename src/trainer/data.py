@@ -30,7 +30,7 @@ def receive_batch(receiver: BatchReceiver | None, step: int, timeout_s: float,
     """Batch `step` on every rank, and the seconds waited for it.
 
     Only rank 0 holds the receiver (the directory or the socket): it checks the batch (and
-    rejects a damaged one, rl/transport.py) and passes the raw bytes on (trainer/parallel.py
+    rejects a damaged one, rl/transport_files.py) and passes the raw bytes on (trainer/parallel.py
     share_bytes), so the other ranks decode exactly what rank 0 checked, all ranks train on the
     same batch even if its file is replaced meanwhile, and no rank ever unpickles anything.
     """

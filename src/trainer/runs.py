@@ -33,8 +33,9 @@ from rl.config import ConfigError, RunConfig, load_config
 from rl.heartbeat import PeerState, PeerWatch
 from rl.rundir import RunDir, write_file_atomic
 from rl.transport import BatchReceiver
-from trainer.main import Policy, Trainer
 from trainer.parallel import share_json
+from trainer.policy import Policy
+from trainer.trainer import Trainer
 
 log = logging.getLogger("trainer")
 

@@ -1,0 +1,204 @@
+"""Generation with version tags: /generate runs token ids straight on the engine
+(AsyncLLM.generate, not through the OpenAI layer) and tags every sampled token with the policy
+version that sampled it; /abort stops those engine requests.
+
+Per-token versions: each engine request keeps switch points (token index, version); an update
+reads from the workers how many tokens each in-flight request had sampled before the reload and
+appends (that count, new version) (Generations.switch). Requests still queued in the engine keep
+their older tag. Adapter requests have no switch points: every token carries the version the
+adapter was loaded as (an adapter never changes once loaded; a new version is a new adapter).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from fastapi import HTTPException
+
+from inference.adapters import Adapter, Adapters
+from rl.inference_api import AbortRequest, GeneratedSample, GenerateRequest, GenerateResponse
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class Generation:
+    """One /generate call: the engine requests "<request_id>-<i>" of its n samples."""
+
+    def __init__(self, request_id: str, n: int):
+        self.engine_ids = [f"{request_id}-{i}" for i in range(n)]
+        self.aborted = False
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What one /generate call samples with: the base weights or an adapter."""
+
+    version: int
+    salt: str
+    """The prefix cache salt: cached KV from other weights must not seed this call."""
+    lora: object | None
+    """The engine's LoRARequest; None: the base weights."""
+    switches: bool
+    """Whether a reload switches its requests to the new version (not for an adapter's)."""
+
+
+class Generations:
+    """The /generate calls in progress, the version they start on and the version switch points
+    of their engine requests."""
+
+    def __init__(self, seq_len: int, adapters: Adapters):
+        self.seq_len = seq_len
+        self.adapters = adapters
+        self.engine = None
+        self.version = 0
+        # Cleared during an update: /generate calls wait on it before reading the version, so a
+        # request registered at version v samples its first token with v's weights.
+        self.serving = asyncio.Event()
+        self.serving.set()
+        self.reloads = 0
+        self.generations: dict[str, Generation] = {}
+        # Engine request id -> [(first token index, version that samples from there on), ...].
+        self.switches: dict[str, list[tuple[int, int]] | None] = {}
+
+    async def generate(self, body: GenerateRequest) -> GenerateResponse:
+        self.check(body)
+        adapter = self.adapters.lookup(body.lora)
+        if body.request_id in self.generations:
+            raise HTTPException(409, f"request_id: {body.request_id} is already generating")
+        gen = self.generations[body.request_id] = Generation(body.request_id, body.n)
+        # Counted from here, before any suspension: an unload that runs later sees it.
+        if adapter:
+            adapter.running += 1
+        try:
+            results = await self.run(gen, body, adapter)
+        finally:
+            del self.generations[body.request_id]
+            if adapter:
+                adapter.running -= 1
+        return GenerateResponse(samples=[s for s, _ in results],
+                                prompt_logprobs=results[0][1] if body.prompt_logprobs else None)
+
+    async def abort(self, body: AbortRequest) -> dict:
+        gens = [self.generations[r] for r in set(body.request_ids) if r in self.generations]
+        for gen in gens:
+            gen.aborted = True
+        if gens:
+            # External ids: vLLM aborts every internal request made from each.
+            await self.engine.abort([e for gen in gens for e in gen.engine_ids])
+        return {"aborted": len(gens)}
+
+    def check(self, body: GenerateRequest) -> None:
+        # Checked here, not left to the engine: its errors name neither the field nor seq_len.
+        prompt_len, limit = len(body.prompt_token_ids), self.seq_len
+        if prompt_len + body.max_tokens > limit:
+            raise HTTPException(400, f"max_tokens: prompt ({prompt_len} tokens) + max_tokens "
+                                     f"({body.max_tokens}) exceeds seq_len {limit}")
+        vocab = self.engine.model_config.get_vocab_size()
+        for field in ("prompt_token_ids", "stop_token_ids"):
+            bad = [t for t in getattr(body, field) if not 0 <= t < vocab]
+            if bad:
+                raise HTTPException(400, f"{field}: token ids {bad[:5]} outside the vocabulary "
+                                         f"[0, {vocab})")
+
+    def policy(self, adapter: Adapter | None) -> Policy:
+        """Read once the server serves (not during an update)."""
+        # Salted per reload: the prefix cache cannot always be reset (an in-flight update keeps
+        # running requests' blocks), and KV computed by older weights must not seed a request
+        # tagged with the new version. Adapter requests also per load: vLLM keys cached blocks
+        # by adapter name and path, which a reload of rewritten files under the same name keeps.
+        salt = f"reload-{self.reloads}"
+        if adapter is None:
+            return Policy(self.version, salt, None, switches=True)
+        return Policy(adapter.version, f"{salt}-lora-{adapter.request.lora_int_id}", adapter.request,
+                      switches=False)
+
+    async def run(self, gen: Generation, body: GenerateRequest,
+                  adapter: Adapter | None) -> list[tuple[GeneratedSample, list[float | None] | None]]:
+        from vllm.inputs.engine import tokens_input
+
+        try:
+            await self.serving.wait()
+            policy = self.policy(adapter)
+            # Rendered input (not a raw TokensPrompt) keeps vLLM off its tokenizer thread pool.
+            prompt = tokens_input(body.prompt_token_ids, cache_salt=policy.salt)
+            # A TaskGroup: if one sample fails, the others are cancelled, which aborts their
+            # engine requests instead of leaving them running for nobody.
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(self.sample(gen, i, body, prompt, policy)) for i in range(body.n)]
+        except* Exception as failed:
+            raise failed.exceptions[0] from None  # what the exception handlers understand
+        return [t.result() for t in tasks]
+
+    async def sample(self, gen: Generation, i: int, body: GenerateRequest, prompt,
+                     policy: Policy) -> tuple[GeneratedSample, list[float | None] | None]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        engine_id = gen.engine_ids[i]
+        # Checked right before engine.generate, which registers the request before its first
+        # suspension: an /abort that ran earlier is seen here, a later one reaches the engine.
+        if gen.aborted:
+            return GeneratedSample(token_ids=[], logprobs=[], versions=[],
+                                   finish_reason="abort"), None
+        params = SamplingParams(
+            n=1, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+            max_tokens=body.max_tokens, stop=body.stop or None, stop_token_ids=body.stop_token_ids, logprobs=0,
+            # One sample scores the prompt: the samples share it, and asking on all n would
+            # compute it n times instead of sharing the prefix cache.
+            prompt_logprobs=0 if body.prompt_logprobs and i == 0 else None,
+            # Stop strings are matched on text: only they need the detokenizer.
+            output_kind=RequestOutputKind.FINAL_ONLY, detokenize=bool(body.stop),
+        )
+        # An adapter request is registered without switch points (None): a full reload does not
+        # change what version its tokens are, and switch() leaves it alone.
+        switches = [(0, policy.version)]
+        self.switches[engine_id] = switches if policy.switches else None
+        try:
+            async for out in self.engine.generate(prompt, params, engine_id, lora_request=policy.lora):
+                final = out
+        finally:
+            del self.switches[engine_id]
+        return self.tagged(engine_id, final, switches, body, params)
+
+    @staticmethod
+    def tagged(engine_id: str, final, switches: list[tuple[int, int]], body: GenerateRequest,
+               params) -> tuple[GeneratedSample, list[float | None] | None]:
+        """The engine's final output as a sample, each token tagged with its version."""
+        c = final.outputs[0]
+        if c.finish_reason not in FINISH_REASONS:
+            raise HTTPException(500, f"engine request {engine_id} finished with {c.finish_reason}")
+        tokens = list(c.token_ids)
+        versions = [switches[0][1]] * len(tokens)
+        for start, v in switches[1:]:
+            versions[start:] = [v] * max(0, len(tokens) - start)
+        sample = GeneratedSample(
+            token_ids=tokens, logprobs=[c.logprobs[j][t].logprob for j, t in enumerate(tokens)],
+            versions=versions, finish_reason=c.finish_reason,
+        )
+        prompt_logprobs = None
+        if params.prompt_logprobs is not None and final.prompt_logprobs is not None:
+            prompt_logprobs = [None if d is None else d[t].logprob
+                               for d, t in zip(final.prompt_logprobs, body.prompt_token_ids)]
+        return sample, prompt_logprobs
+
+    def switch(self, sampled: dict[str, int], version: int) -> int:
+        """Record that the requests the worker held (internal id -> tokens sampled before the
+        reload) sample with `version` from that token on, and count the reload (the prefix
+        cache salt). vLLM's internal ids are the external id plus "-" and 8 random characters
+        (v1/engine/input_processor.py assign_request_id).
+
+        Our requests the worker did not hold (still queued in the engine, or on their way to it)
+        get no switch point, though they may sample every token with the new weights: a tag
+        older than the truth never breaks the staleness bound, which only drops samples that
+        are too old. A request that finished in the last step may be counted, harmlessly: its
+        switch point lies past its last token.
+        """
+        switched = 0
+        for internal_id, count in sampled.items():
+            switches = self.switches.get(internal_id[:-9])
+            if switches is not None:
+                switches.append((count, version))
+                switched += 1
+        self.reloads += 1
+        return switched

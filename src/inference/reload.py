@@ -1,0 +1,229 @@
+"""The server side of full weight delivery: /update_weights brings the engine to version v from
+the directory the trainer delivered, reloading in place between two engine steps; /init_broadcaster
+and /broadcaster set up the broadcast a version may arrive by instead of files.
+
+An update pauses the engine ("wait": running requests finish first; "keep": they are frozen
+between two decode steps), reloads, records where each running request switched version
+(generation.py), resumes, and answers once the new weights serve. How the workers get the
+tensors is a Reload, one implementation per kind:
+
+  FilesReload       the workers read the directory's safetensors
+  BroadcastReceive  the directory holds broadcast.json: the workers receive the tensors from
+                    the trainer's broadcast (rl/broadcast.py); any other directory is files
+
+A server starts with FilesReload and switches to BroadcastReceive once its workers joined a
+broadcast group (which is for the server's life). LoRA adapters arrive another way: adapters.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+from fastapi import HTTPException
+
+from inference.access import WeightRoots
+from inference.generation import Generations
+from rl import broadcast as bc
+from rl.config import RunConfig
+from rl.inference_api import InitBroadcasterRequest, UpdateWeightsRequest
+
+log = logging.getLogger("inference")
+
+
+def rpc_error(what: str, e: Exception) -> HTTPException:
+    text = str(e) or type(e).__name__
+    timed_out = isinstance(e, TimeoutError) or "timeout" in text.lower() or "timed out" in text.lower()
+    return HTTPException(504 if timed_out else 500, f"{what} failed: {text[:1000]}")
+
+
+class Reload(ABC):
+    """How the workers load version v from a directory the trainer delivered."""
+
+    group: tuple[str, int, int] | None = None
+    """(address, rank_offset, world_size) of the broadcast group the workers joined, if any."""
+
+    @abstractmethod
+    def prepare(self, path: Path, version: int) -> Reload:
+        """The reload that loads `path` as `version`, or the HTTPException saying why none can.
+        Runs before the update lock: a refusal waits behind no reload."""
+
+    def settled(self, path: Path, version: int, serving: int) -> bool:
+        """Under the update lock, the engine serving `serving`: True if `version` needs no reload."""
+        return False
+
+    @abstractmethod
+    async def load(self, engine, path: Path, version: int) -> dict[str, int]:
+        """With the engine paused: load the weights; per engine request the worker held (vLLM's
+        internal id), how many tokens it had sampled before (worker_extension.py)."""
+
+
+class FilesReload(Reload):
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+
+    def prepare(self, path: Path, version: int) -> Reload:
+        if (path / bc.MANIFEST).is_file():
+            raise HTTPException(409, f"path: {path} holds a broadcast manifest, but this server is in no "
+                                     "broadcast group (POST /init_broadcaster first)")
+        return self
+
+    async def load(self, engine, path: Path, version: int) -> dict[str, int]:
+        sampled = await engine.collective_rpc("asyncrl_reload_weights", timeout=self.timeout_s, args=(str(path),))
+        return sampled[0]
+
+
+class BroadcastReceive(Reload):
+    def __init__(self, files: FilesReload, group: tuple[str, int, int], sync_timeout_s: float):
+        self.files = files
+        self.group = group
+        # The workers' own waits are bounded by weight_sync.timeout_s and name the group; this
+        # one only catches a worker that never answers.
+        self.timeout_s = files.timeout_s + sync_timeout_s
+
+    def prepare(self, path: Path, version: int) -> Reload:
+        if not (path / bc.MANIFEST).is_file():
+            return self.files
+        try:
+            manifest = bc.read_manifest(path)
+        except (ValueError, KeyError, TypeError) as e:
+            raise HTTPException(422, f"path: {path}/{bc.MANIFEST} is malformed: {e}") from None
+        if manifest.version != version:
+            raise HTTPException(400, f"version: {version}, but {path}/{bc.MANIFEST} is version {manifest.version}")
+        return self
+
+    def settled(self, path: Path, version: int, serving: int) -> bool:
+        if serving == version:
+            # Already received (another caller asked first): receiving again would wait for a
+            # broadcast that never comes.
+            return True
+        if (path / bc.DELIVERED).exists():
+            raise HTTPException(409, f"version {version} was broadcast without this server (it serves "
+                                     f"{serving}); it cannot catch up without a restart of the trainer and the "
+                                     "servers")
+        return False
+
+    async def load(self, engine, path: Path, version: int) -> dict[str, int]:
+        try:
+            sampled = await engine.collective_rpc("asyncrl_receive_weights", timeout=self.timeout_s,
+                                                  args=(str(path / bc.MANIFEST),))
+        except Exception as e:
+            raise rpc_error(f"receiving version {version} by broadcast", e) from None
+        return sampled[0]
+
+
+class Weights:
+    """The full weights the engine serves: the directory they came from, how the next version
+    arrives (a Reload), and the routes that bring it in. The version itself is
+    Generations.version: /generate reads it, an update writes it."""
+
+    def __init__(self, cfg: RunConfig, roots: WeightRoots, generations: Generations):
+        self.cfg = cfg
+        self.roots = roots
+        self.generations = generations
+        self.engine = None
+        self.path = str(cfg.model)
+        self.lock = asyncio.Lock()
+        # Files until the workers join a broadcast group (init_broadcaster).
+        self.reload: Reload = FilesReload(cfg.inference.reload_timeout_s)
+
+    @property
+    def workers(self) -> int:
+        """Workers of this engine (tensor x pipeline parallel): each is one broadcast rank."""
+        return self.engine.vllm_config.parallel_config.world_size
+
+    async def update_weights(self, body: UpdateWeightsRequest) -> dict:
+        path = self.roots.confine(body.path)
+        reload = self.reload.prepare(path, body.version)
+        async with self.lock:
+            if reload.settled(path, body.version, self.generations.version):
+                return {"version": self.generations.version, "reload_s": 0.0, "switched": 0}
+            start = time.perf_counter()
+            try:
+                paused, switched = await self.switch_to(reload, path, body)
+            except TimeoutError:
+                raise HTTPException(504, f"reload of {path} timed out") from None
+            seconds = time.perf_counter() - paused
+        log.info("now serving version %d from %s (mode %s: paused after %.3f s, reload %.3f s, "
+                 "%d requests switched)", body.version, path, body.mode, paused - start,
+                 seconds, switched)
+        return {"version": self.generations.version, "reload_s": seconds, "switched": switched}
+
+    async def switch_to(self, reload: Reload, path: Path, body: UpdateWeightsRequest) -> tuple[float, int]:
+        """Pause, load, resume; returns when the pause took hold and how many requests switched."""
+        gens = self.generations
+        gens.serving.clear()
+        try:
+            await self.pause(body.mode)
+            # reload_s counts from here: the time nothing generates ("wait" drains first,
+            # generating as it goes).
+            paused = time.perf_counter()
+            try:
+                switched = gens.switch(await reload.load(self.engine, path, body.version), body.version)
+                # Cached KV was computed by the old weights. This fails (vLLM logs it)
+                # while running requests hold blocks, hence the per-reload cache salt.
+                await self.engine.reset_prefix_cache()
+                gens.version, self.path = body.version, str(path)
+            finally:
+                # A failed reload must not leave the engine paused.
+                await self.engine.resume_generation()
+        finally:
+            gens.serving.set()
+        return paused, switched
+
+    async def pause(self, mode: str) -> None:
+        """Stop the scheduler between two engine steps (mode: what happens to running requests).
+        AsyncLLM.pause_generation does this and then sleeps a fixed 20 ms so that callers see the
+        last outputs first (vllm 0.32: "not required for correctness"): a third of a tiny model's
+        whole update (docs/performance.md), so the engine core is asked directly."""
+        core = getattr(self.engine, "engine_core", None)
+        if hasattr(core, "pause_scheduler_async"):
+            await core.pause_scheduler_async(mode=mode, clear_cache=False)
+        else:
+            await self.engine.pause_generation(mode=mode, clear_cache=False)
+
+    async def broadcaster(self) -> dict:
+        group = self.reload.group
+        return {"workers": self.workers,
+                "group": None if group is None else dict(zip(("address", "rank_offset", "world_size"), group))}
+
+    async def init_broadcaster(self, body: InitBroadcasterRequest) -> dict:
+        ws = self.cfg.weight_sync
+        # Like weight paths, only the configured source: the route makes every worker
+        # connect to that address and load whatever arrives from it.
+        if body.address != ws.address:
+            raise HTTPException(403, f"address: {body.address} is not this server's weight_sync.address "
+                                     f"({ws.address})")
+        try:
+            bc.parse_address(body.address)
+        except ValueError as e:
+            raise HTTPException(400, f"address: {e}") from None
+        last = body.rank_offset + self.workers - 1
+        if last >= body.world_size:
+            raise HTTPException(400, f"world_size: {body.world_size} leaves no room for this server's "
+                                     f"{self.workers} worker(s) from rank_offset {body.rank_offset}")
+        wanted = (body.address, body.rank_offset, body.world_size)
+        async with self.lock:
+            if self.reload.group == wanted:
+                # An orchestrator restarted on the same run asks again.
+                return {"address": body.address, "ranks": list(range(body.rank_offset, last + 1)),
+                        "world_size": body.world_size, "already": True}
+            if self.reload.group is not None:
+                raise HTTPException(409, f"already in the broadcast group {self.reload.group} (address, "
+                                         "rank_offset, world_size); joining another needs a restart of this server")
+            start = time.perf_counter()
+            try:
+                ranks = await self.engine.collective_rpc(
+                    "asyncrl_init_broadcaster", timeout=ws.timeout_s + 30,
+                    args=(body.address, body.rank_offset, body.world_size, ws.timeout_s,
+                          f"{socket.gethostname()}:{self.cfg.inference.port}"))
+            except Exception as e:
+                raise rpc_error(f"joining the broadcast group at {body.address}", e) from None
+            self.reload = BroadcastReceive(self.reload, wanted, ws.timeout_s)
+        log.info("joined the weight broadcast group at %s as rank(s) %s of %d in %.1f s", body.address, ranks,
+                 body.world_size, time.perf_counter() - start)
+        return {"address": body.address, "ranks": ranks, "world_size": body.world_size, "already": False}

@@ -1,0 +1,104 @@
+"""The trainer's side of weight delivery: after step n, version n goes to the inference servers.
+
+One interface, one implementation per way of delivering, chosen once when the trainer starts:
+    AdapterPublisher    trainer.lora.rank > 0: the run's adapter as a peft directory weights/step_n
+    BroadcastPublisher  weight_sync.kind = "broadcast": the full weights streamed from rank 0 to
+                        every inference worker (trainer/broadcast.py), weights/step_n holding the manifest
+    FilePublisher       otherwise: the full weights as an HF directory weights/step_n (trainer/weights.py)
+
+publish() is a collective (gathering the FSDP2 shards needs every rank); only rank 0 delivers,
+and its seconds are the step's write_s in metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from rl.config import RunConfig
+from rl.rundir import RunDir
+from trainer.lora import LoRA
+from trainer.policy import Policy
+from trainer.weights import gather_full_state_dict, prune_weights, write_adapter, write_weights
+
+
+class Publisher:
+    """Delivers a policy's version `step`; rank 0 returns the seconds delivery took, other ranks 0."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def publish(self, policy: Policy, step: int) -> float:
+        tensors = self.gather(policy)  # collective: all ranks
+        if self.rank != 0:
+            return 0.0
+        return self.deliver(policy, step, tensors)
+
+    def gather(self, policy: Policy) -> dict[str, torch.Tensor]:
+        """Collective: the full tensors to deliver (on rank 0; other ranks may get nothing)."""
+        raise NotImplementedError
+
+    def deliver(self, policy: Policy, step: int, tensors: dict[str, torch.Tensor]) -> float:
+        """Rank 0: make version `step` available to the servers; returns seconds taken."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what delivery holds (a broadcast group); the trainer calls it once at the end."""
+
+
+class FilePublisher(Publisher):
+    def __init__(self, rank: int, model: torch.nn.Module, source: Path, tied: bool):
+        super().__init__(rank)
+        self.model, self.source, self.tied = model, source, tied
+
+    def gather(self, policy: Policy) -> dict[str, torch.Tensor]:
+        return gather_full_state_dict(self.model)
+
+    def deliver(self, policy: Policy, step: int, tensors: dict[str, torch.Tensor]) -> float:
+        t = policy.cfg.trainer
+        seconds = write_weights(policy.run, step, tensors, self.source, self.tied, t.weights_shard_mb << 20)
+        prune_weights(policy.run, t.keep_weights)
+        return seconds
+
+
+class BroadcastPublisher(FilePublisher):
+    def __init__(self, rank: int, model: torch.nn.Module, cfg: RunConfig, run: RunDir, tied: bool):
+        super().__init__(rank, model, cfg.model, tied)
+        self.broadcaster = None
+        if rank == 0:
+            from trainer.broadcast import WeightBroadcaster
+
+            self.broadcaster = WeightBroadcaster(cfg, run, tied)  # waits for the servers to join
+
+    def deliver(self, policy: Policy, step: int, tensors: dict[str, torch.Tensor]) -> float:
+        # weights/step_n then holds the bucket manifest + STABLE; the tensors go over the wire.
+        return self.broadcaster.publish(step, tensors)
+
+    def close(self) -> None:
+        if self.broadcaster is not None:
+            self.broadcaster.close()
+
+
+class AdapterPublisher(Publisher):
+    def __init__(self, rank: int, lora: LoRA, base_model: Path):
+        super().__init__(rank)
+        self.lora, self.base_model = lora, base_model
+
+    def gather(self, policy: Policy) -> dict[str, torch.Tensor]:
+        return self.lora.gather(policy.slot)
+
+    def deliver(self, policy: Policy, step: int, tensors: dict[str, torch.Tensor]) -> float:
+        seconds = write_adapter(policy.run, step, tensors, self.lora.peft_config(str(self.base_model)))
+        prune_weights(policy.run, policy.cfg.trainer.keep_weights)
+        return seconds
+
+
+def make_publisher(cfg: RunConfig, run: RunDir, rank: int, model: torch.nn.Module, lora: LoRA | None,
+                   tied: bool) -> Publisher:
+    """The trainer's one publisher; with broadcast, rank 0 returns once every server joined."""
+    if lora is not None:  # trainer.lora.rank > 0 (config validation keeps broadcast out)
+        return AdapterPublisher(rank, lora, cfg.model)
+    if cfg.weight_sync.kind == "broadcast":
+        return BroadcastPublisher(rank, model, cfg, run, tied)
+    return FilePublisher(rank, model, cfg.model, tied)
