@@ -71,8 +71,8 @@ CASES = [
     Case("output_dir not writable", ALL, ("--output_dir", "/proc/asyncrl-run"), "output_dir = /proc/asyncrl-run: cannot write"),
     Case("trainer weights without --resume", ("trainer", "run"), ("--output_dir", "{with_weights}"),
          "already holds weights from an earlier run: pass --resume"),
-    Case("--resume without a checkpoint", ("trainer", "run"), ("--output_dir", "{with_weights}", "--resume"),
-         "--resume: no complete trainer checkpoint"),
+    Case("--resume with neither a checkpoint nor batch 1", ("trainer", "run"),
+         ("--output_dir", "{with_weights}", "--resume"), "--resume: no complete trainer checkpoint"),
     Case("batches without an orchestrator checkpoint", ("orchestrator", "run"), ("--output_dir", "{with_batches}"),
          "holds batches but no orchestrator checkpoint"),
     # modules and functions

@@ -64,16 +64,19 @@ def output_dir(cfg: RunConfig) -> None:
 
 def trainer_state_refusal(run: RunDir, resume: bool) -> str | None:
     """Why a trainer must not start on `run`, or None: fresh, it refuses weights from an earlier
-    run; resuming, it needs a checkpoint once weights exist. Also asked by the trainer itself for
-    each run a multi-run trainer admits."""
+    run; resuming, it needs a checkpoint, or, before the first one, every batch since step 1
+    (the state at step 0 is the base model and a fresh optimizer, which the config determines:
+    replaying the batches from there gives the same weights). Also asked by the trainer itself
+    for each run a multi-run trainer admits."""
     if not run.weight_steps():
         return None
     if not resume:
         return (f"output_dir {run.root} already holds weights from an earlier run: pass --resume to "
                 "continue it, or choose another output_dir")
-    if not run.checkpoint_steps("trainer"):
-        return (f"--resume: no complete trainer checkpoint under {run.checkpoints} but weights exist, "
-                "so that run cannot continue exactly: choose another output_dir")
+    if not run.checkpoint_steps("trainer") and 1 not in run.rollout_steps():
+        return (f"--resume: no complete trainer checkpoint under {run.checkpoints} and batch 1 "
+                f"({run.rollout_dir(1)}) is gone, so the run cannot be replayed from its start "
+                "(trainer.checkpoint_every = 0 keeps only the last keep_rollouts batches): choose another output_dir")
     return None
 
 

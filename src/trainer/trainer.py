@@ -87,7 +87,11 @@ class Trainer:
         if not resume:
             return 1
         if latest is None:
-            log.info("--resume: nothing to resume in %s, starting at step 1", run.root)
+            # Before the first checkpoint: step 0's state is the base model and fresh optimizer
+            # state; the batches since step 1 are kept (prune_rollouts), so replaying them
+            # republishes the same versions the killed trainer did.
+            if self.rank == 0:
+                log.info("--resume: no checkpoint yet in %s: replaying from step 1 on the base model", run.root)
             return 1
         state = self.checkpoint_state(policy)
         checkpoint.load(run, latest, state, policy.scheduler)

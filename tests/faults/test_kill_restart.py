@@ -25,6 +25,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from conftest import TINY_MODEL, free_port, rl_command
 from rl.batch import Batch
@@ -242,6 +244,28 @@ def test_trainer_killed_between_steps_resumes_at_the_next_batch(real_run):
     r.finish(trainer, orchestrator)
     assert in_log(trainer, "resumed from checkpoints/step_3: next batch is 4")
     r.check_complete()
+
+
+def test_trainer_killed_before_its_first_checkpoint_replays_from_the_base_model(real_run):
+    """No checkpoint yet (checkpoint_every 50): --resume starts again at step 1 from the base
+    model on the kept batches, and republishes exactly the versions the killed trainer did."""
+    r = real_run
+    sparse = ("--trainer.checkpoint_every", "50")
+    trainer, orchestrator = r.start("trainer", *sparse, crash_at="trainer.after_step:3"), r.start("orchestrator")
+    assert trainer.wait(240) == -signal.SIGKILL, trainer.tail()
+    assert not r.run.checkpoint_steps("trainer")
+    published = {v: load_file(r.run.weights_dir(v) / "model.safetensors") for v in (1, 2, 3)}
+    trainer = r.start("trainer", "--resume", *sparse)
+    r.finish(trainer, orchestrator)
+    assert in_log(trainer, "no checkpoint yet") and in_log(trainer, "replaying from step 1")
+    steps = [rec["step"] for rec in r.records("trainer")]
+    assert steps == [1, 2, 3, *range(1, r.max_steps + 1)], steps  # steps 1-3 redone, each once more
+    for v, tensors in published.items():
+        again = load_file(r.run.weights_dir(v) / "model.safetensors")
+        assert all(torch.equal(t, again[k]) for k, t in tensors.items()), f"version {v} replayed differently"
+    assert r.run.rollout_steps() == list(range(1, r.max_steps + 1))
+    health = httpx.get(f"{r.url}/health", timeout=10).json()
+    assert health["version"] == r.max_steps, health
 
 
 def test_a_damaged_batch_file_is_rejected_and_written_again(real_run):
