@@ -26,7 +26,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 import aiohttp  # noqa: E402
 
 from conftest import TINY_MODEL, free_port  # noqa: E402
-from orchestrator.main import Orchestrator, tune_gc  # noqa: E402
+from orchestrator.main import tune_gc  # noqa: E402
+from orchestrator.orchestrator import Orchestrator  # noqa: E402
 from rl.config import RunConfig  # noqa: E402
 from rl.rundir import RunDir  # noqa: E402
 from test_scheduling import fake_trainer  # noqa: E402

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from conftest import TINY_MODEL, free_port
 from fake_inference import FakeServer, row_name, start
-from orchestrator.main import Orchestrator
+from orchestrator.orchestrator import Orchestrator
 from orchestrator.prompts import decode_state
 from rl.batch import Batch
 from rl.config import RunConfig

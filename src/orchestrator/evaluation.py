@@ -8,6 +8,8 @@ at most eval.concurrency of its requests are in flight, so rollouts keep the res
 A row's completion counts as right when its reward reaches 1 (the scorers shipped here give 1 for
 a right answer, partial credit below). With n samples per row, pass@k is the unbiased estimate
 1 - C(n-c, k) / C(n, k) averaged over rows (c right of n), for k = 1 and k = n.
+
+`Evaluation` evaluates one version; `EvaluationRunner` runs those beside training, as tasks.
 """
 
 from __future__ import annotations
@@ -17,12 +19,18 @@ import itertools
 import logging
 import math
 import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from orchestrator.rollouts import Rollouts
 from orchestrator.scoring import combine
 from orchestrator.sources import RowError, Source
 from rl.dataset_config import EvalConfig, Sampling
 from rl.inference_api import InferenceClient
+from rl.rundir import RunDir
+
+if TYPE_CHECKING:
+    from orchestrator.servers import Server, ServerPool
 
 log = logging.getLogger("orchestrator")
 
@@ -87,3 +95,57 @@ class Evaluation:
         if any(x is None for x in scores):
             return None
         return [combine(x, source.reward_weights)[0] for x in scores]
+
+
+class EvaluationRunner:
+    """The evaluations running beside training, one task per version evaluated (`Evaluation`
+    is None: no eval datasets, nothing runs)."""
+
+    def __init__(self, evaluation: Evaluation | None, pool: ServerPool, run_dir: RunDir,
+                 wait_until: Callable[[Callable[[], bool], str, float], Awaitable[float]], tag: str):
+        """`wait_until`: the orchestrator's (it surfaces a background loop that died);
+        `tag`: the orchestrator's request id prefix."""
+        self.evaluation, self.pool, self.run_dir, self.wait_until, self.tag = evaluation, pool, run_dir, wait_until, tag
+        self.tasks: list[asyncio.Task] = []  # running beside training
+        # (server, version) of each evaluation running: LoRA keeps that adapter loaded until it ends
+        # (between its requests no group may hold it, and unload_unused would take it away).
+        self.pins: list[tuple[Server, int]] = []
+
+    def start(self, step: int) -> None:
+        """Evaluate the version `step` published, beside training."""
+        if self.evaluation is not None:
+            self.tasks.append(asyncio.create_task(self.evaluate(step), name=f"evaluate-{step}"))
+
+    async def finish(self, final: int) -> None:
+        """Once the final version serves: the evaluations still running end, then it is evaluated."""
+        await asyncio.gather(*self.tasks)  # each bounded by eval.timeout_s
+        if self.evaluation is not None:
+            await self.evaluate(final)
+
+    async def evaluate(self, step: int) -> None:
+        """One evaluation of version `step` (or the newest serving once it does); a failure is
+        logged and the run goes on."""
+        timeout_s = self.evaluation.cfg.timeout_s
+        try:
+            await self.wait_until(lambda: self.pool.serving_version >= step and self.pool.pick() is not None,
+                                  f"version {step} to serve, to evaluate it", timeout_s)
+            server = self.pool.pick()
+            version = server.version
+            pin = (server, version)
+            self.pins.append(pin)
+            try:
+                record = await asyncio.wait_for(self.evaluation.run(
+                    server.client, version, step, f"{self.tag}-eval{step}", self.pool.delivery.adapter(version)),
+                    timeout_s)
+            finally:
+                self.pins.remove(pin)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the run goes on without this evaluation
+            log.warning("evaluation at step %d failed (%s: %s); the run goes on", step, type(e).__name__, e)
+            return
+        record["version_end"] = server.version  # a long evaluation may see the next version land
+        self.run_dir.append_metrics(record)
+        scores = ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in record.items()
+                           if k.startswith("eval/") and not k.endswith("/rows"))
+        log.info("eval of version %d (step %d): %s (%.1f s)", version, step, scores, record["eval_s"])

@@ -2,7 +2,7 @@
 completions; multi-turn: n episodes, one request per model turn), rewards, group-relative
 advantages, the optional teacher's per-token signal.
 
-`generate` is handed in by the scheduler (orchestrator/main.py): it pins the group to a server and
+`generate` is handed in by the scheduler (orchestrator/orchestrator.py): it pins the group to a server and
 records each request id so a cancelled group can be aborted on that server.
 """
 
@@ -13,20 +13,23 @@ import dataclasses
 import functools
 import inspect
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
+import aiohttp
 from tokenizers import Tokenizer
 
 from orchestrator.advantages import group_advantages
 from orchestrator.environment import Environment, Turn
 from orchestrator.prompts import Prompt
 from orchestrator.scoring import Teacher, combine
-from orchestrator.sources import Renderer, RowError, Source
+from orchestrator.sources import Renderer, RowError, Source, configured_sources, mix
+from orchestrator.tokenizer import load_tokenizer
 from rl.batch import Sample
+from rl.callables import load_callable
 from rl.config import RunConfig
 from rl.dataset_config import Sampling
-from rl.inference_api import GeneratedSample, GenerateRequest, GenerateResponse
+from rl.inference_api import GeneratedSample, GenerateRequest, GenerateResponse, InferenceClient
 
 log = logging.getLogger("orchestrator")
 
@@ -102,6 +105,30 @@ class Rollouts:
         self.fast = tokenizer if isinstance(tokenizer, Tokenizer) else getattr(tokenizer, "backend_tokenizer", None)
         self.renderer = Renderer(self.o, cfg.model, self.fast, self.encode) if env is None else None
         self.env_sampling = self.o.sampling()  # an environment's turns: the orchestrator-level settings
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, session: aiohttp.ClientSession) -> Rollouts:
+        """A run's: its environment or datasets, its teacher if any."""
+        o = cfg.orchestrator
+        env = load_callable(o.environment, "orchestrator.environment")() if o.environment else None
+        sources = {} if env else {s.name: s for s in configured_sources(cfg, session)}
+        teacher = None
+        if o.teacher_url:
+            teacher = Teacher(InferenceClient(o.teacher_url, session, cfg.inference.api_token),
+                              o.teacher_coef, o.request_timeout_s)
+        return cls(cfg, load_tokenizer(cfg.model), sources, teacher, env)
+
+    def draws(self) -> Iterator[tuple[str, object]]:
+        """The run's stream of (dataset name, draw) for orchestrator/prompts.py."""
+        if self.env is not None:
+            return (("", row) for row in self.env.dataset(self.cfg.seed))
+        return mix(list(self.sources.values()), self.cfg.seed)
+
+    def fetch(self, source: str, draw) -> tuple[dict, str]:
+        """A draw's (row, where it came from)."""
+        if self.env is not None:
+            return draw, "orchestrator.environment"
+        return self.sources[source].fetch(draw)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.fast is not None:

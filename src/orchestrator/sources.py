@@ -16,11 +16,13 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import jinja2
 
+from orchestrator.scoring import Reward
 from rl.callables import load_callable
 from rl.chat import ChatTemplate, read_json, row_messages, token_text
-from rl.config import OrchestratorConfig
+from rl.config import OrchestratorConfig, RunConfig
 from rl.dataset_config import Dataset
 from rl.tables import Table, load_table, row_problem
 
@@ -37,7 +39,7 @@ class Source:
     def __init__(self, ds: Dataset, seed: int):
         self.ds, self.name, self.spec = ds, ds.name, ds.spec
         self.seed = seed if self.spec.seed is None else self.spec.seed
-        self.reward = None  # the orchestrator's Reward for it (orchestrator/scoring.py)
+        self.reward = None  # its Reward (orchestrator/scoring.py), set after construction (configured_sources)
         self.table: Table | None = None if self.spec.function else load_table(self.spec, self.seed)
 
     def draws(self) -> Iterator[int | dict]:
@@ -70,6 +72,18 @@ class Source:
         if key != "answer" and isinstance(row, dict) and key in row:
             row = {**row, "answer": row[key]}
         return row, where
+
+
+def configured_sources(cfg: RunConfig, session: aiohttp.ClientSession, evaluation: bool = False) -> list[Source]:
+    """The run's training datasets (or, `evaluation`, its eval datasets), each with its reward."""
+    o = cfg.orchestrator
+    sources = []
+    for ds in o.resolved_datasets(evaluation):
+        source = Source(ds, cfg.seed)
+        key = "orchestrator.reward" if not (o.datasets or evaluation) else f"dataset {ds.name}: reward"
+        source.reward = Reward(ds.reward, o.reward_timeout_s, session, o.reward_inline, key) if ds.reward else None
+        sources.append(source)
+    return sources
 
 
 def mix(sources: list[Source], seed: int) -> Iterator[tuple[str, int | dict]]:

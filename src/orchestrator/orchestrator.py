@@ -1,0 +1,435 @@
+"""The orchestrator: keeps groups generating on the inference servers, scores them, and hands
+batches to the trainer under the async rule (rl/async_rule.py). `rl orchestrator` runs it
+(orchestrator/main.py).
+
+Concurrent loops on one event loop:
+  - `produce`: starts groups (orchestrator/rollouts.py) on the least-loaded server while fewer
+    than max_in_flight_groups are in flight or finished-unbatched, and only groups that can still
+    land in a batch under the off-policy bound m;
+  - `follow_weights`: loads each new STABLE weights version into every server;
+  - `pool.heal`: retries servers taken out of rotation and lets joining ones in;
+  - `pool.discover`: adds the servers that announce themselves in the run directory, drops those
+    whose heartbeat stops (orchestrator.discover_servers);
+  - `run` (the main loop), for n = 1..max_steps: waits until version >= n-1-k serves on every
+    server in rotation, takes the oldest fresh finished groups, hands batch n over, checkpoints,
+    and cancels in-flight groups that batch n+1 could no longer accept (aborted on their server,
+    prompts requeued).
+Beside them: `watch_trainer` (orchestrator/trainer_watch.py), the batch sender's `redeliver`, the
+evaluations (orchestrator/evaluation.py) and, with wandb or TensorBoard on, `track`
+(orchestrator/reporting.py, which also writes each batch's metrics record).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from orchestrator.checkpoint import resume_point, save_checkpoint
+from orchestrator.delivery import weight_delivery
+from orchestrator.evaluation import Evaluation, EvaluationRunner
+from orchestrator.prompts import Prompt, PromptQueue
+from orchestrator.reporting import Counters, Reporting
+from orchestrator.rollouts import Aborted, Group, Rollouts
+from orchestrator.servers import Server, ServerPool
+from orchestrator.sources import RowError, configured_sources
+from orchestrator.trainer_watch import watch_trainer
+from rl.async_rule import can_hand_over, is_fresh, min_serving_version, oldest_usable_version
+from rl.batch import Batch
+from rl.config import RunConfig
+from rl.inference_api import GenerateRequest, GenerateResponse, InferenceError
+from rl.faults import crash_point
+from rl.heartbeat import set_phase
+from rl.polling import Backoff
+from rl.rundir import RunDir
+from rl.transport import BatchSender
+
+log = logging.getLogger("orchestrator")
+
+HEARTBEAT_S = 15.0  # how often a wait says what it still waits for
+MAX_ATTEMPTS = 3  # a prompt whose group fails (rewards, teacher) this often is dropped
+
+
+@dataclass
+class InFlight:
+    prompt: Prompt
+    server: Server
+    version: int
+    """Version the server served when the group started: no token of it is older."""
+    requests: set[str] = field(default_factory=set)
+    task: asyncio.Task | None = None
+    cancelled: bool = False
+
+
+class Orchestrator:
+    def __init__(self, cfg: RunConfig, session: aiohttp.ClientSession):
+        self.cfg, self.o = cfg, cfg.orchestrator
+        self.run_dir = RunDir(cfg.run_dir)
+        self.pool = ServerPool(cfg.urls, session, cfg.inference.api_token, self.o.server_retry_max_s,
+                               lambda pool: weight_delivery(cfg, pool), on_fail=self.requeue_from)
+        self.delivery = self.pool.delivery  # files, broadcast or LoRA adapters, chosen once
+        # Request ids must not collide with a previous orchestrator's still running on a server.
+        self.tag, self.seq = secrets.token_hex(3), 0
+        self.rollouts = Rollouts.from_config(cfg, session)
+        evals = configured_sources(cfg, session, evaluation=True)
+        self.evaluations = EvaluationRunner(Evaluation(self.rollouts, evals, self.o.eval) if evals else None,
+                                            self.pool, self.run_dir, self.wait_until, self.tag)
+        self.sender = BatchSender(cfg.transport, self.run_dir)
+        self.next_step, cursor, pending = resume_point(self.run_dir, self.sender)
+        self.queue = PromptQueue(self.rollouts.draws(), self.rollouts.fetch, cursor, pending)
+        self.in_flight: dict[str, InFlight] = {}
+        self.finished: list[Group] = []
+        self.weights_poll = Backoff(self.o.poll_interval_s, 5 * self.o.poll_interval_s)
+        self.changed = asyncio.Condition()  # a group finished, a batch left, a version serves
+        self.counters = Counters()
+        self.background: list[asyncio.Task] = []
+        self.chores: set[asyncio.Task] = set()
+        self.attempts: dict[int, int] = {}  # prompt index -> failed groups so far
+        self.reporting = Reporting(cfg, self.run_dir, self.pool, per_dataset=len(self.rollouts.sources) > 1)
+
+    # --- waiting, visibly -----------------------------------------------------------------
+
+    async def notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def wait_until(self, predicate, what: str, timeout_s: float) -> float:
+        """Wait for `predicate()`, logging what it waits for; returns seconds waited."""
+        if predicate():
+            return 0.0
+        start = last_beat = time.monotonic()
+        async with self.changed:
+            while not predicate():
+                for task in self.background:
+                    if task.done():  # a background loop died: surface its error, do not wait on
+                        task.result()
+                        raise RuntimeError(f"background task {task.get_name()} stopped")
+                now = time.monotonic()
+                if now - start > timeout_s:
+                    raise TimeoutError(f"gave up after {timeout_s:.0f} s waiting for {what}")
+                if now - last_beat > HEARTBEAT_S:
+                    log.info("still waiting for %s (%.0f s)", what, now - start)
+                    last_beat = now
+                try:
+                    await asyncio.wait_for(self.changed.wait(), timeout=1.0)
+                except TimeoutError:
+                    pass
+        return time.monotonic() - start
+
+    # --- weights ---------------------------------------------------------------------------
+
+    def latest_weights(self) -> tuple[int, object]:
+        latest = self.run_dir.latest_stable_weights()
+        return (0, self.cfg.model) if latest is None else (latest, self.run_dir.weights_dir(latest))
+
+    async def follow_weights(self) -> None:
+        while True:
+            version, path = self.latest_weights()
+            if version > self.pool.version or any(s.version != version for s in self.pool.in_rotation):
+                await self.delivery.load(version, path)
+                self.weights_poll.reset()
+                await self.notify()
+            # LoRA: what each group and evaluation in flight started on stays loaded (read only
+            # by AdapterDelivery, hence lazily).
+            in_use = itertools.chain(((g.server, g.version) for g in self.in_flight.values()), self.evaluations.pins)
+            await self.delivery.unload_unused(in_use)
+            await self.until_weights_due()
+
+    def weights_due(self) -> bool:
+        """A batch was handed over whose weights are not served yet."""
+        return self.next_step - 1 > self.pool.version
+
+    async def until_weights_due(self) -> None:
+        """Pause between looks at the run directory. A version's discovery is part of every
+        weight update's latency (a tiny model reloads in ~35 ms; docs/performance.md), so while
+        one is due: poll_interval_s, backing off to five times that while it does not come.
+        Otherwise up to ten times that, woken by the hand-over of a batch: fast polling then
+        would only cost file-system calls (round trips on NFS)."""
+        if self.weights_due():
+            await asyncio.sleep(self.weights_poll.next())
+            return
+        async with self.changed:
+            try:
+                await asyncio.wait_for(self.changed.wait_for(self.weights_due), 10 * self.o.poll_interval_s)
+            except TimeoutError:
+                pass
+
+    # --- groups ----------------------------------------------------------------------------
+
+    def may_start_group(self) -> bool:
+        queued = len(self.in_flight) + len(self.finished)
+        server = self.pool.pick()
+        if queued >= self.o.max_in_flight_groups or server is None:
+            return False
+        # The batch this group would most likely land in: the ones queued ahead fill earlier
+        # batches. If the server's version is already too old for it, the group would only be
+        # thrown away: wait for newer weights instead.
+        target = self.next_step + queued // self.o.prompts_per_step
+        return is_fresh(server.version, target, self.cfg.off_policy_steps)
+
+    async def produce(self) -> None:
+        while True:
+            await self.wait_until(self.may_start_group, "room for a new group", float("inf"))
+            server = self.pool.pick()
+            self.seq += 1
+            gid = f"{self.tag}-{self.seq}"
+            g = InFlight(self.queue.take(), server, server.version)
+            self.pool.assign(server)
+            g.task = asyncio.create_task(self.run_group(gid, g), name=gid)
+            self.in_flight[gid] = g
+
+    async def run_group(self, gid: str, g: InFlight) -> None:
+        adapter = self.delivery.adapter(g.version)
+
+        async def generate(request: GenerateRequest) -> GenerateResponse:
+            if g.cancelled:  # a multi-turn episode's next turn, after its group was aborted
+                raise Aborted(request.request_id)
+            if adapter is not None:  # every turn on the adapter the group started on
+                request = request.model_copy(update={"lora": adapter})
+            g.requests.add(request.request_id)
+            self.pool.begin(g.server)
+            try:
+                response = await g.server.client.generate(request, self.o.request_timeout_s)
+                self.pool.succeeded(g.server)
+                return response
+            except InferenceError:
+                # Timed out or broke off: the server may still be generating it; free the slot.
+                self.spawn(g.server.client.abort([request.request_id], timeout=2.0))
+                raise
+            finally:
+                self.pool.end(g.server)
+                g.requests.discard(request.request_id)
+
+        group = None
+        try:
+            group = await self.rollouts.group(g.prompt, gid, generate)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            # A cancelled group's prompt was requeued by cancel_hopeless: whatever it raised
+            # while being cancelled must not requeue it a second time.
+            if not g.cancelled:
+                self.group_failed(gid, g, e)
+        finally:
+            self.pool.release(g.server)
+            if not g.cancelled:
+                self.in_flight.pop(gid, None)
+        if g.cancelled or group is None:
+            await self.notify()
+            return
+        self.counters.failed += group.failed
+        if not group.samples:  # every rollout's reward or environment failed
+            self.retry_or_drop(gid, g.prompt, f"{group.failed} of {self.o.group_size} rollouts failed")
+        elif self.o.filter_zero_variance and self.rollouts.teacher is None and len(set(group.rewards)) == 1:
+            self.counters.filtered += 1
+        else:
+            self.finished.append(group)
+            self.counters.model_tokens += group.model_tokens
+        await self.notify()
+
+    def group_failed(self, gid: str, g: InFlight, e: Exception) -> None:
+        if isinstance(e, (InferenceError, Aborted)):  # the server's fault, not the prompt's
+            self.counters.failed_requests += 1
+            self.in_flight.pop(gid, None)  # requeued here, not by requeue_from
+            self.queue.give_back(g.prompt)
+            self.pool.fail(g.server, str(e))
+        elif isinstance(e, RowError):
+            self.counters.skipped_rows += 1
+            log.warning("row skipped: %s", e)
+        else:  # a teacher that is down, a tokenizer that chokes
+            self.counters.failed += self.o.group_size
+            self.retry_or_drop(gid, g.prompt, f"{type(e).__name__}: {e}")
+
+    def retry_or_drop(self, gid: str, prompt: Prompt, why: str) -> None:
+        """Requeue a prompt whose group failed for a reason that may pass (a reward endpoint
+        down); after MAX_ATTEMPTS the prompt is dropped, loudly, rather than retried forever."""
+        n = self.attempts[prompt.index] = self.attempts.get(prompt.index, 0) + 1
+        if n < MAX_ATTEMPTS:
+            log.warning("group %s failed (%s); prompt %d requeued", gid, why, prompt.index)
+            self.queue.give_back(prompt)
+        else:
+            log.error("group %s failed (%s); prompt %d dropped after %d attempts", gid, why, prompt.index, n)
+            self.attempts.pop(prompt.index)
+
+    def spawn(self, coro) -> None:
+        """Fire and forget (best effort), but keep a reference so the task is not collected."""
+        task = asyncio.create_task(coro)
+        self.chores.add(task)
+        task.add_done_callback(lambda t: (self.chores.discard(t), t.cancelled() or t.exception()))
+
+    def requeue_from(self, server: Server) -> None:
+        """A server stopped answering (health check, heartbeat: its host died or is cut off): its
+        groups would finish late or never (request_timeout_s), so their prompts go back to the
+        queue now, for the servers still there. Aborts are best effort: it may be unreachable."""
+        doomed = [(gid, g) for gid, g in self.in_flight.items() if g.server is server]
+        for gid, g in doomed:
+            g.cancelled = True
+            del self.in_flight[gid]
+            self.queue.give_back(g.prompt)
+            if g.requests:
+                self.spawn(server.client.abort(sorted(g.requests), timeout=2.0))
+            g.task.cancel()
+        self.counters.requeued += len(doomed)
+        if doomed:
+            log.warning("requeued the prompts of %d group(s) in flight on %s", len(doomed), server.url)
+        self.spawn(self.notify())
+
+    async def cancel_hopeless(self) -> None:
+        """Cancel in-flight groups the next batch could no longer accept: their oldest token
+        is older than the off-policy bound allows. Their requests are aborted on the server
+        (freeing its slots for useful work) and their prompts go back to the queue."""
+        m = self.cfg.off_policy_steps
+        doomed = [(gid, g) for gid, g in self.in_flight.items() if not is_fresh(g.version, self.next_step, m)]
+        for gid, g in doomed:
+            g.cancelled = True
+            del self.in_flight[gid]
+            self.queue.give_back(g.prompt)
+            self.counters.cancelled += 1
+        await asyncio.gather(*(self.abort(g) for _, g in doomed))
+        for _, g in doomed:
+            g.task.cancel()
+        if doomed:
+            log.info("cancelled %d in-flight group(s) older than version %d (max_off_policy_steps=%d); "
+                     "prompts requeued", len(doomed), oldest_usable_version(self.next_step, m), m)
+
+    async def abort(self, g: InFlight) -> None:
+        if not g.requests:
+            return
+        try:
+            await g.server.client.abort(sorted(g.requests))
+        except InferenceError as e:  # the client side still lets go; say the server may not have
+            log.warning("abort on %s failed: %s", g.server.url, e)
+
+    # --- batches ---------------------------------------------------------------------------
+
+    def drop_stale(self, step: int) -> None:
+        keep = []
+        for g in self.finished:
+            if is_fresh(g.oldest_version, step, self.cfg.off_policy_steps):
+                keep.append(g)
+            else:
+                self.queue.give_back(g.prompt)
+                self.counters.dropped_stale += 1
+        self.finished = keep
+
+    def batch_ready(self, step: int) -> bool:
+        self.drop_stale(step)
+        return len(self.finished) >= self.o.prompts_per_step
+
+    async def make_batch(self, step: int) -> None:
+        k = self.cfg.max_async_level
+
+        def versions_ok() -> bool:
+            return can_hand_over(step, self.pool.serving_versions(), k)
+
+        set_phase(f"making batch {step}")
+        trainer_wait = await self.wait_until(
+            versions_ok, f"version {min_serving_version(step, k)} to serve on every server "
+            f"(max_async_level={k}) before batch {step}", self.o.trainer_timeout_s)
+        group_wait = await self.wait_until(
+            lambda: self.batch_ready(step), f"{self.o.prompts_per_step} groups for batch {step}",
+            self.o.trainer_timeout_s)
+        while True:
+            # Both again, at once: a server may have left or rejoined rotation meanwhile.
+            await self.wait_until(lambda: versions_ok() and self.batch_ready(step), f"batch {step}",
+                                  self.o.trainer_timeout_s)
+            # Ask the servers themselves: one restarted since its last request serves version 0
+            # while still counted with the version it had (one /health per server per batch).
+            await self.pool.check()
+            if versions_ok() and self.batch_ready(step):
+                break
+        # Oldest first: they are the closest to going stale.
+        self.finished.sort(key=lambda g: g.oldest_version)
+        groups = self.finished[: self.o.prompts_per_step]
+        self.finished = self.finished[self.o.prompts_per_step:]
+        # From here on new groups are meant for the next batch (the send below yields to them).
+        self.next_step = step + 1
+        samples = [s for g in groups for s in g.samples]
+        batch = Batch.from_samples(step, samples)
+        set_phase(f"handing over batch {step}")
+        await self.sender.send(batch, self.o.trainer_timeout_s)
+        crash_point("orchestrator.handed_over", step)
+        self.checkpoint(step)
+        await self.cancel_hopeless()
+        await self.notify()
+        c, self.counters = self.counters, Counters()
+        self.reporting.report(batch, groups, c, trainer_wait, group_wait, len(self.in_flight), len(self.finished))
+
+    def checkpoint(self, step: int) -> None:
+        """Checkpoint batch `step` (orchestrator/checkpoint.py): the prompts drawn but not in a
+        batch yet go out again after a resume."""
+        pending = [*self.queue.requeued, *(g.prompt for g in self.in_flight.values()),
+                   *(g.prompt for g in self.finished)]
+        save_checkpoint(self.run_dir, step, self.queue.cursor, pending, self.o.keep_checkpoints)
+
+    # --- the run ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.background = [asyncio.create_task(
+            watch_trainer(self.cfg, self.run_dir, self.sender, lambda: self.next_step), name="watch_trainer")]
+        fixed = self.delivery.fixed_members  # a broadcast group: every listed server, none discovered
+        if self.o.discover_servers and not fixed:
+            exclude = {self.o.teacher_url.rstrip("/")} if self.o.teacher_url else set()
+            self.background.append(asyncio.create_task(
+                self.pool.discover(self.cfg.output_dir, exclude, self.cfg.heartbeat_timeout_s), name="discover"))
+        await self.pool.connect(self.o.server_wait_timeout_s, every=fixed)
+        await self.delivery.prepare()  # before any load (a broadcast group forms here)
+        version, path = self.latest_weights()
+        await self.delivery.load(version, path)
+        if not self.pool.in_rotation:
+            raise RuntimeError(f"no inference server could load version {version} from {path}")
+        log.info("connected to %d server(s) (%s), serving version %d; first batch %d", len(self.pool.in_rotation),
+                 ", ".join(s.url for s in self.pool.in_rotation), self.pool.serving_version, self.next_step)
+        self.background.append(asyncio.create_task(
+            self.sender.redeliver(self.o.trainer_timeout_s), name="redeliver"))
+        if self.reporting.tracker is not None:
+            self.background.append(asyncio.create_task(self.reporting.track(), name="track"))
+        self.background += [asyncio.create_task(self.follow_weights(), name="follow_weights"),
+                             asyncio.create_task(self.pool.heal(), name="heal"),
+                             asyncio.create_task(self.produce(), name="produce")]
+
+    async def run(self) -> None:
+        try:
+            await self.start()
+            if self.next_step == 1:
+                self.evaluations.start(0)
+            every = self.o.eval.every
+            for step in range(self.next_step, self.cfg.max_steps + 1):
+                await self.make_batch(step)
+                if every and step % every == 0 and step < self.cfg.max_steps:
+                    self.evaluations.start(step)
+            # Serve the final policy before stopping, so the run ends with it loaded.
+            final = self.cfg.max_steps
+            await self.wait_until(lambda: self.pool.serving_version >= final,
+                                  f"final version {final} to serve", self.o.trainer_timeout_s)
+            await self.evaluations.finish(final)
+            log.info("done: %d batches; version %d serving", final, self.pool.serving_version)
+            if self.reporting.tracker is not None:
+                await self.reporting.close_tracker()
+        finally:
+            await self.stop()
+
+    async def stop(self) -> None:
+        """Stop the loops, then abort what is still generating (servers outlive the orchestrator)."""
+        for t in self.background + self.evaluations.tasks:
+            t.cancel()
+        await asyncio.gather(*self.background, *self.evaluations.tasks, return_exceptions=True)
+        groups = list(self.in_flight.values())
+        for g in groups:
+            g.cancelled = True
+        await asyncio.gather(*(self.abort(g) for g in groups), return_exceptions=True)
+        tasks = [g.task for g in groups if g.task]
+        for t in tasks:
+            t.cancel()
+        # Pending aborts are let finish (each has its own short timeout): they free server slots.
+        await asyncio.gather(*tasks, *self.chores, return_exceptions=True)
+        self.sender.close()
+        # LoRA: the server outlives this run: free its adapter slots for other runs. The final
+        # adapter stays on disk (weights/step_n) for anyone to load again.
+        await self.delivery.unload_all()
+
