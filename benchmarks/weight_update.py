@@ -5,7 +5,7 @@ in-place reload of the same files, on a real `rl inference` server (idle, CPU en
 
 ours: the trainer's write_weights publishes weights/step_v (STABLE included; the clock starts when
       it returns); the orchestrator's own follower (Orchestrator.follow_weights' poll and
-      ServerPool.load: POST /update_weights on every server = pause, reload, tied lm_head re-pack,
+      WeightDelivery.load (orchestrator/delivery.py): POST /update_weights on every server = pause, reload, tied lm_head re-pack,
       prefix-cache reset, resume) makes every server serve v. The clock stops when the last server
       has answered.
 vLLM: POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": step_v}} (vLLM's
@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from orchestrator.delivery import FileDelivery  # noqa: E402
 from orchestrator.servers import ServerPool  # noqa: E402
 from rl.config import OrchestratorConfig  # noqa: E402
 from rl.inference_api import connector  # noqa: E402
@@ -50,7 +51,7 @@ async def follow(run: RunDir, pool: ServerPool, version: int, poll_s: float) -> 
     while True:
         latest = run.latest_stable_weights()
         if latest is not None and latest > pool.version:
-            await pool.load(latest, run.weights_dir(latest))
+            await pool.delivery.load(latest, run.weights_dir(latest))
             if latest >= version:
                 if not pool.in_rotation:
                     raise RuntimeError(f"version {latest} failed to load: see runs/bench/weight_update_*_server*.log")
@@ -76,7 +77,8 @@ async def measure(run: RunDir, urls: list[str], state: dict, model_dir: Path, re
     ours, theirs, writes = [], [], []
     async with aiohttp.ClientSession(connector=connector()) as session, \
             aiohttp.ClientSession(connector=connector()) as plain:
-        pool = ServerPool(urls, session, token=None, reload_timeout_s=600, retry_max_s=30, in_flight_updates=False)
+        pool = ServerPool(urls, session, token=None, retry_max_s=30,
+                          delivery=lambda p: FileDelivery(p, reload_timeout_s=600, root=None, in_flight_updates=False))
         await pool.connect(60)
         for v in range(1, repeats + 2):  # the first is a warm-up (vLLM's first reload is slow)
             with torch.no_grad():

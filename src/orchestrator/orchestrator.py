@@ -351,21 +351,24 @@ class Orchestrator:
         self.next_step = step + 1
         samples = [s for g in groups for s in g.samples]
         batch = Batch.from_samples(step, samples)
+        # Checkpoint first, naming the batch's prompts: a crash before the batch reaches the
+        # trainer makes it again from them, one after counts them done (orchestrator/checkpoint.py).
+        self.checkpoint(step, [g.prompt for g in groups])
+        crash_point("orchestrator.checkpointed", step)
         set_phase(f"handing over batch {step}")
         await self.sender.send(batch, self.o.trainer_timeout_s)
         crash_point("orchestrator.handed_over", step)
-        self.checkpoint(step)
         await self.cancel_hopeless()
         await self.notify()
         c, self.counters = self.counters, Counters()
         self.reporting.report(batch, groups, c, trainer_wait, group_wait, len(self.in_flight), len(self.finished))
 
-    def checkpoint(self, step: int) -> None:
-        """Checkpoint batch `step` (orchestrator/checkpoint.py): the prompts drawn but not in a
-        batch yet go out again after a resume."""
+    def checkpoint(self, step: int, handing: list[Prompt]) -> None:
+        """Checkpoint batch `step`, made of `handing` (orchestrator/checkpoint.py): the prompts
+        drawn but not in a batch yet go out again after a resume."""
         pending = [*self.queue.requeued, *(g.prompt for g in self.in_flight.values()),
                    *(g.prompt for g in self.finished)]
-        save_checkpoint(self.run_dir, step, self.queue.cursor, pending, self.o.keep_checkpoints)
+        save_checkpoint(self.run_dir, step, self.queue.cursor, pending, handing, self.o.keep_checkpoints)
 
     # --- the run ---------------------------------------------------------------------------
 

@@ -15,6 +15,9 @@ worker (the receivers). See docs/architecture.md, "Weight sync by broadcast".
                          receiver has loaded the weights, or fails naming who did not
 
 Importing this module is cheap: torch is imported inside the functions that need it.
+
+Sender and receiver halves stay in this one file (longer than most): each step of the protocol
+is written once, next to its counterpart, so the two sides cannot drift apart.
 """
 
 from __future__ import annotations

@@ -4,6 +4,10 @@ Every program parses the same files (`@ a.toml @ b.toml`, composed left to right
 `--table.key value` overrides) into `RunConfig`, so a run started by `rl run` and one started by
 hand in three terminals resolve to exactly the same settings. Each key's docstring is its
 documentation (`rl <program> --help` and `--dry-run` show them).
+
+It is longer than the project's other files on purpose: it is the schema, one class per table and
+a documented field per key, plus the checks that span tables (which need the whole config in one
+place). Datasets and evaluation, a schema of their own, live in rl/dataset_config.py.
 """
 
 from __future__ import annotations

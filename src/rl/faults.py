@@ -7,8 +7,9 @@ signal from outside cannot hit a window of a few milliseconds reliably; this can
 follows is the real thing: no cleanup, no exit handler, files as they were. Unset (always, outside
 the tests), each point costs one dictionary lookup.
 
-Points: batch.staged (orchestrator: batch files written, not renamed into place),
-orchestrator.handed_over (batch handed over, not yet checkpointed), weights.staged (trainer:
+Points: orchestrator.checkpointed (the batch's checkpoint written, the batch not yet handed
+over), batch.staged (orchestrator: batch files written, not renamed into place),
+orchestrator.handed_over (batch handed over), weights.staged (trainer:
 version files written, not renamed into place), trainer.after_step (step trained, published and
 checkpointed, before the next batch).
 """

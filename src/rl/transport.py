@@ -83,11 +83,6 @@ class BatchSender(ABC):
         """On start: remove what a predecessor that died mid-handover left half handed over."""
 
     @abstractmethod
-    def last_handed_over(self, checkpointed: int) -> int:
-        """On resume from the orchestrator checkpoint of batch `checkpointed`: the last batch
-        to count as handed over (the next one made is the one after it)."""
-
-    @abstractmethod
     async def redeliver(self, timeout_s: float) -> None:
         """Forever, in the background: hand every untrained batch the trainer lost to it again."""
 

@@ -35,10 +35,6 @@ class FileSender(BatchSender):
         for partial in self.run.rollouts.glob(".step_*"):
             remove_quietly(partial)
 
-    def last_handed_over(self, checkpointed: int) -> int:
-        # A batch on disk is handed over, checkpointed or not.
-        return max(checkpointed, *self.run.rollout_steps())
-
     async def redeliver(self, timeout_s: float) -> None:
         while True:
             await self.resend_rejected()

@@ -67,11 +67,6 @@ class ZmqSender(BatchSender):
     def discard_partial(self) -> None:
         pass  # a message is whole or not sent: nothing is left half handed over
 
-    def last_handed_over(self, checkpointed: int) -> int:
-        # Over ZMQ a batch counts as sent once queued locally: batch `checkpointed` may have
-        # died in this process's buffer. Make it again; a trainer that has it already drops the copy.
-        return checkpointed - 1
-
     async def redeliver(self, timeout_s: float) -> None:
         await self.watch_connection(timeout_s)
 

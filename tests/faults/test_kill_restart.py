@@ -14,7 +14,9 @@ batch on disk respects the async bound; nothing half-written is left behind.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -29,6 +31,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import TINY_MODEL, free_port, rl_command
+from orchestrator.tasks import reverse
+from orchestrator.tokenizer import load_tokenizer
 from rl.batch import Batch
 from rl.rundir import RunDir
 from test_end_to_end import Program
@@ -37,6 +41,7 @@ pytestmark = pytest.mark.slow
 
 MAX_STEPS = 6
 MAX_ASYNC = 1
+GROUP_SIZE = 4
 HEARTBEAT_TIMEOUT_S = 10
 
 
@@ -54,7 +59,7 @@ class RealRun:
             # A kill is named after this long (default 20 s): five missed beats is margin enough.
             f"heartbeat_timeout_s = {HEARTBEAT_TIMEOUT_S}\n"
             f'[inference]\nport = {port}\ndtype = "float32"\n'
-            "[orchestrator]\nprompts_per_step = 4\ngroup_size = 4\nmax_tokens = 12\nmax_in_flight_groups = 8\n"
+            f"[orchestrator]\nprompts_per_step = 4\ngroup_size = {GROUP_SIZE}\nmax_tokens = 12\nmax_in_flight_groups = 8\n"
             # Every step checkpointed: a restarted trainer redoes no published step.
             "[trainer]\ncheckpoint_every = 1\nkeep_weights = 100\nkeep_rollouts = 100\ntorch_threads = 1\n"
             "[trainer.optim]\nlr = 1e-3\n" + extra)
@@ -118,12 +123,27 @@ class RealRun:
             assert batch.versions.min() >= step - 1 - MAX_ASYNC and batch.versions.max() <= step - 1
         orchestrator_steps = [r["step"] for r in self.records("orchestrator")]
         assert len(orchestrator_steps) == len(set(orchestrator_steps)), "a batch number was made twice"
+        self.check_each_prompt_once()
         # Nothing half-written left visible or lying around.
         assert not list(self.run.rollouts.glob(".step_*")), list(self.run.rollouts.glob(".step_*"))
         assert not list(self.run.weights.glob(".step_*")), list(self.run.weights.glob(".step_*"))
         if server_running:
             health = httpx.get(f"{self.url}/health", timeout=10).json()
             assert health["version"] == n, health
+
+    def check_each_prompt_once(self) -> None:
+        """Every prompt in the batches is one group of group_size samples: none was trained twice
+        (the task's first rows are all different, checked first)."""
+        rows = list(itertools.islice(reverse.dataset(0), 500))
+        assert len({row["prompt"] for row in rows}) == len(rows)
+        tokenizer = load_tokenizer(str(TINY_MODEL))
+        samples = collections.Counter()
+        for step in self.run.rollout_steps():
+            batch = Batch.read(self.run.rollout_dir(step))
+            for s in batch.sample_slices():
+                mask = batch.loss_mask[s]
+                samples[tokenizer.decode(batch.tokens[s][: int(mask.argmax())].tolist())] += 1
+        assert set(samples.values()) == {GROUP_SIZE}, {p: n for p, n in samples.items() if n != GROUP_SIZE}
 
     def pids(self) -> dict[str, int]:
         """{program: pid} of the programs running now, from their heartbeat files."""
@@ -197,18 +217,18 @@ def test_orchestrator_killed_mid_generation_is_reported_then_resumes(real_run):
     r.check_complete()
 
 
-@pytest.mark.parametrize("point", ["batch.staged", "orchestrator.handed_over"])
+@pytest.mark.parametrize("point", ["orchestrator.checkpointed", "batch.staged", "orchestrator.handed_over"])
 def test_orchestrator_killed_while_handing_a_batch_over_resumes_without_a_gap(real_run, point):
-    """Killed with batch 3 written but not renamed into place (it never existed), or handed over
-    but not yet checkpointed (it exists; the restarted orchestrator continues after it)."""
+    """Killed with batch 3 checkpointed but not written, written but not renamed into place (it
+    never existed: made again, of the same prompts), or handed over (the restarted orchestrator
+    continues after it). Either way no prompt is used twice or lost (check_complete)."""
     r = real_run
     trainer, orchestrator = r.start("trainer"), r.start("orchestrator", crash_at=f"{point}:3")
     assert orchestrator.wait(240) == -signal.SIGKILL, orchestrator.tail()
+    assert 3 in r.run.checkpoint_steps("orchestrator")
     if point == "batch.staged":
         assert list(r.run.rollouts.glob(".step_3.*")), "the crash point was not inside the batch write"
-        assert 3 not in r.run.rollout_steps()
-    else:
-        assert 3 in r.run.rollout_steps() and 3 not in r.run.checkpoint_steps("orchestrator")
+    assert (3 in r.run.rollout_steps()) == (point == "orchestrator.handed_over")
     orchestrator = r.start("orchestrator")
     r.finish(trainer, orchestrator)
     r.check_complete()
