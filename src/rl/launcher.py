@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,6 +29,13 @@ from rl.rundir import RunDir
 
 PROGRAMS = ("inference", "trainer", "orchestrator")
 STOP_GRACE_S = 15.0
+# What a killed program's helper processes print as they go down with it: triton's nanobind
+# reference-leak report and multiprocessing's resource tracker cleaning up vLLM's shared memory.
+# Neither says anything about why the program died, so the tail shown skips them (the log keeps
+# them), and the children's resource trackers are told not to warn at all.
+EXIT_NOISE = re.compile(r"^nanobind: |^\s*- leaked |^\s*- \.\.\. skipped remainder|nanobind\.readthedocs\.io"
+                        r"|resource_tracker")
+QUIET_TRACKER = "ignore::UserWarning:multiprocessing.resource_tracker"
 
 
 @dataclass
@@ -50,11 +58,12 @@ def _die_with_parent() -> None:
 
 def _start(name: str, argv: list[str], run: RunDir, cfg: RunConfig) -> Child:
     log = run.logs / f"{name}.log"
+    warnings = ",".join(w for w in (os.environ.get("PYTHONWARNINGS"), QUIET_TRACKER) if w)
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "rl", name, *argv],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=_die_with_parent,
+            start_new_session=True, preexec_fn=_die_with_parent, env={**os.environ, "PYTHONWARNINGS": warnings},
         )
     return Child(name, proc, log, PeerWatch(heartbeat_path(cfg, name), name, cfg.heartbeat_timeout_s))
 
@@ -78,10 +87,12 @@ def _stop(children: list[Child]) -> None:
 
 
 def _tail(path: Path, lines: int = 15) -> str:
+    """The last `lines` lines of a log that say something (EXIT_NOISE skipped)."""
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        text = path.read_text(errors="replace")
     except FileNotFoundError:
         return ""
+    return "\n".join([line for line in text.splitlines() if not EXIT_NOISE.search(line)][-lines:])
 
 
 class MetricsFollower:
