@@ -11,8 +11,8 @@ Concurrent loops on one event loop:
   - `pool.discover`: adds the servers that announce themselves in the run directory, drops those
     whose heartbeat stops (orchestrator.discover_servers);
   - `run` (the main loop), for n = 1..max_steps: waits until version >= n-1-k serves on every
-    server in rotation, takes the oldest fresh finished groups, hands batch n over, checkpoints,
-    and cancels in-flight groups that batch n+1 could no longer accept (aborted on their server,
+    server in rotation, takes the oldest fresh finished groups, checkpoints batch n, hands it
+    over, and cancels in-flight groups that batch n+1 could no longer accept (aborted on their server,
     prompts requeued).
 Beside them: `watch_trainer` (orchestrator/trainer_watch.py), the batch sender's `redeliver`, the
 evaluations (orchestrator/evaluation.py) and, with wandb or TensorBoard on, `track`
@@ -80,7 +80,7 @@ class Orchestrator:
         self.evaluations = EvaluationRunner(Evaluation(self.rollouts, evals, self.o.eval) if evals else None,
                                             self.pool, self.run_dir, self.wait_until, self.tag)
         self.sender = BatchSender(cfg.transport, self.run_dir)
-        self.next_step, cursor, pending = resume_point(self.run_dir, self.sender)
+        self.next_step, cursor, pending, self.unsent = resume_point(self.run_dir, self.sender)
         self.queue = PromptQueue(self.rollouts.draws(), self.rollouts.fetch, cursor, pending)
         self.in_flight: dict[str, InFlight] = {}
         self.finished: list[Group] = []
@@ -351,9 +351,9 @@ class Orchestrator:
         self.next_step = step + 1
         samples = [s for g in groups for s in g.samples]
         batch = Batch.from_samples(step, samples)
-        # Checkpoint first, naming the batch's prompts: a crash before the batch reaches the
-        # trainer makes it again from them, one after counts them done (orchestrator/checkpoint.py).
-        self.checkpoint(step, [g.prompt for g in groups])
+        # Checkpoint first, with the batch: a crash before the batch reaches the trainer hands
+        # the same bytes over again, one after counts it done (orchestrator/checkpoint.py).
+        self.checkpoint(batch)
         crash_point("orchestrator.checkpointed", step)
         set_phase(f"handing over batch {step}")
         await self.sender.send(batch, self.o.trainer_timeout_s)
@@ -363,12 +363,12 @@ class Orchestrator:
         c, self.counters = self.counters, Counters()
         self.reporting.report(batch, groups, c, trainer_wait, group_wait, len(self.in_flight), len(self.finished))
 
-    def checkpoint(self, step: int, handing: list[Prompt]) -> None:
-        """Checkpoint batch `step`, made of `handing` (orchestrator/checkpoint.py): the prompts
-        drawn but not in a batch yet go out again after a resume."""
+    def checkpoint(self, batch: Batch) -> None:
+        """Checkpoint `batch` before it leaves (orchestrator/checkpoint.py): the prompts drawn but
+        not in a batch yet go out again after a resume."""
         pending = [*self.queue.requeued, *(g.prompt for g in self.in_flight.values()),
                    *(g.prompt for g in self.finished)]
-        save_checkpoint(self.run_dir, step, self.queue.cursor, pending, handing, self.o.keep_checkpoints)
+        save_checkpoint(self.run_dir, batch, self.queue.cursor, pending, self.o.keep_checkpoints)
 
     # --- the run ---------------------------------------------------------------------------
 
@@ -399,6 +399,9 @@ class Orchestrator:
     async def run(self) -> None:
         try:
             await self.start()
+            if self.unsent is not None:  # checkpointed, maybe never delivered: the same bytes again
+                await self.sender.send(self.unsent, self.o.trainer_timeout_s)
+                self.unsent = None
             if self.next_step == 1:
                 self.evaluations.start(0)
             every = self.o.eval.every

@@ -57,27 +57,20 @@ class PromptQueue:
         self.requeued.append(prompt)
 
 
-def encode_state(step: int, cursor: int, pending: list[Prompt], handing: list[Prompt] = ()) -> bytes:
-    """The orchestrator's checkpoint: batches 1..step-1 are handed over and batch `step` is being
-    handed over, made of the prompts `handing`; rows below `cursor` were drawn; `pending` were
-    drawn but are in no batch (queued, in flight or finished but unbatched)."""
+def encode_state(step: int, cursor: int, pending: list[Prompt]) -> bytes:
+    """The orchestrator's checkpoint: batches 1..step are made (batch `step` is checkpointed
+    beside it, orchestrator/checkpoint.py); rows below `cursor` were drawn; `pending` were drawn
+    but are in no batch (queued, in flight or finished but unbatched)."""
     try:
         # default=str: a file's dates and the like come back as text, which no reward has relied on.
-        return json.dumps({"step": step, "cursor": cursor, "pending": [_encode(p) for p in pending],
-                           "handing": [_encode(p) for p in handing]}, default=str).encode()
+        return json.dumps({"step": step, "cursor": cursor,
+                           "pending": [{"index": p.index, "row": p.row, "source": p.source, "where": p.where}
+                                       for p in pending]}, default=str).encode()
     except TypeError as e:
         raise TypeError(f"orchestrator.dataset rows must be JSON-able to checkpoint them: {e}") from None
 
 
-def _encode(p: Prompt) -> dict:
-    return {"index": p.index, "row": p.row, "source": p.source, "where": p.where}
-
-
-def decode_state(data: bytes) -> tuple[int, int, list[Prompt], list[Prompt]]:
-    """(step, cursor, pending, handing), as encode_state wrote them."""
+def decode_state(data: bytes) -> tuple[int, int, list[Prompt]]:
     state = json.loads(data)
-
-    def prompts(key: str) -> list[Prompt]:
-        return [Prompt(p["index"], p["row"], p.get("source", ""), p.get("where", "")) for p in state.get(key, [])]
-
-    return state["step"], state["cursor"], prompts("pending"), prompts("handing")
+    return state["step"], state["cursor"], [Prompt(p["index"], p["row"], p.get("source", ""), p.get("where", ""))
+                                            for p in state["pending"]]

@@ -34,7 +34,7 @@ STOP_GRACE_S = 15.0
 # Neither says anything about why the program died, so the tail shown skips them (the log keeps
 # them), and the children's resource trackers are told not to warn at all.
 EXIT_NOISE = re.compile(r"^nanobind: |^\s*- leaked |^\s*- \.\.\. skipped remainder|nanobind\.readthedocs\.io"
-                        r"|resource_tracker")
+                        r"|UserWarning: resource_tracker: There appear to be|warnings\.warn\('resource_tracker: ")
 QUIET_TRACKER = "ignore::UserWarning:multiprocessing.resource_tracker"
 
 

@@ -76,7 +76,7 @@ def trainer_state_refusal(run: RunDir, resume: bool) -> str | None:
     if not run.checkpoint_steps("trainer") and 1 not in run.rollout_steps():
         return (f"--resume: no complete trainer checkpoint under {run.checkpoints} and batch 1 "
                 f"({run.rollout_dir(1)}) is gone, so the run cannot be replayed from its start "
-                "(trainer.checkpoint_every = 0 keeps only the last keep_rollouts batches): choose another output_dir")
+                "(with trainer.checkpoint_every = 0 batches are not kept for that): choose another output_dir")
     return None
 
 

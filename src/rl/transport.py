@@ -10,8 +10,8 @@
 One interface for both: a BatchSender (orchestrator side) and a BatchReceiver (trainer side).
 The kind is looked at once, here: `BatchSender(cfg, run)` and `BatchReceiver(cfg, run, ...)`
 make the implementation for `cfg.kind`, and whatever differs between the kinds (what is left
-half handed over after a crash, where a resumed orchestrator goes on, how a batch the trainer
-lost reaches it again) is a method of the implementation.
+half handed over after a crash, how a batch the trainer lost reaches it again) is a method of
+the implementation.
 
 Both receivers wait with a heartbeat log line and a timeout, never silently, and check every
 batch (checksum, schema, step) before the trainer sees it. A damaged batch file is moved to

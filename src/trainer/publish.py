@@ -12,15 +12,18 @@ and its seconds are the step's write_s in metrics.jsonl.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
 from rl.config import RunConfig
-from rl.rundir import RunDir
+from rl.rundir import STABLE, RunDir
 from trainer.lora import LoRA
 from trainer.policy import Policy
 from trainer.weights import gather_full_state_dict, prune_weights, write_adapter, write_weights
+
+log = logging.getLogger("trainer")
 
 
 class Publisher:
@@ -30,6 +33,14 @@ class Publisher:
         self.rank = rank
 
     def publish(self, policy: Policy, step: int) -> float:
+        # A resumed trainer trains again the steps after its checkpoint (from step 1 before the
+        # first one). A version already published stays as it is: servers serving it are never
+        # handed other bytes under the same number (a GPU replay need not be bit-exact), nor
+        # rolled back while it is rewritten. Every rank sees the same file: all skip or none.
+        if (policy.run.weights_dir(step) / STABLE).exists():
+            if self.rank == 0:
+                log.info("version %d was published before this trainer started: kept as it is", step)
+            return 0.0
         tensors = self.gather(policy)  # collective: all ranks
         if self.rank != 0:
             return 0.0

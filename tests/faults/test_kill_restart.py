@@ -36,6 +36,7 @@ from orchestrator.tokenizer import load_tokenizer
 from rl.batch import Batch
 from rl.rundir import RunDir
 from test_end_to_end import Program
+from test_trainer import run_trainer
 
 pytestmark = pytest.mark.slow
 
@@ -145,6 +146,19 @@ class RealRun:
                 samples[tokenizer.decode(batch.tokens[s][: int(mask.argmax())].tolist())] += 1
         assert set(samples.values()) == {GROUP_SIZE}, {p: n for p, n in samples.items() if n != GROUP_SIZE}
 
+    def check_replay(self) -> None:
+        """Each step trained once from the right state: a fresh trainer on this run's own batches
+        (one rank, the same micro-batches and order) ends on the same weights, bit for bit."""
+        replay = RunDir(self.tmp / "replay")
+        for n in range(1, self.max_steps + 1):
+            shutil.copytree(self.run.rollout_dir(n), replay.rollout_dir(n))
+        run_trainer(rl_command("trainer"), ["@", str(self.cfg), "--output_dir", str(replay.root)])
+        got = load_file(self.run.weights_dir(self.max_steps) / "model.safetensors")
+        want = load_file(replay.weights_dir(self.max_steps) / "model.safetensors")
+        assert got.keys() == want.keys()
+        for k in got:
+            assert torch.equal(got[k], want[k]), f"{k} differs from a replay of the run's batches"
+
     def pids(self) -> dict[str, int]:
         """{program: pid} of the programs running now, from their heartbeat files."""
         out = {}
@@ -219,9 +233,9 @@ def test_orchestrator_killed_mid_generation_is_reported_then_resumes(real_run):
 
 @pytest.mark.parametrize("point", ["orchestrator.checkpointed", "batch.staged", "orchestrator.handed_over"])
 def test_orchestrator_killed_while_handing_a_batch_over_resumes_without_a_gap(real_run, point):
-    """Killed with batch 3 checkpointed but not written, written but not renamed into place (it
-    never existed: made again, of the same prompts), or handed over (the restarted orchestrator
-    continues after it). Either way no prompt is used twice or lost (check_complete)."""
+    """Killed with batch 3 checkpointed but not written, or written but not renamed into place
+    (it never existed: the restarted orchestrator hands the checkpointed bytes over), or handed
+    over (it continues after it). Either way no prompt is used twice or lost (check_complete)."""
     r = real_run
     trainer, orchestrator = r.start("trainer"), r.start("orchestrator", crash_at=f"{point}:3")
     assert orchestrator.wait(240) == -signal.SIGKILL, orchestrator.tail()
@@ -278,12 +292,14 @@ def test_trainer_killed_before_its_first_checkpoint_replays_from_the_base_model(
     trainer = r.start("trainer", "--resume", *sparse)
     r.finish(trainer, orchestrator)
     assert in_log(trainer, "no checkpoint yet") and in_log(trainer, "replaying from step 1")
+    assert in_log(trainer, "version 3 was published before this trainer started: kept as it is")
     steps = [rec["step"] for rec in r.records("trainer")]
     assert steps == [1, 2, 3, *range(1, r.max_steps + 1)], steps  # steps 1-3 redone, each once more
-    for v, tensors in published.items():
+    for v, tensors in published.items():  # kept, not rewritten under the servers
         again = load_file(r.run.weights_dir(v) / "model.safetensors")
-        assert all(torch.equal(t, again[k]) for k, t in tensors.items()), f"version {v} replayed differently"
+        assert all(torch.equal(t, again[k]) for k, t in tensors.items()), f"version {v} changed"
     assert r.run.rollout_steps() == list(range(1, r.max_steps + 1))
+    r.check_replay()  # and the replayed steps 1-3 led to the state an uninterrupted trainer has
     health = httpx.get(f"{r.url}/health", timeout=10).json()
     assert health["version"] == r.max_steps, health
 

@@ -12,18 +12,13 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import signal
 import time
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
-from conftest import free_port, rl_command
-from rl.rundir import RunDir
+from conftest import free_port
 from test_kill_restart import RealRun, gone, rl_run
-from test_trainer import run_trainer
 
 pytestmark = pytest.mark.slow
 
@@ -85,20 +80,11 @@ def check(r: RealRun, seed: int, kills: list) -> None:
     trained = {rec["step"] for rec in r.records("trainer")}
     assert trained <= set(range(1, STEPS + 1)) and STEPS in trained, why
     assert r.run.rollout_steps() == list(range(1, STEPS + 1)), why
-    orchestrator_steps = [rec["step"] for rec in r.records("orchestrator")]
-    assert sorted(set(orchestrator_steps)) == list(range(1, STEPS + 1)), why
+    # A batch is made once: its record, unless lost to a kill right after the hand-over, once.
+    made = [rec["step"] for rec in r.records("orchestrator")]
+    assert len(made) == len(set(made)) and set(made) <= set(range(1, STEPS + 1)), why
     r.check_each_prompt_once()
-    # Each step trained once from the right state: a fresh trainer on the run's own batches
-    # (one rank, the same micro-batches and order) ends on the same weights, bit for bit.
-    replay = RunDir(r.tmp / "replay")
-    for n in range(1, STEPS + 1):
-        shutil.copytree(r.run.rollout_dir(n), replay.rollout_dir(n))
-    run_trainer(rl_command("trainer"), ["@", str(r.cfg), "--output_dir", str(replay.root)])
-    got = load_file(r.run.weights_dir(STEPS) / "model.safetensors")
-    want = load_file(replay.weights_dir(STEPS) / "model.safetensors")
-    assert got.keys() == want.keys(), why
-    for k in got:
-        assert torch.equal(got[k], want[k]), f"{why}: {k} differs from the replay"
+    r.check_replay()
 
 
 def tail(path) -> str:
