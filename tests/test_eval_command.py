@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -17,13 +18,9 @@ pytestmark = pytest.mark.slow
 CHAT_MODEL = ROOT / "models" / "tiny-chat"
 
 
-def test_rl_eval_gives_the_same_greedy_numbers_for_the_same_weights(tmp_path):
-    run = tmp_path / "run"
-    published = run / "weights" / "step_1"
-    shutil.copytree(CHAT_MODEL, published)
-    (published / "STABLE").touch()
-    cfg = tmp_path / "cfg.toml"
-    cfg.write_text(f'''model = "{CHAT_MODEL}"
+def write_config(path: Path, model: Path, run: Path) -> Path:
+    """Greedy evaluation of 30 held-out spell_backward rows on a server of rl eval's own."""
+    path.write_text(f'''model = "{model}"
 output_dir = "{run}"
 seq_len = 64
 [inference]
@@ -39,6 +36,15 @@ reasoning_gym = "spell_backward"
 task_config = {{ min_word_len = 3, max_word_len = 7 }}
 seed = 10000
 ''')
+    return path
+
+
+def test_rl_eval_gives_the_same_greedy_numbers_for_the_same_weights(tmp_path):
+    run = tmp_path / "run"
+    published = run / "weights" / "step_1"
+    shutil.copytree(CHAT_MODEL, published)
+    (published / "STABLE").touch()
+    cfg = write_config(tmp_path / "cfg.toml", CHAT_MODEL, run)
     outputs = []
     for extra in ([], ["--step", "1"]):
         result = subprocess.run(rl_command("eval", "@", str(cfg), *extra), capture_output=True, text=True, timeout=300)
@@ -82,23 +88,7 @@ def test_rl_eval_of_a_lora_step_loads_its_adapter_on_the_base_model(tmp_path):
             shutil.copy(f, merged / f.name)
 
     def evaluate(model_dir, *extra) -> dict:
-        cfg = tmp_path / "cfg.toml"
-        cfg.write_text(f'''model = "{model_dir}"
-output_dir = "{run}"
-seq_len = 64
-[inference]
-port = {free_port()}
-dtype = "float32"
-[orchestrator]
-max_tokens = 10
-[orchestrator.eval]
-rows = 30
-[[orchestrator.eval.datasets]]
-name = "heldout"
-reasoning_gym = "spell_backward"
-task_config = {{ min_word_len = 3, max_word_len = 7 }}
-seed = 10000
-''')
+        cfg = write_config(tmp_path / "cfg.toml", model_dir, run)
         result = subprocess.run(rl_command("eval", "@", str(cfg), *extra), capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
         record = json.loads((run / "evals.jsonl").read_text().splitlines()[-1])
