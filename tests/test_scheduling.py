@@ -327,25 +327,40 @@ def test_a_server_that_never_answers_ends_in_a_clear_timeout(tmp_path):
 
 def test_a_server_restarted_between_requests_is_reloaded(tmp_path):
     """A server that restarts while idle comes back on the base model (version 0) and fails no
-    request: the periodic health check must notice and bring it back to the current version."""
+    request: a health check must notice and bring it back to the current version. It restarts
+    while the trainer pauses 4 s before version 10, so no routine push of a new version can be
+    what brings it back."""
     a, b = FakeServer(lambda: 0.002), FakeServer(lambda: 0.002)
-    restarted = []
+    calls, restarted, pause_ends = [], [], []
+
+    def step_latency() -> float:
+        calls.append(time.monotonic())
+        if len(calls) == 10:  # before version 10
+            pause_ends.append(time.monotonic() + 4.0)
+            return 4.0
+        return 0.1
 
     async def restart():
-        await asyncio.sleep(0.8)
+        while not (pause_ends and b.version == 9):
+            await asyncio.sleep(0.005)
         b.version = 0  # what a fresh `rl inference` reports
         restarted.append(time.monotonic())
 
     async def scenario():
         task = asyncio.create_task(restart())
-        o = await run_scenario(tmp_path, [a, b], step_latency=lambda: 0.1, max_steps=50)
+        o = await run_scenario(tmp_path, [a, b], step_latency=step_latency, max_steps=20)
         await task
         return o
 
     o = asyncio.run(scenario())
     check_rules(o)
-    assert b.version == a.version == 50
-    assert any(t > restarted[0] for t, v in b.versions if v > 0), "never reloaded after the restart"
+    assert b.version == a.version == 20
+    reloads = [(t, v) for t, v in b.versions if t > restarted[0] and v > 0]
+    assert reloads and reloads[0][1] == 9 and reloads[0][0] < pause_ends[0], \
+        f"not brought back to version 9 during the pause: {reloads[:2]}"
+    assert [w for w in o.warnings if "out of rotation" in w] == \
+        [f"server {o.cfg.urls[1]} out of rotation (reports version 0, expected 9 (restarted?)); 1 of 2 left, retry in 1 s"]
+    assert not [w for w in o.warnings if "requeued" in w or "failed" in w], o.warnings
 
 
 def test_a_server_announced_in_the_run_directory_joins_on_the_current_version_and_leaves(tmp_path):
