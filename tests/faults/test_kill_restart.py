@@ -44,6 +44,10 @@ MAX_STEPS = 6
 MAX_ASYNC = 1
 GROUP_SIZE = 4
 HEARTBEAT_TIMEOUT_S = 10
+# A kill is reported once the heartbeat has not changed for HEARTBEAT_TIMEOUT_S (its last change
+# was at most one beat, 2 s, before the kill), seen by a watcher that looks every second or
+# more often: within the timeout + 3 s; 2 s more for a loaded machine writing its log.
+REPORTED_WITHIN_S = HEARTBEAT_TIMEOUT_S + 5
 
 
 class RealRun:
@@ -221,10 +225,12 @@ def test_orchestrator_killed_mid_generation_is_reported_then_resumes(real_run):
     assert orchestrator.proc.poll() is None
     os.kill(orchestrator.proc.pid, signal.SIGKILL)
     killed = time.monotonic()
-    # The trainer, waiting for the next batch, names the silent orchestrator within 30 s.
+    # The trainer, waiting for the next batch, names the silent orchestrator.
     r.wait_for("the trainer to report the orchestrator", lambda: in_log(trainer, "orchestrator silent for"),
                timeout=45, watch=(trainer,))
-    assert time.monotonic() - killed < 40
+    reported = time.monotonic() - killed
+    print(f"reported after {reported:.1f} s")
+    assert reported < REPORTED_WITHIN_S
     orchestrator = r.start("orchestrator")
     r.finish(trainer, orchestrator)
     assert in_log(orchestrator, "resuming after batch")
@@ -259,7 +265,9 @@ def test_trainer_killed_mid_weights_write_is_reported_then_resumes(real_run):
     assert (r.run.weights / ".step_3.tmp").is_dir() and 3 not in r.run.weight_steps()
     r.wait_for("the orchestrator to report the trainer", lambda: in_log(orchestrator, "trainer silent for"),
                timeout=45, watch=(orchestrator,))
-    assert time.monotonic() - killed < 40
+    reported = time.monotonic() - killed
+    print(f"reported after {reported:.1f} s")
+    assert reported < REPORTED_WITHIN_S
     trainer = r.start("trainer", "--resume")
     r.finish(trainer, orchestrator)
     assert in_log(trainer, "resumed from checkpoints/step_2")
