@@ -98,11 +98,11 @@ async def run_scenario(root: Path, servers: list[FakeServer], step_latency=lambd
             orch = Orchestrator(cfg, session)
             send = orch.sender.send
 
-            async def observed_send(batch: Batch, timeout_s: float) -> None:
+            async def observed_send(batch: Batch, timeout_s: float, *encoded) -> None:
                 # What every server in rotation really serves at the moment the batch leaves
                 # (one out of rotation gets no requests, so serves this run nothing).
                 handovers[batch.step] = [fake.version for fake, s in zip(servers, orch.pool.servers) if s.healthy]
-                await send(batch, timeout_s)
+                await send(batch, timeout_s, *encoded)
 
             orch.sender.send = observed_send
             trainer = asyncio.create_task(fake_trainer(run, cfg.max_steps, step_latency, first))

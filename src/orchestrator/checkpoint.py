@@ -44,12 +44,14 @@ def resume_point(run_dir: RunDir, sender: BatchSender) -> tuple[int, int, list[P
     return step + 1, cursor, pending, again
 
 
-def save_checkpoint(run_dir: RunDir, batch: Batch, cursor: int, pending: list[Prompt], keep: int) -> None:
-    """Checkpoint `batch` before it is handed over, keeping the newest `keep` checkpoints."""
-    directory = run_dir.checkpoint_dir(batch.step) / "orchestrator"
+def save_checkpoint(run_dir: RunDir, step: int, encoded: tuple[bytes, bytes], cursor: int, pending: list[Prompt],
+                    keep: int) -> None:
+    """Checkpoint batch `step` (`encoded`: its Batch.encode()) before it is handed over, keeping
+    the newest `keep` checkpoints."""
+    directory = run_dir.checkpoint_dir(step) / "orchestrator"
     directory.mkdir(parents=True, exist_ok=True)
-    Batch.write_encoded(*batch.encode(), directory / "batch")
-    write_file_atomic(directory / "state.json", encode_state(batch.step, cursor, pending))
+    Batch.write_encoded(*encoded, directory / "batch")
+    write_file_atomic(directory / "state.json", encode_state(step, cursor, pending))
     mark_stable(directory)
     for old in run_dir.checkpoint_steps("orchestrator")[:-keep]:
         run_dir.remove_checkpoint(old, "orchestrator")

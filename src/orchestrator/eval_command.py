@@ -28,8 +28,7 @@ import aiohttp
 
 from orchestrator.evaluation import Evaluation
 from orchestrator.rollouts import Rollouts
-from orchestrator.scoring import Reward
-from orchestrator.sources import Source
+from orchestrator.sources import configured_sources
 from orchestrator.tokenizer import load_tokenizer
 from rl.config import RunConfig
 from rl.inference_api import InferenceClient, InferenceError
@@ -57,11 +56,7 @@ async def evaluate(cfg: RunConfig, url: str, version: int, proc: subprocess.Pope
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the inference server did not answer within {cfg.orchestrator.server_wait_timeout_s:.0f} s")
             await asyncio.sleep(1.0)
-        sources = []
-        for ds in cfg.orchestrator.resolved_datasets(evaluation=True):
-            source = Source(ds, cfg.seed)
-            source.reward = Reward(ds.reward, cfg.orchestrator.reward_timeout_s, session, key=f"dataset {ds.name}: reward")
-            sources.append(source)
+        sources = configured_sources(cfg, session, evaluation=True)
         name = None
         if adapter is not None:
             name = f"eval-v{version}"

@@ -351,24 +351,25 @@ class Orchestrator:
         self.next_step = step + 1
         samples = [s for g in groups for s in g.samples]
         batch = Batch.from_samples(step, samples)
+        encoded = batch.encode()  # once: the checkpoint and the hand-over take the same bytes
         # Checkpoint first, with the batch: a crash before the batch reaches the trainer hands
         # the same bytes over again, one after counts it done (orchestrator/checkpoint.py).
-        self.checkpoint(batch)
+        self.checkpoint(step, encoded)
         crash_point("orchestrator.checkpointed", step)
         set_phase(f"handing over batch {step}")
-        await self.sender.send(batch, self.o.trainer_timeout_s)
+        await self.sender.send(batch, self.o.trainer_timeout_s, encoded)
         crash_point("orchestrator.handed_over", step)
         await self.cancel_hopeless()
         await self.notify()
         c, self.counters = self.counters, Counters()
         self.reporting.report(batch, groups, c, trainer_wait, group_wait, len(self.in_flight), len(self.finished))
 
-    def checkpoint(self, batch: Batch) -> None:
-        """Checkpoint `batch` before it leaves (orchestrator/checkpoint.py): the prompts drawn but
-        not in a batch yet go out again after a resume."""
+    def checkpoint(self, step: int, encoded: tuple[bytes, bytes]) -> None:
+        """Checkpoint batch `step` before it leaves (orchestrator/checkpoint.py): the prompts
+        drawn but not in a batch yet go out again after a resume."""
         pending = [*self.queue.requeued, *(g.prompt for g in self.in_flight.values()),
                    *(g.prompt for g in self.finished)]
-        save_checkpoint(self.run_dir, batch, self.queue.cursor, pending, self.o.keep_checkpoints)
+        save_checkpoint(self.run_dir, step, encoded, self.queue.cursor, pending, self.o.keep_checkpoints)
 
     # --- the run ---------------------------------------------------------------------------
 

@@ -63,8 +63,9 @@ class BatchSender(ABC):
         # restarted trainer gets again what may have died in its predecessor's socket (resend).
         self.unconsumed: dict[int, tuple[bytes, bytes]] = {}
 
-    async def send(self, batch: Batch, timeout_s: float) -> None:
-        meta, payload = batch.encode()
+    async def send(self, batch: Batch, timeout_s: float, encoded: tuple[bytes, bytes] | None = None) -> None:
+        """Hand `batch` over; `encoded`: its batch.encode(), when the caller has it already."""
+        meta, payload = encoded or batch.encode()
         await self._hand_over(batch.step, meta, payload, timeout_s)
         # Only once out: a batch still being written is not missing (resend_rejected).
         self.unconsumed[batch.step] = (meta, payload)
