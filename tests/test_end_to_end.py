@@ -54,10 +54,11 @@ def start_server(tmp, name: str, model, output_dir, extra: str = "") -> tuple[Pr
     return server, url
 
 
-def launch_server(tmp, name: str, model, output_dir, extra: str = "") -> tuple[Program, str]:
+def launch_server(tmp, name: str, model, output_dir, extra: str = "",
+                  seq_len: int = 64) -> tuple[Program, str]:
     port = free_port()
     cfg = tmp / f"{name}.toml"
-    cfg.write_text(f'model = "{model}"\noutput_dir = "{output_dir}"\nseq_len = 64\n'
+    cfg.write_text(f'model = "{model}"\noutput_dir = "{output_dir}"\nseq_len = {seq_len}\n'
                    f'[inference]\nport = {port}\ndtype = "float32"\n' + extra)
     return Program("inference", cfg, tmp), f"http://127.0.0.1:{port}"
 

@@ -20,7 +20,7 @@ from test_end_to_end import Program, launch_server, wait_healthy
 
 pytestmark = pytest.mark.slow
 
-SEQ_LEN = 64  # start_server's config
+SEQ_LEN = 256  # the server's: long greedy runs (~3 s for MAX_NUM_SEQS) outlast any poll
 Z, A, EQ = 28, 3, 29  # "z", "a", "=" in the char tokenizer (vocab 30)
 # Greedy on "z" the tiny model writes "z" until max_tokens, never <eos>: long, deterministic runs.
 LONG = {"prompt_token_ids": [Z], "max_tokens": SEQ_LEN - 1, "temperature": 0}
@@ -39,7 +39,7 @@ def server(tmp_path_factory):
     tensors = load_file(zero / "model.safetensors")
     tensors["model.norm.weight"].zero_()
     save_file(tensors, zero / "model.safetensors")
-    proc, url = launch_server(tmp, "server", TINY_MODEL, run.root)
+    proc, url = launch_server(tmp, "server", TINY_MODEL, run.root, seq_len=SEQ_LEN)
     try:
         first = complete_right_after_the_ready_line(proc, url, str(TINY_MODEL))
         wait_healthy(proc, url)
@@ -82,9 +82,10 @@ async def generate(s, url: str, request_id: str, **body) -> dict:
     return data
 
 
-async def wait_running(s, url: str, done, timeout: float = 30.0) -> float:
+async def wait_running(s, url: str, done, timeout: float = 30.0,
+                       task: asyncio.Task | None = None) -> float | None:
     """Poll vLLM's own gauge of requests the engine runs (Prometheus /metrics) until
-    done(count); returns the seconds it took."""
+    done(count); returns the seconds it took, or None if `task` ended first."""
     start = time.perf_counter()
     while True:
         async with s.get(f"{url}/metrics") as r:
@@ -93,8 +94,25 @@ async def wait_running(s, url: str, done, timeout: float = 30.0) -> float:
                     if line.startswith("vllm:num_requests_running{"))
         if done(count):
             return time.perf_counter() - start
+        if task is not None and task.done():
+            return None
         assert time.perf_counter() - start < timeout, f"vllm:num_requests_running stuck at {count}"
         await asyncio.sleep(0.005)
+
+
+async def all_running(s, url: str, request_id: str, attempts: int = 3) -> asyncio.Task:
+    """Start MAX_NUM_SEQS long requests; return their task once vLLM's gauge shows every one
+    running. The gauge moves only when the server's output loop runs: on a loaded machine that
+    loop can be starved through a whole run, so no poll sees it (CI did, once). Such a run
+    is started again under a new id: the test needs its requests caught running, not that run."""
+    for attempt in range(attempts):
+        task = asyncio.create_task(generate(s, url, f"{request_id}-{attempt}", n=MAX_NUM_SEQS,
+                                            **LONG))
+        if await wait_running(s, url, lambda c: c == MAX_NUM_SEQS, task=task) is not None:
+            return task
+        task.result()  # a request that failed fails the test here, with its error
+    raise AssertionError(f"{attempts} runs of {MAX_NUM_SEQS} requests ended before /metrics "
+                         "showed them all running")
 
 
 async def health(s, url: str) -> dict:
@@ -123,7 +141,7 @@ def test_generate_returns_tokens_logprobs_and_versions(server):
                 "logprobs": 0, "return_token_ids": True})
             assert status == 200, openai
             errors = [await post(s, f"{url}/generate", {"request_id": "e", **body}) for body in (
-                {"prompt_token_ids": [A] * 60, "max_tokens": 16},
+                {"prompt_token_ids": [A] * (SEQ_LEN - 4), "max_tokens": 16},
                 {"prompt_token_ids": [A, 30]},
                 {"prompt_token_ids": [A], "stop_token_ids": [-1]},
                 {"prompt_token_ids": [A], "n": 0},
@@ -151,7 +169,7 @@ def test_generate_returns_tokens_logprobs_and_versions(server):
 
     messages = [(status, body["error"]["message"]) for status, body in errors]
     assert [status for status, _ in messages] == [400] * 4
-    assert messages[0][1] == "max_tokens: prompt (60 tokens) + max_tokens (16) exceeds seq_len 64"
+    assert messages[0][1] == f"max_tokens: prompt ({SEQ_LEN - 4} tokens) + max_tokens (16) exceeds seq_len {SEQ_LEN}"
     assert messages[1][1].startswith("prompt_token_ids:") and "[30]" in messages[1][1]
     assert messages[2][1].startswith("stop_token_ids:")
     assert "body.n" in messages[3][1]
@@ -183,7 +201,7 @@ def test_sampling_controls_and_stop_strings_reach_the_engine(server):
 
 def test_abort_stops_the_engine_requests(server):
     url = server["url"]
-    calls, n = 6, 64  # 384 engine requests, 128 at a time: ~2-3 s on one core
+    calls, n = 4, 64  # 256 engine requests, 128 at a time: ~6 s on one core
 
     async def main():
         async with aiohttp.ClientSession() as s:
@@ -242,16 +260,14 @@ def test_in_flight_update_tags_every_token_with_the_version_that_sampled_it(serv
         async with aiohttp.ClientSession() as s:
             v = (await health(s, url))["version"]
             # "keep": at most MAX_NUM_SEQS requests, so all of them run when the update lands.
-            task = asyncio.create_task(generate(s, url, "keep", n=MAX_NUM_SEQS, **LONG))
-            await wait_running(s, url, lambda c: c == MAX_NUM_SEQS)
+            task = await all_running(s, url, "keep")
             await asyncio.sleep(0.2)
             keep = await _update(s, url, server["zero"], v + 1, "keep")
             kept = await task
             after_keep = await generate(s, url, "after-keep", n=4, **LONG)
 
             # "wait": the zero weights write token 0; the running requests must finish on them.
-            task = asyncio.create_task(generate(s, url, "wait", n=MAX_NUM_SEQS, **LONG))
-            await wait_running(s, url, lambda c: c == MAX_NUM_SEQS)
+            task = await all_running(s, url, "wait")
             update = asyncio.create_task(_update(s, url, server["model"], v + 2, "wait"))
             await asyncio.sleep(0.1)
             assert not update.done()
@@ -307,16 +323,17 @@ def test_health_reports_version_and_running_requests(server):
     async def main():
         async with aiohttp.ClientSession() as s:
             await _update(s, url, "base", 7, "wait")  # the model it started with, wherever it is
-            task = asyncio.create_task(generate(s, url, "h", n=MAX_NUM_SEQS, **LONG))
             busy = None
-            while not task.done():
-                h = await health(s, url)
-                if h["running"] > 0:
-                    busy = h
-                    break
-                await asyncio.sleep(0.005)
-            await task
-            return busy, await health(s, url)
+            for attempt in range(3):  # a starved poll can miss a whole run (see all_running)
+                task = asyncio.create_task(generate(s, url, f"h-{attempt}", n=MAX_NUM_SEQS, **LONG))
+                while busy is None and not task.done():
+                    h = await health(s, url)
+                    busy = h if h["running"] > 0 else None
+                    await asyncio.sleep(0.005)
+                await task
+                if busy is not None:
+                    return busy, await health(s, url)
+            return None, await health(s, url)
 
     busy, idle = asyncio.run(main())
     assert busy is not None and busy["running"] == MAX_NUM_SEQS and busy["version"] == 7
