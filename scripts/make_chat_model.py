@@ -45,16 +45,10 @@ MAX_NEW_TOKENS = TASK_KWARGS["max_word_len"] + 2
 MAX_MODEL_LEN = 128
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
-# Qwen2.5-Instruct's ChatML without its default system prompt and tool calls: a system message
-# is rendered only when given, which keeps the prompts short.
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}\n"
-    "    {{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}\n"
-    "{%- endfor %}\n"
-    "{%- if add_generation_prompt %}\n"
-    "    {{- '<|im_start|>assistant\\n' }}\n"
-    "{%- endif %}\n"
-)
+# Qwen2.5-Instruct's ChatML and its Hermes-style tool calls, without its default system prompt (a
+# system message is rendered only when given, which keeps the prompts short) and with a shorter
+# tool preamble. Without tools it renders what plain ChatML does.
+CHAT_TEMPLATE = (Path(__file__).parent / "chat_template.jinja").read_text()
 
 
 def build_chat_tokenizer() -> PreTrainedTokenizerFast:

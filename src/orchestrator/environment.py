@@ -16,6 +16,19 @@ The orchestrator appends each completion's tokens (trained on) and each observat
 trained on: loss mask 0) to one token sequence, so the trainer sees exactly what the model saw.
 The episode's reward is the sum of its turns' rewards; group-relative advantages then apply as for
 single-turn rollouts. Nothing else in the pipeline (staleness, batching, weight sync) differs.
+
+A tool environment talks through the model's chat template and gives it functions to call:
+
+    class MyToolEnv:
+        tools = [calculate, search]                    # functions, sync or async (rl/tools.py)
+        system_prompt = "..."                          # optional
+        def dataset(self, seed) -> Iterator[dict]:     # rows with "prompt" or "messages"
+        def reward(self, messages, row) -> float:      # sync or async; the whole conversation
+
+Each tool's JSON schema comes from its signature and docstring; the model's calls are read by
+orchestrator.tool_parser, run under orchestrator.tool_timeout_s, and answered with tool
+messages until it answers without a call (orchestrator/tool_episode.py). `messages` is the
+conversation in OpenAI form: the assistant's answer is the last message's content.
 """
 
 from __future__ import annotations
@@ -43,3 +56,11 @@ class Environment(Protocol):
     def dataset(self, seed: int) -> Iterator[dict]: ...
 
     def episode(self, row: dict) -> Episode: ...
+
+
+class ToolEnvironment(Protocol):
+    tools: list
+
+    def dataset(self, seed: int) -> Iterator[dict]: ...
+
+    def reward(self, messages: list[dict], row: dict) -> float: ...

@@ -113,8 +113,9 @@ class Reporting:
 
 
 def reward_details(groups: list[Group], per_dataset: bool) -> dict[str, float]:
-    """Mean of each named reward component ("reward/<name>") and, with several datasets, each
-    dataset's mean reward ("reward_mean/<dataset>")."""
+    """Mean of each named reward component ("reward/<name>"), of tool episodes' counts
+    ("episode/turns", "episode/tool_calls", ...) and, with several datasets, each dataset's mean
+    reward ("reward_mean/<dataset>")."""
     parts: dict[str, list[float]] = collections.defaultdict(list)
     for g in groups:
         if per_dataset:
@@ -122,4 +123,7 @@ def reward_details(groups: list[Group], per_dataset: bool) -> dict[str, float]:
         for components in g.components:
             for name, value in components.items():
                 parts[f"reward/{name}"].append(value)
+        for episode in g.episodes:
+            for name, value in episode.items():
+                parts[f"episode/{name}"].append(value)
     return {key: sum(values) / len(values) for key, values in sorted(parts.items())}

@@ -17,17 +17,21 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
 import aiohttp
+import jinja2
 from tokenizers import Tokenizer
 
 from orchestrator.advantages import group_advantages
-from orchestrator.environment import Environment, Turn
+from orchestrator.environment import Environment, ToolEnvironment, Turn
 from orchestrator.prompts import Prompt
 from orchestrator.scoring import Teacher, combine
 from orchestrator.sources import Renderer, RowError, Source, configured_sources, mix
 from orchestrator.tokenizer import load_tokenizer
+from orchestrator.tool_episode import TemplateDrift, ToolEpisode
+from rl.tool_parsers import tool_parser
+from rl.tools import load_tools
 from rl.batch import Sample
 from rl.callables import load_callable
-from rl.config import RunConfig
+from rl.config import ConfigError, RunConfig
 from rl.dataset_config import Sampling
 from rl.inference_api import GeneratedSample, GenerateRequest, GenerateResponse, InferenceClient
 
@@ -63,6 +67,8 @@ class Group:
     """Completions cut at max_tokens (orchestrator.overlong says what became of them)."""
     components: list[dict[str, float]] = dataclasses.field(default_factory=list)
     """Per sample: the named parts of its reward (empty for a plain float)."""
+    episodes: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    """Per sample of a tool environment: its turns, tool calls, tool errors, tokens."""
 
     @functools.cached_property
     def oldest_version(self) -> int:
@@ -86,6 +92,7 @@ class Trajectory:
     reward: float
     components: dict[str, float] = dataclasses.field(default_factory=dict)
     truncated: bool = False
+    episode: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def add(self, ids: list[int], model: GeneratedSample | None = None) -> None:
         self.tokens += ids
@@ -96,15 +103,18 @@ class Trajectory:
 
 class Rollouts:
     def __init__(self, cfg: RunConfig, tokenizer, sources: dict[str, Source], teacher: Teacher | None,
-                 env: Environment | None):
+                 env: Environment | ToolEnvironment | None):
         self.cfg, self.o = cfg, cfg.orchestrator
         self.tokenizer, self.sources, self.teacher, self.env = tokenizer, sources, teacher, env
         # A Rust tokenizer (orchestrator/tokenizer.py), or the one behind a fast HF tokenizer,
         # called directly: the HF wrapper costs ~10x more per call, which shows at thousands of
         # groups per second.
         self.fast = tokenizer if isinstance(tokenizer, Tokenizer) else getattr(tokenizer, "backend_tokenizer", None)
-        self.renderer = Renderer(self.o, cfg.model, self.fast, self.encode) if env is None else None
+        # A tool environment talks through the chat template, a text environment in raw text.
+        self.tool_env = env is not None and hasattr(env, "tools")
+        self.renderer = Renderer(self.o, cfg.model, self.fast, self.encode) if env is None or self.tool_env else None
         self.env_sampling = self.o.sampling()  # an environment's turns: the orchestrator-level settings
+        self.tool_episode = self._tool_episode(env) if self.tool_env else None
 
     @classmethod
     def from_config(cls, cfg: RunConfig, session: aiohttp.ClientSession) -> Rollouts:
@@ -117,6 +127,18 @@ class Rollouts:
             teacher = Teacher(InferenceClient(o.teacher_url, session, cfg.inference.api_token),
                               o.teacher_coef, o.request_timeout_s)
         return cls(cfg, load_tokenizer(cfg.model), sources, teacher, env)
+
+    def _tool_episode(self, env) -> ToolEpisode:
+        key = "orchestrator.environment"
+        if self.renderer.template is None:
+            raise ConfigError(f"{key} = {self.o.environment!r} has tools, which need a chat template: "
+                              f"{self.cfg.model} has none (set orchestrator.chat_template)")
+        try:
+            tools = load_tools(env.tools, f"{key} = {self.o.environment!r}: tools")
+        except TypeError as e:
+            raise ConfigError(str(e)) from None
+        return ToolEpisode(env, tools, self.renderer.template, self.fast, self.encode, self.decode,
+                           tool_parser(self.o.tool_parser), self.o.tool_timeout_s, self.o.max_turns, self.cfg.seq_len)
 
     def draws(self) -> Iterator[tuple[str, object]]:
         """The run's stream of (dataset name, draw) for orchestrator/prompts.py."""
@@ -158,8 +180,9 @@ class Rollouts:
         if self.env is None:
             trajectories = await self.single_turn(prompt, gid, generate)
         else:
+            run = self.tool_run if self.tool_env else self.episode
             trajectories = await gather_or_cancel(
-                self.episode(prompt.row, f"{gid}-e{i}", generate) for i in range(self.o.group_size))
+                run(prompt.row, f"{gid}-e{i}", generate) for i in range(self.o.group_size))
         kept = [t for t in trajectories if t is not None]
         failed = len(trajectories) - len(kept)
         if len(kept) < 2:  # no group-relative signal left
@@ -172,7 +195,8 @@ class Rollouts:
                    for t, a in zip(kept, advantages)]
         if self.teacher is not None:
             await self.add_teacher_signal(samples, gid)
-        return Group(prompt, samples, failed, sum(t.truncated for t in kept), [t.components for t in kept])
+        return Group(prompt, samples, failed, sum(t.truncated for t in kept), [t.components for t in kept],
+                     [t.episode for t in kept if t.episode])
 
     def source(self, prompt: Prompt) -> Source:
         # "": a prompt checkpointed before datasets had names, when there was only one.
@@ -246,6 +270,29 @@ class Rollouts:
             if len(t.tokens) + len(observation) >= self.cfg.seq_len:
                 break  # no room for another model turn: the episode ends truncated
             t.add(observation)
+        return t
+
+    async def tool_run(self, row: dict, eid: str, generate: Generate) -> Trajectory | None:
+        """One tool-calling episode (orchestrator/tool_episode.py); None if the template or the
+        reward failed (that rollout alone fails; a tool's failure is the model's to read)."""
+        t = Trajectory([], [], [], [], 0.0)
+
+        async def sample_turn(request_id: str, tokens: list[int]) -> GeneratedSample:
+            sample = (await generate(self.request(request_id, tokens, 1, self.env_sampling))).samples[0]
+            if sample.finish_reason == "abort":
+                raise Aborted(eid)
+            t.truncated = sample.finish_reason == "length"
+            return sample
+
+        try:
+            log = await self.tool_episode.run(row, eid, sample_turn, t.add)
+        except (TemplateDrift, jinja2.TemplateError) as e:
+            return self._env_failed(eid, e)
+        try:
+            t.reward = await self.tool_episode.reward(log, row)
+        except Exception as e:
+            return self._env_failed(eid, e)
+        t.episode = log.stats()
         return t
 
     def _env_failed(self, eid: str, e: Exception) -> None:

@@ -123,10 +123,11 @@ class ChatTemplate:
                               "tokenizer_config.json chat_template); set orchestrator.chat_template")
         return template
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text; a template that raises (or a message it rejects) raises TemplateError."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        """The prompt text; a template that raises (or a message it rejects) raises TemplateError.
+        `tools`: JSON schemas as transformers passes them ({"type": "function", "function": ...})."""
         try:
-            return self.template.render(messages=messages, tools=None, documents=None,
+            return self.template.render(messages=messages, tools=tools, documents=None,
                                         add_generation_prompt=add_generation_prompt,
                                         **self.special_tokens, **self.kwargs)
         except jinja2.TemplateError:

@@ -157,6 +157,14 @@ class OrchestratorConfig(Section):
     max_turns: int = Field(8, ge=1)
     """Most model calls in one multi-turn episode."""
 
+    tool_parser: str = "hermes"
+    """How a tool environment's calls are read from the model's text: "hermes" (<tool_call>{json}
+    </tool_call>, as Qwen and Hermes models write them) or `module:Class` of your own parser
+    (rl/tool_parsers.py)."""
+
+    tool_timeout_s: float = Field(10, gt=0)
+    """Longest one tool call may take; past it the model is told the call timed out."""
+
     teacher_url: HttpUrl | None = None
     """Inference server holding a teacher model. Set: every model token's advantage gains
     teacher_coef * (teacher logprob - sampled logprob), a per-token reverse-KL signal (on-policy
@@ -247,6 +255,13 @@ class OrchestratorConfig(Section):
     def _module_attr(cls, spec: str) -> str:
         if spec and not is_module_attr(spec):
             raise ValueError("expected 'package.module:name'")
+        return spec
+
+    @field_validator("tool_parser")
+    @classmethod
+    def _parser_form(cls, spec: str) -> str:
+        if spec != "hermes" and not is_module_attr(spec):
+            raise ValueError("expected \"hermes\" or 'package.module:Class'")
         return spec
 
     @field_validator("reward")

@@ -32,6 +32,8 @@ from rl import placement
 from rl.inference_api import resolve_token
 from rl.rundir import RunDir
 from rl.tables import load_table, row_problem
+from rl.tool_parsers import PARSERS
+from rl.tools import load_tools
 
 Check = Callable[[RunConfig], None]
 WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
@@ -211,6 +213,8 @@ def orchestrator_code(cfg: RunConfig) -> None:
     if o.environment:
         env = load_callable(o.environment, "orchestrator.environment")
         _takes(env, "orchestrator.environment", o.environment, (), "Class()")
+        if hasattr(env, "tools"):
+            tool_environment(cfg, env)
         return
     for ds, listed in _datasets(cfg):
         if ds.spec.function:
@@ -221,6 +225,38 @@ def orchestrator_code(cfg: RunConfig) -> None:
             key = f"dataset {ds.name}: reward" if listed and ds.spec.reward else "orchestrator.reward"
             reward = load_callable(BUILTIN_REWARDS.get(ds.reward, ds.reward), key)
             _takes(reward, key, ds.reward, ("", "", {}), "function(prompt, completion, row)")
+
+
+def tool_environment(cfg: RunConfig, env) -> None:
+    """A tool environment's tools describe themselves, it has a reward, its parser loads, and the
+    chat template renders a tool call and its result as a continuation (orchestrator/tool_episode.py)."""
+    o, key = cfg.orchestrator, f"orchestrator.environment = {cfg.orchestrator.environment!r}"
+    try:
+        schemas = [t.schema for t in load_tools(env.tools, f"{key}: tools").values()]
+    except TypeError as e:
+        raise ConfigError(str(e)) from None
+    if not callable(getattr(env, "reward", None)):
+        raise ConfigError(f"{key}: a tool environment needs a reward(messages, row) method")
+    if o.tool_parser not in PARSERS:
+        load_callable(o.tool_parser, "orchestrator.tool_parser")
+    template = ChatTemplate.configured(o, cfg.model)
+    if template is None:
+        raise ConfigError(f"{key} has tools, which need a chat template: {cfg.model} has none "
+                          "(set orchestrator.chat_template)")
+    name = schemas[0]["function"]["name"] if schemas else "tool"
+    asked = [{"role": "user", "content": "probe"}]
+    called = asked + [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_0_0", "type": "function", "function": {"name": name, "arguments": {}}}]}]
+    replied = called + [{"role": "tool", "tool_call_id": "call_0_0", "name": name, "content": "probe"}]
+    try:
+        template.render(asked, True, schemas)
+        before, after = template.render(called, False, schemas), template.render(replied, True, schemas)
+    except jinja2.TemplateError as e:
+        raise ConfigError(f"{key}: the chat template ({template.origin}) fails on a tool call: {e}") from None
+    if not after.startswith(before):
+        raise ConfigError(f"{key}: the chat template ({template.origin}) renders an assistant turn differently "
+                          "once a tool message follows it, so the ids trained on would not be those the model "
+                          "saw; use a template that only appends")
 
 
 def trackers(cfg: RunConfig) -> None:

@@ -1,0 +1,113 @@
+"""Calculator: a tool-calling environment. The model is asked a reasoning-gym "basic_arithmetic"
+question ("Calculate -41 - -98 * 3.") that a tiny model cannot work out in its head, but can by
+copying the expression into the `calculate` tool and the tool's result into its answer.
+
+    [orchestrator]
+    environment = "orchestrator.tasks.calculator:Calculator"
+    max_turns = 3
+
+One episode: user question -> assistant turn with a <tool_call> -> tool message with the result
+-> assistant's final answer (its last message's content), scored by reasoning-gym's own
+`score_answer` (1.0 for the exact answer; a text merely containing it gets len(answer)/len(text)).
+
+Rows: reasoning_gym.create_dataset(TASK, seed=seed, **TASK_KWARGS); its row idx is drawn from
+Random(seed + idx), so rows of seeds s and s' overlap when their index ranges meet. A dataset
+cycles through RL_ROWS rows, so RL runs with seed <= 900 stay clear of the held-out rows (seed
+EVAL_SEED, EVAL_ROWS rows), which scripts/make_tool_model.py measures the model on; its SFT rows
+come from seed SFT_SEED, far from both.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import math
+import operator
+from collections.abc import Iterator
+from fractions import Fraction
+
+TASK = "basic_arithmetic"
+# Short questions: 2-3 terms of 1-2 digits (negative numbers, parentheses and unary minus
+# included), no division (reasoning-gym's "/" is floor division, a calculator's is not).
+TASK_KWARGS = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2,
+               "operators": ["+", "-", "*"]}
+RL_ROWS = 9_000
+EVAL_SEED, EVAL_ROWS = 10_000, 100
+SFT_SEED = 1_000_000
+
+MAX_EXPRESSION = 200  # characters; also bounds the size of the numbers a product can reach
+BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
+
+
+def calculate(expression: str) -> str:
+    """Evaluate an arithmetic expression.
+
+    Args:
+        expression: The expression to evaluate.
+    """
+    if not isinstance(expression, str):
+        raise ValueError("the expression must be a string")
+    if len(expression) > MAX_EXPRESSION:
+        raise ValueError(f"expression longer than {MAX_EXPRESSION} characters")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
+        raise ValueError(f"not an arithmetic expression: {expression!r}") from e
+    value = _evaluate(tree.body)
+    try:
+        return str(value.numerator) if value.denominator == 1 else repr(float(value))
+    except (OverflowError, ValueError) as e:  # past float's range, or an int of > 4300 digits
+        raise ValueError(f"result too large: {e}") from None
+
+
+def _evaluate(node: ast.AST) -> Fraction:
+    """Numbers, + - * /, unary - and +, parentheses (absent from the tree); nothing else."""
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        if not math.isfinite(node.value):
+            raise ValueError(f"not a finite number: {ast.unparse(node)}")
+        return Fraction(node.value)
+    if isinstance(node, ast.BinOp) and type(node.op) in BINARY:
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        if isinstance(node.op, ast.Div) and right == 0:
+            raise ValueError("division by zero")
+        return BINARY[type(node.op)](left, right)
+    if isinstance(node, ast.UnaryOp) and type(node.op) in UNARY:
+        return UNARY[type(node.op)](_evaluate(node.operand))
+    raise ValueError(f"unsupported in an arithmetic expression: {ast.unparse(node)!r}")
+
+
+@functools.cache
+def task_dataset(seed: int, size: int):
+    import reasoning_gym
+
+    return reasoning_gym.create_dataset(TASK, size=size, seed=seed, **TASK_KWARGS)
+
+
+def row(entry: dict) -> dict:
+    return {"prompt": entry["question"], "answer": entry["answer"], "metadata": entry["metadata"]}
+
+
+def rows(seed: int, size: int) -> list[dict]:
+    """Rows 0..size-1 of `seed` (e.g. the held-out ones: rows(EVAL_SEED, EVAL_ROWS))."""
+    return [row(e) for e in task_dataset(seed, size)]
+
+
+def final_answer(messages: list[dict]) -> str:
+    """The last assistant message's content, stripped ("" if there is none)."""
+    last = next((m for m in reversed(messages) if m.get("role") == "assistant"), None)
+    return ((last or {}).get("content") or "").strip()
+
+
+class Calculator:
+    tools = [calculate]
+
+    def dataset(self, seed: int) -> Iterator[dict]:
+        data = task_dataset(seed, RL_ROWS)
+        while True:  # endless: the same RL_ROWS rows again
+            for entry in data:
+                yield row(entry)
+
+    def reward(self, messages: list[dict], row: dict) -> float:
+        entry = {"question": row["prompt"], "answer": row["answer"], "metadata": row["metadata"]}
+        return float(task_dataset(EVAL_SEED, 1).score_answer(final_answer(messages), entry))

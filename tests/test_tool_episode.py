@@ -1,0 +1,243 @@
+"""Tool-calling episodes (orchestrator/tool_episode.py) through the orchestrator's rollout code,
+with models/tiny-chat's tokenizer and its tool-calling ChatML template.
+
+Here a scripted server writes the model's turns: these tests need turns no small model writes on
+cue (several calls in one turn, every kind of bad call). The real engine runs the same path in
+tests/test_tool_episode_vllm.py."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import re
+
+import pytest
+from tokenizers import Tokenizer
+
+from conftest import ROOT
+from orchestrator.rollouts import Rollouts
+from rl.chat import ChatTemplate
+from rl.config import ConfigError, RunConfig
+from rl.inference_api import GeneratedSample, GenerateRequest, GenerateResponse
+from rl.preflight import orchestrator_code
+
+CHAT_MODEL = ROOT / "models" / "tiny-chat"
+TOKENIZER = Tokenizer.from_file(str(CHAT_MODEL / "tokenizer.json"))
+IM_END = TOKENIZER.token_to_id("<|im_end|>")
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+async def hang(seconds: float) -> str:
+    """Wait."""
+    await asyncio.sleep(seconds)
+    return "woke"
+
+
+def fail() -> str:
+    """Always raises."""
+    raise ValueError("no")
+
+
+class Tools:
+    tools = [add, hang, fail]
+    system_prompt = "Use the tools."
+
+    def dataset(self, seed):
+        return ({"prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in itertools.count())
+
+    def reward(self, messages, row):
+        return float(messages[-1]["role"] == "assistant" and messages[-1]["content"] == row["answer"])
+
+
+class NoReward:
+    tools = [add]
+
+    def dataset(self, seed):
+        return iter([])
+
+
+def config(env: str = "test_tool_episode:Tools", seq_len: int = 4096, **orchestrator) -> RunConfig:
+    return RunConfig.model_validate({"model": str(CHAT_MODEL), "seq_len": seq_len, "orchestrator": {
+        "environment": env, "group_size": 2, "max_turns": 4, "tool_timeout_s": 0.5,
+        "max_tokens": 200, **orchestrator}})
+
+
+class ScriptedModel:
+    """Writes turn t of every episode as SCRIPT[t] followed by <|im_end|>, and records what it was
+    asked and what it answered."""
+
+    def __init__(self, script: list[str]):
+        self.script, self.calls = script, []
+
+    async def __call__(self, request: GenerateRequest) -> GenerateResponse:
+        turn = int(request.request_id.rsplit("-t", 1)[1])
+        ids = TOKENIZER.encode(self.script[turn], add_special_tokens=False).ids + [IM_END]
+        self.calls.append((request.request_id, list(request.prompt_token_ids), ids))
+        sample = GeneratedSample(token_ids=ids, logprobs=[-0.5] * len(ids), versions=[3] * len(ids),
+                                 finish_reason="stop")
+        return GenerateResponse(samples=[sample])
+
+
+SCRIPT = [
+    # Two calls in one turn, one to a tool that does not exist.
+    'I will add.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>',
+    # Every other way a call goes wrong, in one turn.
+    '<tool_call>\n{"name": "add", "arguments": {"a": "x", "b": 1}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "add", "arguments": {"a": 1}\n</tool_call>\n'
+    '<tool_call>\n{"name": "hang", "arguments": {"seconds": 30}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "fail", "arguments": {}}\n</tool_call>',
+    "1",
+]
+TOOL_REPLIES = [
+    ["5", "error: unknown tool 'nope'; the tools are add, hang, fail"],
+    ["error: add: argument a: \"x\" is not an integer",
+     "error: malformed tool call: not JSON (Expecting ',' delimiter: line 3 column 1 (char 39))",
+     "error: hang: no result within 0.5 s",
+     "error: fail raised ValueError: no"],
+]
+
+
+def run_group(cfg: RunConfig, model) -> tuple[Rollouts, object]:
+    from orchestrator.prompts import Prompt
+    from orchestrator.tokenizer import load_tokenizer
+
+    env = Tools()
+    rollouts = Rollouts(cfg, load_tokenizer(cfg.model), {}, None, env)
+    row = next(env.dataset(0))
+    return rollouts, asyncio.run(rollouts.group(Prompt(0, row), "g0", model))
+
+
+def spans(mask: list[int]) -> list[tuple[int, int, int]]:
+    """(start, end, mask value) of each run of equal mask values."""
+    out, start = [], 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            out.append((start, i, mask[start]))
+            start = i
+    return out
+
+
+def test_a_tool_episode_calls_tools_answers_errors_and_keeps_the_sampled_ids():
+    model = ScriptedModel(SCRIPT)
+    rollouts, group = run_group(config(), model)
+    assert group.failed == 0 and len(group.samples) == 2
+    assert group.rewards == [1.0, 1.0]
+    assert group.episodes == [{"turns": 3, "tool_calls": 6, "tool_errors": 5,
+                               "tokens": len(group.samples[0].tokens)}] * 2
+
+    sample = group.samples[0]
+    mine = [c for c in model.calls if c[0].startswith("g0-e0-")]
+    assert [c[0] for c in mine] == ["g0-e0-t0", "g0-e0-t1", "g0-e0-t2"]
+    # The model's turns are exactly the ids it sampled, trained on; everything else is not; and
+    # each request's prompt is exactly the trajectory so far.
+    model_spans = [(s, e) for s, e, m in spans(sample.loss_mask) if m == 1]
+    assert [sample.tokens[s:e] for s, e in model_spans] == [c[2] for c in mine]
+    for (s, _), (_, prompt, _) in zip(model_spans, mine):
+        assert sample.tokens[:s] == prompt
+    assert sample.logprobs[model_spans[0][0]] == -0.5 and sample.versions[model_spans[0][0]] == 3
+
+    # Between the turns: the template's own rendering of the tool messages, in the order called.
+    template = ChatTemplate.load(CHAT_MODEL)
+    schemas = rollouts.tool_episode.schemas
+    raw = [{"role": "system", "content": Tools.system_prompt}, {"role": "user", "content": "What is 0 + 1?"}]
+    for turn, text in enumerate(SCRIPT):
+        raw.append({"role": "assistant", "content": text})
+        if turn < len(TOOL_REPLIES):
+            raw += [{"role": "tool", "content": reply} for reply in TOOL_REPLIES[turn]]
+    whole = template.render(raw, add_generation_prompt=False, tools=schemas)
+    assert TOKENIZER.decode(sample.tokens, skip_special_tokens=False) == whole.removesuffix("\n")
+    for (_, end), (start, _) in zip(model_spans, model_spans[1:]):
+        between = TOKENIZER.decode(sample.tokens[end:start], skip_special_tokens=False)
+        assert between.startswith("\n<|im_start|>user\n<tool_response>\n") and between.endswith("<|im_start|>assistant\n")
+
+
+def test_the_reward_reads_the_conversation_in_openai_form():
+    seen = []
+
+    class Recording(Tools):
+        def reward(self, messages, row):
+            seen.append(messages)
+            return 0.0
+
+    from orchestrator.prompts import Prompt
+    from orchestrator.tokenizer import load_tokenizer
+
+    cfg = config()
+    rollouts = Rollouts(cfg, load_tokenizer(cfg.model), {}, None, Recording())
+    asyncio.run(rollouts.group(Prompt(0, {"prompt": "hi", "answer": "1"}), "g", ScriptedModel(SCRIPT)))
+    messages = seen[0]
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "tool", "assistant",
+                                             "tool", "tool", "tool", "tool", "assistant"]
+    assert messages[2] == {"role": "assistant", "content": "I will add.", "tool_calls": [
+        {"id": "call_0_0", "type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}},
+        {"id": "call_0_1", "type": "function", "function": {"name": "nope", "arguments": {}}}]}
+    assert messages[3] == {"role": "tool", "tool_call_id": "call_0_0", "name": "add", "content": "5"}
+    # The unreadable call has no tool_calls entry but its error reply is there.
+    assert len(messages[5]["tool_calls"]) == 3 and messages[7]["name"] == ""
+    assert messages[-1] == {"role": "assistant", "content": "1"}
+
+
+def test_max_turns_and_seq_len_end_an_episode():
+    _, group = run_group(config(max_turns=2), ScriptedModel(SCRIPT))
+    assert [e["turns"] for e in group.episodes] == [2, 2]
+    assert [e["tool_calls"] for e in group.episodes] == [2, 2]  # the last turn's calls are not run
+    _, full = run_group(config(), ScriptedModel(SCRIPT))
+    second_turn = [s for s, _, m in spans(full.samples[0].loss_mask) if m == 1][1]
+    # Room for the first turn and the tool replies, but not for a second turn's first token.
+    _, group = run_group(config(seq_len=second_turn), ScriptedModel(SCRIPT))
+    assert [e["turns"] for e in group.episodes] == [1, 1]
+    assert group.samples[0].tokens == full.samples[0].tokens[:len(group.samples[0].tokens)]
+    assert second_turn - 200 < len(group.samples[0].tokens) < second_turn
+
+
+def test_a_reward_that_raises_fails_only_its_rollouts():
+    class Raises(Tools):
+        def reward(self, messages, row):
+            raise KeyError("answer")
+
+    from orchestrator.prompts import Prompt
+    from orchestrator.tokenizer import load_tokenizer
+
+    cfg = config()
+    rollouts = Rollouts(cfg, load_tokenizer(cfg.model), {}, None, Raises())
+    group = asyncio.run(rollouts.group(Prompt(0, {"prompt": "hi"}), "g", ScriptedModel(SCRIPT)))
+    assert group.failed == 2 and group.samples == []
+
+
+@pytest.mark.parametrize("env, orchestrator, message", [
+    ("test_tool_episode:NoReward", {}, "a tool environment needs a reward(messages, row) method"),
+    ("test_tool_episode:Tools", {"tool_parser": "test_tool_episode:Missing"},
+     "orchestrator.tool_parser = 'test_tool_episode:Missing': module 'test_tool_episode' has no 'Missing'"),
+    ("test_tool_episode:Tools", {"chat": "off"}, "has tools, which need a chat template"),
+])
+def test_bad_tool_environments_are_named_before_start(env, orchestrator, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        orchestrator_code(config(env, **orchestrator))
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path):
+    # Renders an assistant turn's calls only while it is the last message: appending a tool
+    # message changes the text before it.
+    template = tmp_path / "drift.jinja"
+    template.write_text(
+        "{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+        "{%- if loop.last and m['tool_calls'] is defined %}{{ m['tool_calls'] | tojson }}{% endif %}"
+        "<|im_end|>\n{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+    with pytest.raises(ConfigError, match="renders an assistant turn differently once a tool message follows"):
+        orchestrator_code(config(chat_template=str(template)))
+
+
+def test_schemas_reach_the_template():
+    cfg = config()
+    from orchestrator.tokenizer import load_tokenizer
+
+    rollouts = Rollouts(cfg, load_tokenizer(cfg.model), {}, None, Tools())
+    text = rollouts.tool_episode.template.render([{"role": "user", "content": "x"}], True,
+                                                  rollouts.tool_episode.schemas)
+    assert json.dumps(rollouts.tool_episode.schemas[0]) in text
