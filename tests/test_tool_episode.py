@@ -241,3 +241,24 @@ def test_schemas_reach_the_template():
     text = rollouts.tool_episode.template.render([{"role": "user", "content": "x"}], True,
                                                   rollouts.tool_episode.schemas)
     assert json.dumps(rollouts.tool_episode.schemas[0]) in text
+
+
+def test_tool_conversations_render_as_transformers_renders_them():
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(CHAT_MODEL)
+    schemas = [{"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}]
+    conversation = [
+        {"role": "system", "content": "Use the tools."}, {"role": "user", "content": "2 + 3?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_0_0", "type": "function", "function": {"name": "add", "arguments": {"a": 2}}},
+            {"id": "call_0_1", "type": "function", "function": {"name": "add", "arguments": {"a": 3}}}]},
+        {"role": "tool", "tool_call_id": "call_0_0", "name": "add", "content": "2"},
+        {"role": "tool", "tool_call_id": "call_0_1", "name": "add", "content": "3"},
+    ]
+    ours = ChatTemplate.load(CHAT_MODEL)
+    for messages in (conversation[:2], conversation, conversation[1:]):
+        for tools in (schemas, None):
+            assert ours.render(messages, True, tools) == hf.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=False)

@@ -24,6 +24,7 @@ A tool environment talks through the model's chat template and gives it function
         system_prompt = "..."                          # optional
         def dataset(self, seed) -> Iterator[dict]:     # rows with "prompt" or "messages"
         def reward(self, messages, row) -> float:      # sync or async; the whole conversation
+        def messages(self, row) -> list[dict]:         # optional: the opening messages (else the row's)
 
 Each tool's JSON schema comes from its signature and docstring; the model's calls are read by
 orchestrator.tool_parser, run under orchestrator.tool_timeout_s, and answered with tool

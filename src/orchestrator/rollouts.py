@@ -120,7 +120,7 @@ class Rollouts:
     def from_config(cls, cfg: RunConfig, session: aiohttp.ClientSession) -> Rollouts:
         """A run's: its environment or datasets, its teacher if any."""
         o = cfg.orchestrator
-        env = load_callable(o.environment, "orchestrator.environment")() if o.environment else None
+        env = load_callable(o.environment, "orchestrator.environment")(**o.environment_args) if o.environment else None
         sources = {} if env else {s.name: s for s in configured_sources(cfg, session)}
         teacher = None
         if o.teacher_url:

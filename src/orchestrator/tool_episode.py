@@ -62,6 +62,9 @@ class ToolEpisode:
         self.eot_text = tokenizer.id_to_token(eot[0]) if eot else ""
 
     def first_messages(self, row: dict) -> list[dict]:
+        """The environment's own messages(row) if it has one, else the row's prompt or messages."""
+        if hasattr(self.env, "messages"):
+            return self.env.messages(row)
         return row_messages(row, "prompt", "messages", getattr(self.env, "system_prompt", "") or "")
 
     async def run(self, row: dict, eid: str, sample_turn: SampleTurn, add) -> EpisodeLog:

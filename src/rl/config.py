@@ -154,6 +154,10 @@ class OrchestratorConfig(Section):
     """`module:Class` of a multi-turn environment (see orchestrator/environment.py); it supplies
     its own rows and rewards, so `dataset` and `reward` are then unused. Empty: single-turn."""
 
+    environment_args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments the environment class is built with, e.g. {id = "my-taskset"} for
+    orchestrator.verifiers_taskset:VerifiersTaskset."""
+
     max_turns: int = Field(8, ge=1)
     """Most model calls in one multi-turn episode."""
 

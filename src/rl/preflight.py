@@ -212,9 +212,24 @@ def orchestrator_code(cfg: RunConfig) -> None:
     o = cfg.orchestrator
     if o.environment:
         env = load_callable(o.environment, "orchestrator.environment")
-        _takes(env, "orchestrator.environment", o.environment, (), "Class()")
-        if hasattr(env, "tools"):
-            tool_environment(cfg, env)
+        try:
+            inspect.signature(env).bind(**o.environment_args)
+        except TypeError as e:
+            raise ConfigError(f"orchestrator.environment = {o.environment!r}: it is built with "
+                              f"orchestrator.environment_args {o.environment_args}, which its signature "
+                              f"{inspect.signature(env)} does not accept ({e})") from None
+        except ValueError:
+            pass  # no signature to inspect: let the call tell
+        try:  # built here too: an environment that cannot be built (a taskset id not found) is bad input
+            instance = env(**o.environment_args)
+        except ConfigError:
+            raise
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise ConfigError(f"orchestrator.environment = {o.environment!r}: building it failed: "
+                              f"{type(e).__name__}: {first}") from None
+        if hasattr(instance, "tools"):
+            tool_environment(cfg, instance)
         return
     for ds, listed in _datasets(cfg):
         if ds.spec.function:
