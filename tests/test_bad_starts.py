@@ -88,6 +88,13 @@ CASES = [
     Case("reward not a spec", ("orchestrator", "run"), ("--orchestrator.reward", "score"), "config key orchestrator.reward"),
     Case("environment missing", ("orchestrator", "run"), ("--orchestrator.environment", "no_such_env:Env"),
          "orchestrator.environment = 'no_such_env:Env': no module"),
+    Case("tool environment, model without chat template", ("orchestrator", "run"),
+         ("--orchestrator.environment", "orchestrator.tasks.calculator:Calculator"),
+         "orchestrator.environment = 'orchestrator.tasks.calculator:Calculator' has tools, which need a chat template"),
+    Case("environment that cannot be built", ("orchestrator", "run"),
+         ("--orchestrator.environment", "orchestrator.verifiers_taskset:VerifiersTaskset",
+          "--orchestrator.environment_args", '{{id = "no-such-taskset"}}'),
+         "verifiers taskset 'no-such-taskset' not found"),
     Case("slurm template missing", ("slurm",), ("--slurm.template", "{tmp}/job.j2"), "slurm.template = {tmp}/job.j2: no such file"),
     # URLs and addresses
     Case("server URL not a URL", ("orchestrator", "run"), ("--orchestrator.server_urls", '["not a url"]'),
