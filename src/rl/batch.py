@@ -14,8 +14,10 @@ OLDEST version among its tokens: the staleness bound is a statement about the ol
 Sampling settings are per sample too (`temperatures`, `top_p`, `top_k`, `min_p`), because one
 batch may mix datasets that each sample their own way. The trainer recomputes each token's
 logprob under its own sample's temperature (the distribution the engine sampled from); top_p,
-top_k and min_p travel with the sample so that what it was sampled under is on record. top_k
--1 (or 0, as vLLM accepts too) is off.
+top_k and min_p are what rebuilds the sampler's kept set (trainer/sampling_mask.py: vLLM's
+truncation replayed on the trainer's logits, checked against the sampler's own sets in
+tests/test_sampling_mask.py), so the sampling mask costs no bytes beyond these 16 per sample.
+top_k -1 (or 0, as vLLM accepts too) is off.
 """
 
 from __future__ import annotations

@@ -486,6 +486,18 @@ class TrainerConfig(Section):
     loss: LossConfig = LossConfig()
     """Policy-gradient loss."""
 
+    sampling_mask: bool = True
+    """Keep Sampling Mask: for samples drawn with top_k, top_p or min_p, renormalise the
+    trainer's logprobs over the tokens the sampler kept (rebuilt from the sample's settings,
+    vLLM's steps in vLLM's order) before the ratio, the clipping and the KL. The engine reports
+    the truncated distribution's logprobs; without this the ratio compares it with the full
+    one. Untruncated samples are never touched; false turns it off for all."""
+
+    mismatch_kl_warn: float = Field(1e-2, ge=0)
+    """Log a warning when a step's mismatch_kl (k3 KL(pi_inference || pi_trainer) on the sampled
+    tokens) exceeds this; 0: never. On policy it is numerics alone (~1e-6 in float32); staleness
+    adds to it (the demo, max_async_level 1: median 1.4e-3, 4 steps of 300 above 1e-2)."""
+
     lora: LoRAConfig = LoRAConfig()
     """LoRA adapters instead of full fine-tuning (rank > 0), and multi-run training."""
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from rl.batch import Batch, BatchError
 from rl.transport import BatchReceiver
 from trainer.parallel import share_bytes
+from trainer.sampling_mask import Truncation, is_truncated
 
 
 def receive_batch(receiver: BatchReceiver | None, step: int, timeout_s: float,
@@ -73,10 +74,24 @@ class MicroBatch:
     # boundary): any positive value keeps those logits finite, and a NaN there would reach the
     # gradient through log_softmax's backward even though the loss masks the token.
     temperature: torch.Tensor
+    # The rest of the token's sampling settings (vLLM's "off": -1, 1.0, 0.0, also where no
+    # sample owns the prediction): the trainer rebuilds the kept set from them
+    # (trainer/sampling_mask.py).
+    top_k: torch.Tensor  # int64
+    top_p: torch.Tensor
+    min_p: torch.Tensor
 
     @property
     def num_tokens(self) -> int:
         return int(self.tokens.numel())
+
+    def truncation(self, vocab: int) -> Truncation | None:
+        """The loss tokens of samples drawn from a truncated distribution, with their settings;
+        None when there are none (the common untruncated batch pays nothing)."""
+        select = is_truncated(self.top_k, self.top_p, self.min_p, vocab) & (self.loss_mask > 0)
+        if not bool(select.any()):
+            return None
+        return Truncation(self.top_k, self.top_p, self.min_p, select)
 
 
 def assign_ranks(lengths: list[int], world: int) -> list[list[int]]:
@@ -158,10 +173,21 @@ def rank_micro_batches(batch: Batch, rank: int, world: int, *, row_len: int | No
 
 def _fields(batch: Batch, i: int, s: slice, weights: np.ndarray):
     """Sample i's per-token fields (tokens, mask, inference logprobs, advantages, weights,
-    temperature), not yet shifted to the predicted token."""
+    temperature, top_k, top_p, min_p), not yet shifted to the predicted token."""
+    n = s.stop - s.start
     return (torch.from_numpy(batch.tokens[s]), torch.from_numpy(batch.loss_mask[s].astype(np.float32)),
             torch.from_numpy(batch.logprobs[s]), torch.from_numpy(batch.advantages[s]),
-            torch.from_numpy(weights[s]), torch.full((s.stop - s.start,), float(batch.temperatures[i])))
+            torch.from_numpy(weights[s]), torch.full((n,), float(batch.temperatures[i])),
+            torch.full((n,), int(batch.top_k[i]), dtype=torch.long), torch.full((n,), float(batch.top_p[i])),
+            torch.full((n,), float(batch.min_p[i])))
+
+
+# What a settings field holds where no sample owns the prediction: vLLM's "off".
+_SETTINGS_OFF = ((-1, torch.long), (1.0, torch.float32), (0.0, torch.float32))
+
+
+def _settings_off(shape) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.full(shape, v, dtype=d) for v, d in _SETTINGS_OFF)
 
 
 def _packed(batch: Batch, slices: list[slice], rows: list[list[int]], pad_id: int, weights: np.ndarray) -> MicroBatch:
@@ -172,21 +198,23 @@ def _packed(batch: Batch, slices: list[slice], rows: list[list[int]], pad_id: in
     for row in rows:
         parts = [_fields(batch, i, slices[i], weights) for i in row]
         pad = width - sum(len(p[0]) for p in parts)
-        tokens, mask, old, adv, w, temp = (torch.cat(x) for x in zip(*parts))
+        tokens, mask, old, adv, w, temp, *settings = (torch.cat(x) for x in zip(*parts))
         positions = torch.cat([torch.arange(len(p[0])) for p in parts] + [torch.arange(pad)])
         seq = torch.cat([torch.full((len(p[0]),), i, dtype=torch.long) for i, p in zip(row, parts)]
                         + [torch.full((pad,), -1, dtype=torch.long)])
         zeros = torch.zeros(pad)
         cols.append((torch.cat([tokens, torch.full((pad,), pad_id, dtype=torch.long)]), positions,
                      *(torch.cat([x, zeros]) for x in (mask, old, adv, w)), seq,
-                     torch.cat([temp, torch.ones(pad)])))
-    tokens, positions, mask, old, adv, w, seq, temp = (torch.stack(x) for x in zip(*cols))
+                     torch.cat([temp, torch.ones(pad)]),
+                     *(torch.cat([x, off]) for x, off in zip(settings, _settings_off((pad,))))))
+    tokens, positions, mask, old, adv, w, seq, temp, *settings = (torch.stack(x) for x in zip(*cols))
     # Shift by one: position t predicts token t+1. The prediction across a sample boundary
     # (last token of one sample -> first token of the next) belongs to no sample: no loss.
     boundary = positions[:, 1:] == 0
     seq = seq[:, 1:].masked_fill(boundary, -1)
     return MicroBatch(tokens, positions, None, mask[:, 1:].masked_fill(boundary, 0.0), old[:, 1:], adv[:, 1:],
-                      w[:, 1:].masked_fill(boundary, 0.0), seq, temp[:, 1:].masked_fill(boundary, 1.0))
+                      w[:, 1:].masked_fill(boundary, 0.0), seq, temp[:, 1:].masked_fill(boundary, 1.0),
+                      *(x[:, 1:].masked_fill(boundary, v) for x, (v, _) in zip(settings, _SETTINGS_OFF)))
 
 
 def _padded(batch: Batch, slices: list[slice], rows: list[list[int]], pad_id: int, weights: np.ndarray) -> MicroBatch:
@@ -197,16 +225,20 @@ def _padded(batch: Batch, slices: list[slice], rows: list[list[int]], pad_id: in
     mask, old, adv, w = (torch.zeros((len(ids), width)) for _ in range(4))
     seq = torch.full((len(ids), width), -1, dtype=torch.long)
     temp = torch.ones((len(ids), width))
+    settings = _settings_off((len(ids), width))
     for row, i in enumerate(ids):
-        t, m, o, a, ww, tt = _fields(batch, i, slices[i], weights)
+        t, m, o, a, ww, tt, *ss = _fields(batch, i, slices[i], weights)
         n = len(t)
         tokens[row, :n], attn[row, :n], mask[row, :n], old[row, :n], adv[row, :n], w[row, :n] = t, 1, m, o, a, ww
         seq[row, :n], temp[row, :n] = i, tt
-    return MicroBatch(tokens, None, attn, mask[:, 1:], old[:, 1:], adv[:, 1:], w[:, 1:], seq[:, 1:], temp[:, 1:])
+        for into, x in zip(settings, ss):
+            into[row, :n] = x
+    return MicroBatch(tokens, None, attn, mask[:, 1:], old[:, 1:], adv[:, 1:], w[:, 1:], seq[:, 1:], temp[:, 1:],
+                      *(x[:, 1:] for x in settings))
 
 
 def _padding(pad_id: int, packed: bool) -> MicroBatch:
     z = torch.zeros((1, 1))
     tokens = torch.full((1, 2), pad_id, dtype=torch.long)
     return MicroBatch(tokens, torch.arange(2)[None] if packed else None, None if packed else torch.ones_like(tokens),
-                      z, z, z, z, torch.full((1, 1), -1, dtype=torch.long), torch.ones((1, 1)))
+                      z, z, z, z, torch.full((1, 1), -1, dtype=torch.long), torch.ones((1, 1)), *_settings_off((1, 1)))

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from rl.config import LossConfig
+from trainer.sampling_mask import Truncation, renormalised
 
 # exp(20) ~ 5e8 is far beyond any clip, cap or mask threshold, so clamping the log-ratio there
 # changes no decision; it keeps exp() finite (no inf * 0 = nan in the loss or its gradient).
@@ -36,22 +37,36 @@ class LossOutput:
     kl_sum: float  # k3 value of the KL penalty (without kl_coef); 0.0 when kl_coef == 0
 
 
-def token_logprobs_and_entropy(logits: Tensor, tokens: Tensor, temperature: float | Tensor) -> tuple[Tensor, Tensor]:
+def token_logprobs_and_entropy(logits: Tensor, tokens: Tensor, temperature: float | Tensor,
+                               truncation: Truncation | None = None) -> tuple[Tensor, Tensor]:
     """logits [R, T, V] (any float dtype), tokens [R, T] int64, temperature a number or one per
     predicted token ([R, T-1], as MicroBatch.temperature: samples of one batch may be sampled at
     different temperatures). Returns (logprobs, entropy), both float32 [R, T-1]: the logprob of
     tokens[:, t+1] under logits[:, t] / temperature[:, t] (the distribution the engine sampled
-    from) and that distribution's entropy (detached, metrics only)."""
+    from) and that distribution's entropy (detached, metrics only). With `truncation`, its
+    selected positions are renormalised over the kept set instead (trainer/sampling_mask.py)
+    and truncation.misses counts sampled tokens the rebuilt set lacked."""
     if isinstance(temperature, Tensor):
         if temperature.shape != tokens[:, 1:].shape:
             # [1, 1] or [R, 1] would broadcast silently and scale every token alike.
             raise ValueError(f"temperature {list(temperature.shape)}, expected one per predicted token "
                              f"{list(tokens[:, 1:].shape)}")
         temperature = temperature.to(device=logits.device, dtype=torch.float32)[..., None]
-    logp_all = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    scaled = logits[:, :-1].float() / temperature
+    logp_all = torch.log_softmax(scaled, dim=-1)
     logprobs = logp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)
     with torch.no_grad():
         entropy = -(logp_all.exp() * logp_all).sum(-1)
+    if truncation is not None and bool(truncation.select.any()):
+        sel = truncation.select.to(logits.device)
+        at = [x.to(logits.device)[sel] for x in (truncation.top_k, truncation.top_p, truncation.min_p)]
+        lp, ent, misses = renormalised(scaled[sel], tokens[:, 1:][sel],
+                                       Truncation(*at, select=sel))
+        # Out-of-place index_put: the full-vocabulary values elsewhere keep their gradient.
+        where = sel.nonzero(as_tuple=True)
+        logprobs = logprobs.index_put(where, lp)
+        entropy = entropy.index_put(where, ent)
+        truncation.misses = float(misses)
     return logprobs, entropy
 
 

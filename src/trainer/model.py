@@ -11,6 +11,7 @@ from trainer.data import MicroBatch
 from trainer.lora import LoRA
 from trainer.loss import token_logprobs_and_entropy
 from trainer.parallel import apply_fsdp
+from trainer.sampling_mask import Truncation
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -66,10 +67,11 @@ def forward_logits(model: torch.nn.Module, mb: MicroBatch, device: torch.device,
     return logits.reshape(*tokens.shape, -1) if flat else logits
 
 
-def micro_batch_logprobs(model: torch.nn.Module, mb: MicroBatch, device: torch.device, single_row: bool
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+def micro_batch_logprobs(model: torch.nn.Module, mb: MicroBatch, device: torch.device, single_row: bool,
+                         truncation: Truncation | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs, entropy) [R, T-1] of a micro-batch's tokens, each under its own sample's
     temperature (mb.temperature): the distribution the engine sampled it from, which a batch
-    mixing datasets with different sampling settings makes differ from sample to sample."""
+    mixing datasets with different sampling settings makes differ from sample to sample. With
+    `truncation` (mb.truncation(vocab)), over the kept set its top_k/top_p/min_p rebuild."""
     logits = forward_logits(model, mb, device, single_row)
-    return token_logprobs_and_entropy(logits, mb.tokens.to(device), mb.temperature.to(device))
+    return token_logprobs_and_entropy(logits, mb.tokens.to(device), mb.temperature.to(device), truncation)

@@ -32,10 +32,13 @@ from trainer.optim import build_optimizer
 from trainer.parallel import init_distributed
 from trainer.policy import Policy
 from trainer.publish import make_publisher
+from trainer.sampling_mask import Truncation
 
 log = logging.getLogger("trainer")
 
 _SUMS = ("tokens", "masked_tokens", "clipped_tokens", "ratio_sum", "mismatch_kl_sum", "entropy_sum", "kl_sum")
+# Per micro-batch counts from the Keep Sampling Mask (trainer/sampling_mask.py), summed with _SUMS.
+_MASK_SUMS = ("truncated_tokens", "mask_misses")
 
 
 class Trainer:
@@ -186,14 +189,28 @@ class Trainer:
                 record["run"] = cfg.run_name
             policy.run.append_metrics(record)
             log.info(
-                "%sstep %d loss %.4f grad_norm %.3f entropy %.3f clipped %.3f masked %.3f kl %.2e | "
+                "%sstep %d loss %.4f grad_norm %.3f entropy %.3f clipped %.3f masked %.3f mismatch_kl %.2e | "
                 "waited %.2fs step %.2fs (%.0f tok/s) write %.2fs%s", f"[{cfg.run_name}] " if cfg.run_name else "",
                 step, stats["loss"], stats["grad_norm"], stats["entropy"], stats["clipped_frac"],
                 stats["masked_frac"], stats["mismatch_kl"], waited, step_s, record["trainer_tokens_per_s"], write_s,
                 f" checkpoint {ckpt_s:.2f}s" if ckpt_s else "",
             )
+            self.warn_mismatch(policy, step, record)
             self.prune_rollouts(policy, step)
         crash_point("trainer.after_step", step)
+
+    def warn_mismatch(self, policy: Policy, step: int, stats: dict) -> None:
+        """stats: the step's metrics record."""
+        threshold = policy.cfg.trainer.mismatch_kl_warn
+        if threshold and stats["mismatch_kl"] > threshold:
+            # Truncated sampling scored over the full vocabulary is the usual silent cause.
+            hint = ("" if policy.cfg.trainer.sampling_mask or not stats["truncated_frac"] else
+                    "; samples drawn with top_k/top_p/min_p are scored over the full vocabulary "
+                    "(trainer.sampling_mask = false)")
+            log.warning("step %d: mismatch_kl %.2e above trainer.mismatch_kl_warn %.1e: the trainer and the "
+                        "engine disagree about the sampled tokens (staleness %d, sampling_mask_miss_frac %.2e)%s",
+                        step, stats["mismatch_kl"], threshold, stats["max_staleness"],
+                        stats["sampling_mask_miss_frac"], hint)
 
     def save_checkpoint(self, policy: Policy, step: int) -> float:
         seconds = checkpoint.save(policy.run, step, self.checkpoint_state(policy), policy.scheduler,
@@ -212,17 +229,20 @@ class Trainer:
             if old <= keep_from:
                 remove_quietly(policy.run.rollout_dir(old))
 
-    def forward_logprobs(self, model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        return micro_batch_logprobs(model, mb, self.device, single_row=self.flash)
+    def forward_logprobs(self, model: torch.nn.Module, mb: MicroBatch, truncation: Truncation | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        return micro_batch_logprobs(model, mb, self.device, single_row=self.flash, truncation=truncation)
 
     @torch.no_grad()
-    def reference_logprobs(self, mb: MicroBatch) -> torch.Tensor:
-        # The same per-token temperatures as the policy's: the KL compares the two at the
+    def reference_logprobs(self, mb: MicroBatch, sampling_mask: bool) -> torch.Tensor:
+        # The same per-token temperatures (and sampling mask, its kept set rebuilt from the
+        # reference's own logits) as the policy's: the KL compares the two at the
         # distributions the samples were drawn from.
+        truncation = mb.truncation(self.vocab_size) if sampling_mask else None
         if self.lora is not None:
             with self.lora.use(None):
-                return self.forward_logprobs(self.model, mb)[0]
-        return self.forward_logprobs(self.reference, mb)[0]
+                return self.forward_logprobs(self.model, mb, truncation)[0]
+        return self.forward_logprobs(self.reference, mb, truncation)[0]
 
     def train_step(self, micro_batches: list[MicroBatch], policy: Policy) -> dict:
         # loss_weight already divides by the whole batch's normaliser (trainer/data.py), so the
@@ -230,15 +250,19 @@ class Trainer:
         # averages gradients over ranks; scaling by the world size turns that back into the sum.
         loss_cfg = policy.cfg.trainer.loss
         use_reference = loss_cfg.kl_coef > 0 and loss_cfg.kl_target == "reference"
-        sums = torch.zeros(len(_SUMS) + 1, dtype=torch.float64)
+        sums = torch.zeros(len(_SUMS) + len(_MASK_SUMS) + 1, dtype=torch.float64)
 
         def slot():
             return self.lora.use(policy.slot) if self.lora is not None else contextlib.nullcontext()
 
         for mb in micro_batches:
-            reference = self.reference_logprobs(mb) if use_reference else None
+            reference = self.reference_logprobs(mb, policy.cfg.trainer.sampling_mask) if use_reference else None
+            # Found whatever the setting: truncated_frac is reported (and named in the warning)
+            # also when the mask is off.
+            truncation = mb.truncation(self.vocab_size)
             with slot():
-                logprobs, entropy = self.forward_logprobs(self.model, mb)
+                logprobs, entropy = self.forward_logprobs(
+                    self.model, mb, truncation if policy.cfg.trainer.sampling_mask else None)
             d = {k: v.to(self.device) for k, v in (("inference_logprobs", mb.inference_logprobs),
                                                    ("advantages", mb.advantages), ("loss_mask", mb.loss_mask),
                                                    ("loss_weight", mb.loss_weight), ("sequence_ids", mb.sequence_ids))}
@@ -247,15 +271,19 @@ class Trainer:
             # forward hooks there.
             with slot():
                 (out.loss * self.world).backward()
-            sums += torch.tensor([out.loss.item()] + [getattr(out, k) for k in _SUMS], dtype=torch.float64)
+            truncated = float(truncation.select.sum()) if truncation is not None else 0.0
+            misses = truncation.misses if truncation is not None else 0.0
+            sums += torch.tensor([out.loss.item()] + [getattr(out, k) for k in _SUMS] + [truncated, misses],
+                                 dtype=torch.float64)
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.params, policy.cfg.trainer.optim.max_grad_norm)
         policy.optimizer.step()
         policy.optimizer.zero_grad(set_to_none=True)
         policy.scheduler.step()
         sums = sums.to(self.device)  # NCCL reduces only device tensors
         dist.all_reduce(sums)
-        loss, tokens, masked, clipped, ratio, kl, entropy, ref_kl = sums.cpu().tolist()
+        loss, tokens, masked, clipped, ratio, kl, entropy, ref_kl, truncated, misses = sums.cpu().tolist()
         n = max(tokens, 1.0)
         return {"loss": loss, "clipped_frac": clipped / n, "masked_frac": masked / n, "ratio_mean": ratio / n,
                 "mismatch_kl": kl / n, "entropy": entropy / n, "kl": ref_kl / n,
+                "truncated_frac": truncated / n, "sampling_mask_miss_frac": misses / max(truncated, 1.0),
                 "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)}

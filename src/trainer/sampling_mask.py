@@ -1,0 +1,109 @@
+"""Keep Sampling Mask: the trainer's logprobs over the tokens the sampler actually kept.
+
+With top_k, top_p or min_p the engine samples from a truncated, renormalised distribution, and
+reports that distribution's logprob (`--logprobs-mode processed_logprobs`: vLLM 0.32 takes them
+after temperature, min_p, top_k and top_p, vllm/v1/sample/ops/topk_topp_sampler.py
+`forward_cpu`/`forward_native`). A trainer that normalises over the whole vocabulary compares
+two different distributions: the importance ratio and the KL are biased by log(kept mass).
+
+vLLM does not report the kept set itself (only the top `max_logprobs` processed logprobs, or the
+whole vocabulary per token), so the batch carries what rebuilds it: each sample's temperature,
+top_k, top_p and min_p (batch format v3). The trainer applies vLLM's own steps, in vLLM's order,
+to its own temperature-scaled float32 logits, and renormalises over what is kept. On
+policy the two logit vectors agree to float32 rounding, so the sets agree except where a token
+sits on a boundary within rounding; off policy the set is the current policy's. The sampled
+token is always kept (the sampler drew it, so it was in its set): a token the rebuilt set left
+out is added back and counted (`sampling_mask_miss_frac`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+# Rows of [rows, vocab] processed at once: bounds the no-grad temporaries (a few float32 and
+# bool copies) to a few hundred MB whatever the vocabulary.
+_CHUNK_ENTRIES = 1 << 24
+
+
+@dataclass
+class Truncation:
+    """Per predicted token ([R, T-1], as MicroBatch.temperature): the sampler's settings and
+    which tokens to renormalise (`select`: truncated samples' loss tokens). `misses` is filled
+    in by token_logprobs_and_entropy: sampled tokens the rebuilt kept set did not contain."""
+
+    top_k: Tensor  # int64; <= 0 or >= vocab: off
+    top_p: Tensor  # float32; 1: off
+    min_p: Tensor  # float32; 0: off
+    select: Tensor  # bool
+    misses: float = 0.0
+
+
+def is_truncated(top_k: Tensor, top_p: Tensor, min_p: Tensor, vocab: int) -> Tensor:
+    """Where sampling kept less than the whole vocabulary (vLLM's own "is this on" tests)."""
+    return ((top_k > 0) & (top_k < vocab)) | (top_p < 1) | (min_p > 0)
+
+
+@torch.no_grad()
+def kept_mask(scaled: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
+    """bool [N, V]: the tokens vLLM keeps for temperature-scaled float32 logits [N, V], row by
+    row with its own settings. Chunked over rows to bound the temporaries."""
+    rows = max(1, _CHUNK_ENTRIES // scaled.shape[-1])
+    return torch.cat([_kept_rows(scaled[i:i + rows], top_k[i:i + rows], top_p[i:i + rows], min_p[i:i + rows])
+                      for i in range(0, scaled.shape[0], rows)]) if scaled.shape[0] else scaled.bool()
+
+
+def _kept_rows(scaled: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
+    # vLLM 0.32's steps in its order: MinPLogitsProcessor.apply (v1/sample/logits_processor/
+    # builtin.py, after temperature), then apply_top_k_top_p_pytorch (v1/sample/ops/
+    # topk_topp_sampler.py): top-k on the logits, top-p on the softmax of what top-k left
+    # (vLLM drops a token when the ascending cumulative mass up to it is <= 1 - p, i.e. keeps
+    # it when the mass ranked strictly above it is < p). vLLM sorts the whole vocabulary; here
+    # topk over the few candidates that matter gives the same sets (10x cheaper at 152k).
+    x = scaled.float().clone()
+    vocab = x.shape[-1]
+    if bool((min_p > 0).any()):
+        probs = x.softmax(-1)
+        x.masked_fill_(probs < probs.amax(-1, keepdim=True) * min_p[:, None], float("-inf"))
+    on_k = (top_k > 0) & (top_k < vocab)
+    if bool(on_k.any()):
+        k = torch.where(on_k, top_k, 1)
+        kth = x.topk(int(k.max()), -1).values.gather(1, (k - 1).long()[:, None])
+        x.masked_fill_((x < kth) & on_k[:, None], float("-inf"))
+    keep = x > float("-inf")
+    on_p = top_p < 1
+    if bool(on_p.any()):
+        keep = torch.where(on_p[:, None], _top_p(x.softmax(-1), top_p, on_p), keep)
+    return keep
+
+
+def _top_p(probs: Tensor, top_p: Tensor, on_p: Tensor) -> Tensor:
+    """Top-p's kept set from the top m tokens per row, m growing until they hold mass p in
+    every row where top_p is on: tokens beyond them have at least p ranked above and are out."""
+    vocab = probs.shape[-1]
+    m = min(vocab, 64)
+    while True:
+        values, index = probs.topk(m, -1)
+        if m == vocab or bool((values.sum(-1)[on_p] >= top_p[on_p]).all()):
+            break
+        m = min(vocab, 4 * m)
+    above = values.cumsum(-1) - values
+    kept = (above < top_p[:, None]) & (values > 0)
+    return torch.zeros_like(probs, dtype=torch.bool).scatter_(1, index, kept)
+
+
+def renormalised(scaled: Tensor, tokens: Tensor, trunc: Truncation) -> tuple[Tensor, Tensor, Tensor]:
+    """(logprobs, entropy, misses) of the selected positions: scaled [n, V] (differentiable),
+    tokens [n]; settings already gathered to [n]. Logits outside the kept set become -inf, so
+    they get no gradient and no probability."""
+    keep = kept_mask(scaled.detach(), trunc.top_k, trunc.top_p, trunc.min_p)
+    sampled = torch.zeros_like(keep).scatter_(1, tokens[:, None], True)
+    misses = (sampled & ~keep).sum()
+    keep |= sampled
+    logp = torch.log_softmax(scaled.masked_fill(~keep, float("-inf")), dim=-1)
+    with torch.no_grad():
+        # where(): 0 * -inf would be NaN off the kept set.
+        entropy = -torch.where(keep, logp.exp() * logp, 0.0).sum(-1)
+    return logp.gather(-1, tokens[:, None]).squeeze(-1), entropy, misses
