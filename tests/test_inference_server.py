@@ -341,9 +341,10 @@ def test_health_reports_version_and_running_requests(server):
 
 
 def test_a_multi_turn_episode_on_real_vllm(server):
-    """Guess-the-letter through the orchestrator's rollout code against the real engine: each
-    turn's request is the whole episode so far, token for token, and only the model's tokens
-    are trained on."""
+    """Guess-the-letter through the orchestrator's rollout code against the real engine, checked
+    on every episode and turn: the trained ids of each model turn are exactly the ids the engine
+    returned, each turn's request is exactly the episode so far, and only the model's tokens are
+    trained on."""
     from orchestrator.prompts import Prompt
     from orchestrator.rollouts import Rollouts
     from orchestrator.tasks.guess_letter import GuessLetter
@@ -355,27 +356,27 @@ def test_a_multi_turn_episode_on_real_vllm(server):
     cfg = RunConfig.model_validate({"model": str(TINY_MODEL), "seq_len": SEQ_LEN, "orchestrator": {
         "environment": "orchestrator.tasks.guess_letter:GuessLetter", "max_turns": 4, "max_tokens": 3,
         "group_size": 4}})
-    sent = []
+    seen = {}
 
     async def scenario():
         async with aiohttp.ClientSession() as session:
             client = InferenceClient(url, session)
 
             async def generate(request):
-                sent.append(list(request.prompt_token_ids))
-                return await client.generate(request, 60)
+                response = await client.generate(request, 60)
+                seen[request.request_id] = (list(request.prompt_token_ids), response.samples[0].token_ids)
+                return response
 
             rollouts = Rollouts(cfg, load_tokenizer(str(TINY_MODEL)), {}, None, GuessLetter())
             return await rollouts.group(Prompt(0, {"secret": "z"}), "episode-test", generate)
 
     group = asyncio.run(scenario())
     assert group.failed == 0 and len(group.samples) == 4
-    for s in group.samples:
-        assert s.loss_mask[0] == 0 and sum(s.loss_mask) >= 1
-        model_versions = [v for v, m in zip(s.versions, s.loss_mask) if m]
-        assert model_versions and all(v >= 0 for v in model_versions)
-    # A later turn's prompt extends an earlier turn's prompt of the same episode.
-    longer = [p for p in sent if len(p) > len(sent[0])]
-    if longer:  # some episode went past its first guess
-        assert any(p[: len(q)] == q for p in longer for q in sent if len(q) < len(p))
-    assert len(sent) >= 4
+    for e, s in enumerate(group.samples):
+        turns = [seen[k] for k in sorted(k for k in seen if k.startswith(f"episode-test-e{e}-t"))]
+        starts = [i for i, m in enumerate(s.loss_mask) if m and (i == 0 or not s.loss_mask[i - 1])]
+        ends = [i + 1 for i, m in enumerate(s.loss_mask) if m and (i + 1 == len(s.loss_mask) or not s.loss_mask[i + 1])]
+        assert len(turns) >= 1 and s.loss_mask[0] == 0
+        assert [s.tokens[a:b] for a, b in zip(starts, ends)] == [ids for _, ids in turns]
+        assert [s.tokens[:a] for a in starts] == [prompt for prompt, _ in turns]
+        assert all(v >= 0 for v, m in zip(s.versions, s.loss_mask) if m)

@@ -1,5 +1,5 @@
 """Calculator: a tool-calling environment. The model is asked a reasoning-gym "basic_arithmetic"
-question ("Calculate -41 - -98 * 3.") that a tiny model cannot work out in its head, but can by
+question ("Calculate -9*-9-7.") that a tiny model cannot work out in its head, but can by
 copying the expression into the `calculate` tool and the tool's result into its answer.
 
     [orchestrator]
@@ -12,7 +12,7 @@ One episode: user question -> assistant turn with a <tool_call> -> tool message 
 
 Rows: reasoning_gym.create_dataset(TASK, seed=seed, **TASK_KWARGS); its row idx is drawn from
 Random(seed + idx), so rows of seeds s and s' overlap when their index ranges meet. A dataset
-cycles through RL_ROWS rows, so RL runs with seed <= 900 stay clear of the held-out rows (seed
+cycles through RL_ROWS rows, so RL runs with seed <= 1000 stay clear of the held-out rows (seed
 EVAL_SEED, EVAL_ROWS rows), which scripts/make_tool_model.py measures the model on; its SFT rows
 come from seed SFT_SEED, far from both.
 """
@@ -28,9 +28,12 @@ from fractions import Fraction
 
 TASK = "basic_arithmetic"
 # Short questions: 2-3 terms of 1-2 digits (negative numbers, parentheses and unary minus
-# included), no division (reasoning-gym's "/" is floor division, a calculator's is not).
+# included), no division (reasoning-gym's "/" is floor division, a calculator's is not), no spaces
+# ("-9*-9-7", not "-9 * -9 - 7"): half the tokens to copy, and no run of look-alike " " tokens
+# to lose one's place in (a 0.84M model learnt to copy these within ~1000 SFT steps, and had not
+# learnt to copy the spaced ones after 600).
 TASK_KWARGS = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2,
-               "operators": ["+", "-", "*"]}
+               "operators": ["+", "-", "*"], "whitespace": "no_space"}
 RL_ROWS = 9_000
 EVAL_SEED, EVAL_ROWS = 10_000, 100
 SFT_SEED = 1_000_000
