@@ -167,6 +167,8 @@ class RealRun:
         """{program: pid} of the programs running now, from their heartbeat files."""
         out = {}
         for path in self.run.root.joinpath("heartbeats").iterdir():
+            if path.name.startswith("."):
+                continue  # a heartbeat being written (write_file_atomic's temporary): gone in a moment
             name = "inference" if path.name.startswith("inference-") else path.name
             out[name] = int(path.read_text().split("@", 1)[0])
         return out
