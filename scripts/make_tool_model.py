@@ -7,6 +7,11 @@ tool loop has room to improve it.
     python scripts/make_tool_model.py                     # writes models/tiny-tool
     python scripts/make_tool_model.py --check-vllm        # then plays the episodes in vLLM too
 
+It stops after 1500 SFT steps (batch 16): about 4 minutes on two idle cores, 23 on two busy ones.
+The held-out result: greedy, right final answers 0.77 (well-formed calls 1.00, with the exact
+expression 0.84); sampled at T=1, 0.37-0.40 (calls 0.65-0.67, exact 0.47-0.48), in HF and vLLM,
+whose greedy episodes are token for token the same.
+
 An SFT conversation, rendered by the template with tools=[the calculate tool's schema]:
 
     user: "Calculate -9*-9-7."
@@ -35,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import re
 import time
@@ -58,10 +64,11 @@ from rl.tools import Tool, ToolError
 TOOLS = {t.name: t for t in map(Tool.from_function, Calculator.tools)}
 SCHEMAS = [t.schema for t in TOOLS.values()]
 MAX_TURNS = 3          # the RL config's orchestrator.max_turns
-MAX_TURN_TOKENS = 64   # its max_tokens: the longest call turn takes 43 tokens with <|im_end|>
-SEQ_LEN = 256          # its seq_len: a whole episode takes at most ~200 tokens
+MAX_TURN_TOKENS = 64   # its max_tokens: a call turn takes at most 47 tokens with <|im_end|>
+SEQ_LEN = 256          # its seq_len: a whole tool episode takes at most 207 (prompt <= 135)
 MAX_MODEL_LEN = 512    # max_position_embeddings and the tokenizer's model_max_length
 TOOL_TIMEOUT_S = 10.0
+SAMPLES = 4            # episodes sampled per held-out row when measuring at T=1
 
 
 # --- tokenizer -------------------------------------------------------------------------------
@@ -174,7 +181,8 @@ def sft_batches(tokenizer, batch_size: int, direct_fraction: float, seed: int):
     while True:
         seqs = []
         for _ in range(batch_size):
-            seqs.append(encode_conversation(tokenizer, conversation(make_row(data[idx]), rng.random() < direct_fraction)))
+            direct = rng.random() < direct_fraction
+            seqs.append(encode_conversation(tokenizer, conversation(make_row(data[idx]), direct)))
             idx += 1
         width = max(len(s) for s, _ in seqs)
         assert width <= SEQ_LEN, width
@@ -283,8 +291,9 @@ def play(generate, tokenizer, data: list[dict], sample: bool) -> list[Episode]:
                                           "function": {"name": c.name, "arguments": c.arguments}}
                                          for i, c in enumerate(good)]
             e.messages.append(message)
-            if turn == 0 and good and good[0].name == "calculate" and TOOLS["calculate"].argument_error(good[0].arguments) is None:
-                e.first_call = good[0].arguments
+            first = good[0] if turn == 0 and good else None
+            if first and first.name == "calculate" and TOOLS["calculate"].argument_error(first.arguments) is None:
+                e.first_call = first.arguments
             e.truncated = not out or out[-1] not in stops  # cut at max_tokens (or seq_len)
             if not calls or e.truncated or turn == MAX_TURNS - 1:
                 e.done = True
@@ -329,7 +338,8 @@ def summary(episodes: list[Episode]) -> dict[str, float]:
 def show(name: str, s: dict[str, float]) -> str:
     return (f"{name}: well-formed call {s['call']:.2f} (exact expression {s['exact_call']:.2f}), right answer "
             f"{s['right']:.2f} ({s['right_with_call']:.2f} after a call), mean reward {s['reward']:.3f}, "
-            f"tool errors/episode {s['tool_errors']:.2f}, truncated {s['truncated']:.2f}, longest {s['max_tokens']} tokens")
+            f"tool errors/episode {s['tool_errors']:.2f}, truncated {s['truncated']:.2f}, "
+            f"longest {s['max_tokens']} tokens")
 
 
 # --- checks ----------------------------------------------------------------------------------
@@ -376,29 +386,41 @@ def check_vllm(out: Path, tokenizer, data: list[dict], hf: list[Episode]) -> Non
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=str(out), dtype="float32", enforce_eager=True, max_model_len=SEQ_LEN, seed=0)
+    # On CPU, gpu_memory_utilization is the share of the machine's memory the engine may claim:
+    # it refuses to start when other programs hold more than the rest. The KV cache needs 1 GiB.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    llm = LLM(model=str(out), dtype="float32", enforce_eager=True, max_model_len=SEQ_LEN, seed=0,
+              gpu_memory_utilization=0.2)
 
     def generate(prompts, max_new_tokens, sample):
-        params = SamplingParams(temperature=1.0 if sample else 0.0, max_tokens=max_new_tokens)
+        params = [SamplingParams(temperature=1.0 if sample else 0.0, max_tokens=min(max_new_tokens, SEQ_LEN - len(p)))
+                  for p in prompts]
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
     episodes = play(generate, tokenizer, data, sample=False)
     same = sum(a.ids == b.ids for a, b in zip(episodes, hf))
     print(show("vLLM greedy", summary(episodes)) + f"; same episode ids as HF: {same}/{len(data)}")
+    sampled = play(generate, tokenizer, data * SAMPLES, sample=True)
+    print(show(f"vLLM sampled (T=1, {SAMPLES} per row)", summary(sampled)))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("models/tiny-tool"))
     ap.add_argument("--check-vllm", action="store_true", help="also play the held-out episodes in vLLM")
-    ap.add_argument("--direct-fraction", type=float, default=0.5,
+    ap.add_argument("--direct-fraction", type=float, default=0.4,
                     help="share of SFT rows answered at once, without the tool")
     add_sft_args(ap)
     # target: the greedy share of held-out episodes with the right final answer.
-    ap.set_defaults(label_smoothing=0.1, target=0.5, eval_every=50, max_steps=1000, batch_size=16, lr=2e-3)
+    # Copying the expression into the call is learnt suddenly, after ~1000 steps (greedy right
+    # 0.06 at step 1000, 0.53 at 1300, 0.77 at 1500). At 0.6 greedy, samples at T=1 were right
+    # only 0.13 of the time (0.38 well-formed calls); at 0.75, 0.39 (0.65 calls). models/tiny-tool
+    # is the 0.6 stop (step 1400): RL at T=1 has the more room (configs/tools_demo.toml's run).
+    ap.set_defaults(label_smoothing=0.0, target=0.6, eval_every=100, max_steps=2500, batch_size=16, lr=1e-3)
     args = ap.parse_args()
 
+    start = time.perf_counter()
     torch.manual_seed(args.seed)
     tokenizer = build_tool_tokenizer()
     model = build_model(tokenizer, "tiny")
@@ -409,7 +431,6 @@ def main() -> None:
     for row in held_out[:50]:
         check_labels(tokenizer, conversation(row))
         check_labels(tokenizer, conversation(row, direct=True))
-    report_rows = held_out
 
     def gen(prompts, max_new_tokens, sample):
         return hf_generate(model, tokenizer, prompts, max_new_tokens, sample)
@@ -420,9 +441,9 @@ def main() -> None:
         return s["right"]
 
     data = sft_batches(tokenizer, args.batch_size, args.direct_fraction, args.seed)
-    start = time.perf_counter()
+    sft_start = time.perf_counter()
     sft(SharedPrefix(model), lambda: next(data), evaluate, args)
-    print(f"SFT wall time {time.perf_counter() - start:.1f} s")
+    print(f"SFT wall time {time.perf_counter() - sft_start:.1f} s")
 
     args.out.mkdir(parents=True, exist_ok=True)
     save(model, tokenizer, args.out)
@@ -430,13 +451,14 @@ def main() -> None:
     print(f"saved {args.out}; held-out episodes ({len(held_out)} rows):")
     print(show("  greedy", summary(greedy)))
     torch.manual_seed(args.seed)
-    sampled = summary(play(gen, tokenizer, held_out, sample=True))
-    print(show("  sampled (T=1)", sampled))
+    sampled = summary(play(gen, tokenizer, held_out * SAMPLES, sample=True))
+    print(show(f"  sampled (T=1, {SAMPLES} per row)", sampled))
     for e in greedy[:3]:
         print(f"  e.g. {tokenizer.decode(e.ids[len(encode(tokenizer, render(tokenizer, e.messages[:1], True))):])!r} "
               f"(answer {e.row['answer']}, reward {e.reward})")
-    report(args.out, tokenizer, report_rows)
+    report(args.out, tokenizer, held_out + rows(0, 2000))  # + RL rows, for the longest
     check_tokenizer(args.out, tokenizer, held_out + rows(SFT_SEED, 200))
+    print(f"built in {time.perf_counter() - start:.0f} s")
     if args.check_vllm:
         check_vllm(args.out, tokenizer, held_out, greedy)
 
