@@ -333,3 +333,27 @@ def test_each_sample_is_scored_at_its_own_temperature_by_the_real_trainer(tmp_pa
     (m,) = trainer_metrics(run)
     assert m["mismatch_kl"] < 1e-6, m
     assert 0.999 < m["ratio_mean"] < 1.001, m
+
+
+def test_chunked_logprobs_train_as_full_logits_do_through_the_real_trainer(tmp_path, write_toml):
+    """trainer.logits_chunk_tokens: the head (trainer/logprob_head.py) inside FSDP2's root
+    forward, tied embeddings, two micro-batches with a reference model in bfloat16: step 1's
+    loss, gradient norm, entropy and KL equal the full-logits run's. (Step 1 only: Adam's first
+    step moves a near-zero gradient's entry by lr either way, so later steps start apart.)"""
+    runs = {}
+    for chunk in (0, 3):
+        run = RunDir(tmp_path / f"chunk{chunk}")
+        write_batches(run, [1])
+        extra = (f"[trainer]\nlogits_chunk_tokens = {chunk}\n[trainer.loss]\nkl_coef = 0.1\n"
+                 "kl_target = \"reference\"\n")
+        stderr = run_trainer(rl_command("trainer"), ["@", config(write_toml, run, f"c{chunk}.toml"),
+                                                     "@", str(write_toml(extra, f"e{chunk}.toml")), "--max_steps", "1"])
+        assert "changes its logits" not in stderr
+        (runs[chunk],) = trainer_metrics(run)
+    plain, chunked = runs[0], runs[3]
+    tokens = plain["loss_tokens"]
+    assert tokens == chunked["loss_tokens"] > 3 * 2  # more loss tokens than two chunks' worth
+    # Float32 sums of up to tokens x vocab terms in another order: relative error tokens * 30 * eps.
+    tol = tokens * 30 * 2.0 ** -24
+    for key in ("loss", "grad_norm", "entropy", "mismatch_kl", "ratio_mean"):
+        assert chunked[key] == pytest.approx(plain[key], rel=tol, abs=1e-7), key

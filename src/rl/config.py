@@ -521,6 +521,12 @@ class TrainerConfig(Section):
     """Recompute each decoder layer's activations in the backward pass: less memory, ~30% more
     compute."""
 
+    logits_chunk_tokens: int = Field(1024, ge=0)
+    """Logprobs and entropy come from the last hidden states this many tokens at a time, and only
+    for loss tokens (trainer/logprob_head.py): the logits' memory is ~4 x 4 bytes x chunk x
+    vocabulary (2.5 GB at 1024 x 151,936) instead of that per token of the micro-batch. 0:
+    full [tokens, vocabulary] logits, as transformers computes them."""
+
     checkpoint_every: int = Field(50, ge=0)
     """Save a trainer checkpoint (model, optimizer, scheduler, step, RNG) every this many steps,
     and at the last step; 0 turns checkpoints off."""

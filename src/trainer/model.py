@@ -1,5 +1,7 @@
 """The trainer's model: loaded from the starting checkpoint and FSDP2-sharded, and the forward
-pass of one micro-batch (packed or padded) to logits and per-token logprobs."""
+pass of one micro-batch (packed or padded) to per-token logprobs: through the model's
+LogprobHead (trainer/logprob_head.py: chunked, loss tokens only) where it has one, else from
+full logits."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from rl.config import RunConfig
 from trainer.data import MicroBatch
+from trainer.logprob_head import LogprobHead, TokenQuery, install
 from trainer.lora import LoRA
 from trainer.loss import token_logprobs_and_entropy
 from trainer.parallel import apply_fsdp
@@ -30,11 +33,15 @@ def attention_implementation(choice: str, dtype: str) -> str:
 def load_model(cfg: RunConfig, device: torch.device, trainable: bool, lora_slots: int = 0
                ) -> tuple[torch.nn.Module, LoRA | None]:
     """The starting model, FSDP2-sharded; with lora_slots, frozen and carrying that many adapter
-    slots (trainer/lora.py), created before sharding so FSDP2 manages them too."""
+    slots (trainer/lora.py), created before sharding so FSDP2 manages them too. A frozen model
+    (the KL reference) is stored in the compute dtype: it has no optimizer to need float32
+    masters, and the mixed-precision policy would cast it to that dtype in every forward anyway,
+    so bfloat16 halves its memory and changes none of its logits."""
     # Packed rows carry no attention mask: transformers derives the block-diagonal mask (sdpa)
     # or the varlen boundaries (flash attention) from the restarting position ids.
+    dtype = torch.float32 if trainable else _DTYPES[cfg.trainer.dtype]
     model = AutoModelForCausalLM.from_pretrained(
-        cfg.model, dtype=torch.float32, attn_implementation=attention_implementation(cfg.trainer.attention, cfg.trainer.dtype)).to(device)
+        cfg.model, dtype=dtype, attn_implementation=attention_implementation(cfg.trainer.attention, cfg.trainer.dtype)).to(device)
     lora = None
     if trainable:
         model.train()
@@ -46,6 +53,7 @@ def load_model(cfg: RunConfig, device: torch.device, trainable: bool, lora_slots
     else:
         model.eval()
         model.requires_grad_(False)
+    install(model, cfg.trainer.logits_chunk_tokens)
     apply_fsdp(model, _DTYPES[cfg.trainer.dtype])
     return model, lora
 
@@ -73,5 +81,26 @@ def micro_batch_logprobs(model: torch.nn.Module, mb: MicroBatch, device: torch.d
     temperature (mb.temperature): the distribution the engine sampled it from, which a batch
     mixing datasets with different sampling settings makes differ from sample to sample. With
     `truncation` (mb.truncation(vocab)), over the kept set its top_k/top_p/min_p rebuild."""
-    logits = forward_logits(model, mb, device, single_row)
-    return token_logprobs_and_entropy(logits, mb.tokens.to(device), mb.temperature.to(device), truncation)
+    head = model.get_output_embeddings()
+    if not isinstance(head, LogprobHead):
+        logits = forward_logits(model, mb, device, single_row)
+        return token_logprobs_and_entropy(logits, mb.tokens.to(device), mb.temperature.to(device), truncation)
+    with head.asked(micro_batch_query(mb, device, truncation)):
+        out = forward_logits(model, mb, device, single_row)  # [R, T, 2]: (logprob, entropy)
+    if truncation is not None:
+        truncation.misses = head.misses
+    return out[:, :-1, 0], out[:, :-1, 1]
+
+
+def micro_batch_query(mb: MicroBatch, device: torch.device, truncation: Truncation | None) -> TokenQuery:
+    """The head's query for a micro-batch: at [r, t] the token t+1 of row r, wanted where the
+    loss uses it. Per-predicted-token fields ([R, T-1]) get a last column that is never wanted."""
+    def widen(x: torch.Tensor, fill) -> torch.Tensor:
+        return torch.cat([x, torch.full_like(x[:, :1], fill)], 1).to(device)
+
+    tokens = mb.tokens.to(device)
+    trunc = None if truncation is None else Truncation(
+        widen(truncation.top_k, -1), widen(truncation.top_p, 1.0), widen(truncation.min_p, 0.0),
+        widen(truncation.select, False))
+    return TokenQuery(targets=widen(tokens[:, 1:], 0), wanted=widen(mb.loss_mask > 0, False),
+                      temperature=widen(mb.temperature.float(), 1.0), truncation=trunc)
