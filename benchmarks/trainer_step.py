@@ -1,8 +1,10 @@
 """The trainer's step on CPU, through the real Trainer (FSDP2, one rank): packed vs padded
-micro-batches on variable-length samples, and one step of a 0.5B-class random model.
+micro-batches on variable-length samples, one step of a 0.5B-class random model, and the
+logits' memory at a real vocabulary (full logits vs the chunked head vs no logits at all).
 
     .venv/bin/python benchmarks/trainer_step.py packing [--samples 64] [--repeats 3]
     .venv/bin/python benchmarks/trainer_step.py large
+    .venv/bin/python benchmarks/trainer_step.py logits [--seq-len 4096] [--variants full chunked no_logits]
 
 Random Qwen2 models are built into a temporary directory (no download). Results are printed and
 written to benchmarks/results/trainer_step_<mode>.json; summary in docs/benchmarks.md.
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -115,18 +119,90 @@ def large(args, tmp: Path) -> dict:
             "publish_s": publish_s, "write_s": write_s, "build_model_s": build_s}
 
 
+VARIANTS = {
+    # trainer.logits_chunk_tokens per variant; no_logits: the head returns the hidden states'
+    # first two features instead of (logprob, entropy), so the step has everything but logits.
+    "full": 0, "chunked": 1024, "no_logits": 1024,
+}
+
+
+def logits(args, tmp: Path) -> dict:
+    """One subprocess per variant (peak memory is per process), two steps each: the second has
+    AdamW's state allocated all along, as every later step does."""
+    model = build_model(args.shape, tmp / "model")
+    results = {}
+    for variant in args.variants:
+        out = tmp / f"{variant}.json"
+        subprocess.run([sys.executable, __file__, "_logits_variant", "--variant", variant, "--model", str(model),
+                        "--seq-len", str(args.seq_len), "--out", str(out), "--shape", args.shape], check=True)
+        results[variant] = json.loads(out.read_text())
+        r = results[variant]
+        print(f"{variant}: peak {r['peak_gb']:.2f} GB, step 2 {r['step_s'][-1]:.1f}s "
+              f"({r['tokens_per_s']:.1f} tokens/s)", flush=True)
+    if "no_logits" in results:
+        for variant in results:
+            results[variant]["peak_vs_no_logits"] = results[variant]["peak_gb"] / results["no_logits"]["peak_gb"]
+    return {"shape": args.shape, "seq_len": args.seq_len, **results}
+
+
+def peak_reset(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:  # Linux: "5" resets the process's peak resident set size (VmHWM)
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    status = Path("/proc/self/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM"))) * 1024 / 1e9
+
+
+def logits_variant(args) -> None:
+    from trainer.logprob_head import LogprobHead
+
+    vocab = SHAPES[args.shape]["vocab_size"]
+    # 8 samples of seq_len / 8 tokens: one packed row of seq_len tokens per step.
+    per = args.seq_len // 8
+    batch = random_batch(8, per, per, vocab)
+    t = trainer(Path(args.model), Path(args.out).parent / args.variant, args.seq_len,
+                micro_batch_tokens=args.seq_len, activation_checkpointing=True,
+                logits_chunk_tokens=VARIANTS[args.variant])
+    if args.variant == "no_logits":
+        LogprobHead.forward = lambda self, hidden: hidden[..., :2].float()
+    baseline_gb = peak_gb(t.device)
+    peak_reset(t.device)
+    times = timed_steps(t, batch, 2)
+    tokens = int(batch.lengths.sum())
+    Path(args.out).write_text(json.dumps({
+        "tokens": tokens, "loss_tokens": int(batch.loss_mask.sum()), "step_s": times,
+        "tokens_per_s": tokens / times[-1], "peak_gb": peak_gb(t.device), "peak_before_steps_gb": baseline_gb,
+        "params": sum(p.numel() for p in t.model.parameters()), "device": str(t.device)}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["packing", "large"])
+    ap.add_argument("mode", choices=["packing", "large", "logits", "_logits_variant"])
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--micro-batch-size", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--shape", choices=list(SHAPES), default="0.5b")
+    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    ap.add_argument("--variant", choices=list(VARIANTS))
+    ap.add_argument("--model")
+    ap.add_argument("--out")
     args = ap.parse_args()
+    if args.mode == "_logits_variant":
+        return logits_variant(args)
+    if args.mode == "logits" and args.seq_len == 512:
+        args.seq_len = 4096
     with tempfile.TemporaryDirectory() as d:
-        result = packing(args, Path(d)) if args.mode == "packing" else large(args, Path(d))
+        result = {"packing": packing, "large": large, "logits": logits}[args.mode](args, Path(d))
     result["torch_threads"] = torch.get_num_threads()
-    out = ROOT / "benchmarks" / "results" / f"trainer_step_{args.mode}.json"
+    suffix = f"_{args.shape}" if args.mode == "logits" else ""
+    out = ROOT / "benchmarks" / "results" / f"trainer_step_{args.mode}{suffix}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
 

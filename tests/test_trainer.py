@@ -335,25 +335,31 @@ def test_each_sample_is_scored_at_its_own_temperature_by_the_real_trainer(tmp_pa
     assert 0.999 < m["ratio_mean"] < 1.001, m
 
 
-def test_chunked_logprobs_train_as_full_logits_do_through_the_real_trainer(tmp_path, write_toml):
-    """trainer.logits_chunk_tokens: the head (trainer/logprob_head.py) inside FSDP2's root
-    forward, tied embeddings, two micro-batches with a reference model in bfloat16: step 1's
-    loss, gradient norm, entropy and KL equal the full-logits run's. (Step 1 only: Adam's first
-    step moves a near-zero gradient's entry by lr either way, so later steps start apart.)"""
-    runs = {}
-    for chunk in (0, 3):
-        run = RunDir(tmp_path / f"chunk{chunk}")
+def test_chunked_logprobs_and_an_offloaded_reference_train_as_the_plain_trainer_does(tmp_path, write_toml):
+    """trainer.logits_chunk_tokens (the head of trainer/logprob_head.py inside FSDP2's root
+    forward, tied embeddings) and trainer.reference_offload (FSDP2 CPU offload of the KL
+    reference; on this CPU-only machine the code path, not the memory): step 1's loss, gradient
+    norm, entropy and KL equal the full-logits run's. (Step 1 only: Adam's first step moves a
+    near-zero gradient's entry by lr either way, so later steps start apart.)"""
+    variants = {"full": "logits_chunk_tokens = 0", "chunked": "logits_chunk_tokens = 3",
+                "offloaded": "logits_chunk_tokens = 3\nreference_offload = true"}
+    metrics = {}
+    for name, keys in variants.items():
+        run = RunDir(tmp_path / name)
         write_batches(run, [1])
-        extra = (f"[trainer]\nlogits_chunk_tokens = {chunk}\n[trainer.loss]\nkl_coef = 0.1\n"
-                 "kl_target = \"reference\"\n")
-        stderr = run_trainer(rl_command("trainer"), ["@", config(write_toml, run, f"c{chunk}.toml"),
-                                                     "@", str(write_toml(extra, f"e{chunk}.toml")), "--max_steps", "1"])
+        extra = f"[trainer]\n{keys}\n[trainer.loss]\nkl_coef = 0.1\nkl_target = \"reference\"\n"
+        stderr = run_trainer(rl_command("trainer"), ["@", config(write_toml, run, f"{name}.toml"),
+                                                     "@", str(write_toml(extra, f"{name}_extra.toml")),
+                                                     "--max_steps", "1"])
         assert "changes its logits" not in stderr
-        (runs[chunk],) = trainer_metrics(run)
-    plain, chunked = runs[0], runs[3]
+        (metrics[name],) = trainer_metrics(run)
+    plain = metrics["full"]
     tokens = plain["loss_tokens"]
-    assert tokens == chunked["loss_tokens"] > 3 * 2  # more loss tokens than two chunks' worth
+    assert tokens > 3 * 2  # more loss tokens than two chunks' worth
+    assert plain["kl"] < 1e-6  # step 1: the policy is the reference
     # Float32 sums of up to tokens x vocab terms in another order: relative error tokens * 30 * eps.
     tol = tokens * 30 * 2.0 ** -24
-    for key in ("loss", "grad_norm", "entropy", "mismatch_kl", "ratio_mean"):
-        assert chunked[key] == pytest.approx(plain[key], rel=tol, abs=1e-7), key
+    for name in ("chunked", "offloaded"):
+        assert metrics[name]["loss_tokens"] == tokens
+        for key in ("loss", "grad_norm", "entropy", "mismatch_kl", "ratio_mean", "kl"):
+            assert metrics[name][key] == pytest.approx(plain[key], rel=tol, abs=1e-7), (name, key)

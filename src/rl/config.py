@@ -521,6 +521,13 @@ class TrainerConfig(Section):
     """Recompute each decoder layer's activations in the backward pass: less memory, ~30% more
     compute."""
 
+    reference_offload: bool = False
+    """The KL reference model (loss.kl_target = "reference", full fine-tuning) lives in host
+    memory and each decoder layer is copied to the GPU for its forward (FSDP2 CPU offload):
+    the GPU holds one layer of it at a time instead of a whole copy, for one host-to-device
+    copy of its weights per micro-batch. With LoRA the reference is the base model itself and
+    costs nothing (docs/trainer.md, "Memory")."""
+
     logits_chunk_tokens: int = Field(1024, ge=0)
     """Logprobs and entropy come from the last hidden states this many tokens at a time, and only
     for loss tokens (trainer/logprob_head.py): the logits' memory is ~4 x 4 bytes x chunk x

@@ -98,7 +98,9 @@ class LogprobHead(nn.Module):
         self.misses = float(misses)  # one device sync per query
         values = torch.stack([torch.cat(logprobs), torch.cat(entropies)], -1)
         out = flat.new_zeros(flat.shape[0], 2, dtype=torch.float32).index_put((where,), values * 0 if empty else values)
-        return out.reshape(*hidden.shape[:-1], 2)
+        # A copy, not a view: FSDP2 warns that an in-place op on a view its root returns would
+        # skip its pre-backward hook ([tokens, 2] floats: nothing to copy).
+        return out.reshape(*hidden.shape[:-1], 2).clone()
 
 
 def _chunk(h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: Tensor,

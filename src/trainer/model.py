@@ -54,7 +54,7 @@ def load_model(cfg: RunConfig, device: torch.device, trainable: bool, lora_slots
         model.eval()
         model.requires_grad_(False)
     install(model, cfg.trainer.logits_chunk_tokens)
-    apply_fsdp(model, _DTYPES[cfg.trainer.dtype])
+    apply_fsdp(model, _DTYPES[cfg.trainer.dtype], offload=not trainable and cfg.trainer.reference_offload)
     return model, lora
 
 

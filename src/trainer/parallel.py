@@ -11,7 +11,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 
 def init_distributed(timeout_s: float) -> torch.device:
@@ -33,13 +33,17 @@ def init_distributed(timeout_s: float) -> torch.device:
     return device
 
 
-def apply_fsdp(model: torch.nn.Module, compute_dtype: torch.dtype) -> None:
+def apply_fsdp(model: torch.nn.Module, compute_dtype: torch.dtype, offload: bool = False) -> None:
     """Shard each decoder layer, then the root (embeddings, final norm, lm_head: tied weights
-    must land in the same FSDP group, which the root is)."""
+    must land in the same FSDP group, which the root is). `offload`: the shards live in host
+    memory and each group is copied to the device for its forward (FSDP2's CPUOffloadPolicy;
+    on a CPU-only machine the copy is to where they already are)."""
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    # Pinned host memory makes the copies asynchronous; it needs an accelerator.
+    policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     for layer in model.model.layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(layer, mp_policy=mp, offload_policy=policy)
+    fully_shard(model, mp_policy=mp, offload_policy=policy)
 
 
 def share_bytes(data: bytes | None, device: torch.device) -> bytes:
