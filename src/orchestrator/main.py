@@ -53,4 +53,9 @@ def main(cfg: RunConfig) -> int:
     except asyncio.CancelledError:
         log.warning("stopped by SIGTERM")
         return 128 + signal.SIGTERM
+    except TimeoutError as e:
+        # A wait reached its configured timeout: its message names what and which key; a
+        # traceback would bury that line under forty others.
+        log.error("%s", e)
+        return 1
     return 0

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 
 import torch.distributed as dist
@@ -13,6 +14,8 @@ import torch.distributed as dist
 from rl.config import RunConfig
 from trainer.runs import MultiRun
 from trainer.trainer import Trainer
+
+log = logging.getLogger("trainer")
 
 
 def main(cfg: RunConfig) -> None:
@@ -28,5 +31,10 @@ def main(cfg: RunConfig) -> None:
             MultiRun(trainer).serve()
         else:
             trainer.train()
+    except TimeoutError as e:
+        # A wait reached its configured timeout: its message names what and which key; a
+        # traceback would bury that line under forty others.
+        log.error("%s", e)
+        raise SystemExit(1) from None
     finally:
         dist.destroy_process_group()

@@ -9,7 +9,8 @@ always has groups generating.
 
 Every case ends with the same checks (RealRun.check_complete): the run reached max_steps; the
 trainer trained every step exactly once, in order, and each version was published once; every
-batch on disk respects the async bound; nothing half-written is left behind.
+batch on disk respects the async bound; every prompt drawn is in one batch or pending in the
+orchestrator's final checkpoint, none in two; nothing half-written is left behind.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import TINY_MODEL, free_port, rl_command
+from orchestrator.prompts import decode_state
 from orchestrator.tasks import reverse
 from orchestrator.tokenizer import load_tokenizer
 from rl.batch import Batch
@@ -138,9 +140,12 @@ class RealRun:
 
     def check_each_prompt_once(self) -> None:
         """Every prompt in the batches is one group of group_size samples: none was trained twice
-        (the task's first rows are all different, checked first)."""
-        rows = list(itertools.islice(reverse.dataset(0), 500))
-        assert len({row["prompt"] for row in rows}) == len(rows)
+        (the task's first rows are all different, checked first); and none was lost: the
+        prompts drawn (the final orchestrator checkpoint's cursor) are exactly those batched plus
+        those it still holds pending, whatever was killed in between."""
+        rows = list(itertools.islice(reverse.dataset(0), 500))  # the run's seed is the default, 0
+        index = {row["prompt"]: i for i, row in enumerate(rows)}
+        assert len(index) == len(rows)
         tokenizer = load_tokenizer(str(TINY_MODEL))
         samples = collections.Counter()
         for step in self.run.rollout_steps():
@@ -149,6 +154,14 @@ class RealRun:
                 mask = batch.loss_mask[s]
                 samples[tokenizer.decode(batch.tokens[s][: int(mask.argmax())].tolist())] += 1
         assert set(samples.values()) == {GROUP_SIZE}, {p: n for p, n in samples.items() if n != GROUP_SIZE}
+        used = sorted(index[p] for p in samples)
+        last = self.run.checkpoint_steps("orchestrator")[-1]
+        step, cursor, pending = decode_state((self.run.checkpoint_dir(last) / "orchestrator" / "state.json").read_bytes())
+        assert step == self.max_steps
+        pending_ids = [p.index for p in pending]
+        assert not set(pending_ids) & set(used), "a prompt both batched and pending"
+        assert sorted(used + pending_ids) == list(range(cursor)), (
+            f"drawn {cursor}, batched {len(used)}, pending {len(pending_ids)}: a prompt was lost")
 
     def check_replay(self) -> None:
         """Each step trained once from the right state: a fresh trainer on this run's own batches
