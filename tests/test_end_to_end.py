@@ -48,19 +48,19 @@ class Program:
         return self.log.read_text(errors="replace")[-3000:]
 
 
-def start_server(tmp, name: str, model, output_dir, extra: str = "") -> tuple[Program, str]:
-    server, url = launch_server(tmp, name, model, output_dir, extra)
+def start_server(tmp, name: str, model, output_dir, extra: str = "", env: dict | None = None) -> tuple[Program, str]:
+    server, url = launch_server(tmp, name, model, output_dir, extra, env=env)
     wait_healthy(server, url)
     return server, url
 
 
 def launch_server(tmp, name: str, model, output_dir, extra: str = "",
-                  seq_len: int = 64) -> tuple[Program, str]:
+                  seq_len: int = 64, env: dict | None = None) -> tuple[Program, str]:
     port = free_port()
     cfg = tmp / f"{name}.toml"
     cfg.write_text(f'model = "{model}"\noutput_dir = "{output_dir}"\nseq_len = {seq_len}\n'
                    f'[inference]\nport = {port}\ndtype = "float32"\n' + extra)
-    return Program("inference", cfg, tmp), f"http://127.0.0.1:{port}"
+    return Program("inference", cfg, tmp, env=env), f"http://127.0.0.1:{port}"
 
 
 def wait_healthy(server: Program, url: str) -> None:

@@ -121,7 +121,10 @@ def server(tmp_path_factory):
     extra = f"max_loras = {MAX_LORAS}\n[trainer.lora]\nrank = 8\n"
     with ThreadPoolExecutor(1) as pool:
         # The server starts (~30 s) while the adapters and their references are computed.
-        started = pool.submit(start_server, tmp, "server", TINY_MODEL, run.root, extra)
+        # The environment asks for vLLM's own runtime LoRA routes: the server must keep them off
+        # (test_vllms_own_runtime_lora_routes_stay_off).
+        started = pool.submit(start_server, tmp, "server", TINY_MODEL, run.root, extra,
+                              {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
         try:
             a_dir, b_dir = run.weights_dir(1), run.root / "runs" / "b" / "weights" / "step_2"
             a, b = peft_adapter(1, a_dir), peft_adapter(2, b_dir)
@@ -140,7 +143,7 @@ def server(tmp_path_factory):
             proc, url = started.result()
     try:
         yield {"url": url, "a": str(a_dir), "b": str(b_dir), "refs": refs, "empty": str(empty), "too_big": str(too_big),
-               "outside": str(outside), "run": run}
+               "outside": str(outside), "run": run, "log": proc.log}
     finally:
         proc.stop()
 
@@ -366,3 +369,18 @@ def test_lora_off_and_vllm_args(tmp_path):
     with pytest.raises(HTTPException) as e:
         routes.confine_adapter(str(tmp_path / "out" / "weights" / "link"))
     assert e.value.status_code == 403
+
+
+def test_vllms_own_runtime_lora_routes_stay_off(server):
+    """vLLM's /v1/load_lora_adapter loads an adapter from any path the caller names. This server
+    was started with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 in its environment, which would mount
+    those routes: inference/server.py overrides it, says so, and serves only its own confined
+    /load_lora_adapter."""
+    url = server["url"]
+    for route in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        r = httpx.post(f"{url}{route}", json={"lora_name": "x", "lora_path": "/etc"}, timeout=10)
+        assert r.status_code in (404, 405), (route, r.status_code, r.text[:200])
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING is ignored" in server["log"].read_text(errors="replace")
+    # The server's own route is there, and confines the path.
+    status, answer = post(url, "/load_lora_adapter", {"name": "x", "path": "/etc", "version": 1})
+    assert status == 403, answer

@@ -304,17 +304,34 @@ def test_a_pooled_connection_idle_past_the_servers_keep_alive_is_not_reused(serv
     """vLLM's HTTP server drops keep-alive connections idle for 5 s; a POST written to one it has
     dropped before the client noticed fails unsent. Seen as a failed /update_weights after a 0.5B
     model's 5 s blocking write on the event loop (benchmarks/weight_update.py); the same race
-    exists whenever the loop is busy as the server closes."""
+    exists whenever the loop is busy as the server closes. The client's pool keeps a connection
+    3 s (rl.inference_api.KEEPALIVE_S): reused within that, replaced after, as aiohttp's own
+    connection events show."""
     from rl.inference_api import InferenceClient, connector
 
-    async def main():
-        async with aiohttp.ClientSession(connector=connector()) as s:
-            client = InferenceClient(server["url"], s, None)
-            await client.abort(["nobody"])
-            time.sleep(6)  # the loop blocked past vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s)
-            return await client.abort(["nobody"])
+    events: list[str] = []
 
-    assert isinstance(asyncio.run(main()), dict)
+    async def created(session, ctx, params):
+        events.append("new")
+
+    async def reused(session, ctx, params):
+        events.append("reused")
+
+    trace = aiohttp.TraceConfig()
+    trace.on_connection_create_end.append(created)
+    trace.on_connection_reuseconn.append(reused)
+
+    async def main():
+        async with aiohttp.ClientSession(connector=connector(), trace_configs=[trace]) as s:
+            client = InferenceClient(server["url"], s, None)
+            answers = [await client.abort(["nobody"]), await client.abort(["nobody"])]
+            time.sleep(6)  # the loop blocked past vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s)
+            answers.append(await client.abort(["nobody"]))
+            return answers
+
+    answers = asyncio.run(main())
+    assert answers == [{"aborted": 0}] * 3  # the server's own answer, every time
+    assert events == ["new", "reused", "new"]
 
 
 def test_health_reports_version_and_running_requests(server):
