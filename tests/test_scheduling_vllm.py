@@ -5,6 +5,7 @@ every token, in-flight updates end to end (per-token versions from the engine, i
 a sample, samples straddling an update; none with "wait" updates), and prompt accounting
 (each prompt drawn is in one batch or pending, none in two). The trainer is a stand-in that
 publishes a copy of the model's files as each version, so every update is a real reload.
+And on-policy distillation with a real teacher engine.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import shutil
 import time
 from pathlib import Path
@@ -123,3 +125,52 @@ def test_with_wait_updates_no_sample_straddles_a_version_on_real_servers(servers
     o = asyncio.run(real_scenario(tmp_path / "run", servers, in_flight=False))
     check_rules(o)
     assert straddling(o) == 0
+
+
+def test_a_real_teacher_scores_the_students_real_tokens(servers, tmp_path):
+    """On-policy distillation with both models on real engines: server 0 is the student (the
+    tiny model), server 1 becomes the teacher by a real reload of weights whose final norm is
+    zero, so its logits are all zero and it gives every token logprob -ln(vocab). Each model
+    token's advantage is then teacher_coef * (-ln(vocab) - the student's sampled logprob); the
+    prompt's tokens get none."""
+    from safetensors.torch import load_file, save_file
+
+    from orchestrator.prompts import Prompt
+    from orchestrator.rollouts import Rollouts
+    from orchestrator.scoring import Teacher
+    from orchestrator.sources import Source
+    from orchestrator.tokenizer import load_tokenizer
+    from rl.config import RunConfig
+    from rl.inference_api import InferenceClient
+
+    uniform = RunDir(tmp_path / "run").weights_dir(1)
+    shutil.copytree(TINY_MODEL, uniform)
+    tensors = load_file(uniform / "model.safetensors")
+    tensors["model.norm.weight"].zero_()
+    save_file(tensors, uniform / "model.safetensors")
+    vocab = json.loads((TINY_MODEL / "config.json").read_text())["vocab_size"]
+    student_url, teacher_url = servers
+    cfg = RunConfig.model_validate({"model": str(TINY_MODEL), "seq_len": 64, "orchestrator": {
+        "group_size": 4, "max_tokens": 12, "reward": "", "teacher_url": teacher_url, "teacher_coef": 0.5}})
+
+    async def scenario():
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{teacher_url}/update_weights",
+                                    json={"path": str(uniform), "version": 1, "mode": "wait"}) as r:
+                assert r.status == 200, await r.text()
+            student, teacher = InferenceClient(student_url, session), InferenceClient(teacher_url, session)
+            sources = {d.name: Source(d, cfg.seed) for d in cfg.orchestrator.resolved_datasets()}
+            rollouts = Rollouts(cfg, load_tokenizer(str(TINY_MODEL)), sources, Teacher(teacher, 0.5, 60), None)
+            return await rollouts.group(Prompt(0, {"prompt": "abc="}), "g", lambda req: student.generate(req, 60))
+
+    group = asyncio.run(scenario())
+    uniform_lp = -math.log(vocab)
+    for s in group.samples:
+        model = [i for i, m in enumerate(s.loss_mask) if m]
+        assert model, "the student sampled no token"
+        want = [0.5 * (uniform_lp - s.logprobs[i]) for i in model]
+        # The teacher's float32 log-softmax of zeros: -ln(vocab) to float32 rounding.
+        assert [s.advantages[i] for i in model] == pytest.approx(want, abs=1e-5)
+        assert all(s.advantages[i] == 0 for i, m in enumerate(s.loss_mask) if not m)
+        # The student's own logprobs are not uniform: the signal is not zero by accident.
+        assert max(abs(a) for a in want) > 0.1
