@@ -49,3 +49,24 @@ def pytest_collection_modifyitems(config, items):
     workers (`--dist loadfile`: a module-scoped server starts once), and a long file picked up
     last would leave the other worker idle at the end."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: order kept within
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Which kind of hosts each multi-host test ran on (`hosts_mode`, recorded by
+    test_multi_host.py: network namespaces, or the loopback fallback and why), one line each,
+    so a run shows what it proved. Reads the reports' user_properties: works under xdist and -q."""
+    modes, outcomes = {}, {}
+    for reports in terminalreporter.stats.values():
+        for rep in reports:
+            props = dict(getattr(rep, "user_properties", None) or ())
+            if "hosts_mode" not in props:
+                continue
+            modes[rep.nodeid] = props["hosts_mode"]
+            if rep.failed:
+                outcomes[rep.nodeid] = "failed"
+            elif rep.when == "call" or rep.skipped:
+                outcomes.setdefault(rep.nodeid, rep.outcome)
+    if modes:
+        terminalreporter.write_sep("-", "multi-host: hosts mode")
+        for nodeid, mode in sorted(modes.items()):
+            terminalreporter.write_line(f"hosts_mode={mode}: {nodeid} {outcomes.get(nodeid, '?')}")

@@ -6,6 +6,9 @@ out as they would across a real network. Elsewhere each host is a loopback addre
 Either way a host has its own working directory, and the processes started on it are frozen
 (SIGSTOP, the whole tree) while it is cut off: a host whose link is cut reaches neither the
 network nor the shared storage, so its heartbeat stops too.
+
+Ports: a fresh namespace has its own network stack, but loopback hosts share the machine's, so
+tests ask `Network.free_port` for a port free on every host that will listen on it, at run time.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import psutil
@@ -23,12 +28,16 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
 
 
-def namespaces_available() -> bool:
-    """ASYNCRL_TEST_LOOPBACK_HOSTS=1 forces the loopback fallback (to test it where namespaces work)."""
+def namespaces_unavailable() -> str | None:
+    """Why hosts cannot be network namespaces here (so they fall back to loopback addresses),
+    or None when they can. ASYNCRL_TEST_LOOPBACK_HOSTS=1 forces the fallback (to test it where
+    namespaces work)."""
     if os.environ.get("ASYNCRL_TEST_LOOPBACK_HOSTS") == "1":
-        return False
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        return False
+        return "forced by ASYNCRL_TEST_LOOPBACK_HOSTS=1"
+    if os.geteuid() != 0:
+        return "not root"
+    if shutil.which("ip") is None:
+        return "no ip command (iproute2)"
     # Everything Network does, once: some sandboxes allow namespaces but not bridges or veths.
     tag = f"rlp{os.getpid() % 100000}"
     try:
@@ -36,12 +45,22 @@ def namespaces_available() -> bool:
         _ip("link", "add", f"{tag}b", "type", "bridge")
         _ip("link", "add", f"{tag}v", "type", "veth", "peer", "name", "eth0", "netns", tag)
         _ip("link", "set", f"{tag}v", "master", f"{tag}b", "up")
-        return True
-    except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
-        return False
+        return None
+    except subprocess.CalledProcessError as e:
+        return f"`{' '.join(e.cmd)}` failed: {(e.stderr or b'').decode(errors='replace').strip()}"
+    except subprocess.TimeoutExpired as e:
+        return f"`{' '.join(e.cmd)}` timed out"
     finally:
         for cmd in (["link", "del", f"{tag}v"], ["link", "del", f"{tag}b"], ["netns", "del", tag]):
             subprocess.run(["ip", *cmd], capture_output=True, timeout=30)
+
+
+def namespaces_available() -> bool:
+    return namespaces_unavailable() is None
+
+
+# Bind address:port (port 0: any) and print the port bound; run inside a host's namespace.
+_BIND = "import socket, sys; s = socket.socket(); s.bind((sys.argv[1], int(sys.argv[2]))); print(s.getsockname()[1])"
 
 
 class Host:
@@ -69,6 +88,22 @@ class Host:
         """The interface its address lives on (gloo must be told: the machine's host name
         resolves to an address outside the namespace)."""
         return "eth0" if self.netns else "lo"
+
+    def bind(self, port: int = 0, address: str | None = None) -> int | None:
+        """Bind `port` (0: any free one) on this host, on its address or `address` ("0.0.0.0" for
+        a program that binds every interface), close at once, and return the port bound; None
+        if it is taken."""
+        address = self.address if address is None else address
+        if self.netns is None:
+            with socket.socket() as s:
+                try:
+                    s.bind((address, port))
+                except OSError:
+                    return None
+                return s.getsockname()[1]
+        r = subprocess.run(["ip", "netns", "exec", self.netns, sys.executable, "-c", _BIND, address, str(port)],
+                           capture_output=True, text=True, timeout=30)
+        return int(r.stdout) if r.returncode == 0 else None
 
     def start(self, argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
         """Run argv on this host, in its working directory, in a session of its own."""
@@ -142,6 +177,16 @@ class Network:
         h = Host(self, name, len(self.hosts) + 1)
         self.hosts.append(h)
         return h
+
+    def free_port(self, *hosts: Host, address: str | None = None) -> int:
+        """A port that is free, now, on every one of `hosts` (on its address, or on `address`),
+        chosen by the first host's kernel: the same port on several hosts shows they are
+        distinct (on loopback hosts, that each program binds its own address only)."""
+        for _ in range(50):
+            port = hosts[0].bind(0, address)
+            if port is not None and all(h.bind(port, address) == port for h in hosts[1:]):
+                return port
+        raise RuntimeError(f"no port free on all of {[h.name for h in hosts]} in 50 tries")
 
     def close(self) -> None:
         for h in self.hosts:

@@ -8,11 +8,16 @@ has a host of its own and lists one server. Mid-run the second trainer node's li
 a second server starts on another host and is found through the run directory; then the first
 server's host crashes, the second server's link is cut and restored, then trainer rank 0's, and
 the run still trains every step exactly once. Each cut must be reported by name within 30 s.
+
+The report says which kind of hosts ran (`hosts_mode`, in the terminal summary and in JUnit XML);
+ASYNCRL_REQUIRE_NAMESPACES=1 fails the test where namespaces are unavailable instead of falling
+back to loopback hosts. Every port is chosen free at run time: loopback hosts share one stack.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
 import shutil
@@ -23,12 +28,11 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY_MODEL
-from hosts import Network, namespaces_available
+from hosts import Network, namespaces_unavailable
 from rl.rundir import RunDir
 
 pytestmark = pytest.mark.slow
 
-PORT = 8000  # every server on the same port: they are on different hosts
 MAX_STEPS = 40
 REPORT_S = 30.0
 
@@ -57,8 +61,8 @@ request_timeout_s = 60
 
 [transport]
 kind = "zmq"
-address = "tcp://{trainer}:5557"
-bind = "tcp://*:5557"
+address = "tcp://{trainer}:{zmq_port}"
+bind = "tcp://*:{zmq_port}"
 
 [trainer]
 cpus = [1]
@@ -89,8 +93,20 @@ def steps(run: RunDir, program: str) -> list[int]:
     return [r["step"] for r in records if r.get("program") == program]
 
 
-def test_hosts_share_only_the_run_directory_servers_join_and_leave_and_cuts_are_named(tmp_path):
-    net = Network(tmp_path / "hosts", namespaces_available())
+def hosts_mode(item: pytest.Item) -> bool:
+    """Whether the hosts are namespaces; recorded in the test's report either way (conftest.py
+    prints it in the terminal summary; --junitxml writes it as a property; the item's
+    user_properties directly, as record_property warns under JUnit's default xunit2 family).
+    ASYNCRL_REQUIRE_NAMESPACES=1 turns the fallback into a failure."""
+    why_not = namespaces_unavailable()
+    item.user_properties.append(("hosts_mode", "namespaces" if why_not is None else f"loopback ({why_not})"))
+    if why_not is not None and os.environ.get("ASYNCRL_REQUIRE_NAMESPACES") == "1":
+        pytest.fail(f"ASYNCRL_REQUIRE_NAMESPACES=1 but network namespaces are unavailable: {why_not}", pytrace=False)
+    return why_not is None
+
+
+def test_hosts_share_only_the_run_directory_servers_join_and_leave_and_cuts_are_named(tmp_path, request):
+    net = Network(tmp_path / "hosts", hosts_mode(request.node))
     share = tmp_path / "share"
     share.mkdir()
     run = RunDir(share)
@@ -99,11 +115,18 @@ def test_hosts_share_only_the_run_directory_servers_join_and_leave_and_cuts_are_
     logs = {name: share.parent / f"{name}.log" for name in names}
     token = secrets.token_hex(8)
     try:
+        # Free now on each host that listens on it. Both servers get the same port: they are on
+        # different hosts. torchrun's store and the ZMQ socket bind every interface.
+        port = net.free_port(hosts["server_a"], hosts["server_b"])
+        master_port = net.free_port(hosts["trainer0"], address="0.0.0.0")
+        zmq_port = net.free_port(hosts["trainer0"], address="0.0.0.0")
+        while zmq_port == master_port:
+            zmq_port = net.free_port(hosts["trainer0"], address="0.0.0.0")
         for name, h in hosts.items():
             shutil.copytree(TINY_MODEL, h.workdir / "model")
             (h.workdir / "share").symlink_to(share)
             (h.workdir / "cfg.toml").write_text(CONFIG.format(
-                workdir=h.workdir, max_steps=MAX_STEPS, address=h.address, port=PORT,
+                workdir=h.workdir, max_steps=MAX_STEPS, address=h.address, port=port, zmq_port=zmq_port,
                 server_a=hosts["server_a"].address, trainer=hosts["trainer0"].address))
         env = {"ASYNCRL_API_TOKEN": token, "OMP_NUM_THREADS": "1"}
 
@@ -114,7 +137,7 @@ def test_hosts_share_only_the_run_directory_servers_join_and_leave_and_cuts_are_
             h = hosts[name]
             argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                     "--node-rank", str(node_rank), "--master-addr", hosts["trainer0"].address,
-                    "--master-port", "29511", "-m", "trainer", "@", "cfg.toml"]
+                    "--master-port", str(master_port), "-m", "trainer", "@", "cfg.toml"]
             return h.start(argv, logs[name], {**env, "GLOO_SOCKET_IFNAME": h.interface})
 
         rl("server_a", "inference")
@@ -133,7 +156,7 @@ def test_hosts_share_only_the_run_directory_servers_join_and_leave_and_cuts_are_
         # on a host the orchestrator was never told about, and joins through the run directory.
         mark = len(read(orch_log))
         hosts["trainer1"].cut()
-        url_b = f"http://{hosts['server_b'].address}:{PORT}"
+        url_b = f"http://{hosts['server_b'].address}:{port}"
         rl("server_b", "inference")
         took = wait_for("a report naming trainer-rank1", logged(r"trainer-rank1 silent for", mark), REPORT_S, all_logs)
         print(f"trainer node cut reported after {took:.1f} s")
@@ -144,7 +167,7 @@ def test_hosts_share_only_the_run_directory_servers_join_and_leave_and_cuts_are_
         hosts["trainer1"].restore()
 
         # The first server's host crashes: the run goes on with the second alone.
-        url_a = f"http://{hosts['server_a'].address}:{PORT}"
+        url_a = f"http://{hosts['server_a'].address}:{port}"
         mark = len(read(orch_log))
         hosts["server_a"].kill()
         wait_for(f"{url_a} leaving rotation", logged(rf"server {re.escape(url_a)} out of rotation", mark), 60, all_logs)
@@ -163,7 +186,7 @@ def test_hosts_share_only_the_run_directory_servers_join_and_leave_and_cuts_are_
         # back, batches it may have lost in transit go again.
         mark = len(read(orch_log))
         hosts["trainer0"].cut()
-        address = re.escape(f"tcp://{hosts['trainer0'].address}:5557")
+        address = re.escape(f"tcp://{hosts['trainer0'].address}:{zmq_port}")
         took = wait_for("a report naming the trainer", logged(rf"lost the connection to the trainer at {address}|"
                                                               r"trainer silent for", mark), REPORT_S, all_logs)
         print(f"trainer rank 0 cut reported after {took:.1f} s")
