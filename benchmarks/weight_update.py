@@ -5,9 +5,9 @@ in-place reload of the same files, on a real `rl inference` server (idle, CPU en
 
 ours: the trainer's write_weights publishes weights/step_v (STABLE included; the clock starts when
       it returns); the orchestrator's own follower (Orchestrator.follow_weights' poll and
-      WeightDelivery.load (orchestrator/delivery.py): POST /update_weights on every server = pause, reload, tied lm_head re-pack,
-      prefix-cache reset, resume) makes every server serve v. The clock stops when the last server
-      has answered.
+      WeightDelivery.load (orchestrator/delivery.py): POST /update_weights on every server =
+      pause, reload, tied lm_head fix-up (inference/worker_extension.py), prefix-cache reset,
+      resume) makes every server serve v. The clock stops when the last server has answered.
 vLLM: POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": step_v}} (vLLM's
       dev-mode route, enabled for this benchmark only) on every server, timed from the call: no
       discovery, no pause, and on tied models it leaves the stale lm_head (../shared/VLLM_CPU_NOTES.md).

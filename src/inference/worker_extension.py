@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 
 # Under vLLM's logger: worker processes print only what vLLM's own logging config covers.
 log = logging.getLogger("vllm.asyncrl")
@@ -28,24 +29,66 @@ class WeightReloadExtension:
         linear weights into its matmul layout at load time (a plain model.load_weights would try
         to copy into the emptied `.weight` tensors). It does not re-pack a tied lm_head, though:
         with tied embeddings the logits kept coming from the OLD packed copy while the embedding
-        changed (../shared/VLLM_CPU_NOTES.md), so re-run the lm_head's post-load processing.
+        changed (../shared/VLLM_CPU_NOTES.md): _asyncrl_fix_tied_lm_head repairs it.
         """
         sampled = self._asyncrl_sampled()
-        self.reload_weights(weights_path=path)
-        self._asyncrl_fix_tied_lm_head()
+        with self._asyncrl_refreshing_tied_lm_head():
+            self.reload_weights(weights_path=path)
         return sampled
 
     def _asyncrl_sampled(self) -> dict[str, int]:
         return {rid: len(state.output_token_ids) for rid, state in self.model_runner.requests.items()}
 
-    def _asyncrl_fix_tied_lm_head(self) -> None:
-        model = self.model_runner.get_model()
-        hf_config = self.model_runner.model_config.hf_text_config
-        lm_head = getattr(model, "lm_head", None)
-        if getattr(hf_config, "tie_word_embeddings", False) and lm_head is not None:
-            quant_method = getattr(lm_head, "quant_method", None)
-            if quant_method is not None:
-                quant_method.process_weights_after_loading(lm_head)
+    def _asyncrl_tied_lm_head(self):
+        """The lm_head when it is tied to the input embedding (and has a quant_method), else None."""
+        lm_head = getattr(self.model_runner.get_model(), "lm_head", None)
+        if not getattr(self.model_runner.model_config.hf_text_config, "tie_word_embeddings", False):
+            return None
+        return lm_head if getattr(lm_head, "quant_method", None) is not None else None
+
+    @contextmanager
+    def _asyncrl_refreshing_tied_lm_head(self):
+        """Around a reload_weights call: afterwards, make a tied lm_head compute from the new
+        weights (see _asyncrl_fix_tied_lm_head). Nothing is fixed when the reload raises."""
+        lm_head = self._asyncrl_tied_lm_head()
+        twin = _packed_twin(self.model_runner.get_model(), lm_head) if lm_head is not None else None
+        packed_before = twin.cpu_linear if twin is not None else None
+        yield
+        if lm_head is not None:
+            self._asyncrl_fix_tied_lm_head(lm_head, twin, packed_before)
+
+    def _asyncrl_fix_tied_lm_head(self, lm_head, twin, packed_before) -> None:
+        """reload_weights leaves a tied lm_head computing from its OLD packed weights on the CPU
+        backend, which packs each linear weight into its matmul layout (a closure in the layer's
+        `cpu_linear`). The lm_head shares its Parameter with the embedding, and the checkpoint
+        has no lm_head.weight to load into it, so the reload only puts that Parameter back
+        (updated in place) and never re-runs the lm_head's post-load processing: the logits kept
+        coming from the old embedding (../shared/VLLM_CPU_NOTES.md).
+
+        Re-running that processing here (a new oneDNN-packed copy of the embedding) is correct
+        but took 0.34-0.48 s for the 151,936 x 896 embedding of a 0.5B model, on top of a ~2 s
+        reload (benchmarks/tied_lm_head_reload.py). The reload has already made that very copy:
+        it does run the embedding module's own post-load processing, which on CPU packs the same
+        Parameter the same way (dispatch_cpu_unquantized_gemm, remove_weight=False) into a
+        `cpu_linear` that the embedding itself never calls (lookups do not go through it). So
+        the lm_head takes that one, at no cost, and its own old packed copy is freed (one copy
+        of the embedding less in memory). Computing the logits from the live weight with a
+        plain torch linear would also avoid the re-pack, but made the lm_head matmul 2.7-3.6x
+        slower and 8 x 64 decoding ~30% slower on the 0.5B model (benchmarks/lm_head_decode.py).
+
+        Falls back to re-packing whenever that does not hold: no twin module with a `cpu_linear`
+        (GPU backends: there the processing is a no-op), another quantization method, or a twin
+        whose `cpu_linear` this reload did not rebuild.
+        """
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+        if (twin is not None and twin.weight is lm_head.weight
+                and isinstance(lm_head.quant_method, UnquantizedEmbeddingMethod)
+                and isinstance(getattr(twin, "quant_method", None), UnquantizedEmbeddingMethod)
+                and callable(getattr(twin, "cpu_linear", None)) and twin.cpu_linear is not packed_before):
+            lm_head.cpu_linear = twin.cpu_linear
+            return
+        lm_head.quant_method.process_weights_after_loading(lm_head)
 
     # --- weight sync by broadcast (rl/broadcast.py) ----------------------------------------
 
@@ -82,8 +125,8 @@ class WeightReloadExtension:
             raise
         ok = False
         try:
-            self.reload_weights(weights_iterator=incoming.tensors())
-            self._asyncrl_fix_tied_lm_head()
+            with self._asyncrl_refreshing_tied_lm_head():
+                self.reload_weights(weights_iterator=incoming.tensors())
             ok = True
         finally:
             # Runs after a failed load too: the sender is told (its error names this worker)
@@ -96,3 +139,16 @@ class WeightReloadExtension:
         log.info("received version %d by broadcast (%d buckets, %.1f MB) in %.3f s", manifest.version,
                  len(manifest.buckets), manifest.total_bytes / 2**20, time.perf_counter() - start)
         return sampled
+
+
+def _packed_twin(model, lm_head):
+    """The module other than `lm_head` that holds the very same weight Parameter (the input
+    embedding of a tied model) when the CPU backend gave it a packed matmul (`cpu_linear`, set
+    only by vLLM's CPU dispatch); else None. On GPU backends: None."""
+    if not hasattr(lm_head, "cpu_linear"):
+        return None
+    weight = getattr(lm_head, "weight", None)
+    for module in model.modules():
+        if module is not lm_head and getattr(module, "weight", None) is weight and hasattr(module, "cpu_linear"):
+            return module
+    return None
