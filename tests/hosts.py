@@ -114,7 +114,9 @@ class Host:
         self.procs.append(proc)
         return proc
 
-    def _tree(self) -> list[psutil.Process]:
+    def processes(self) -> list[psutil.Process]:
+        """Every process started on this host, with its descendants, now (a test that must act
+        at once on what it sees lists them beforehand, and passes them to cut or kill)."""
         tree = []
         for p in self.procs:
             try:
@@ -124,15 +126,18 @@ class Host:
                 pass
         return tree
 
-    def cut(self) -> None:
-        if self.link:
-            _ip("link", "set", self.link, "down")
-        self.frozen = self._tree()
+    def cut(self, tree: list[psutil.Process] | None = None) -> None:
+        """Frozen first, then the link down: a test that has just seen the host busy (a request
+        running on a server) cuts it before that work can finish (an `ip` command takes a
+        while; signals are sent at once). `tree`: processes() listed beforehand."""
+        self.frozen = self.processes() if tree is None else tree
         for p in self.frozen:
             try:
                 p.send_signal(signal.SIGSTOP)
             except psutil.NoSuchProcess:
                 pass
+        if self.link:
+            _ip("link", "set", self.link, "down")
 
     def restore(self) -> None:
         for p in self.frozen:
@@ -144,9 +149,10 @@ class Host:
         if self.link:
             _ip("link", "set", self.link, "up")
 
-    def kill(self) -> None:
-        """The host crashes: everything on it dies at once."""
-        for p in self._tree():
+    def kill(self, tree: list[psutil.Process] | None = None) -> None:
+        """The host crashes: everything on it dies at once. `tree`: processes() listed
+        beforehand (then nothing is listed between the call and the first signal)."""
+        for p in self.processes() if tree is None else tree:
             try:
                 p.send_signal(signal.SIGCONT)
                 p.kill()

@@ -4,10 +4,13 @@ Hosts are network namespaces on a bridge where the machine allows it, else loopb
 (tests/hosts.py). Each host has its own working directory, its own copy of the model, and reaches
 the shared run directory under its own path (a symlink), as hosts mounting an NFS export at
 different places would. The trainer spans two hosts (torchrun, one rank each); the orchestrator
-has a host of its own and lists one server. Mid-run the second trainer node's link is cut while
-a second server starts on another host and is found through the run directory; then the first
-server's host crashes, the second server's link is cut and restored, then trainer rank 0's, and
-the run still trains every step exactly once. Each cut must be reported by name within 30 s.
+has a host of its own and lists one server. Mid-run the second trainer node's link is cut, which
+freezes the trainer's version; meanwhile a second server starts on another host, is found
+through the run directory and joins serving exactly that version; trainer rank 0's link is cut
+and restored too, and a batch it had not trained is sent again. Then the first server's host
+crashes while requests run on it (their groups go back to the queue), and the second server's
+link is cut while requests run on it (their groups are requeued) and restored; the run still
+trains every step exactly once. Each cut must be reported by name within 30 s.
 
 The report says which kind of hosts ran (`hosts_mode`, in the terminal summary and in JUnit XML);
 ASYNCRL_REQUIRE_NAMESPACES=1 fails the test where namespaces are unavailable instead of falling
@@ -23,6 +26,7 @@ import secrets
 import shutil
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -86,11 +90,30 @@ def wait_for(what: str, check, timeout: float, logs: list[Path], poll: float = 0
     return time.monotonic() - start
 
 
-def steps(run: RunDir, program: str) -> list[int]:
+def records(run: RunDir, program: str) -> list[dict]:
     if not run.metrics.exists():
         return []
-    records = [json.loads(line) for line in run.metrics.read_text().splitlines() if line.strip()]
-    return [r["step"] for r in records if r.get("program") == program]
+    text = run.metrics.read_text()
+    lines = text[:text.rfind("\n") + 1].splitlines()  # whole lines only: one may be being appended
+    return [r for r in (json.loads(line) for line in lines if line.strip()) if r.get("program") == program]
+
+
+def steps(run: RunDir, program: str) -> list[int]:
+    return [r["step"] for r in records(run, program)]
+
+
+# The test's own requests, straight to the server (never through a proxy from the environment).
+_direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def running(url: str) -> int:
+    """Requests generating on the server now (its /health, a public route; 0 if it does not
+    answer)."""
+    try:
+        with _direct.open(f"{url}/health", timeout=5) as r:
+            return int(json.loads(r.read())["running"])
+    except OSError:
+        return 0
 
 
 def hosts_mode(item: pytest.Item) -> bool:
@@ -162,35 +185,68 @@ def test_hosts_share_only_the_run_directory_servers_join_and_leave_and_cuts_are_
         print(f"trainer node cut reported after {took:.1f} s")
         joined = rf"server {re.escape(url_b)} joined, serving version (\d+)"
         wait_for(f"{url_b} joining", logged(joined), 300, all_logs)
-        assert int(re.search(joined, read(orch_log)).group(1)) >= 1, \
-            "a joining server is brought to the current weights before it serves"
+        # Publishing a version is a collective (the FSDP shards are gathered from every rank), so
+        # with rank 1 frozen the trainer publishes at most one more: the one whose gather ended
+        # before the cut, a write away; the join comes a server start-up later. The orchestrator
+        # polls for versions every 10-100 ms and a server joins only serving the pool's version
+        # (ServerPool.heal): the version it joins with is the newest STABLE one.
+        served = int(re.search(joined, read(orch_log)).group(1))
+        frozen = run.latest_stable_weights()
+        assert served == frozen, f"{url_b} joined serving version {served}, the newest is {frozen}: a joining " \
+            "server is brought to the current weights before it serves"
+
+        # Trainer rank 0's link is cut too, with the trainer frozen: a batch it has not trained
+        # must reach it again once it is back. The orchestrator hands over batch n once version
+        # n-2 serves, so it gets two batches past the newest version; as at most one more version
+        # can be published (above), the second of them stays untrained, kept to be sent again.
+        def ahead() -> bool:
+            newest = run.latest_stable_weights() or 0  # read first: it only grows
+            return max(steps(run, "orchestrator"), default=0) >= newest + 2
+        wait_for("a batch handed over two versions past the newest", ahead, 300, all_logs)
+        untrained = max(steps(run, "orchestrator"))
+        mark = len(read(orch_log))
+        hosts["trainer0"].cut()
+        # Named by the ZMQ link (no heartbeat answer for 10 s: the connection is dropped, in both
+        # host modes); its heartbeat file stops too (`trainer silent`), but that is not the test.
+        address = re.escape(f"tcp://{hosts['trainer0'].address}:{zmq_port}")
+        took = wait_for("the connection to the trainer dropped",
+                        logged(rf"lost the connection to the trainer at {address}", mark), REPORT_S, all_logs)
+        print(f"trainer rank 0 cut reported after {took:.1f} s")
+        hosts["trainer0"].restore()
+        wait_for(f"batch {untrained} sent again", logged(rf"batch {untrained} sent again to the trainer at {address}",
+                                                         mark), 300, all_logs)
+        assert run.latest_stable_weights() == frozen, "the trainer published a version while trainer1 was cut"
         hosts["trainer1"].restore()
 
-        # The first server's host crashes: the run goes on with the second alone.
+        # The first server's host crashes while requests run on it: they fail with the connection
+        # (or its health check fails first), and their groups' prompts go back to the queue
+        # (counted per batch as failed_requests, or requeued). The run goes on with the second
+        # server alone.
         url_a = f"http://{hosts['server_a'].address}:{port}"
-        mark = len(read(orch_log))
-        hosts["server_a"].kill()
+        mark, batches, tree = len(read(orch_log)), len(records(run, "orchestrator")), hosts["server_a"].processes()
+        wait_for(f"a request running on {url_a}", lambda: running(url_a) > 0, 300, all_logs, poll=0.05)
+        hosts["server_a"].kill(tree)
         wait_for(f"{url_a} leaving rotation", logged(rf"server {re.escape(url_a)} out of rotation", mark), 60, all_logs)
+        counted = len(records(run, "orchestrator"))
+        wait_for("a batch after that", lambda: len(records(run, "orchestrator")) > counted, 180, all_logs)
+        given_back = sum(r["failed_requests"] + r["requeued"] for r in records(run, "orchestrator")[batches:])
+        assert given_back >= 1, f"the groups in flight on {url_a} when it crashed were not given back"
         before = len(steps(run, "trainer"))
         wait_for("steps on the second server alone", lambda: len(steps(run, "trainer")) >= before + 2, 180, all_logs)
 
-        # The second server's link is cut: named within 30 s, taken back once it answers again.
-        mark = len(read(orch_log))
-        hosts["server_b"].cut()
+        # The second server's link is cut while requests run on it: named within 30 s (its health
+        # check times out; its requests would only after request_timeout_s), its groups in
+        # flight requeued, taken back once it answers again.
+        mark, tree = len(read(orch_log)), hosts["server_b"].processes()
+        wait_for(f"a request running on {url_b}", lambda: running(url_b) > 0, 300, all_logs, poll=0.05)
+        hosts["server_b"].cut(tree)
         took = wait_for(f"a report naming {url_b}", logged(rf"server {re.escape(url_b)} (out of rotation|left the pool)", mark),
                         REPORT_S, all_logs)
         print(f"server link cut reported after {took:.1f} s")
+        requeued = rf"requeued the prompts of (\d+) group\(s\) in flight on {re.escape(url_b)}"
+        wait_for(f"the groups in flight on {url_b} requeued", logged(requeued, mark), REPORT_S, all_logs)
         hosts["server_b"].restore()
-
-        # Cut trainer rank 0's host: named by the ZMQ link (or its heartbeat); once the link is
-        # back, batches it may have lost in transit go again.
-        mark = len(read(orch_log))
-        hosts["trainer0"].cut()
-        address = re.escape(f"tcp://{hosts['trainer0'].address}:{zmq_port}")
-        took = wait_for("a report naming the trainer", logged(rf"lost the connection to the trainer at {address}|"
-                                                              r"trainer silent for", mark), REPORT_S, all_logs)
-        print(f"trainer rank 0 cut reported after {took:.1f} s")
-        hosts["trainer0"].restore()
+        wait_for(f"{url_b} back", logged(rf"server {re.escape(url_b)} (back in rotation|joined)", mark), 180, all_logs)
         assert len(steps(run, "trainer")) < MAX_STEPS, "the run ended before every event happened: raise MAX_STEPS"
 
         assert orchestrator.wait(timeout=600) == 0, read(orch_log)[-3000:]

@@ -229,7 +229,8 @@ class ServerPool:
 
     async def heal(self, check_every_s: float = 2.0) -> None:
         """Forever: check the servers in rotation; retry those out of it, with backoff (joining
-        ones every second), and bring them to the current version before they take requests."""
+        ones every second), and bring them to the current version before they take requests:
+        one (re)joins serving the pool's version at that moment (`pool.version`)."""
         last_check = time.monotonic()
         while True:
             now = time.monotonic()
@@ -239,13 +240,14 @@ class ServerPool:
             for s in list(self.servers):
                 if s.healthy or s.silent or now < s.retry_at:
                     continue
-                # Read before awaiting: a load() meanwhile moves the version on, and this server
-                # must be recorded with the version it really loaded (follow_weights catches up).
-                target = self.delivery.target
                 try:
                     health = await s.client.health()
                     self.delivery.note(s, health)
-                    if s.version != target.version and target.path:
+                    # Until it serves the current version: a load() while it was brought to one
+                    # moved the version on (and skipped it: it is not in rotation yet), so it is
+                    # brought again, and it joins serving exactly the pool's version. `target`
+                    # is read before each await: the server is recorded with what it loaded.
+                    while s.version != (target := self.delivery.target).version and target.path:
                         await self.delivery.bring(s, target)
                 except InferenceError as e:
                     if s.joined:
