@@ -210,6 +210,7 @@ def test_abort_stops_the_engine_requests(server):
                                           for i in range(calls)))
             unaborted_s = time.perf_counter() - start
 
+            counted = (await health(s, url))["aborted"]
             start = time.perf_counter()
             tasks = [asyncio.create_task(generate(s, url, f"ab-{i}", n=n, **LONG))
                      for i in range(calls)]
@@ -224,11 +225,12 @@ def test_abort_stops_the_engine_requests(server):
             drained_s = time.perf_counter() - aborted_at
             out = await asyncio.gather(*tasks)
             returned_s = time.perf_counter() - aborted_at
+            counted = (await health(s, url))["aborted"] - counted
             return (full, unaborted_s, aborted_at - start, drained_s, returned_s, out, answer,
-                    duplicate)
+                    duplicate, counted)
 
     (full, unaborted_s, abort_after_s, drained_s, returned_s, out, answer,
-     duplicate) = asyncio.run(main())
+     duplicate, counted) = asyncio.run(main())
     print(f"\nunaborted {unaborted_s:.2f} s; aborted after {abort_after_s:.2f} s; engine idle "
           f"{drained_s:.3f} s and calls returned {returned_s:.3f} s after /abort")
     assert all(s["finish_reason"] == "length" and len(s["token_ids"]) == SEQ_LEN - 1
@@ -244,6 +246,9 @@ def test_abort_stops_the_engine_requests(server):
     assert all(len(s["token_ids"]) < SEQ_LEN - 1 for s in samples)
     assert all(len(s["token_ids"]) == len(s["logprobs"]) == len(s["versions"]) for s in samples)
     assert any(len(s["token_ids"]) > 0 for s in samples)
+    # /health counts the engine requests /abort stopped while they ran: every sample that had
+    # started (it has tokens) at least; one that /abort caught before it reached the engine never ran.
+    assert sum(len(s["token_ids"]) > 0 for s in samples) <= counted <= calls * n
 
 
 async def _update(s, url: str, path: str, version: int, mode: str) -> dict:
@@ -354,7 +359,8 @@ def test_health_reports_version_and_running_requests(server):
 
     busy, idle = asyncio.run(main())
     assert busy is not None and busy["running"] == MAX_NUM_SEQS and busy["version"] == 7
-    assert idle == {"status": "ok", "version": 7, "path": str(TINY_MODEL.resolve()), "running": 0}
+    assert idle == {"status": "ok", "version": 7, "path": str(TINY_MODEL.resolve()), "running": 0,
+                    "aborted": busy["aborted"]}  # nothing aborted: the run ended by itself
 
 
 def test_a_multi_turn_episode_on_real_vllm(server):

@@ -57,6 +57,9 @@ class Generations:
         self.serving = asyncio.Event()
         self.serving.set()
         self.reloads = 0
+        # Engine requests that an /abort stopped while they ran (/health "aborted"): what shows a
+        # caller that its aborts reached running work, not ids that had finished already.
+        self.aborted = 0
         self.generations: dict[str, Generation] = {}
         # Engine request id -> [(first token index, version that samples from there on), ...].
         self.switches: dict[str, list[tuple[int, int]] | None] = {}
@@ -84,8 +87,14 @@ class Generations:
         for gen in gens:
             gen.aborted = True
         if gens:
+            ids = [e for gen in gens for e in gen.engine_ids]
+            # Counted by whether the engine holds them (switches: from just before engine.generate
+            # registers the request to its end), not by their finish reason: a request whose
+            # caller is gone ends cancelled, not with "abort".
+            running = sum(e in self.switches for e in ids)
             # External ids: vLLM aborts every internal request made from each.
-            await self.engine.abort([e for gen in gens for e in gen.engine_ids])
+            await self.engine.abort(ids)
+            self.aborted += running
         return {"aborted": len(gens)}
 
     def check(self, body: GenerateRequest) -> None:

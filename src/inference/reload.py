@@ -22,6 +22,7 @@ import logging
 import socket
 import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import HTTPException
@@ -43,6 +44,10 @@ def rpc_error(what: str, e: Exception) -> HTTPException:
 
 class Reload(ABC):
     """How the workers load version v from a directory the trainer delivered."""
+
+    timeout_s: float
+    """Longest an update by this reload may take, waiting for the update lock and the pause
+    included, before /update_weights answers 504."""
 
     group: tuple[str, int, int] | None = None
     """(address, rank_offset, world_size) of the broadcast group the workers joined, if any."""
@@ -116,6 +121,17 @@ class BroadcastReceive(Reload):
         return sampled[0]
 
 
+@dataclass(frozen=True)
+class Overdue:
+    """An update still running after its timeout (its caller got 504)."""
+
+    path: Path
+    version: int
+    since: float
+    """time.monotonic() when the update started."""
+    timeout_s: float
+
+
 class Weights:
     """The full weights the engine serves: the directory they came from, how the next version
     arrives (a Reload), and the routes that bring it in. The version itself is
@@ -130,6 +146,8 @@ class Weights:
         self.lock = asyncio.Lock()
         # Files until the workers join a broadcast group (init_broadcaster).
         self.reload: Reload = FilesReload(cfg.inference.reload_timeout_s)
+        self.overdue: Overdue | None = None
+        self.broken = ""  # why an overdue reload left the weights undefined
 
     @property
     def workers(self) -> int:
@@ -139,6 +157,23 @@ class Weights:
     async def update_weights(self, body: UpdateWeightsRequest) -> dict:
         path = self.roots.confine(body.path)
         reload = self.reload.prepare(path, body.version)
+        self.check_not_overdue()
+        # Bounded here, not only by the engine: collective_rpc's own timeout is ignored by a
+        # single-process executor (vLLM 0.32 UniProcExecutor) and never covers an engine core
+        # that stopped answering (or the pause before the load).
+        update = asyncio.create_task(self.update(reload, path, body))
+        try:
+            return await asyncio.wait_for(asyncio.shield(update), reload.timeout_s)
+        except TimeoutError:
+            # The update goes on (a half-done reload cannot be called back); until it ends the
+            # server says so on /health and takes no other update.
+            self.overdue = Overdue(path, body.version, time.monotonic() - reload.timeout_s, reload.timeout_s)
+            update.add_done_callback(self.finished_late)
+            raise HTTPException(504, f"reload of {path} as version {body.version} still running after "
+                                     f"{reload.timeout_s:g} s (inference.reload_timeout_s); this server "
+                                     "answers 503 until it ends") from None
+
+    async def update(self, reload: Reload, path: Path, body: UpdateWeightsRequest) -> dict:
         async with self.lock:
             if reload.settled(path, body.version, self.generations.version):
                 return {"version": self.generations.version, "reload_s": 0.0, "switched": 0}
@@ -152,6 +187,31 @@ class Weights:
                  "%d requests switched)", body.version, path, body.mode, paused - start,
                  seconds, switched)
         return {"version": self.generations.version, "reload_s": seconds, "switched": switched}
+
+    def check_not_overdue(self) -> None:
+        """503 while an update that outlived its timeout still runs (the weights are mid-load), and
+        for good once such an update failed."""
+        if self.broken:
+            raise HTTPException(503, self.broken)
+        o = self.overdue
+        if o is not None:
+            raise HTTPException(503, f"reload of {o.path} as version {o.version} still running after "
+                                     f"{time.monotonic() - o.since:.0f} s (inference.reload_timeout_s = "
+                                     f"{o.timeout_s:g}); the weights are mid-load")
+
+    def finished_late(self, update: asyncio.Task) -> None:
+        o, self.overdue = self.overdue, None
+        took = time.monotonic() - o.since
+        failure = None if update.cancelled() else update.exception()
+        if update.cancelled() or failure is not None:
+            # Nobody waits for its answer any more: /health keeps saying it, so that no one is
+            # served by weights that may be half old, half new.
+            self.broken = (f"the overdue reload of {o.path} as version {o.version} failed after {took:.0f} s "
+                           f"({failure or 'cancelled'}); the engine's weights may be mixed: restart this server")
+            log.error("%s", self.broken)
+        else:
+            log.warning("the overdue reload of %s as version %d finished after %.0f s; serving it", o.path,
+                        o.version, took)
 
     async def switch_to(self, reload: Reload, path: Path, body: UpdateWeightsRequest) -> tuple[float, int]:
         """Pause, load, resume; returns when the pause took hold and how many requests switched."""

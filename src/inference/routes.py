@@ -108,9 +108,11 @@ class Routes:
         return router
 
     async def health(self) -> dict:
+        self.weights.check_not_overdue()
         await self.engine.check_health()
         return {"status": "ok", "version": self.generations.version, "path": self.weights.path,
-                "running": len(self.generations.switches), **self.adapters.health()}
+                "running": len(self.generations.switches), "aborted": self.generations.aborted,
+                **self.adapters.health()}
 
     def confine_adapter(self, path: str) -> Path:
         """Where /load_lora_adapter would read `path` from (WeightRoots.confine_adapter)."""

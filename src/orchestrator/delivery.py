@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("orchestrator")
 
+ANSWER_MARGIN_S = 10.0  # beyond a server's own timeout: its answer says what ran late
+
 
 @dataclass(frozen=True)
 class Weights:
@@ -136,7 +138,9 @@ class FileDelivery(WeightDelivery):
         return self.pool.in_rotation, True
 
     def _timeout_s(self, local_path: Path | None) -> float:
-        return self.reload_timeout_s
+        # The server bounds the update by reload_timeout_s itself and then answers 504 saying
+        # why; waiting a little longer here lets that answer, not a bare client timeout, arrive.
+        return self.reload_timeout_s + ANSWER_MARGIN_S
 
     async def _load(self, target: Weights) -> None:
         version = target.version
@@ -201,7 +205,7 @@ class BroadcastDelivery(FileDelivery):
     def _timeout_s(self, local_path: Path | None) -> float:
         # A broadcast version already delivered is refused at once (409), one still being
         # broadcast is received: the server waits for the trainer's broadcast, too.
-        return self.reload_timeout_s + (self.timeout_s if self._streamed(local_path) else 0.0)
+        return self.reload_timeout_s + ANSWER_MARGIN_S + (self.timeout_s if self._streamed(local_path) else 0.0)
 
     async def prepare(self) -> None:
         """Every server's workers join the trainer's broadcast group (after connect, before any

@@ -69,7 +69,9 @@ class InferenceConfig(Section):
     """KV-cache size for the CPU engine, GiB (sets VLLM_CPU_KVCACHE_SPACE)."""
 
     reload_timeout_s: float = Field(300, gt=0)
-    """Longest a weight reload may take before /update_weights answers 504."""
+    """Longest a weight update may take (waiting behind another, the pause: "wait" lets running
+    requests finish first, and the load) before /update_weights answers 504; the reload goes on,
+    and /health answers 503 until it ends."""
 
     max_loras: int = Field(8, ge=1)
     """With LoRA (trainer.lora.rank > 0): adapters the engine holds at once. Each run keeps about

@@ -135,8 +135,10 @@ class Route:
 ROUTES: dict[str, Route] = {
     "health": Route(
         "GET", "/health", None, None,
-        'engine health, the version now serving, its path and the engine requests running: {"status", '
-        '"version", "path", "running"}, and with trainer.lora.rank > 0 "adapters": {name: version}'),
+        'engine health, the version now serving, its path, the engine requests running and those an '
+        '/abort stopped while they ran, since start: {"status", "version", "path", "running", "aborted"}, and '
+        'with trainer.lora.rank > 0 "adapters": {name: version}; 503 while a reload outlives '
+        'inference.reload_timeout_s'),
     "generate": Route(
         "POST", "/generate", GenerateRequest, GenerateResponse,
         "token ids in, token ids + logprobs + per-token policy versions out; the n samples are engine "

@@ -1,0 +1,256 @@
+"""What the orchestrator and the server do when work on a real vLLM engine must stop or stalls,
+against real `rl inference` servers (the stand-in versions are in tests/test_scheduling.py):
+
+- groups no batch can take any more are aborted *on the engine*: the server stops their engine
+  requests while they run (its /health "aborted" counts them), their prompts go back to the queue;
+- a request that outlives orchestrator.request_timeout_s is aborted on the engine, its prompt
+  requeued, the server taken out of rotation and back;
+- a reload that outlives inference.reload_timeout_s answers 504 on time, /health says 503 while
+  it still runs, and the server serves the new version once it ends.
+
+An engine is made slow by stopping its engine-core process (SIGSTOP) and letting it go again
+(SIGCONT): a hang of the engine itself, which no timeout inside vLLM covers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import httpx
+import psutil
+import pytest
+
+from conftest import TINY_MODEL
+from orchestrator.orchestrator import Orchestrator
+from rl.rundir import RunDir, mark_stable
+from test_end_to_end import launch_server, wait_healthy
+from test_scheduling import make_config
+from test_scheduling_vllm import copying_trainer
+
+pytestmark = pytest.mark.slow
+
+SEQ_LEN = 256  # the tiny model's max_position_embeddings
+# Near-greedy, the tiny model writes "z" after "z" until the length limit, and ends "abc="
+# after 4 tokens: long and short groups, in a known order.
+LONG, SHORT = "z", "abc="
+ORDER = [LONG, SHORT, SHORT, LONG]  # then SHORT for ever
+
+
+def rows(seed: int) -> Iterator[dict]:
+    """The dataset (orchestrator.dataset = "test_engine_stalls_vllm:rows")."""
+    i = 0
+    while True:
+        yield {"prompt": ORDER[i] if i < len(ORDER) else SHORT, "index": i}
+        i += 1
+
+
+def only_long(seed: int) -> Iterator[dict]:
+    while True:
+        yield {"prompt": LONG}
+
+
+@pytest.fixture
+def server(tmp_path):
+    proc, url = launch_server(tmp_path, "server", TINY_MODEL, tmp_path / "run", seq_len=SEQ_LEN,
+                              extra="reload_timeout_s = 3\n")
+    try:
+        wait_healthy(proc, url)
+        yield proc, url
+    finally:
+        proc.stop()
+
+
+def engine_core(proc) -> psutil.Process:
+    """The server's engine-core process (vLLM names it VLLM::EngineCore)."""
+    cores = [p for p in psutil.Process(proc.proc.pid).children(recursive=True) if "EngineCore" in p.name()]
+    assert len(cores) == 1, [p.name() for p in psutil.Process(proc.proc.pid).children(recursive=True)]
+    return cores[0]
+
+
+def health(url: str) -> httpx.Response:
+    return httpx.get(f"{url}/health", timeout=10)
+
+
+async def poll(what: str, check, timeout_s: float, every_s: float = 0.05):
+    """`await check()` until it returns something other than None or False; that value."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = await check()
+        if value is not None and value is not False:  # 0 is an answer
+            return value
+        await asyncio.sleep(every_s)
+    raise AssertionError(f"no {what} within {timeout_s:g} s")
+
+
+def orchestrator_config(root: Path, url: str, max_steps: int = 6, **orchestrator):
+    port = int(url.rsplit(":", 1)[1])
+    return make_config(root, [port], seq_len=SEQ_LEN, max_async_level=1, max_steps=max_steps, orchestrator={
+        "max_tokens": SEQ_LEN - 2, "temperature": 0.05, "reward": "fake_inference:reward",
+        "trainer_timeout_s": 120, **orchestrator})
+
+
+def test_hopeless_groups_are_aborted_on_the_engine(server, tmp_path):
+    """Groups of 8 on LONG, SHORT, SHORT, LONG start on version 0 (two batches of two may still
+    take version 0 with max_off_policy_steps 1). The short ones make batch 1; the trainer stand-in
+    publishes version 1, reloaded while the long ones run; two more short groups make batch 2.
+    Batch 3 can take no version-0 token, so the two long groups, still generating (each has 250
+    tokens to write, the rest takes a few dozen engine steps), are cancelled: the server aborts
+    all 16 of their engine requests while they run, and their prompts go back to the queue. (That
+    an aborted engine request stops generating: test_inference_server.py's abort test.)"""
+    _, url = server
+    root = tmp_path / "run"
+    group_size = 8
+    cfg = orchestrator_config(root, url, dataset="test_engine_stalls_vllm:rows", group_size=group_size,
+                              prompts_per_step=2, max_in_flight_groups=4, max_off_policy_steps=1,
+                              in_flight_updates=True, request_timeout_s=60, max_steps=2)
+    RunDir(root).make()
+    seen = {}
+
+    async def scenario():
+        async with aiohttp.ClientSession() as session:
+            async def aborted() -> int:
+                async with session.get(f"{url}/health") as r:
+                    return (await r.json())["aborted"]
+
+            orch = Orchestrator(cfg, session)
+            cancel_hopeless = orch.cancel_hopeless
+
+            async def observed() -> None:
+                doomed = {gid: g.prompt.index for gid, g in orch.in_flight.items()}
+                before = await aborted()
+                await cancel_hopeless()
+                if orch.next_step != 3:
+                    return
+                seen["doomed"] = {gid: i for gid, i in doomed.items() if gid not in orch.in_flight}
+                seen["requeued"] = [p.index for p in orch.queue.requeued]
+                # Counted as the server passes them to the engine, before it answers the /abort
+                # that cancel_hopeless awaited: exact now.
+                seen["aborted"] = await aborted() - before
+
+            orch.cancel_hopeless = observed
+            trainer = asyncio.create_task(copying_trainer(RunDir(root), cfg.max_steps))
+            try:
+                await asyncio.wait_for(orch.run(), 240)
+            finally:
+                trainer.cancel()
+
+    asyncio.run(scenario())
+    assert sorted(seen["doomed"].values()) == [0, 3], seen  # the two long groups, nothing else
+    assert sorted(seen["requeued"]) == [0, 3], seen
+    assert seen["aborted"] == 2 * group_size, seen
+
+
+def test_a_reload_that_outlives_its_timeout_answers_504_and_the_server_recovers(server, tmp_path):
+    proc, url = server
+    version_1 = RunDir(tmp_path / "run").weights_dir(1)
+    shutil.copytree(TINY_MODEL, version_1)
+    mark_stable(version_1)
+    core = engine_core(proc)
+    core.send_signal(signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        r = httpx.post(f"{url}/update_weights", timeout=120,
+                       json={"path": str(version_1), "version": 1, "mode": "keep"})
+        took = time.monotonic() - start
+        assert r.status_code == 504, r.text
+        assert "still running after 3 s (inference.reload_timeout_s)" in r.text, r.text
+        # On time: the timeout is 3 s, and nothing else is slow while the engine is stopped.
+        assert 3 <= took < 3 + 30, took
+        stuck = health(url)
+        assert stuck.status_code == 503 and "still running" in stuck.text, stuck.text
+        again = httpx.post(f"{url}/update_weights", timeout=30, json={"path": str(version_1), "version": 1})
+        assert again.status_code == 503, again.text
+    finally:
+        core.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + 60
+    while (h := health(url)).status_code != 200:
+        assert time.monotonic() < deadline, h.text
+        time.sleep(0.2)
+    assert h.json()["version"] == 1
+    r = httpx.post(f"{url}/generate", timeout=60, json={"request_id": "after", "prompt_token_ids": [3, 4],
+                                                        "max_tokens": 4, "temperature": 1.0})
+    assert r.status_code == 200, r.text
+    assert set(r.json()["samples"][0]["versions"]) == {1}
+    assert "the overdue reload of" in proc.tail() and "finished after" in proc.tail()
+
+
+def test_a_request_that_outlives_its_timeout_is_aborted_on_the_engine_and_requeued(server, tmp_path):
+    """The engine stops while groups generate: each request times out (request_timeout_s 2), is
+    aborted on the server while the engine still holds it, its prompt requeued, the server taken
+    out of rotation; once the engine goes on, the server is back in rotation."""
+    proc, url = server
+    root = tmp_path / "run"
+    group_size = 4
+    cfg = orchestrator_config(root, url, dataset="test_engine_stalls_vllm:only_long", group_size=group_size,
+                              prompts_per_step=2, max_in_flight_groups=2, request_timeout_s=2,
+                              server_retry_max_s=1)
+    RunDir(root).make()
+    core = engine_core(proc)
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("orchestrator").addHandler(handler)
+
+    async def scenario():
+        async with aiohttp.ClientSession() as session:
+            async def state() -> dict:
+                async with session.get(f"{url}/health") as r:
+                    return await r.json() if r.status == 200 else {}
+
+            orch = Orchestrator(cfg, session)
+            run = asyncio.create_task(orch.run())
+            try:
+                await poll("groups generating", lambda: _running(state, 2 * group_size), 60, every_s=0.01)
+                core.send_signal(signal.SIGSTOP)
+                try:
+                    stalled = {gid: g.prompt.index for gid, g in orch.in_flight.items()}
+                    aborted_before = (await state())["aborted"]
+                    await poll("the stalled groups given back", lambda: _given_back(orch, stalled), 30)
+                    # Requeued, or already taken again by a new group (the server may be back in
+                    # rotation: its front end answers /health while the engine is stopped).
+                    requeued = [p.index for p in orch.queue.requeued]
+                    requeued += [g.prompt.index for gid, g in orch.in_flight.items() if gid not in stalled]
+                finally:
+                    core.send_signal(signal.SIGCONT)
+                # New groups on the stopped engine may time out too: at least the stalled ones.
+                want = aborted_before + group_size * len(stalled)
+                aborted = await poll("aborts", lambda: _aborted_at_least(state, want), 30) - aborted_before
+                await poll("the server back in rotation", lambda: _healthy(orch), 30)
+                return stalled, requeued, aborted
+            finally:
+                run.cancel()
+                await asyncio.gather(run, return_exceptions=True)
+
+    try:
+        stalled, requeued, aborted = asyncio.run(scenario())
+    finally:
+        logging.getLogger("orchestrator").removeHandler(handler)
+    assert len(stalled) == 2, stalled
+    assert set(stalled.values()) <= set(requeued), (stalled, requeued)
+    assert aborted >= group_size * len(stalled)
+    out = [w for w in warnings if f"server {url} out of rotation" in w]
+    assert out and "/generate: no answer in 2 s" in out[0], warnings
+
+
+async def _running(state, want: int) -> bool:
+    return (await state()).get("running", 0) >= want
+
+
+async def _given_back(orch: Orchestrator, stalled: dict[str, int]) -> bool:
+    return not stalled.keys() & orch.in_flight.keys()
+
+
+async def _aborted_at_least(state, want: int) -> int | None:
+    value = (await state()).get("aborted", 0)
+    return value if value >= want else None
+
+
+async def _healthy(orch: Orchestrator) -> bool:
+    return orch.pool.servers[0].healthy
