@@ -158,9 +158,9 @@ class Weights:
         path = self.roots.confine(body.path)
         reload = self.reload.prepare(path, body.version)
         self.check_not_overdue()
-        # Bounded here, not only by the engine: collective_rpc's own timeout is ignored by a
-        # single-process executor (vLLM 0.32 UniProcExecutor) and never covers an engine core
-        # that stopped answering (or the pause before the load).
+        # Bounded here, not only by the engine: collective_rpc's own timeout is ignored by the
+        # single-process executor (vLLM 0.32 UniProcExecutor, the default on one GPU; CPU runs a
+        # worker process) and never covers an engine core that stopped answering, nor the pause.
         update = asyncio.create_task(self.update(reload, path, body))
         try:
             return await asyncio.wait_for(asyncio.shield(update), reload.timeout_s)
