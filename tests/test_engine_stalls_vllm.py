@@ -15,6 +15,7 @@ An engine is made slow by stopping its engine-core process (SIGSTOP) and letting
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import shutil
 import signal
@@ -37,8 +38,10 @@ from test_scheduling_vllm import copying_trainer
 pytestmark = pytest.mark.slow
 
 SEQ_LEN = 256  # the tiny model's max_position_embeddings
-# Near-greedy, the tiny model writes "z" after "z" until the length limit, and ends "abc="
-# after 4 tokens: long and short groups, in a known order.
+LONG_SEQ_LEN = 2048
+# Near-greedy, the tiny model writes "z" after "z" until the length limit (up to 2,040 tokens
+# with its positions raised to 2,048: checked), and ends "abc=" after 4 tokens: long and short
+# groups, in a known order.
 LONG, SHORT = "z", "abc="
 ORDER = [LONG, SHORT, SHORT, LONG]  # then SHORT for ever
 
@@ -67,6 +70,22 @@ def server(tmp_path):
         proc.stop()
 
 
+@pytest.fixture
+def long_server(tmp_path):
+    """The tiny model allowed 2,048 positions (RoPE has no limit of its own): a long group then
+    writes 2,040 tokens, ~35x the time of everything a hand-over does on an idle machine."""
+    model = tmp_path / "long-model"
+    shutil.copytree(TINY_MODEL, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": LONG_SEQ_LEN}))
+    proc, url = launch_server(tmp_path, "server", model, tmp_path / "run", seq_len=LONG_SEQ_LEN)
+    try:
+        wait_healthy(proc, url)
+        yield model, url
+    finally:
+        proc.stop()
+
+
 def engine_core(proc) -> psutil.Process:
     """The server's engine-core process (vLLM names it VLLM::EngineCore)."""
     cores = [p for p in psutil.Process(proc.proc.pid).children(recursive=True) if "EngineCore" in p.name()]
@@ -89,25 +108,27 @@ async def poll(what: str, check, timeout_s: float, every_s: float = 0.05):
     raise AssertionError(f"no {what} within {timeout_s:g} s")
 
 
-def orchestrator_config(root: Path, url: str, max_steps: int = 6, **orchestrator):
+def orchestrator_config(root: Path, url: str, max_steps: int = 6, model: Path = TINY_MODEL,
+                        seq_len: int = SEQ_LEN, **orchestrator):
     port = int(url.rsplit(":", 1)[1])
-    return make_config(root, [port], seq_len=SEQ_LEN, max_async_level=1, max_steps=max_steps, orchestrator={
-        "max_tokens": SEQ_LEN - 2, "temperature": 0.05, "reward": "fake_inference:reward",
-        "trainer_timeout_s": 120, **orchestrator})
+    return make_config(root, [port], model=str(model), seq_len=seq_len, max_async_level=1, max_steps=max_steps,
+                       orchestrator={"max_tokens": seq_len - 2, "temperature": 0.05,
+                                     "reward": "fake_inference:reward", "trainer_timeout_s": 120, **orchestrator})
 
 
-def test_hopeless_groups_are_aborted_on_the_engine(server, tmp_path):
+def test_hopeless_groups_are_aborted_on_the_engine(long_server, tmp_path):
     """Groups of 8 on LONG, SHORT, SHORT, LONG start on version 0 (two batches of two may still
     take version 0 with max_off_policy_steps 1). The short ones make batch 1; the trainer stand-in
     publishes version 1, reloaded while the long ones run; two more short groups make batch 2.
-    Batch 3 can take no version-0 token, so the two long groups, still generating (each has 250
+    Batch 3 can take no version-0 token, so the two long groups, still generating (each has 2,040
     tokens to write, the rest takes a few dozen engine steps), are cancelled: the server aborts
     all 16 of their engine requests while they run, and their prompts go back to the queue. (That
     an aborted engine request stops generating: test_inference_server.py's abort test.)"""
-    _, url = server
+    model, url = long_server
     root = tmp_path / "run"
     group_size = 8
-    cfg = orchestrator_config(root, url, dataset="test_engine_stalls_vllm:rows", group_size=group_size,
+    cfg = orchestrator_config(root, url, model=model, seq_len=LONG_SEQ_LEN,
+                              dataset="test_engine_stalls_vllm:rows", group_size=group_size,
                               prompts_per_step=2, max_in_flight_groups=4, max_off_policy_steps=1,
                               in_flight_updates=True, request_timeout_s=60, max_steps=2)
     RunDir(root).make()
