@@ -32,7 +32,7 @@ from conftest import TINY_MODEL
 from orchestrator.orchestrator import Orchestrator
 from rl.rundir import RunDir, mark_stable
 from test_end_to_end import launch_server, wait_healthy
-from test_scheduling import make_config
+from test_scheduling import Collect, make_config
 from test_scheduling_vllm import copying_trainer
 
 pytestmark = pytest.mark.slow
@@ -216,10 +216,8 @@ def test_a_request_that_outlives_its_timeout_is_aborted_on_the_engine_and_requeu
                               server_retry_max_s=1)
     RunDir(root).make()
     core = engine_core(proc)
-    warnings: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: warnings.append(record.getMessage())
-    logging.getLogger("orchestrator").addHandler(handler)
+    warnings = Collect()
+    logging.getLogger("orchestrator").addHandler(warnings)
 
     async def scenario():
         async with aiohttp.ClientSession() as session:
@@ -254,12 +252,12 @@ def test_a_request_that_outlives_its_timeout_is_aborted_on_the_engine_and_requeu
     try:
         stalled, requeued, aborted = asyncio.run(scenario())
     finally:
-        logging.getLogger("orchestrator").removeHandler(handler)
+        logging.getLogger("orchestrator").removeHandler(warnings)
     assert len(stalled) == 2, stalled
     assert set(stalled.values()) <= set(requeued), (stalled, requeued)
     assert aborted >= group_size * len(stalled)
-    out = [w for w in warnings if f"server {url} out of rotation" in w]
-    assert out and "/generate: no answer in 2 s" in out[0], warnings
+    out = [w for w in warnings.lines if f"server {url} out of rotation" in w]
+    assert out and "/generate: no answer in 2 s" in out[0], warnings.lines
 
 
 async def _running(state, want: int) -> bool:
