@@ -55,3 +55,8 @@ def save_checkpoint(run_dir: RunDir, step: int, encoded: tuple[bytes, bytes], cu
     mark_stable(directory)
     for old in run_dir.checkpoint_steps("orchestrator")[:-keep]:
         run_dir.remove_checkpoint(old, "orchestrator")
+
+
+def checkpointed_batch(run_dir: RunDir, step: int) -> Batch:
+    """Batch `step` as its checkpoint holds it (the bytes handed over)."""
+    return Batch.read(run_dir.checkpoint_dir(step) / "orchestrator" / "batch")

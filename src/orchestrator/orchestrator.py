@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from orchestrator.checkpoint import resume_point, save_checkpoint
+from orchestrator.checkpoint import checkpointed_batch, resume_point, save_checkpoint
 from orchestrator.delivery import weight_delivery
 from orchestrator.evaluation import Evaluation, EvaluationRunner
 from orchestrator.prompts import Prompt, PromptQueue
@@ -91,6 +91,9 @@ class Orchestrator:
         self.chores: set[asyncio.Task] = set()
         self.attempts: dict[int, int] = {}  # prompt index -> failed groups so far
         self.reporting = Reporting(cfg, self.run_dir, self.pool, per_dataset=len(self.rollouts.sources) > 1)
+        if self.next_step > 1:  # resumed: its predecessor may have died between checkpoint and record
+            last = self.next_step - 1
+            self.reporting.recover(last, lambda: checkpointed_batch(self.run_dir, last))
 
     # --- waiting, visibly -----------------------------------------------------------------
 

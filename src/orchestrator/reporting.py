@@ -10,6 +10,7 @@ import collections
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -54,14 +55,9 @@ class Reporting:
         generating, and finished but not in a batch yet."""
         elapsed = max(time.monotonic() - c.started, 1e-9)
         step = batch.step
-        staleness = [step - 1 - int(v) for v in batch.versions]
-        rewards = [float(r) for r in batch.rewards]
         servers = max(len(self.pool.in_rotation), 1)
         record = {
-            "program": "orchestrator", "step": step,
-            "reward_mean": sum(rewards) / len(rewards),
-            "staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
-            "staleness_hist": {str(s): n for s, n in sorted(collections.Counter(staleness).items())},
+            **batch_record(batch),
             "tokens_per_s": c.model_tokens / elapsed,
             "wait_s": trainer_wait + group_wait, "trainer_wait_frac": trainer_wait / elapsed,
             "group_wait_s": group_wait, "inference_idle_frac": self.pool.take_idle_s() / (elapsed * servers),
@@ -80,6 +76,19 @@ class Reporting:
                  record["tokens_per_s"], trainer_wait, group_wait, record["in_flight"],
                  100 * record["inference_idle_frac"], c.cancelled, c.failed + c.failed_requests,
                  c.filtered, c.dropped_stale, record["truncated"])
+
+    def recover(self, step: int, read_batch: Callable[[], Batch]) -> None:
+        """The record of checkpointed batch `step` if its orchestrator was killed before writing
+        it (between the checkpoint and the end of its hand-over): what the batch itself tells,
+        marked "recovered"; the counters and waits of that interval died with the process."""
+        if step in self.run_dir.recorded_steps("orchestrator"):
+            return
+        batch = read_batch()
+        record = {**batch_record(batch), "recovered": True}
+        self.run_dir.append_metrics(record)
+        log.info("batch %d reward %.3f staleness %.2f (max %d) | recorded after the restart (its orchestrator "
+                 "was killed before writing it)", batch.step, record["reward_mean"], record["staleness_mean"],
+                 record["staleness_max"])
 
     # --- trackers ------------------------------------------------------------------------------
 
@@ -110,6 +119,18 @@ class Reporting:
             if record.get("program") == "trainer" and record.get("step") == step:
                 return True
         return False
+
+
+def batch_record(batch: Batch) -> dict:
+    """The part of a batch's record that the batch itself holds: rewards and staleness."""
+    staleness = [batch.step - 1 - int(v) for v in batch.versions]
+    rewards = [float(r) for r in batch.rewards]
+    return {
+        "program": "orchestrator", "step": batch.step,
+        "reward_mean": sum(rewards) / len(rewards),
+        "staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
+        "staleness_hist": {str(s): n for s, n in sorted(collections.Counter(staleness).items())},
+    }
 
 
 def reward_details(groups: list[Group], per_dataset: bool) -> dict[str, float]:

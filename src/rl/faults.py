@@ -10,7 +10,8 @@ the tests), each point costs one dictionary lookup.
 Points: orchestrator.checkpointed (the batch's checkpoint written, the batch not yet handed
 over), batch.staged (orchestrator: batch files written, not renamed into place),
 orchestrator.handed_over (batch handed over), weights.staged (trainer:
-version files written, not renamed into place), trainer.after_step (step trained, published and
+version files written, not renamed into place), trainer.checkpointed (step trained, published and
+checkpointed, its metrics record not yet written), trainer.after_step (step trained, published and
 checkpointed, before the next batch).
 """
 

@@ -125,6 +125,21 @@ class RunDir:
         with open(self.metrics, "a") as f:
             f.write(json.dumps(record) + "\n")
 
+    def recorded_steps(self, program: str) -> set[int]:
+        """Steps that `program` has a record for in metrics.jsonl: a restarted program writes
+        the records its predecessor was killed before writing, and none twice."""
+        if not self.metrics.exists():
+            return set()
+        steps = set()
+        for line in self.metrics.read_bytes().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a line cut by a full disk; nothing else writes partial lines
+            if isinstance(record, dict) and record.get("program") == program and isinstance(record.get("step"), int):
+                steps.add(record["step"])
+        return steps
+
 
 def _steps(parent: Path) -> list[int]:
     if not parent.is_dir():

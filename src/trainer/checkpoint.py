@@ -37,9 +37,10 @@ def _rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
-def save(run: RunDir, step: int, state: dict, scheduler, keep: int) -> float:
+def save(run: RunDir, step: int, state: dict, scheduler, keep: int, record: dict | None = None) -> float:
     """Collective: every rank calls it with its part of `state` (nested dicts of tensors and
-    DTensors). Returns seconds taken."""
+    DTensors); `record`: the step's metrics record (rank 0), kept for a restart that finds it
+    missing from metrics.jsonl. Returns seconds taken."""
     start = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()
     out = run.checkpoint_dir(step) / PROGRAM
@@ -51,7 +52,8 @@ def save(run: RunDir, step: int, state: dict, scheduler, keep: int) -> float:
     save_file(_rng_state(), out / f"rng_rank{rank}.safetensors")
     dist.barrier()  # every rank's files are complete before STABLE claims so
     if rank == 0:
-        meta = {"step": step, "world_size": world, "scheduler": scheduler.state_dict()}
+        meta = {"step": step, "world_size": world, "scheduler": scheduler.state_dict(),
+                **({"record": record} if record else {})}
         write_file_atomic(out / "trainer.json", json.dumps(meta).encode())
         mark_stable(out)
         _prune(run, keep)
@@ -68,9 +70,10 @@ def latest(run: RunDir) -> int | None:
     return steps[-1] if steps else None
 
 
-def load(run: RunDir, step: int, state: dict, scheduler) -> None:
+def load(run: RunDir, step: int, state: dict, scheduler) -> dict | None:
     """Collective: load `state` in place (tensors of the right sharding, as save() got them),
-    the scheduler and (same world size) RNG from step."""
+    the scheduler and (same world size) RNG from step. Returns the step's metrics record as
+    save() kept it, if it did."""
     src: Path = run.checkpoint_dir(step) / PROGRAM
     dcp.load(state, checkpoint_id=src)
     meta = json.loads((src / "trainer.json").read_text())
@@ -84,3 +87,4 @@ def load(run: RunDir, step: int, state: dict, scheduler) -> None:
     elif rank == 0:
         log.warning("checkpoint step %d was written by %d ranks, resuming on %d: RNG streams start afresh",
                     step, meta["world_size"], world)
+    return meta.get("record")

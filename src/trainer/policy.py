@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,3 +24,6 @@ class Policy:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     slot: int | None = None
     last_checkpoint: int = 0
+    recorded: set[int] = field(default_factory=set)
+    """Steps metrics.jsonl already has a record of (rank 0, when resuming): a replayed step
+    writes none again."""

@@ -89,6 +89,8 @@ class Trainer:
         latest = checkpoint.latest(run)
         if not resume:
             return 1
+        if self.rank == 0:
+            policy.recorded = run.recorded_steps("trainer")
         if latest is None:
             # Before the first checkpoint: step 0's state is the base model and fresh optimizer
             # state; the batches since step 1 are kept (prune_rollouts), so replaying them
@@ -97,7 +99,10 @@ class Trainer:
                 log.info("--resume: no checkpoint yet in %s: replaying from step 1 on the base model", run.root)
             return 1
         state = self.checkpoint_state(policy)
-        checkpoint.load(run, latest, state, policy.scheduler)
+        record = checkpoint.load(run, latest, state, policy.scheduler)
+        if record is not None and self.rank == 0 and latest not in policy.recorded:
+            # Killed between this checkpoint and its record: the record the checkpoint kept.
+            self.append_record(policy, {**record, "recovered": True})
         if policy.slot is None:
             set_state_dict(self.model, policy.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optim"])
@@ -172,22 +177,23 @@ class Trainer:
         step_s = time.perf_counter() - start
         set_phase(f"publishing version {step}")
         write_s = self.publisher.publish(policy, step)
+        tokens = int(batch.lengths.sum())
+        record = {
+            "program": "trainer", "step": step, "wait_s": waited, "step_s": step_s, "write_s": write_s,
+            "lr": lr, "tokens": tokens, "loss_tokens": int(batch.loss_mask.sum()),
+            "trainer_tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
+            "max_staleness": int(step - 1 - batch.versions.min()), **stats,
+            **({"run": cfg.run_name} if cfg.run_name else {}),
+        }
         ckpt_s = 0.0
         every = cfg.trainer.checkpoint_every
         if every and (step % every == 0 or step == cfg.max_steps):
             set_phase(f"checkpointing step {step}")
-            ckpt_s = self.save_checkpoint(policy, step)
+            ckpt_s = self.save_checkpoint(policy, step, record)
+            crash_point("trainer.checkpointed", step)
         if self.rank == 0:
-            tokens = int(batch.lengths.sum())
-            record = {
-                "program": "trainer", "step": step, "wait_s": waited, "step_s": step_s, "write_s": write_s,
-                "checkpoint_s": ckpt_s, "lr": lr, "tokens": tokens, "loss_tokens": int(batch.loss_mask.sum()),
-                "trainer_tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
-                "max_staleness": int(step - 1 - batch.versions.min()), **stats,
-            }
-            if cfg.run_name:
-                record["run"] = cfg.run_name
-            policy.run.append_metrics(record)
+            record["checkpoint_s"] = ckpt_s
+            self.append_record(policy, record)
             log.info(
                 "%sstep %d loss %.4f grad_norm %.3f entropy %.3f clipped %.3f masked %.3f mismatch_kl %.2e | "
                 "waited %.2fs step %.2fs (%.0f tok/s) write %.2fs%s", f"[{cfg.run_name}] " if cfg.run_name else "",
@@ -212,9 +218,16 @@ class Trainer:
                         step, stats["mismatch_kl"], threshold, stats["max_staleness"],
                         stats["sampling_mask_miss_frac"], hint)
 
-    def save_checkpoint(self, policy: Policy, step: int) -> float:
+    def append_record(self, policy: Policy, record: dict) -> None:
+        """Rank 0: one record per step in metrics.jsonl, across restarts: a step replayed after a
+        resume (trained again from an earlier checkpoint, to the same result) writes none."""
+        if record["step"] not in policy.recorded:
+            policy.run.append_metrics(record)
+            policy.recorded.add(record["step"])
+
+    def save_checkpoint(self, policy: Policy, step: int, record: dict | None = None) -> float:
         seconds = checkpoint.save(policy.run, step, self.checkpoint_state(policy), policy.scheduler,
-                                  policy.cfg.trainer.keep_checkpoints)
+                                  policy.cfg.trainer.keep_checkpoints, record if self.rank == 0 else None)
         policy.last_checkpoint = step
         return seconds
 

@@ -128,8 +128,10 @@ class RealRun:
             batch = Batch.read(self.run.rollout_dir(step))
             assert batch.step == step and batch.num_samples > 0
             assert batch.versions.min() >= step - 1 - MAX_ASYNC and batch.versions.max() <= step - 1
+        # One record per batch, in order, whatever was killed when (one killed before writing
+        # its record has it written by its successor).
         orchestrator_steps = [r["step"] for r in self.records("orchestrator")]
-        assert len(orchestrator_steps) == len(set(orchestrator_steps)), "a batch number was made twice"
+        assert orchestrator_steps == list(range(1, n + 1)), f"orchestrator records {orchestrator_steps}"
         self.check_each_prompt_once()
         # Nothing half-written left visible or lying around.
         assert not list(self.run.rollouts.glob(".step_*")), list(self.run.rollouts.glob(".step_*"))
@@ -264,9 +266,11 @@ def test_orchestrator_killed_while_handing_a_batch_over_resumes_without_a_gap(re
     if point == "batch.staged":
         assert list(r.run.rollouts.glob(".step_3.*")), "the crash point was not inside the batch write"
     assert (3 in r.run.rollout_steps()) == (point == "orchestrator.handed_over")
+    assert [rec["step"] for rec in r.records("orchestrator")] == [1, 2], "batch 3's record before its kill"
     orchestrator = r.start("orchestrator")
     r.finish(trainer, orchestrator)
-    r.check_complete()
+    r.check_complete()  # batch 3's record included, once
+    assert [rec.get("recovered") for rec in r.records("orchestrator")] == [None, None, True, None, None, None]
 
 
 # --- the trainer -----------------------------------------------------------------------------
@@ -303,6 +307,21 @@ def test_trainer_killed_between_steps_resumes_at_the_next_batch(real_run):
     r.check_complete()
 
 
+def test_trainer_killed_between_its_checkpoint_and_its_record_records_the_step_once(real_run):
+    """Killed with step 3 checkpointed but its metrics record not written: the resumed trainer
+    writes the record the checkpoint kept (marked recovered), so every step has exactly one."""
+    r = real_run
+    trainer, orchestrator = r.start("trainer", crash_at="trainer.checkpointed:3"), r.start("orchestrator")
+    assert trainer.wait(240) == -signal.SIGKILL, trainer.tail()
+    assert [rec["step"] for rec in r.records("trainer")] == [1, 2]
+    trainer = r.start("trainer", "--resume")
+    r.finish(trainer, orchestrator)
+    assert in_log(trainer, "resumed from checkpoints/step_3: next batch is 4")
+    r.check_complete()  # trainer records 1..6, once each, in order
+    step3 = r.records("trainer")[2]
+    assert step3["recovered"] is True and step3["loss_tokens"] > 0 and "loss" in step3, step3
+
+
 def test_trainer_killed_before_its_first_checkpoint_replays_from_the_base_model(real_run):
     """No checkpoint yet (checkpoint_every 50): --resume starts again at step 1 from the base
     model on the kept batches, and republishes exactly the versions the killed trainer did."""
@@ -316,8 +335,9 @@ def test_trainer_killed_before_its_first_checkpoint_replays_from_the_base_model(
     r.finish(trainer, orchestrator)
     assert in_log(trainer, "no checkpoint yet") and in_log(trainer, "replaying from step 1")
     assert in_log(trainer, "version 3 was published before this trainer started: kept as it is")
+    # Steps 1-3 redone, without a second record each: one record per step across the restart.
     steps = [rec["step"] for rec in r.records("trainer")]
-    assert steps == [1, 2, 3, *range(1, r.max_steps + 1)], steps  # steps 1-3 redone, each once more
+    assert steps == list(range(1, r.max_steps + 1)), steps
     for v, tensors in published.items():  # kept, not rewritten under the servers
         again = load_file(r.run.weights_dir(v) / "model.safetensors")
         assert all(torch.equal(t, again[k]) for k, t in tensors.items()), f"version {v} changed"
