@@ -169,7 +169,8 @@ class Rollouts:
         # A teacher scores the finished sequence plus one generated token: leave it that room.
         room = self.cfg.seq_len - len(tokens) - (1 if self.teacher is not None else 0)
         if room < 1:
-            raise RowError(f"{len(tokens)} tokens leave no room to generate within seq_len {self.cfg.seq_len}")
+            raise RowError(f"{len(tokens)} tokens leave no room to generate within seq_len {self.cfg.seq_len}",
+                           "raise seq_len, lower max_tokens or shorten the prompts (the system prompt, tool schemas)")
         stop_ids = self.renderer.stop_token_ids if self.renderer else []
         return GenerateRequest(request_id=request_id, prompt_token_ids=tokens, n=n,
                                max_tokens=min(sampling.max_tokens, room), temperature=sampling.temperature,

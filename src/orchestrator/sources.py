@@ -21,16 +21,23 @@ import jinja2
 
 from orchestrator.scoring import Reward
 from rl.callables import load_callable
-from rl.chat import ChatTemplate, read_json, row_messages, token_text
+from rl.chat import ChatTemplate, read_json, token_text
 from rl.config import OrchestratorConfig, RunConfig
 from rl.dataset_config import Dataset
+from rl.prompt_fit import dataset_prompt
 from rl.tables import Table, load_table, row_problem
 
 log = logging.getLogger("orchestrator")
 
 
 class RowError(Exception):
-    """A row that can never make a rollout (no prompt, too long): dropped, not requeued."""
+    """A row that can never make a rollout (no prompt, too long): dropped, not requeued. `fix`:
+    what would make such rows usable, for the line that stops a run skipping every row
+    (orchestrator/streaks.py)."""
+
+    def __init__(self, message: str, fix: str):
+        super().__init__(message)
+        self.fix = fix
 
 
 class Source:
@@ -114,18 +121,20 @@ class Renderer:
     def render(self, ds: Dataset, row: dict, where: str) -> tuple[str, list[int]]:
         problem = row_problem(row, ds.spec)
         if problem is not None:
-            raise RowError(f"{where} {problem}")
+            raise RowError(f"{where} {problem}", f"set dataset {ds.name}'s prompt_key / messages_key to the fields "
+                           "that hold the prompt")
         messages = row.get(ds.spec.messages_key)
         if self.template is None:
             if messages is not None:
-                raise RowError(f"{where} holds chat messages but the model has no chat template "
-                               "(orchestrator.chat_template, or orchestrator.chat = \"on\" with a chat model)")
-            return row[ds.spec.prompt_key], self.encode(row[ds.spec.prompt_key])
-        messages = row_messages(row, ds.spec.prompt_key, ds.spec.messages_key, ds.system_prompt)
-        try:
-            text = self.template.render(messages)
+                raise RowError(f"{where} holds chat messages but the model has no chat template",
+                               "set orchestrator.chat_template, or use a chat model")
+            text, _ = dataset_prompt(None, ds, row)
+            return text, self.encode(text)
+        try:  # the text the start-up check measured (rl/prompt_fit.py)
+            text, messages = dataset_prompt(self.template, ds, row)
         except jinja2.TemplateError as e:
-            raise RowError(f"{where}: the chat template ({self.template.origin}) failed: {e}") from None
+            raise RowError(f"{where}: the chat template ({self.template.origin}) failed: {e}",
+                           "fix the template (orchestrator.chat_template) or the row") from None
         # The reward sees what the user asked (the last user message), not the markup.
         asked = next((m["content"] for m in reversed(messages) if m["role"] == "user"), text)
         return asked, self.encode(text, add_special_tokens=False)

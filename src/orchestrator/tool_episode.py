@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 from rl.tool_parsers import BadCall, ToolCall, ToolParser
 from rl.tools import Tool, ToolError
-from rl.chat import ChatTemplate, row_messages
+from rl.chat import ChatTemplate
+from rl.prompt_fit import opening_messages
 from rl.inference_api import GeneratedSample
 
 SampleTurn = Callable[[str, list[int]], Awaitable[GeneratedSample]]
@@ -62,10 +63,9 @@ class ToolEpisode:
         self.eot_text = tokenizer.id_to_token(eot[0]) if eot else ""
 
     def first_messages(self, row: dict) -> list[dict]:
-        """The environment's own messages(row) if it has one, else the row's prompt or messages."""
-        if hasattr(self.env, "messages"):
-            return self.env.messages(row)
-        return row_messages(row, "prompt", "messages", getattr(self.env, "system_prompt", "") or "")
+        """The environment's own messages(row) if it has one, else the row's prompt or messages
+        (as the start-up check measured them: rl/prompt_fit.py)."""
+        return opening_messages(self.env, row)
 
     async def run(self, row: dict, eid: str, sample_turn: SampleTurn, add) -> EpisodeLog:
         """The episode's conversation, turn by turn, into `add`; returns its log."""

@@ -30,6 +30,7 @@ from rl.config import ConfigError, RunConfig
 from rl.dataset_config import BUILTIN_REWARDS, Dataset
 from rl import placement
 from rl.inference_api import resolve_token
+from rl.prompt_fit import datasets_fit, environment_fits
 from rl.rundir import RunDir
 from rl.tables import load_table, row_problem
 from rl.tool_parsers import PARSERS
@@ -230,6 +231,7 @@ def orchestrator_code(cfg: RunConfig) -> None:
                               f"{type(e).__name__}: {first}") from None
         if hasattr(instance, "tools"):
             tool_environment(cfg, instance)
+        environment_fits(cfg, instance)  # here: building it again could be costly (a verifiers taskset)
         return
     for ds, listed in _datasets(cfg):
         if ds.spec.function:
@@ -420,13 +422,13 @@ def cores(program: str) -> Check:
 CHECKS: dict[str, tuple[Check, ...]] = {
     "inference": (cores("inference"), output_dir, model_for_generation, inference_memory, inference_endpoint),
     "orchestrator": (cores("orchestrator"), output_dir, model_for_scoring, orchestrator_code, orchestrator_data,
-                     trackers, orchestrator_run_state),
+                     datasets_fit, trackers, orchestrator_run_state),
     "trainer": (cores("trainer"), output_dir, model_for_training, trainer_attention, trainer_run_state,
                 trainer_endpoints),
     "slurm": (slurm_template,),
 }
 CHECKS["eval"] = (output_dir, model_for_generation, inference_memory, inference_endpoint, orchestrator_code,
-                  orchestrator_data)
+                  orchestrator_data, datasets_fit)
 CHECKS["run"] = tuple(dict.fromkeys(CHECKS["inference"] + CHECKS["orchestrator"] + CHECKS["trainer"]))
 
 
