@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import shutil
 import time
 from pathlib import Path
@@ -127,14 +126,67 @@ def test_with_wait_updates_no_sample_straddles_a_version_on_real_servers(servers
     assert straddling(o) == 0
 
 
-def test_a_real_teacher_scores_the_students_real_tokens(servers, tmp_path):
-    """On-policy distillation with both models on real engines: server 0 is the student (the
-    tiny model), server 1 becomes the teacher by a real reload of weights whose final norm is
-    zero, so its logits are all zero and it gives every token logprob -ln(vocab). Each model
-    token's advantage is then teacher_coef * (-ln(vocab) - the student's sampled logprob); the
-    prompt's tokens get none."""
+U = 2.0 ** -24  # float32 unit roundoff
+WIDEST = 384  # the tiny model's longest dot product (intermediate_size)
+CHAINED = 4 * 6 + 1  # matrix products one after another on the path to a logit: per layer q/k/v,
+# scores, values, o, gate/up, down; then lm_head
+LOGIT_ERROR = CHAINED * WIDEST * U / (1 - CHAINED * WIDEST * U)
+
+
+def perturbed_copy(out: Path, seed: int = 0) -> None:
+    """The tiny model's files with every matrix moved by 30% of its own spread in random
+    directions: a teacher whose logprobs are its own, different per token and from the
+    student's."""
+    import torch
     from safetensors.torch import load_file, save_file
 
+    shutil.copytree(TINY_MODEL, out)
+    tensors = load_file(out / "model.safetensors")
+    g = torch.Generator().manual_seed(seed)
+    for t in tensors.values():
+        if t.dim() == 2:
+            t.add_(torch.randn(t.shape, generator=g) * 0.3 * t.std())
+    save_file(tensors, out / "model.safetensors")
+
+
+def teacher_reference(path: Path, tokens: list[int]):
+    """(log_softmax over the vocabulary at every position, float64, [len(tokens), vocab]; per
+    position, how far float32 rounding may move any of its logits).
+
+    The model runs in float64 (exact to ~1e-16 here), so all that sets vLLM's float32 answer
+    apart from it is float32 rounding, in whatever order and blocking the CPU's kernels sum (an
+    AMD EPYC and an Intel Xeon with AMX differ). As in test_inference_lora.py's
+    greedy_reference: a dot product of n terms is off by at most gamma_n * sum |a_i b_i|,
+    gamma_n ~ n u (Higham, any order); charging the widest n to each of the CHAINED products on
+    the path to a logit, relative to the scale of the logit's own terms sum_j |E_ij h_j| (to
+    first order; every product's input is RMS-normalised), bounds each logit's error by
+    LOGIT_ERROR * max_i sum_j |E_ij h_j|, LOGIT_ERROR ~ 5.7e-4. A logprob is then off by at
+    most twice that (log_softmax adds at most max |dlogit| to the logit's own error)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).double().eval()
+    head_in = []
+    head = model.get_output_embeddings()
+    hook = head.register_forward_hook(lambda m, i, o: head_in.append(i[0][0]))
+    try:
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([tokens])).logits[0].double(), -1)
+            bounds = LOGIT_ERROR * (head.weight.abs() @ head_in[0].abs().T).max(0).values
+    finally:
+        hook.remove()
+    return lp, bounds
+
+
+def test_a_real_teacher_scores_the_students_real_tokens(servers, tmp_path):
+    """On-policy distillation with both models on real engines: server 0 is the student (the
+    tiny model), server 1 becomes the teacher by a real reload of a perturbed copy of it, whose
+    logprobs differ per token and from the student's. Each model token's advantage is
+    teacher_coef * (the teacher's logprob of that token at that position - the student's
+    sampled logprob), the teacher's logprob as the teacher model itself computes it
+    (transformers, float64, over the sample's own token ids) to within float32 rounding; the
+    prompt's tokens get none. The comparison is sharp enough to see the teacher scored at a
+    position shifted by one, or another token's logprob: both are checked to fall outside it."""
     from orchestrator.prompts import Prompt
     from orchestrator.rollouts import Rollouts
     from orchestrator.scoring import Teacher
@@ -143,34 +195,50 @@ def test_a_real_teacher_scores_the_students_real_tokens(servers, tmp_path):
     from rl.config import RunConfig
     from rl.inference_api import InferenceClient
 
-    uniform = RunDir(tmp_path / "run").weights_dir(1)
-    shutil.copytree(TINY_MODEL, uniform)
-    tensors = load_file(uniform / "model.safetensors")
-    tensors["model.norm.weight"].zero_()
-    save_file(tensors, uniform / "model.safetensors")
-    vocab = json.loads((TINY_MODEL / "config.json").read_text())["vocab_size"]
+    teacher_dir = RunDir(tmp_path / "run").weights_dir(1)
+    perturbed_copy(teacher_dir)
     student_url, teacher_url = servers
+    coef = 0.5
     cfg = RunConfig.model_validate({"model": str(TINY_MODEL), "seq_len": 64, "orchestrator": {
-        "group_size": 4, "max_tokens": 12, "reward": "", "teacher_url": teacher_url, "teacher_coef": 0.5}})
+        "group_size": 4, "max_tokens": 12, "reward": "", "teacher_url": teacher_url, "teacher_coef": coef}})
 
     async def scenario():
         async with aiohttp.ClientSession() as session:
             async with session.post(f"{teacher_url}/update_weights",
-                                    json={"path": str(uniform), "version": 1, "mode": "wait"}) as r:
+                                    json={"path": str(teacher_dir), "version": 1, "mode": "wait"}) as r:
                 assert r.status == 200, await r.text()
             student, teacher = InferenceClient(student_url, session), InferenceClient(teacher_url, session)
             sources = {d.name: Source(d, cfg.seed) for d in cfg.orchestrator.resolved_datasets()}
-            rollouts = Rollouts(cfg, load_tokenizer(str(TINY_MODEL)), sources, Teacher(teacher, 0.5, 60), None)
+            rollouts = Rollouts(cfg, load_tokenizer(str(TINY_MODEL)), sources, Teacher(teacher, coef, 60), None)
             return await rollouts.group(Prompt(0, {"prompt": "abc="}), "g", lambda req: student.generate(req, 60))
 
     group = asyncio.run(scenario())
-    uniform_lp = -math.log(vocab)
+    vocab = json.loads((TINY_MODEL / "config.json").read_text())["vocab_size"]
+    compared = shifted_seen = wrong_seen = 0
+    teacher_lps = []
     for s in group.samples:
         model = [i for i, m in enumerate(s.loss_mask) if m]
-        assert model, "the student sampled no token"
-        want = [0.5 * (uniform_lp - s.logprobs[i]) for i in model]
-        # The teacher's float32 log-softmax of zeros: -ln(vocab) to float32 rounding.
-        assert [s.advantages[i] for i in model] == pytest.approx(want, abs=1e-5)
+        assert model and model[0] > 0, "the student sampled no token"
         assert all(s.advantages[i] == 0 for i, m in enumerate(s.loss_mask) if not m)
-        # The student's own logprobs are not uniform: the signal is not zero by accident.
-        assert max(abs(a) for a in want) > 0.1
+        lp, bounds = teacher_reference(teacher_dir, s.tokens)
+        for i in model:
+            # Token i is scored by the logits at position i - 1; the student's logprob is exact
+            # (the batch holds what the student engine returned), so the advantage is off by
+            # coef times the teacher logprob's float32 error at most.
+            tol = coef * 2 * float(bounds[i - 1])
+            teacher_lp = float(lp[i - 1, s.tokens[i]])
+            teacher_lps.append(teacher_lp)
+            assert abs(s.advantages[i] - coef * (teacher_lp - s.logprobs[i])) <= tol, \
+                (i, s.tokens[i], s.advantages[i], coef * (teacher_lp - s.logprobs[i]), tol)
+            compared += 1
+            # What a teacher scored one position off, or at another token, would have given.
+            if i >= 2:
+                shifted_seen += abs(s.advantages[i] - coef * (float(lp[i - 2, s.tokens[i]]) - s.logprobs[i])) > tol
+            other = (s.tokens[i] + 1) % vocab
+            wrong_seen += abs(s.advantages[i] - coef * (float(lp[i - 1, other]) - s.logprobs[i])) > tol
+    assert compared >= len(group.samples)
+    # Neither the teacher's logprobs nor the signal are flat (as a zeroed teacher's would be)...
+    assert max(teacher_lps) - min(teacher_lps) > 0.5
+    assert max(abs(a) for s in group.samples for a in s.advantages) > 0.1
+    # ... and the bound is tight enough that most tokens would show either bug.
+    assert shifted_seen > compared // 2 and wrong_seen > compared // 2, (shifted_seen, wrong_seen, compared)
