@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import pytest
 
 from conftest import TINY_MODEL
@@ -59,6 +60,71 @@ def test_samples_per_row_give_accuracy_and_pass_at_k():
     assert record["eval/d/pass@4"] == pytest.approx(sum(c > 0 for c in right) / 6)
 
 
-def test_greedy_evaluation_takes_one_sample(write_toml):
+def test_greedy_evaluation_with_several_samples_is_refused(write_toml):
     with pytest.raises(ConfigError, match="eval.samples > 1 needs eval.temperature > 0"):
         load_config(["@", str(write_toml('model = "m"\n')), "--orchestrator.eval.samples", "4"])
+
+
+@pytest.mark.slow
+def test_a_greedy_evaluation_on_a_real_engine_takes_one_sample_per_row_and_repeats_itself(tmp_path):
+    """The default evaluation (greedy) against a real vLLM server: each row is one request for
+    one sample at temperature 0 with no truncation, the engine answers one completion, the reward
+    scores it once; evaluated again after a reload of the same weights (a fresh prefix-cache
+    salt, so nothing computed by the first pass seeds the second; one request at a time, so
+    each is computed alone both times), every row's greedy ids are the same and so is the
+    record's accuracy."""
+    import shutil
+
+    from rl.inference_api import InferenceClient
+    from rl.rundir import RunDir
+    from test_end_to_end import start_server
+
+    SEEN.clear()
+    run = RunDir(tmp_path / "run")
+    server, url = start_server(tmp_path, "server", TINY_MODEL, run.root)
+    cfg = RunConfig.model_validate({"model": str(TINY_MODEL), "seq_len": 64, "orchestrator": {"eval": {
+        "rows": 6, "concurrency": 1,
+        "datasets": [{"name": "d", "function": "orchestrator.tasks.reverse:dataset", "reward": "test_evaluation:has_a",
+                      "max_tokens": 12}]}}})
+    calls: list[tuple] = []
+
+    async def body():
+        async with aiohttp.ClientSession() as session:
+            client = InferenceClient(url, session)
+            real_generate = client.generate
+
+            async def observed(request, timeout):
+                response = await real_generate(request, timeout)
+                calls.append((request.request_id, request.n, request.temperature, request.top_k, request.top_p,
+                              request.min_p, [s.token_ids for s in response.samples]))
+                return response
+
+            client.generate = observed
+            sources = [Source(d, cfg.seed) for d in cfg.orchestrator.resolved_datasets(evaluation=True)]
+            for s in sources:
+                s.reward = Reward(s.ds.reward, 5.0, session, inline=True, key="r")
+            rollouts = Rollouts(cfg, load_tokenizer(str(TINY_MODEL)), {}, None, None)
+            evaluation = Evaluation(rollouts, sources, cfg.orchestrator.eval)
+            first = await evaluation.run(client, 0, 0, "a", None)
+            shutil.copytree(TINY_MODEL, run.weights_dir(1))
+            async with session.post(f"{url}/update_weights",
+                                    json={"path": str(run.weights_dir(1)), "version": 1, "mode": "wait"}) as r:
+                assert r.status == 200, await r.text()
+            second = await evaluation.run(client, 1, 1, "b", None)
+            return first, second
+
+    try:
+        first, second = asyncio.run(body())
+    finally:
+        server.stop()
+    assert len(calls) == 12
+    for _, n, temperature, top_k, top_p, min_p, samples in calls:
+        assert (n, temperature, top_k, top_p, min_p) == (1, 0.0, -1, 1.0, 0.0)
+        assert len(samples) == 1 and samples[0]
+    assert len(SEEN) == 6 and all(len(scores) == 2 for scores in SEEN.values())  # one score per row per pass
+    ids = {rid: samples[0] for rid, *_, samples in calls}
+    firsts = {rid.split("-", 1)[1]: v for rid, v in ids.items() if rid.startswith("a-")}
+    seconds = {rid.split("-", 1)[1]: v for rid, v in ids.items() if rid.startswith("b-")}
+    assert len(firsts) == len(seconds) == 6 and firsts == seconds
+    assert first["eval/d/rows"] == second["eval/d/rows"] == 6
+    assert first["eval/d/accuracy"] == second["eval/d/accuracy"]

@@ -8,16 +8,17 @@ import subprocess
 from PIL import Image
 
 from conftest import rl_command
+from rl import plots
 from rl.rundir import RunDir
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def fake_run(root, steps: int = 30) -> None:
+def fake_run(root, steps: int = 30, scale: float = 1.0) -> None:
     run = RunDir(root)
     run.make()
     for s in range(1, steps + 1):
-        run.append_metrics({"program": "orchestrator", "step": s, "reward_mean": s / steps, "staleness_mean": 0.5,
+        run.append_metrics({"program": "orchestrator", "step": s, "reward_mean": scale * s / steps, "staleness_mean": 0.5,
                             "staleness_max": 1, "tokens_per_s": 1000.0 + s, "inference_idle_frac": 0.2,
                             "weight_update_s": 0.05})
         run.append_metrics({"program": "trainer", "step": s, "loss": 0.1, "wait_s": 0.1, "step_s": 0.3,
@@ -42,6 +43,37 @@ def test_rl_plot_writes_the_runs_pngs(tmp_path):
             assert image.size == (650, 360)
             # Something was drawn: far more than the white page and the axes' few colours.
             assert len(image.convert("RGB").getcolors(maxcolors=1 << 16) or []) > 20
+
+
+def test_the_runs_plot_draws_one_curve_per_run_from_its_own_metrics(tmp_path, monkeypatch):
+    """runs.png of a multi-run directory: exactly one line per run under runs/, labelled with
+    its name, whose points are that run's steps and the trailing mean of its own reward_mean
+    (the runs' rewards differ, so a curve drawn from another run's records, or twice, shows).
+    The lines are read off the figure as it is saved."""
+    fake_run(tmp_path / "run")
+    scales = {"a": 1.0, "b": 0.25, "c": 0.5}
+    for name, scale in scales.items():
+        fake_run(tmp_path / "run" / "runs" / name, steps=10 + int(4 * scale), scale=scale)
+    drawn = {}
+    save = plots._save
+
+    def recording_save(plt, fig, ax, path, loc="best"):
+        drawn[path.name] = [(line.get_label(), list(line.get_xdata()), list(line.get_ydata())) for line in ax.lines]
+        return save(plt, fig, ax, path, loc)
+
+    monkeypatch.setattr(plots, "_save", recording_save)
+    written = plots.write_plots(tmp_path / "run")
+    assert tmp_path / "run" / "runs.png" in written
+    lines = drawn["runs.png"]
+    assert [label for label, _, _ in lines] == sorted(scales)
+    for label, xs, ys in lines:
+        steps = 10 + int(4 * scales[label])
+        rewards = [scales[label] * s / steps for s in range(1, steps + 1)]
+        assert xs == list(range(1, steps + 1))
+        assert ys == plots.trailing(rewards)
+    # The top-level run's own reward curve is its records, not the runs'.
+    label, xs, ys = drawn["reward_curve.png"][0]
+    assert label == "batch mean reward" and xs == list(range(1, 31)) and ys == [s / 30 for s in range(1, 31)]
 
 
 def test_rl_plot_refuses_a_directory_without_metrics(tmp_path):
