@@ -338,28 +338,88 @@ def test_each_sample_is_scored_at_its_own_temperature_by_the_real_trainer(tmp_pa
 def test_chunked_logprobs_and_an_offloaded_reference_train_as_the_plain_trainer_does(tmp_path, write_toml):
     """trainer.logits_chunk_tokens (the head of trainer/logprob_head.py inside FSDP2's root
     forward, tied embeddings) and trainer.reference_offload (FSDP2 CPU offload of the KL
-    reference; on this CPU-only machine the code path, not the memory): step 1's loss, gradient
-    norm, entropy and KL equal the full-logits run's. (Step 1 only: Adam's first step moves a
-    near-zero gradient's entry by lr either way, so later steps start apart.)"""
+    reference; on this CPU-only machine the code path, not the memory), at a step where the
+    policy has moved away from the reference: a full-logits run trains steps 1-2 (lr 1e-2, KL
+    term on), then each variant resumes from that same step-2 checkpoint for step 3. Step 3's
+    KL is clearly nonzero, and each run's equals the KL computed in float64 (transformers, the
+    published step-2 weights against the base model, over batch 3's completions) to within what
+    float32 rounding of the logprobs allows; loss, gradient norm, entropy, mismatch KL and ratio
+    equal the full-logits run's. (Each variant resumes from the one checkpoint: runs trained
+    apart would compare step 3 from weights that Adam's first step already set apart by
+    rounding, an entry with a near-zero gradient moving by lr either way.)"""
     variants = {"full": "logits_chunk_tokens = 0", "chunked": "logits_chunk_tokens = 3",
                 "offloaded": "logits_chunk_tokens = 3\nreference_offload = true"}
-    metrics = {}
-    for name, keys in variants.items():
+    lr, coef = 1e-2, 0.1
+
+    def train(name: str, args: list[str]) -> None:
         run = RunDir(tmp_path / name)
-        write_batches(run, [1])
-        extra = f"[trainer]\n{keys}\n[trainer.loss]\nkl_coef = 0.1\nkl_target = \"reference\"\n"
+        extra = (f"[trainer]\n{variants[name]}\n[trainer.optim]\nlr = {lr}\n"
+                 f"[trainer.loss]\nkl_coef = {coef}\nkl_target = \"reference\"\n")
         stderr = run_trainer(rl_command("trainer"), ["@", config(write_toml, run, f"{name}.toml"),
-                                                     "@", str(write_toml(extra, f"{name}_extra.toml")),
-                                                     "--max_steps", "1"])
+                                                     "@", str(write_toml(extra, f"{name}_extra.toml"))] + args)
         assert "changes its logits" not in stderr
-        (metrics[name],) = trainer_metrics(run)
-    plain = metrics["full"]
-    tokens = plain["loss_tokens"]
-    assert tokens > 3 * 2  # more loss tokens than two chunks' worth
-    assert plain["kl"] < 1e-6  # step 1: the policy is the reference
-    # Float32 sums of up to tokens x vocab terms in another order: relative error tokens * 30 * eps.
-    tol = tokens * 30 * 2.0 ** -24
+
+    full = RunDir(tmp_path / "full")
+    write_batches(full, [1, 2, 3])
+    batch3 = Batch.read(full.rollout_dir(3))
+    train("full", ["--max_steps", "2"])  # checkpoints at its last step
+    assert full.checkpoint_steps("trainer") == [2]
     for name in ("chunked", "offloaded"):
-        assert metrics[name]["loss_tokens"] == tokens
-        for key in ("loss", "grad_norm", "entropy", "mismatch_kl", "ratio_mean", "kl"):
+        shutil.copytree(full.root, tmp_path / name)
+    metrics = {}
+    for name in variants:
+        train(name, ["--max_steps", "3", "--resume"])
+        m = trainer_metrics(RunDir(tmp_path / name))
+        assert [r["step"] for r in m] == [1, 2, 3]
+        metrics[name] = m[-1]
+
+    # Step 3's KL(policy || reference) in float64: per loss token x = ref_lp - lp, k3(x) =
+    # exp(x) - x - 1, averaged. A float32 logprob is off by at most twice the worst logit error
+    # (log_softmax adds at most max |dlogit|); as in test_inference_lora.py's greedy_reference, a
+    # logit is off by at most LOGIT_ERROR * max_i sum_j |E_ij h_j| (gamma_n ~ n u for a dot
+    # product of n terms in any order, the widest n charged to each of the chained products on
+    # the path to a logit, relative to the scale of the logit's own terms).
+    u = 2.0 ** -24
+    chained, widest = 4 * 6 + 1, 384  # per layer q/k/v, scores, values, o, gate/up, down; then lm_head
+    logit_error = chained * widest * u / (1 - chained * widest * u)
+
+    def logprobs_and_errors(path, ids):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).double().eval()
+        head_in = []
+        head = model.get_output_embeddings()
+        hook = head.register_forward_hook(lambda mod, i, o: head_in.append(i[0][0]))
+        try:
+            with torch.no_grad():
+                lp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, :-1].double(), -1)
+                err = 2 * logit_error * (head.weight.abs() @ head_in[0].abs().T).max(0).values[:-1]
+        finally:
+            hook.remove()
+        targets = torch.tensor(ids[1:])
+        return lp[torch.arange(len(targets)), targets], err
+
+    ks, bounds = [], []
+    for s in batch3.sample_slices():
+        ids, mask = batch3.tokens[s].tolist(), batch3.loss_mask[s].tolist()
+        pol, pol_err = logprobs_and_errors(full.weights_dir(2), ids)
+        ref, ref_err = logprobs_and_errors(TINY_MODEL, ids)
+        for t in range(1, len(ids)):
+            if mask[t]:
+                x, e = float(ref[t - 1] - pol[t - 1]), float(ref_err[t - 1] + pol_err[t - 1])
+                ks.append(math.exp(x) - x - 1)
+                # |k3(x + e) - k3(x)| = |(exp(x) - 1)(exp(e) - 1) + exp(e) - 1 - e|, and k3's own
+                # float32 evaluation adds at most a few u of exp(x) + |x| + 1.
+                bounds.append(abs(math.exp(x) - 1) * math.expm1(e) + (math.expm1(e) - e)
+                              + 4 * u * (math.exp(x) + abs(x) + 1))
+    n = len(ks)
+    kl, bound = sum(ks) / n, sum(bounds) / n + n * u * sum(ks) / n  # plus the float32 sum over n tokens
+    assert kl > 10 * bound, (kl, bound)  # the policy moved: a KL well clear of the rounding bound
+    plain = metrics["full"]
+    assert plain["loss_tokens"] == n and n > 3 * 2  # more loss tokens than two chunks' worth
+    for name, m in metrics.items():
+        assert abs(m["kl"] - kl) <= bound, (name, m["kl"], kl, bound)
+    # Float32 sums of up to tokens x vocab terms in another order: relative error tokens * 30 * eps.
+    tol = n * 30 * u
+    for name in ("chunked", "offloaded"):
+        assert metrics[name]["loss_tokens"] == n
+        for key in ("loss", "grad_norm", "entropy", "mismatch_kl", "ratio_mean"):
             assert metrics[name][key] == pytest.approx(plain[key], rel=tol, abs=1e-7), (name, key)
