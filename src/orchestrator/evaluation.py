@@ -82,7 +82,7 @@ class Evaluation:
                             max_tokens=s.max_tokens, stop=s.stop)
         try:
             text, ids = self.rollouts.renderer.render(source.ds, row, where)
-            request = self.rollouts.request(request_id, ids, self.cfg.samples, sampling)
+            request = self.rollouts.request(request_id, ids, self.cfg.samples, sampling, where)
         except RowError as e:
             log.warning("eval row skipped: %s", e)
             return None

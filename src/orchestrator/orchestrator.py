@@ -38,6 +38,7 @@ from orchestrator.reporting import Counters, Reporting
 from orchestrator.rollouts import Aborted, Group, Rollouts
 from orchestrator.servers import Server, ServerPool
 from orchestrator.sources import RowError, configured_sources
+from orchestrator.streaks import Streaks
 from orchestrator.trainer_watch import watch_trainer
 from rl.async_rule import can_hand_over, is_fresh, min_serving_version, oldest_usable_version
 from rl.batch import Batch
@@ -90,6 +91,7 @@ class Orchestrator:
         self.background: list[asyncio.Task] = []
         self.chores: set[asyncio.Task] = set()
         self.attempts: dict[int, int] = {}  # prompt index -> failed groups so far
+        self.streaks = Streaks(self.o.max_futile_streak)  # what would make the run spin ends it
         self.reporting = Reporting(cfg, self.run_dir, self.pool, per_dataset=len(self.rollouts.sources) > 1)
         if self.next_step > 1:  # resumed: its predecessor may have died between checkpoint and record
             last = self.next_step - 1
@@ -108,6 +110,8 @@ class Orchestrator:
         start = last_beat = time.monotonic()
         async with self.changed:
             while not predicate():
+                if self.streaks.verdict is not None:  # the run cannot progress: nothing to wait for
+                    raise self.streaks.verdict
                 for task in self.background:
                     if task.done():  # a background loop died: surface its error, do not wait on
                         task.result()
@@ -227,12 +231,17 @@ class Orchestrator:
             return
         self.counters.failed += group.failed
         if not group.samples:  # every rollout's reward or environment failed
-            self.retry_or_drop(gid, g.prompt, f"{group.failed} of {self.o.group_size} rollouts failed")
+            self.retry_or_drop(gid, g.prompt, f"{group.failed} of {self.o.group_size} rollouts failed, "
+                               f"last: {group.error or 'no error recorded'}")
         elif self.o.filter_zero_variance and self.rollouts.teacher is None and len(set(group.rewards)) == 1:
             self.counters.filtered += 1
+            self.streaks.hit("filtered", self.culprit(g.prompt), f"every rollout of a group got reward "
+                             f"{group.rewards[0]:g}", "make the task learnable at the model's level (easier rows, "
+                             "partial credit, a higher temperature), or set orchestrator.filter_zero_variance = false")
         else:
             self.finished.append(group)
             self.counters.model_tokens += group.model_tokens
+            self.streaks.good(self.culprit(g.prompt))
         await self.notify()
 
     def group_failed(self, gid: str, g: InFlight, e: Exception) -> None:
@@ -241,9 +250,10 @@ class Orchestrator:
             self.in_flight.pop(gid, None)  # requeued here, not by requeue_from
             self.queue.give_back(g.prompt)
             self.pool.fail(g.server, str(e))
-        elif isinstance(e, RowError):
+        elif isinstance(e, RowError):  # said once per batch, with the count (make_batch), not per row
             self.counters.skipped_rows += 1
-            log.warning("row skipped: %s", e)
+            self.counters.first_skip = self.counters.first_skip or str(e)
+            self.streaks.hit("skipped", self.culprit(g.prompt), str(e), e.fix)
         else:  # a teacher that is down, a tokenizer that chokes
             self.counters.failed += self.o.group_size
             self.retry_or_drop(gid, g.prompt, f"{type(e).__name__}: {e}")
@@ -252,12 +262,26 @@ class Orchestrator:
         """Requeue a prompt whose group failed for a reason that may pass (a reward endpoint
         down); after MAX_ATTEMPTS the prompt is dropped, loudly, rather than retried forever."""
         n = self.attempts[prompt.index] = self.attempts.get(prompt.index, 0) + 1
+        self.streaks.hit("failed", self.culprit(prompt), why, self.failure_fix(prompt))
         if n < MAX_ATTEMPTS:
             log.warning("group %s failed (%s); prompt %d requeued", gid, why, prompt.index)
             self.queue.give_back(prompt)
         else:
             log.error("group %s failed (%s); prompt %d dropped after %d attempts", gid, why, prompt.index, n)
             self.attempts.pop(prompt.index)
+
+    def culprit(self, prompt: Prompt) -> str:
+        """Whose rows `prompt` is, as the line that stops a spinning run names it."""
+        if self.o.environment:
+            return f"orchestrator.environment = {self.o.environment!r}"
+        return f"dataset {self.rollouts.source(prompt).name}"
+
+    def failure_fix(self, prompt: Prompt) -> str:
+        if self.o.environment:
+            return "fix the environment's reward or episodes (the error above)"
+        reward = self.rollouts.source(prompt).ds.reward
+        teacher = f" or the teacher at {self.o.teacher_url}" if self.o.teacher_url else ""
+        return f"fix its reward {reward!r}{teacher} (the error above), or orchestrator.reward_timeout_s if it is slow"
 
     def spawn(self, coro) -> None:
         """Fire and forget (best effort), but keep a reference so the task is not collected."""
@@ -366,6 +390,8 @@ class Orchestrator:
         await self.notify()
         c, self.counters = self.counters, Counters()
         self.reporting.report(batch, groups, c, trainer_wait, group_wait, len(self.in_flight), len(self.finished))
+        if c.skipped_rows:
+            log.warning("%d row(s) skipped since the previous batch (first: %s)", c.skipped_rows, c.first_skip)
 
     def checkpoint(self, step: int, encoded: tuple[bytes, bytes]) -> None:
         """Checkpoint batch `step` before it leaves (orchestrator/checkpoint.py): the prompts
@@ -397,7 +423,7 @@ class Orchestrator:
         if self.reporting.tracker is not None:
             self.background.append(asyncio.create_task(self.reporting.track(), name="track"))
         self.background += [asyncio.create_task(self.follow_weights(), name="follow_weights"),
-                             asyncio.create_task(self.pool.heal(), name="heal"),
+                             asyncio.create_task(self.pool.heal(self.o.server_wait_timeout_s), name="heal"),
                              asyncio.create_task(self.produce(), name="produce")]
 
     async def run(self) -> None:

@@ -39,6 +39,8 @@ class Counters:
     """Groups taken off a server that stopped answering, prompts requeued."""
     skipped_rows: int = 0
     """Rows that cannot make a prompt (no prompt, a template that fails on them, too long)."""
+    first_skip: str = ""
+    """Why the first of them was skipped (logged with the count, once per batch)."""
     started: float = field(default_factory=time.monotonic)
 
 

@@ -69,6 +69,8 @@ class Group:
     """Per sample: the named parts of its reward (empty for a plain float)."""
     episodes: list[dict[str, float]] = dataclasses.field(default_factory=list)
     """Per sample of a tool environment: its turns, tool calls, tool errors, tokens."""
+    error: str = ""
+    """A group left without samples: the last error of its reward or environment."""
 
     @functools.cached_property
     def oldest_version(self) -> int:
@@ -115,6 +117,7 @@ class Rollouts:
         self.renderer = Renderer(self.o, cfg.model, self.fast, self.encode) if env is None or self.tool_env else None
         self.env_sampling = self.o.sampling()  # an environment's turns: the orchestrator-level settings
         self.tool_episode = self._tool_episode(env) if self.tool_env else None
+        self.env_error = ""  # the latest episode failure (Group.error)
 
     @classmethod
     def from_config(cls, cfg: RunConfig, session: aiohttp.ClientSession) -> Rollouts:
@@ -165,11 +168,12 @@ class Rollouts:
     def decode(self, ids: list[int]) -> str:
         return self.decode_all([ids])[0]
 
-    def request(self, request_id: str, tokens: list[int], n: int, sampling: Sampling) -> GenerateRequest:
+    def request(self, request_id: str, tokens: list[int], n: int, sampling: Sampling,
+                where: str = "a prompt") -> GenerateRequest:
         # A teacher scores the finished sequence plus one generated token: leave it that room.
         room = self.cfg.seq_len - len(tokens) - (1 if self.teacher is not None else 0)
         if room < 1:
-            raise RowError(f"{len(tokens)} tokens leave no room to generate within seq_len {self.cfg.seq_len}",
+            raise RowError(f"{where}: {len(tokens)} tokens leave no room to generate within seq_len {self.cfg.seq_len}",
                            "raise seq_len, lower max_tokens or shorten the prompts (the system prompt, tool schemas)")
         stop_ids = self.renderer.stop_token_ids if self.renderer else []
         return GenerateRequest(request_id=request_id, prompt_token_ids=tokens, n=n,
@@ -187,7 +191,7 @@ class Rollouts:
         kept = [t for t in trajectories if t is not None]
         failed = len(trajectories) - len(kept)
         if len(kept) < 2:  # no group-relative signal left
-            return Group(prompt, [], failed + len(kept))
+            return Group(prompt, [], failed + len(kept), error=self.last_error(prompt))
         advantages = group_advantages([t.reward for t in kept], self.o.normalize_advantages)
         sampling = self.env_sampling if self.env is not None else self.source(prompt).ds.sampling
         samples = [Sample(t.tokens, self.trained_mask(t), t.logprobs, [a * m for m in t.loss_mask], t.versions,
@@ -198,6 +202,13 @@ class Rollouts:
             await self.add_teacher_signal(samples, gid)
         return Group(prompt, samples, failed, sum(t.truncated for t in kept), [t.components for t in kept],
                      [t.episode for t in kept if t.episode])
+
+    def last_error(self, prompt: Prompt) -> str:
+        """The latest failure of what scores `prompt`'s rollouts (its reward, or the environment)."""
+        if self.env is not None:
+            return self.env_error
+        reward = self.source(prompt).reward
+        return f"reward {reward.url or reward.spec} {reward.last_error}" if reward and reward.last_error else ""
 
     def source(self, prompt: Prompt) -> Source:
         # "": a prompt checkpointed before datasets had names, when there was only one.
@@ -211,7 +222,8 @@ class Rollouts:
     async def single_turn(self, prompt: Prompt, gid: str, generate: Generate) -> list[Trajectory | None]:
         source = self.source(prompt)
         text, ids = self.renderer.render(source.ds, prompt.row, prompt.where or f"row {prompt.index}")
-        request = self.request(gid, ids, self.o.group_size, source.ds.sampling)
+        request = self.request(gid, ids, self.o.group_size, source.ds.sampling,
+                               f"{prompt.where or source.name}, draw {prompt.index}")
         response = await generate(request)
         if any(s.finish_reason == "abort" for s in response.samples):
             raise Aborted(gid)
@@ -297,6 +309,7 @@ class Rollouts:
         return t
 
     def _env_failed(self, eid: str, e: Exception) -> None:
+        self.env_error = f"{type(e).__name__}: {e}"
         log.warning("episode %s failed in %s: %s: %s", eid, self.o.environment, type(e).__name__, e)
         return None
 

@@ -65,6 +65,13 @@ class Reward:
         # batch writes use.
         threaded = self.fn is not None and not self.is_async and not inline
         self.threads = RewardThreads(REWARD_THREADS) if threaded else None
+        self.last_error = ""
+
+    def failed(self, what: str) -> None:
+        """One rollout's reward failed: said, and kept as the reward's last error (the line that
+        stops a run whose every group fails names it: orchestrator/streaks.py)."""
+        self.last_error = what
+        log.warning("reward %s %s; that rollout fails", self.url or self.spec, what)
 
     async def score(self, prompt: str, completions: list[str], row: dict) -> list[Score | None]:
         if self.url:
@@ -85,7 +92,7 @@ class Reward:
         try:
             return as_score(self.fn(prompt, completion, row))
         except Exception as e:
-            log.warning("reward %s raised %s: %s", self.spec, type(e).__name__, e)
+            self.failed(f"raised {type(e).__name__}: {e}")
             return None
 
     async def _threaded(self, job: _Job) -> list[Score | None]:
@@ -100,8 +107,7 @@ class Reward:
             while not job.done.done():
                 late = job.give_up_if_late(self.timeout_s)
                 if late is not None:
-                    log.warning("reward %s timed out after %g s (orchestrator.reward_timeout_s); that rollout fails",
-                                self.spec, self.timeout_s)
+                    self.failed(f"timed out after {self.timeout_s:g} s (orchestrator.reward_timeout_s)")
                     self._replace_hung_threads()
                     return late
                 if job.started is None:  # still queued: perhaps behind hung calls
@@ -132,10 +138,9 @@ class Reward:
         try:
             return as_score(await asyncio.wait_for(self.fn(prompt, completion, row), self.timeout_s))
         except TimeoutError:
-            log.warning("reward %s timed out after %g s (orchestrator.reward_timeout_s); that rollout fails",
-                        self.spec, self.timeout_s)
+            self.failed(f"timed out after {self.timeout_s:g} s (orchestrator.reward_timeout_s)")
         except Exception as e:
-            log.warning("reward %s failed: %s: %s", self.spec, type(e).__name__, e)
+            self.failed(f"failed: {type(e).__name__}: {e}")
         return None
 
     async def _http(self, prompt: str, completion: str, row: dict) -> Score | None:
@@ -147,10 +152,9 @@ class Reward:
                 r.raise_for_status()
                 return as_score((await r.json())["reward"])
         except TimeoutError:
-            log.warning("reward endpoint %s timed out after %g s (orchestrator.reward_timeout_s); that rollout fails",
-                        self.url, self.timeout_s)
+            self.failed(f"timed out after {self.timeout_s:g} s (orchestrator.reward_timeout_s)")
         except Exception as e:
-            log.warning("reward endpoint %s failed: %s: %s", self.url, type(e).__name__, e)
+            self.failed(f"failed: {type(e).__name__}: {e}")
         return None
 
 
@@ -178,7 +182,7 @@ class _Job:
             try:
                 score = self.reward.call(self.prompt, c, self.row)
             except BaseException as e:  # SystemExit and kin, which call() lets by: they would end the thread
-                log.warning("reward %s raised %s: %s", self.reward.spec, type(e).__name__, e)
+                self.reward.failed(f"raised {type(e).__name__}: {e}")
                 score = None
             with self.lock:
                 if self.given_up:

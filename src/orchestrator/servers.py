@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
+from orchestrator.streaks import Spinning
 from rl.heartbeat import PeerWatch, announced_url, server_heartbeats
 from rl.inference_api import InferenceClient, InferenceError
 
@@ -68,6 +69,8 @@ class Server:
     silent: bool = False
     """Its heartbeat stopped: kept out of rotation even if it answers HTTP (it cannot read
     the run directory, so it cannot load new weights)."""
+    last_error: str = ""
+    """Why it last left rotation or failed to rejoin (named if none is left for long)."""
 
     @property
     def url(self) -> str:
@@ -154,6 +157,7 @@ class ServerPool:
         if not s.healthy:
             return
         s.healthy = False
+        s.last_error = reason
         if s.update is not None:
             s.update.cancel()
         wait = self._back_off(s)
@@ -227,13 +231,18 @@ class ServerPool:
             elif not s.updating and not self.delivery.serves(s, r):
                 self.fail(s, f"reports version {self.delivery.reported_version(r)}, expected {s.version} (restarted?)")
 
-    async def heal(self, check_every_s: float = 2.0) -> None:
-        """Forever: check the servers in rotation; retry those out of it, with backoff (joining
-        ones every second), and bring them to the current version before they take requests:
-        one (re)joins serving the pool's version at that moment (`pool.version`)."""
-        last_check = time.monotonic()
+    async def heal(self, alone_timeout_s: float, check_every_s: float = 2.0) -> None:
+        """Check the servers in rotation; retry those out of it, with backoff (joining ones every
+        second), and bring them to the current version before they take requests: one (re)joins
+        serving the pool's version at that moment (`pool.version`). Until no server has been in
+        rotation for `alone_timeout_s`: then the run cannot go on (Spinning, naming each one)."""
+        last_check = alone_since = time.monotonic()
         while True:
             now = time.monotonic()
+            if self.in_rotation:
+                alone_since = now
+            elif now - alone_since > alone_timeout_s:
+                raise Spinning(self.none_in_rotation(now - alone_since))
             if now - last_check > check_every_s:
                 await self.check()
                 last_check = now
@@ -250,6 +259,7 @@ class ServerPool:
                     while s.version != (target := self.delivery.target).version and target.path:
                         await self.delivery.bring(s, target)
                 except InferenceError as e:
+                    s.last_error = str(e)
                     if s.joined:
                         log.warning("server %s still down (%s); retry in %.0f s", s.url, e, self._back_off(s))
                     else:  # still starting (vLLM takes a while), or never coming
@@ -267,6 +277,12 @@ class ServerPool:
                          "back in rotation" if s.joined else "joined", s.version, len(self.in_rotation))
                 s.joined = True
             await asyncio.sleep(0.2)
+
+    def none_in_rotation(self, for_s: float) -> str:
+        servers = "; ".join(f"{s.url} ({s.last_error or 'no error recorded'})" for s in self.servers)
+        return (f"no inference server in rotation for {for_s:.0f} s (orchestrator.server_wait_timeout_s): "
+                f"{servers or 'none left in the pool'}; stopping: restart or fix them (rl inference), or "
+                "check orchestrator.server_urls")
 
     async def discover(self, output_dir: Path, exclude: set[str], timeout_s: float,
                        every_s: float = DISCOVER_EVERY_S) -> None:

@@ -256,6 +256,13 @@ class OrchestratorConfig(Section):
     keep_checkpoints: int = Field(2, ge=1)
     """Orchestrator checkpoints (step, data cursor, pending prompts) kept under checkpoints/."""
 
+    max_futile_streak: int = Field(200, ge=0)
+    """Stop the run (one line naming the dataset, the last reason and the fix; exit 1) once this
+    many in a row came to nothing for one cause: rows of a dataset skipped (too long for seq_len,
+    no prompt), groups of a dataset that all failed (its reward raises), or groups all filtered
+    for zero reward variance (filter_zero_variance). A useful group ends the streak. 0: never
+    stop (docs/reliability.md)."""
+
     @field_validator("dataset", "environment")
     @classmethod
     def _module_attr(cls, spec: str) -> str:
