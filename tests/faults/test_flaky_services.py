@@ -141,7 +141,11 @@ def test_an_http_reward_that_hangs_fails_only_that_rollout():
 def test_a_server_answering_500_to_some_requests_keeps_its_place(tmp_path, caplog):
     """Server b answers 30% of its generate requests with HTTP 500: each fails its group (counted
     in failed_requests, prompt requeued) and takes b out of rotation for a second (the backoff,
-    capped by server_retry_max_s); b comes back each time and serves again."""
+    capped by server_retry_max_s); b comes back each time and serves again. Stand-ins only: no
+    request makes a healthy real engine answer 500 (docs/reliability.md says why); the same
+    branch of the orchestrator (any non-200 answer, broken connection or timeout is an
+    InferenceError) is shown on real engines by test_engine_stalls_vllm.py's request timeout and
+    test_kill_restart.py's killed server."""
     a, b = FakeServer(lambda: 0.002), FakeServer(lambda: 0.002, error_rate=0.3)
     with caplog.at_level(logging.INFO, logger="orchestrator"):
         o = asyncio.run(run_scenario(tmp_path, [a, b], step_latency=lambda: 0.1, max_steps=30,
