@@ -56,6 +56,9 @@ class Generations:
         # request registered at version v samples its first token with v's weights.
         self.serving = asyncio.Event()
         self.serving.set()
+        # Why the engine's weights are no version's (a failed reload that could not be rolled
+        # back: reload.py), else "": then /generate answers 503 with it, as /health does.
+        self.broken = ""
         self.reloads = 0
         # Engine requests that an /abort stopped while they ran (/health "aborted"): what shows a
         # caller that its aborts reached running work, not ids that had finished already.
@@ -128,6 +131,8 @@ class Generations:
 
         try:
             await self.serving.wait()
+            if self.broken:
+                raise HTTPException(503, self.broken)
             policy = self.policy(adapter)
             # Rendered input (not a raw TokensPrompt) keeps vLLM off its tokenizer thread pool.
             prompt = tokens_input(body.prompt_token_ids, cache_salt=policy.salt)

@@ -24,6 +24,7 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 from fastapi import HTTPException
 
@@ -36,10 +37,14 @@ from rl.inference_api import InitBroadcasterRequest, UpdateWeightsRequest
 log = logging.getLogger("inference")
 
 
+def timed_out(e: Exception) -> bool:
+    text = str(e).lower()
+    return isinstance(e, TimeoutError) or "timeout" in text or "timed out" in text
+
+
 def rpc_error(what: str, e: Exception) -> HTTPException:
     text = str(e) or type(e).__name__
-    timed_out = isinstance(e, TimeoutError) or "timeout" in text.lower() or "timed out" in text.lower()
-    return HTTPException(504 if timed_out else 500, f"{what} failed: {text[:1000]}")
+    return HTTPException(504 if timed_out(e) else 500, f"{what} failed: {text[:1000]}")
 
 
 class Reload(ABC):
@@ -144,10 +149,11 @@ class Weights:
         self.engine = None
         self.path = str(cfg.model)
         self.lock = asyncio.Lock()
+        # How a failed update rolls back, whatever the kind: from the served version's files.
+        self.files = FilesReload(cfg.inference.reload_timeout_s)
         # Files until the workers join a broadcast group (init_broadcaster).
-        self.reload: Reload = FilesReload(cfg.inference.reload_timeout_s)
+        self.reload: Reload = self.files
         self.overdue: Overdue | None = None
-        self.broken = ""  # why an overdue reload left the weights undefined
 
     @property
     def workers(self) -> int:
@@ -178,10 +184,7 @@ class Weights:
             if reload.settled(path, body.version, self.generations.version):
                 return {"version": self.generations.version, "reload_s": 0.0, "switched": 0}
             start = time.perf_counter()
-            try:
-                paused, switched = await self.switch_to(reload, path, body)
-            except TimeoutError:
-                raise HTTPException(504, f"reload of {path} timed out") from None
+            paused, switched = await self.switch_to(reload, path, body)
             seconds = time.perf_counter() - paused
         log.info("now serving version %d from %s (mode %s: paused after %.3f s, reload %.3f s, "
                  "%d requests switched)", body.version, path, body.mode, paused - start,
@@ -190,9 +193,9 @@ class Weights:
 
     def check_not_overdue(self) -> None:
         """503 while an update that outlived its timeout still runs (the weights are mid-load), and
-        for good once such an update failed."""
-        if self.broken:
-            raise HTTPException(503, self.broken)
+        for good once the weights are no version's (Generations.broken)."""
+        if self.generations.broken:
+            raise HTTPException(503, self.generations.broken)
         o = self.overdue
         if o is not None:
             raise HTTPException(503, f"reload of {o.path} as version {o.version} still running after "
@@ -202,13 +205,15 @@ class Weights:
     def finished_late(self, update: asyncio.Task) -> None:
         o, self.overdue = self.overdue, None
         took = time.monotonic() - o.since
-        failure = None if update.cancelled() else update.exception()
-        if update.cancelled() or failure is not None:
+        if update.cancelled() and not self.generations.broken:
             # Nobody waits for its answer any more: /health keeps saying it, so that no one is
             # served by weights that may be half old, half new.
-            self.broken = (f"the overdue reload of {o.path} as version {o.version} failed after {took:.0f} s "
-                           f"({failure or 'cancelled'}); the engine's weights may be mixed: restart this server")
-            log.error("%s", self.broken)
+            self.generations.broken = (f"the overdue reload of {o.path} as version {o.version} was cancelled "
+                                       f"after {took:.0f} s; the engine's weights may be mixed: restart this server")
+            log.error("%s", self.generations.broken)
+        elif not update.cancelled() and update.exception() is not None:
+            # Rolled back, or the server is broken: switch_to logged which.
+            log.warning("the overdue reload of %s as version %d failed after %.0f s", o.path, o.version, took)
         else:
             log.warning("the overdue reload of %s as version %d finished after %.0f s; serving it", o.path,
                         o.version, took)
@@ -223,17 +228,57 @@ class Weights:
             # generating as it goes).
             paused = time.perf_counter()
             try:
-                switched = gens.switch(await reload.load(self.engine, path, body.version), body.version)
+                try:
+                    sampled = await reload.load(self.engine, path, body.version)
+                except Exception as e:
+                    await self.roll_back(path, body.version, e)
+                switched = gens.switch(sampled, body.version)
                 # Cached KV was computed by the old weights. This fails (vLLM logs it)
                 # while running requests hold blocks, hence the per-reload cache salt.
                 await self.engine.reset_prefix_cache()
                 gens.version, self.path = body.version, str(path)
             finally:
-                # A failed reload must not leave the engine paused.
-                await self.engine.resume_generation()
+                # A failed reload must not leave the engine paused, unless its weights are
+                # no version's (vLLM's own routes would generate with them).
+                if not gens.broken:
+                    await self.engine.resume_generation()
         finally:
             gens.serving.set()
         return paused, switched
+
+    async def roll_back(self, path: Path, version: int, error: Exception) -> NoReturn:
+        """The load of `path` as `version` raised, the engine paused. vLLM reloads layer by layer:
+        the layers loaded before the failure hold the new weights, the others the old ones
+        (worker_extension.py: _end_interrupted_reload). No version names that mix, so reload the
+        version served before from its own directory (the trainer keeps the newest
+        trainer.keep_weights versions, and "base" is the starting model), which the engine then
+        serves exactly as before; the answer is the load's error. Should that fail too (its
+        directory deleted, or it came by broadcast and holds no files), the server is broken:
+        /health and /generate answer 503 saying why, the engine stays paused and the requests
+        it held end as aborted (their tokens were all sampled before the pause)."""
+        gens = self.generations
+        if isinstance(error, HTTPException):
+            status, detail = error.status_code, error.detail
+        else:
+            status, detail = 504 if timed_out(error) else 500, str(error) or type(error).__name__
+        failed = f"loading {path} as version {version} failed ({detail[:1000]})"
+        served = Path(self.path)
+        start = time.perf_counter()
+        try:
+            if not any(served.glob("*.safetensors")):
+                raise FileNotFoundError(f"{served} holds no *.safetensors")
+            await self.files.load(self.engine, served, gens.version)
+        except Exception as e:
+            gens.broken = (f"{failed}; rolling back to version {gens.version} from {served} failed too "
+                           f"({str(e)[:1000] or type(e).__name__}): the weights are no version's; restart this "
+                           "server")
+            log.error("%s", gens.broken)
+            await self.engine.abort(list(gens.switches))
+            raise HTTPException(503, gens.broken) from None
+        log.warning("%s; rolled back to version %d from %s in %.3f s", failed, gens.version, served,
+                    time.perf_counter() - start)
+        raise HTTPException(status, f"{failed}; rolled back: this server still serves version {gens.version} "
+                                    f"from {served}")
 
     async def pause(self, mode: str) -> None:
         """Stop the scheduler between two engine steps (mode: what happens to running requests).

@@ -32,12 +32,25 @@ class WeightReloadExtension:
         changed (../shared/VLLM_CPU_NOTES.md): _asyncrl_fix_tied_lm_head repairs it.
         """
         sampled = self._asyncrl_sampled()
-        with self._asyncrl_refreshing_tied_lm_head():
+        with self._asyncrl_refreshing_tied_lm_head(), self._asyncrl_cleared_on_failure():
             self.reload_weights(weights_path=path)
         return sampled
 
     def _asyncrl_sampled(self) -> dict[str, int]:
         return {rid: len(state.output_token_ids) for rid, state in self.model_runner.requests.items()}
+
+    @contextmanager
+    def _asyncrl_cleared_on_failure(self):
+        """Around a reload_weights call: when it raises, leave no layer mid-load
+        (_end_interrupted_reload), so that the engine can run and the next reload (the server's
+        rollback to the version it served: inference/reload.py) starts clean."""
+        try:
+            yield
+        except BaseException:
+            loaded, kept = _end_interrupted_reload(self.model_runner.get_model())
+            log.warning("reload failed half-way: %d layers had taken the new weights, %d keep their own", loaded,
+                        kept)
+            raise
 
     def _asyncrl_tied_lm_head(self):
         """The lm_head when it is tied to the input embedding (and has a quant_method), else None."""
@@ -125,7 +138,7 @@ class WeightReloadExtension:
             raise
         ok = False
         try:
-            with self._asyncrl_refreshing_tied_lm_head():
+            with self._asyncrl_refreshing_tied_lm_head(), self._asyncrl_cleared_on_failure():
                 self.reload_weights(weights_iterator=incoming.tensors())
             ok = True
         finally:
@@ -152,3 +165,40 @@ def _packed_twin(model, lm_head):
         if module is not lm_head and getattr(module, "weight", None) is weight and hasattr(module, "cpu_linear"):
             return module
     return None
+
+
+def _end_interrupted_reload(model) -> tuple[int, int]:
+    """After vLLM's reload_weights raised half-way: put every layer still waiting for weights back
+    on its own tensors and forget what it had buffered. Returns how many layers with weights of
+    their own had been loaded before the failure, and how many were put back.
+
+    vLLM 0.32 reloads layer by layer (model_loader/reload/layerwise.py): it first moves every
+    layer onto the meta device and wraps its weight loaders to buffer the incoming tensors; a
+    layer is materialised, loaded, re-packed and copied back into its own tensors once all of
+    its weights have arrived. Nothing undoes that when the load raises (a misshapen tensor, a
+    file cut short): the layers not reached stay on meta, and the engine's next step died with
+    "Tensor on device cpu is not on the expected device meta!" (measured), and the layer that
+    raised keeps the bad tensor buffered, for the next reload to load again (layerwise.py's
+    online_process_loader buffers before it checks the shape). Here those
+    layers get back the tensors they had (the old weights); the layers completed before the
+    failure keep the new ones. Pinned to vllm 0.32's layerwise module."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    loaded = kept = 0
+    for layer in model.modules():
+        info = layerwise.LAYERWISE_INFO.get(layer)
+        own = bool(layerwise.get_layer_tensors(layer))
+        if info is None or not info.can_load():
+            loaded += own and info is not None
+            continue
+        kept += own
+        if info.kernel_tensors is not None:
+            layerwise._place_kernel_tensors(layer, info)
+        for tensor in layerwise.get_layer_tensors(layer).values():
+            if hasattr(tensor, "weight_loader"):
+                tensor.weight_loader = layerwise._get_original_loader(tensor)
+        info.reset()
+    if hasattr(model, "_original_do_torchao_reload"):
+        model._do_torchao_reload = model._original_do_torchao_reload
+    layerwise.LOADING_LAYERS.clear()
+    return loaded, kept
