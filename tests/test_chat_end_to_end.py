@@ -60,7 +60,40 @@ def assert_the_promised_metrics(orch: list[dict], trainer: list[dict], samples: 
         assert 0 <= r["masked_frac"] <= 1 and r["max_staleness"] in (0, 1) and r["wait_s"] >= 0
 
 
+U = 2.0 ** -24  # float32 unit roundoff
+CHAINED, WIDEST = 4 * 6 + 1, 384  # the tiny chat model's chained matrix products on the path to a logit
+# (per layer q/k/v, scores, values, o, gate/up, down; then lm_head) and its widest (intermediate_size)
+LOGIT_ERROR = CHAINED * WIDEST * U / (1 - CHAINED * WIDEST * U)
+
+
+def exact_logprobs(model, ids: list[int]):
+    """(log_softmax at every position, float64 [len(ids), vocab]; per position, how far float32
+    rounding may move a logprob there). The model runs in float64 (exact to ~1e-16), so all
+    that sets the engine's float32 answer apart is float32 rounding in whatever order the CPU's
+    kernels sum: as in test_inference_lora.py's greedy_reference, a logit is off by at most
+    LOGIT_ERROR * max_i sum_j |E_ij h_j| (gamma_n ~ n u per dot product of n terms, in any
+    order, the widest n charged to each chained product), a logprob by twice that."""
+    import torch
+
+    head_in = []
+    head = model.get_output_embeddings()
+    hook = head.register_forward_hook(lambda m, i, o: head_in.append(i[0][0]))
+    try:
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
+    finally:
+        hook.remove()
+    return lp, 2 * LOGIT_ERROR * (head.weight.abs() @ head_in[0].abs().T).max(0).values
+
+
 def test_a_chat_run_trains_on_exactly_the_rendered_and_sampled_ids(tmp_path):
+    """Each trained prompt is apply_chat_template's ids for its question; each trained
+    completion token is the id the engine sampled: at the base weights (version 0) the logprob
+    the engine reported with it is the base model's own logprob of that very id at that place
+    (float64 transformers, to within float32 rounding), which at most places no other id has (so
+    a trained id other than the sampled one would show). Generation
+    stops at the end of the turn though eos is another token; each dataset's sampling settings
+    ride with its samples; the per-step metrics, evaluations, trackers and plots are there."""
     model = base_model_with_template(tmp_path)
     words = ["ammonia", "splat", "canroyer", "kettle", "orbit", "sun", "mirror", "lantern"]
     data = tmp_path / "spell.jsonl"
@@ -138,6 +171,34 @@ wandb = true
             reasoning_gym = question not in {f"Spell this word backward (example: sun -> nus): {w}" for w in words}
             assert (temperature, top_k) == ((np.float32(0.7), 20) if reasoning_gym else (1.0, -1))
     assert ended > 0  # the model was taught to end its turns: some did within 16 tokens
+
+    # The completions are the sampled ids: at version 0, the engine's logprob of each (the batch
+    # keeps it, float32) is the base model's logprob of that id at that place. Samples drawn at
+    # temperature 1 without truncation (the jsonl dataset's) report the plain log_softmax.
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).double().eval()
+    compared = unique = 0
+    for batch in batches:
+        for i, s in enumerate(batch.sample_slices()):
+            if (batch.temperatures[i], batch.top_k[i], batch.top_p[i], batch.min_p[i]) != (1.0, -1, 1.0, 0.0):
+                continue
+            tokens, mask = batch.tokens[s].tolist(), batch.loss_mask[s].tolist()
+            engine_lp, versions = batch.logprobs[s].tolist(), batch.token_versions[s].tolist()
+            lp, err = exact_logprobs(base, tokens)
+            for t in range(mask.index(1), len(tokens)):
+                if not mask[t] or versions[t] != 0:
+                    continue
+                tol = float(err[t - 1]) + abs(engine_lp[t]) * U  # and the batch's float32 storage
+                assert abs(engine_lp[t] - float(lp[t - 1, tokens[t]])) <= tol, \
+                    (t, tokens[t], engine_lp[t], float(lp[t - 1, tokens[t]]), tol)
+                compared += 1
+                # Where no other id has that logprob, a trained id other than the sampled one fails.
+                others = (lp[t - 1] - engine_lp[t]).abs() <= tol
+                unique += int(others.sum()) == 1
+    assert compared >= 16  # at least one sample's worth of 16 tokens at version 0
+    assert unique > compared // 2, (unique, compared)  # 79 of 89 in one run
 
     records = [json.loads(line) for line in run.metrics.read_text().splitlines()]
     orch = [r for r in records if r["program"] == "orchestrator"]
