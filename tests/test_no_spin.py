@@ -231,6 +231,33 @@ def test_the_check_measures_the_ids_the_orchestrator_sends(tmp_path):
 # --- at run time -----------------------------------------------------------------------------------
 
 
+def test_a_useful_group_ends_the_streaks_it_concerns():
+    """The rule itself (orchestrator/streaks.py): rows of one dataset skipped do not count against
+    another; a useful group of a dataset ends its streaks and the run's filtered streak; a dataset
+    filtered while another fills batches does not stop the run."""
+    from orchestrator.streaks import Streaks
+
+    streaks = Streaks(limit=3)
+    for _ in range(10):  # two skips, then a useful group: never three in a row
+        streaks.hit("skipped", "dataset a", "too long", "raise seq_len")
+        streaks.hit("skipped", "dataset a", "too long", "raise seq_len")
+        streaks.hit("filtered", "dataset b", "reward 1", "easier")
+        streaks.hit("filtered", "dataset b", "reward 1", "easier")
+        streaks.good("dataset a")
+    assert streaks.verdict is None
+    for who in ("dataset a", "dataset b", "dataset a"):  # failures of two datasets: counted apart
+        streaks.hit("failed", who, "ValueError", "fix it")
+    assert streaks.verdict is None
+    streaks.hit("failed", "dataset a", "ValueError: no answer", "fix its reward")
+    assert str(streaks.verdict) == ("dataset a: 3 groups in a row failed (orchestrator.max_futile_streak = 3); "
+                                    "last: ValueError: no answer; stopping: fix its reward")
+    never = Streaks(limit=0)
+    for _ in range(1000):
+        never.hit("skipped", "dataset a", "too long", "raise seq_len")
+    assert never.verdict is None
+
+
+
 def test_rows_skipped_many_times_in_a_row_stop_the_run_with_one_line(tmp_path, stand_in):
     """Rows 64 on are too long for seq_len: once the good rows are used up, every row drawn is
     skipped; after max_futile_streak of them the orchestrator stops, naming the dataset, the reason

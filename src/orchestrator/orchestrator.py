@@ -104,7 +104,10 @@ class Orchestrator:
             self.changed.notify_all()
 
     async def wait_until(self, predicate, what: str, timeout_s: float) -> float:
-        """Wait for `predicate()`, logging what it waits for; returns seconds waited."""
+        """Wait for `predicate()`, logging what it waits for; returns seconds waited. Raises the
+        verdict of a run that can only spin (orchestrator/streaks.py), even while others progress."""
+        if self.streaks.verdict is not None:
+            raise self.streaks.verdict
         if predicate():
             return 0.0
         start = last_beat = time.monotonic()
