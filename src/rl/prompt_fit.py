@@ -127,11 +127,17 @@ def datasets_fit(cfg: RunConfig) -> None:
     if tokenizer is None:
         return
     template = ChatTemplate.configured(o, cfg.model)
-    evals = o.resolved_datasets(evaluation=True)
-    for ds in o.resolved_datasets() + evals:
-        longest = _measure_dataset(cfg, ds, template, tokenizer)
+    for ds, kind in [(ds, "") for ds in o.resolved_datasets()] + \
+            [(ds, "eval ") for ds in o.resolved_datasets(evaluation=True)]:
+        what = f"{kind}dataset {ds.name}"
+        try:
+            longest = _measure_dataset(cfg, ds, template, tokenizer)
+        except ConfigError:
+            raise
+        except Exception as e:  # a function dataset whose later rows raise
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise ConfigError(f"{what}: measuring its first prompts failed: {type(e).__name__}: {first}") from None
         if longest.over:
-            what = f"{'eval ' if ds in evals else ''}dataset {ds.name}"
             keys = "orchestrator.max_tokens" if ds.spec.max_tokens is None else "the dataset's max_tokens"
             if template is not None and ds.system_prompt:
                 prompt_key = "orchestrator.system_prompt" if ds.spec.system_prompt is None else "its system_prompt"
