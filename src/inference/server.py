@@ -54,7 +54,6 @@ def vllm_args(cfg: RunConfig) -> list[str]:
         # actually sampled from, and what the trainer recomputes (same temperature, and the
         # kept set rebuilt from the same settings: trainer/sampling_mask.py).
         "--logprobs-mode", "processed_logprobs",
-        "--gpu-memory-utilization", str(inf.gpu_memory_utilization),
         "--disable-uvicorn-access-log",
         # Per-token versions count each request's sampled tokens at a weight switch; with async
         # scheduling (a GPU default) the count can lag one placeholder token behind.
@@ -62,6 +61,8 @@ def vllm_args(cfg: RunConfig) -> list[str]:
     ]
     if inf.enforce_eager:
         args.append("--enforce-eager")
+    if inf.gpu_memory_utilization is not None:
+        args += ["--gpu-memory-utilization", str(inf.gpu_memory_utilization)]
     token = resolve_token(inf.api_token)
     if token:
         # TokenGuard checks the same header first; vLLM's own check keeps /v1 closed should
@@ -161,8 +162,10 @@ def main(cfg: RunConfig) -> int:
     # rl.cli checked the config (rl/preflight.py: the port, the exposure of the admin routes, the
     # model) before calling this. Before the engine's processes exist: they must not outlive this one (inference/orphans.py).
     orphans.start()
-    # The CPU engine sizes its KV cache from this variable; GPU engines ignore it.
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.inference.cpu_kv_cache_gib))
+    # The CPU engine sizes its KV cache from this variable; GPU engines ignore it. Empty, vLLM
+    # would size it from gpu_memory_utilization (0.9 of the machine, refused beside a trainer).
+    if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.inference.cpu_kv_cache_gib)
     # vLLM's runtime LoRA routes load adapters from any path (and resolve unknown model names
     # as adapters); /load_lora_adapter is the confined way in.
     if os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true"):

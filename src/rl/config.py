@@ -62,11 +62,16 @@ class InferenceConfig(Section):
     enforce_eager: bool = True
     """Skip graph capture: faster start, and CPU engines gain nothing from graphs."""
 
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    """Fraction of GPU memory vLLM may use (GPU engines only)."""
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    """Share of GPU memory vLLM may take (GPU engines); unset: vLLM's own default, 0.9. Lower it
+    when the trainer shares the GPU. CPU engines do not use it: their KV cache is
+    cpu_kv_cache_gib (vLLM 0.32's CPU worker weighs this share against the machine's memory only
+    when no KV size is given, and this server always gives one)."""
 
     cpu_kv_cache_gib: int = Field(1, ge=1)
-    """KV-cache size for the CPU engine, GiB (sets VLLM_CPU_KVCACHE_SPACE)."""
+    """KV-cache size for the CPU engine, GiB (sets VLLM_CPU_KVCACHE_SPACE, unless the environment
+    sets it). At start the KV cache and the model's weights must fit in the memory other programs
+    leave available, or the server refuses to start, saying how much there is."""
 
     reload_timeout_s: float = Field(300, gt=0)
     """Longest a weight update may take (waiting behind another, the pause: "wait" lets running
