@@ -55,6 +55,11 @@ def vllm_args(cfg: RunConfig) -> list[str]:
         # kept set rebuilt from the same settings: trainer/sampling_mask.py).
         "--logprobs-mode", "processed_logprobs",
         "--disable-uvicorn-access-log",
+        # Requests still running at a stop get SHUTDOWN_GRACE_S to finish, and so does the engine
+        # core to exit after its SIGTERM. vLLM's default, 0, SIGKILLs the engine core right after
+        # the SIGTERM (vllm/v1/utils.py shutdown): it never unlinked its shared memory, and every
+        # Ctrl-C ended in multiprocessing's "leaked shared_memory objects" warnings.
+        "--shutdown-timeout", str(SHUTDOWN_GRACE_S),
         # Per-token versions count each request's sampled tokens at a weight switch; with async
         # scheduling (a GPU default) the count can lag one placeholder token behind.
         "--no-async-scheduling",

@@ -32,6 +32,7 @@ class WeightReloadExtension:
         changed (../shared/VLLM_CPU_NOTES.md): _asyncrl_fix_tied_lm_head repairs it.
         """
         sampled = self._asyncrl_sampled()
+        NothingToLoad.install(self.model_runner.get_model(), self._asyncrl_tied_lm_head())
         with self._asyncrl_refreshing_tied_lm_head(), self._asyncrl_cleared_on_failure():
             self.reload_weights(weights_path=path)
         return sampled
@@ -130,6 +131,7 @@ class WeightReloadExtension:
         with open(manifest_path, "rb") as f:
             manifest = bc.Manifest.from_json(f.read())
         sampled = self._asyncrl_sampled()
+        NothingToLoad.install(self.model_runner.get_model(), self._asyncrl_tied_lm_head())
         start = time.perf_counter()
         try:
             incoming = bc.Incoming(group, manifest)
@@ -152,6 +154,41 @@ class WeightReloadExtension:
         log.info("received version %d by broadcast (%d buckets, %.1f MB) in %.3f s", manifest.version,
                  len(manifest.buckets), manifest.total_bytes / 2**20, time.perf_counter() - start)
         return sampled
+
+
+class NothingToLoad(logging.Filter):
+    """Drops vLLM's "<Layer>: Failed to load weights" for layers no checkpoint holds weights for,
+    which every reload printed (vllm 0.32, model_loader/reload/layerwise.py
+    finalize_layerwise_processing says it of each layer the reload loaded nothing into): a tied
+    lm_head (its weight is the embedding's, reloaded with it; _asyncrl_fix_tied_lm_head makes it
+    compute from them) and layers whose only tensors are non-persistent buffers (a rotary
+    embedding's cos/sin cache, computed at start). Only classes all of whose layers are such:
+    the warning for any layer that should have had weights still shows."""
+
+    LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+    MESSAGE = "%s: Failed to load weights"
+
+    def __init__(self, layers: set[str]):
+        super().__init__()
+        self.layers = layers
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == self.MESSAGE and len(record.args) == 1 and record.args[0] in self.layers)
+
+    @classmethod
+    def install(cls, model, tied_lm_head) -> None:
+        """Once per process: the filter for `model`'s weightless layer classes."""
+        logger = logging.getLogger(cls.LOGGER)
+        if any(isinstance(f, cls) for f in logger.filters):
+            return
+        weightless: dict[str, bool] = {}
+        for module in model.modules():
+            params, buffers = dict(module.named_parameters(recurse=False)), dict(module.named_buffers(recurse=False))
+            none_to_load = module is tied_lm_head or (
+                not params and bool(buffers) and buffers.keys() <= module._non_persistent_buffers_set)
+            name = type(module).__name__
+            weightless[name] = weightless.get(name, True) and none_to_load
+        logger.addFilter(cls({name for name, yes in weightless.items() if yes}))
 
 
 def _packed_twin(model, lm_head):
