@@ -379,6 +379,8 @@ def test_chunked_logprobs_and_an_offloaded_reference_train_as_the_plain_trainer_
     # logit is off by at most LOGIT_ERROR * max_i sum_j |E_ij h_j| (gamma_n ~ n u for a dot
     # product of n terms in any order, the widest n charged to each of the chained products on
     # the path to a logit, relative to the scale of the logit's own terms).
+    from trainer.loss import _MAX_LOG_RATIO
+
     u = 2.0 ** -24
     chained, widest = 4 * 6 + 1, 384  # per layer q/k/v, scores, values, o, gate/up, down; then lm_head
     logit_error = chained * widest * u / (1 - chained * widest * u)
@@ -404,7 +406,9 @@ def test_chunked_logprobs_and_an_offloaded_reference_train_as_the_plain_trainer_
         ref, ref_err = logprobs_and_errors(TINY_MODEL, ids)
         for t in range(1, len(ids)):
             if mask[t]:
-                x, e = float(ref[t - 1] - pol[t - 1]), float(ref_err[t - 1] + pol_err[t - 1])
+                # Clamped as the loss clamps it (1-Lipschitz: the error bound below still holds).
+                x = min(max(float(ref[t - 1] - pol[t - 1]), -_MAX_LOG_RATIO), _MAX_LOG_RATIO)
+                e = float(ref_err[t - 1] + pol_err[t - 1])
                 ks.append(math.exp(x) - x - 1)
                 # |k3(x + e) - k3(x)| = |(exp(x) - 1)(exp(e) - 1) + exp(e) - 1 - e|, and k3's own
                 # float32 evaluation adds at most a few u of exp(x) + |x| + 1.
