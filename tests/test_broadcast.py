@@ -238,7 +238,9 @@ def test_a_receiver_that_never_joins_fails_the_sender_naming_the_address(tmp_pat
         reap(procs)
     message = str(err.value)
     assert address in message and "never joined: [2]" in message and "weight_sync.timeout_s" in message
-    assert waited < 30
+    # Not before its timeout (rl/broadcast.py allows the backend's timers 5% early); with rank 2
+    # never coming nothing but that timeout ends the wait, so the error itself shows it fired.
+    assert waited >= 0.95 * cfg.weight_sync.timeout_s, waited
     assert rank == 1 and not ok and address in why
 
 
@@ -265,7 +267,9 @@ def test_a_member_missing_from_a_version_fails_publish_naming_the_address(tmp_pa
     finally:
         reap(procs, kill_first=True)  # rank 1 still waits for the rest of version 2
     assert address in str(err.value) and "version 2" in str(err.value)
-    assert 2.5 < waited < 15
+    # At its own timeout (3 s; rl/broadcast.py allows the backend's timers 5% early), before the
+    # receivers' (60 s), the only other thing that could have ended the broadcast.
+    assert 0.95 * 3 <= waited < 60, waited
     assert not (run.weights_dir(2) / bc.DELIVERED).exists()
 
 
