@@ -29,6 +29,7 @@ import psutil
 import pytest
 
 from conftest import TINY_MODEL
+from orchestrator.delivery import ANSWER_MARGIN_S
 from orchestrator.orchestrator import Orchestrator
 from rl.rundir import RunDir, mark_stable
 from test_end_to_end import launch_server, wait_healthy
@@ -38,6 +39,7 @@ from test_scheduling_vllm import copying_trainer
 pytestmark = pytest.mark.slow
 
 SEQ_LEN = 256  # the tiny model's max_position_embeddings
+RELOAD_TIMEOUT_S = 3
 LONG_SEQ_LEN = 2048
 # Near-greedy, the tiny model writes "z" after "z" until the length limit (up to 2,040 tokens
 # with its positions raised to 2,048: checked), and ends "abc=" after 4 tokens: long and short
@@ -62,7 +64,7 @@ def only_long(seed: int) -> Iterator[dict]:
 @pytest.fixture
 def server(tmp_path):
     proc, url = launch_server(tmp_path, "server", TINY_MODEL, tmp_path / "run", seq_len=SEQ_LEN,
-                              extra="reload_timeout_s = 3\n")
+                              extra=f"reload_timeout_s = {RELOAD_TIMEOUT_S}\n")
     try:
         wait_healthy(proc, url)
         yield proc, url
@@ -83,7 +85,7 @@ def long_server(tmp_path):
     proc, url = launch_server(tmp_path, "server", model, tmp_path / "run", seq_len=LONG_SEQ_LEN)
     try:
         wait_healthy(proc, url)
-        yield model, url
+        yield model, url, proc
     finally:
         proc.stop()
 
@@ -122,51 +124,104 @@ def test_hopeless_groups_are_aborted_on_the_engine(long_server, tmp_path):
     """Groups of 8 on LONG, SHORT, SHORT, LONG start on version 0 (two batches of two may still
     take version 0 with max_off_policy_steps 1). The short ones make batch 1; the trainer stand-in
     publishes version 1, reloaded while the long ones run; two more short groups make batch 2.
-    Batch 3 can take no version-0 token, so the two long groups, still generating (each has 2,040
-    tokens to write, the rest takes a few dozen engine steps), are cancelled: the server aborts
-    all 16 of their engine requests while they run, and their prompts go back to the queue. (That
-    an aborted engine request stops generating: test_inference_server.py's abort test.)"""
-    model, url = long_server
+    Batch 3 can take no version-0 token, so the two long groups, still generating, are cancelled:
+    the server aborts all 16 of their engine requests while they run, and their prompts go back to
+    the queue. (That an aborted engine request stops generating: test_inference_server.py's abort
+    test.)
+
+    "Still generating" by construction, not by a race against the clock: the engine core runs
+    (SIGCONT) only while a short group's request is on the server or a reload is under way, and
+    is stopped (SIGSTOP) otherwise. The long groups then advance only during the engine steps the
+    short groups and reloads need (a few dozen: 4 tokens a short group), never the 2,040 they
+    need to end; everything else (hand-overs, the trainer stand-in, scoring, a loaded machine's
+    stalls) happens while the engine is stopped. (Before: the engine ran throughout, and on a
+    loaded machine the long groups once ended, their answers on the way back, as the abort went
+    out: nothing left on the engine to abort.)"""
+    model, url, proc = long_server
     root = tmp_path / "run"
     group_size = 8
+    long_rows = {i for i, p in enumerate(ORDER) if p == LONG}
     cfg = orchestrator_config(root, url, model=model, seq_len=LONG_SEQ_LEN,
                               dataset="test_engine_stalls_vllm:rows", group_size=group_size,
                               prompts_per_step=2, max_in_flight_groups=4, max_off_policy_steps=1,
                               in_flight_updates=True, request_timeout_s=60, max_steps=2)
     RunDir(root).make()
+    core = engine_core(proc)
     seen = {}
 
     async def scenario():
         async with aiohttp.ClientSession() as session:
-            async def aborted() -> int:
+            async def state() -> dict:
                 async with session.get(f"{url}/health") as r:
-                    return (await r.json())["aborted"]
+                    return await r.json()
 
             orch = Orchestrator(cfg, session)
             cancel_hopeless = orch.cancel_hopeless
+            reloading = [0]
+
+            def engine_running(reload):  # a reload needs the engine core
+                async def wrapped(*args):
+                    reloading[0] += 1
+                    try:
+                        return await reload(*args)
+                    finally:
+                        reloading[0] -= 1
+                return wrapped
+
+            def engine_needed() -> bool:
+                return reloading[0] > 0 or any(g.requests for g in orch.in_flight.values()
+                                               if g.prompt.index not in long_rows)
+
+            async def gate() -> None:
+                stopped = False
+                try:
+                    while True:
+                        if engine_needed() == stopped:
+                            core.send_signal(signal.SIGCONT if stopped else signal.SIGSTOP)
+                            stopped = not stopped
+                        await asyncio.sleep(0.002)
+                finally:
+                    core.send_signal(signal.SIGCONT)
 
             async def observed() -> None:
                 doomed = {gid: g.prompt.index for gid, g in orch.in_flight.items()}
-                before = await aborted()
+                drawn = orch.queue.cursor
+                before = await state()
                 await cancel_hopeless()
                 if orch.next_step != 3:
                     return
                 seen["doomed"] = {gid: i for gid, i in doomed.items() if gid not in orch.in_flight}
-                seen["requeued"] = [p.index for p in orch.queue.requeued]
+                # Requeued, or already taken again by a group started while the aborts were out
+                # (a prompt drawn before the cancellation).
+                seen["requeued"] = [p.index for p in orch.queue.requeued] + [
+                    g.prompt.index for gid, g in orch.in_flight.items()
+                    if gid not in doomed and g.prompt.index < drawn]
+                seen["running before"] = before["running"]
                 # Counted as the server passes them to the engine, before it answers the /abort
                 # that cancel_hopeless awaited: exact now.
-                seen["aborted"] = await aborted() - before
+                seen["aborted"] = (await state())["aborted"] - before["aborted"]
 
             orch.cancel_hopeless = observed
+            # load: every server to a new version; bring: one server back (health checks).
+            orch.delivery.load = engine_running(orch.delivery.load)
+            orch.delivery.bring = engine_running(orch.delivery.bring)
+            gating = asyncio.create_task(gate())
             trainer = asyncio.create_task(copying_trainer(RunDir(root), cfg.max_steps))
             try:
                 await asyncio.wait_for(orch.run(), 240)
             finally:
                 trainer.cancel()
+                gating.cancel()
+                await asyncio.gather(gating, return_exceptions=True)
 
-    asyncio.run(scenario())
-    assert sorted(seen["doomed"].values()) == [0, 3], seen  # the two long groups, nothing else
-    assert sorted(seen["requeued"]) == [0, 3], seen
+    try:
+        asyncio.run(scenario())
+    finally:
+        core.send_signal(signal.SIGCONT)
+    # The gate held: the long groups' 16 engine requests were still on the engine when the abort went.
+    assert seen["running before"] >= 2 * group_size, seen
+    assert sorted(seen["doomed"].values()) == sorted(long_rows), seen  # the two long groups, nothing else
+    assert sorted(seen["requeued"]) == sorted(long_rows), seen
     assert seen["aborted"] == 2 * group_size, seen
 
 
@@ -178,14 +233,17 @@ def test_a_reload_that_outlives_its_timeout_answers_504_and_the_server_recovers(
     core = engine_core(proc)
     core.send_signal(signal.SIGSTOP)
     try:
+        # As the orchestrator asks (delivery.py): it waits the server's reload_timeout_s plus
+        # ANSWER_MARGIN_S for the answer, so an answer the orchestrator would miss fails here too.
         start = time.monotonic()
-        r = httpx.post(f"{url}/update_weights", timeout=120,
+        r = httpx.post(f"{url}/update_weights", timeout=RELOAD_TIMEOUT_S + ANSWER_MARGIN_S,
                        json={"path": str(version_1), "version": 1, "mode": "keep"})
         took = time.monotonic() - start
         assert r.status_code == 504, r.text
-        assert "still running after 3 s (inference.reload_timeout_s)" in r.text, r.text
-        # On time: the timeout is 3 s, and nothing else is slow while the engine is stopped.
-        assert 3 <= took < 3 + 30, took
+        assert f"still running after {RELOAD_TIMEOUT_S} s (inference.reload_timeout_s)" in r.text, r.text
+        # Not early: the server's wait lies inside the client's. (The engine stays stopped until
+        # the finally below, so the reload cannot have ended: only that timeout answers.)
+        assert took >= RELOAD_TIMEOUT_S, took
         stuck = health(url)
         assert stuck.status_code == 503 and "still running" in stuck.text, stuck.text
         again = httpx.post(f"{url}/update_weights", timeout=30, json={"path": str(version_1), "version": 1})
