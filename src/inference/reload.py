@@ -205,14 +205,16 @@ class Weights:
     def finished_late(self, update: asyncio.Task) -> None:
         o, self.overdue = self.overdue, None
         took = time.monotonic() - o.since
-        if update.cancelled() and not self.generations.broken:
+        if update.cancelled():
             # Nobody waits for its answer any more: /health keeps saying it, so that no one is
             # served by weights that may be half old, half new.
-            self.generations.broken = (f"the overdue reload of {o.path} as version {o.version} was cancelled "
-                                       f"after {took:.0f} s; the engine's weights may be mixed: restart this server")
-            log.error("%s", self.generations.broken)
-        elif not update.cancelled() and update.exception() is not None:
-            # Rolled back, or the server is broken: switch_to logged which.
+            if not self.generations.broken:
+                self.generations.broken = (f"the overdue reload of {o.path} as version {o.version} was cancelled "
+                                           f"after {took:.0f} s; the engine's weights may be mixed: restart this "
+                                           "server")
+                log.error("%s", self.generations.broken)
+        elif update.exception() is not None:
+            # Rolled back, or the server is broken: roll_back logged which.
             log.warning("the overdue reload of %s as version %d failed after %.0f s", o.path, o.version, took)
         else:
             log.warning("the overdue reload of %s as version %d finished after %.0f s; serving it", o.path,

@@ -168,7 +168,8 @@ def main(cfg: RunConfig) -> int:
     # model) before calling this. Before the engine's processes exist: they must not outlive this one (inference/orphans.py).
     orphans.start()
     # The CPU engine sizes its KV cache from this variable; GPU engines ignore it. Empty, vLLM
-    # would size it from gpu_memory_utilization (0.9 of the machine, refused beside a trainer).
+    # would size it from gpu_memory_utilization, a share of the machine's memory its CPU worker
+    # refuses to take when other programs hold the rest (vllm/v1/worker/cpu_worker.py).
     if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.inference.cpu_kv_cache_gib)
     # vLLM's runtime LoRA routes load adapters from any path (and resolve unknown model names
