@@ -42,30 +42,42 @@ while args and args[0].startswith("-"):
         sys.exit(f"fake srun: unexpected option {{a}}")
 if not node or "," in node or not args:
     sys.exit(f"fake srun: one node and a command expected: {{sys.argv}}")
+proc, stopped = None, []
+
+def kill(sig):
+    try:
+        if proc is not None:
+            os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+def stop(signum, _):
+    stopped.append(signum)
+    kill(signum)  # then SIGKILL after a grace, like srun's KillWait
+    threading.Timer(20, kill, (signal.SIGKILL,)).start()
+
+# Before the step starts: a stop that comes while it starts still reaches it (below).
+signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGINT, stop)
 with open(os.environ["FAKE_SRUN_LOG"], "a") as f:
     f.write(json.dumps({{"node": node, "argv": args, "token": os.environ.get("ASYNCRL_API_TOKEN")}}) + "\n")
+ready = os.environ["FAKE_SRUN_LOG"] + ".ready"
 if os.environ.get("FAKE_SRUN_RECORD"):
     fail = os.environ.get("FAKE_FAIL")
     if "inference" in args:
-        args = ["sh", "-c", "sleep 0.5; exit 3"] if fail and fail in args else ["sleep", "1000"]
+        # The failing step fails once every step of the job runs (FAKE_STEPS of them), so that
+        # all are there to be stopped, however slowly a loaded machine starts them.
+        wait = f'while [ "$(wc -l < {{ready}} 2>/dev/null || echo 0)" -lt {{os.environ.get("FAKE_STEPS", 0)}} ]; do sleep 0.05; done'
+        args = ["sh", "-c", f"{{wait}}; exit 3"] if fail and fail in args else ["sleep", "1000"]
     else:
         args = ["sleep", "1000"] if os.environ.get("FAKE_HANG") else ["true"]
 proc = subprocess.Popen(args, env={{**os.environ, "SLURMD_NODENAME": node}}, start_new_session=True)
 with open(os.environ["FAKE_SRUN_LOG"] + ".pgids", "a") as f:
     f.write(f"{{proc.pid}}\n")
-
-def kill(sig):
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
-
-def stop(signum, _):
-    kill(signum)  # then SIGKILL after a grace, like srun's KillWait
-    threading.Timer(20, kill, (signal.SIGKILL,)).start()
-
-signal.signal(signal.SIGTERM, stop)
-signal.signal(signal.SIGINT, stop)
+if stopped:
+    kill(stopped[0])
+with open(ready, "a") as f:  # started, and stops reach it
+    f.write(f"{{proc.pid}}\n")
 rc = proc.wait()
 kill(signal.SIGKILL)  # nothing of a step outlives it (vLLM's engine processes)
 os._exit(rc if rc >= 0 else 128 - rc)
@@ -226,7 +238,7 @@ def test_job_places_servers_trainer_and_orchestrator_on_their_nodes(cluster, wri
 def test_a_step_that_fails_fails_the_job_and_stops_the_rest(cluster, write_toml, tmp_path):
     script = cluster.script(big_config(write_toml, tmp_path / "run", port=8100))
     job = cluster.start(script, FAKE_NODES="n1 n2 n3 n4", FAKE_SRUN_RECORD="1", FAKE_FAIL="8101",
-                        FAKE_HANG="1")
+                        FAKE_HANG="1", FAKE_STEPS="7")
     _, err = job.communicate(timeout=90)
     assert job.returncode == 1
     assert re.search(r"step inference-n[12]-8101 exited with code 3 before the run ended", err), err
@@ -236,10 +248,12 @@ def test_a_step_that_fails_fails_the_job_and_stops_the_rest(cluster, write_toml,
 def test_sigterm_stops_every_step(cluster, write_toml, tmp_path):
     script = cluster.script(big_config(write_toml, tmp_path / "run"))
     job = cluster.start(script, FAKE_NODES="n1 n2 n3 n4", FAKE_SRUN_RECORD="1", FAKE_HANG="1")
-    deadline = time.monotonic() + 30
-    while len(cluster.steps()) < 7 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    time.sleep(0.5)
+    # Every step started, and its srun ready to pass a stop on (the fake srun says so last).
+    ready = Path(f"{cluster.env['FAKE_SRUN_LOG']}.ready")
+    deadline = time.monotonic() + 120
+    while len(ready.read_text().split() if ready.exists() else []) < 7:
+        assert time.monotonic() < deadline and job.poll() is None, cluster.steps()
+        time.sleep(0.05)
     job.send_signal(signal.SIGTERM)
     _, err = job.communicate(timeout=60)
     assert job.returncode == 143, err
