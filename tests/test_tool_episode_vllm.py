@@ -108,5 +108,8 @@ def test_tool_episodes_on_the_real_engine_keep_the_sampled_ids(server):
                 assert between.startswith("\n<|im_start|>user\n<tool_response>\n"), between
                 assert between.endswith("</tool_response><|im_end|>\n<|im_start|>assistant\n"), between
             assert all(t for t in texts[:-1])  # every turn before the last held a call
-    # The model was taught to call the calculator: its episodes use it (32 episodes at T=1).
-    assert called >= 8, called
+    # The checks between turns above ran on at least one episode that called the calculator and
+    # went on (the model was taught to; at T=1, unseeded, how many of the 32 do is chance: a
+    # count measured on one machine is no bound, at least one of 32 fails only if the model's
+    # chance of a call were tiny).
+    assert called >= 1, called
