@@ -61,9 +61,15 @@ class NoReward:
         return iter([])
 
 
+# The scripted calls of `add` and `fail` run in a thread (rl/tools.py) and must answer within it
+# on a loaded machine, where a thread may wait a while to be scheduled; `hang` (awaiting, far
+# longer than any timeout) never does.
+TOOL_TIMEOUT_S = 2
+
+
 def config(env: str = "test_tool_episode:Tools", seq_len: int = 4096, **orchestrator) -> RunConfig:
     return RunConfig.model_validate({"model": str(CHAT_MODEL), "seq_len": seq_len, "orchestrator": {
-        "environment": env, "group_size": 2, "max_turns": 4, "tool_timeout_s": 0.5,
+        "environment": env, "group_size": 2, "max_turns": 4, "tool_timeout_s": TOOL_TIMEOUT_S,
         "max_tokens": 200, **orchestrator}})
 
 
@@ -90,7 +96,7 @@ SCRIPT = [
     # Every other way a call goes wrong, in one turn.
     '<tool_call>\n{"name": "add", "arguments": {"a": "x", "b": 1}}\n</tool_call>\n'
     '<tool_call>\n{"name": "add", "arguments": {"a": 1}\n</tool_call>\n'
-    '<tool_call>\n{"name": "hang", "arguments": {"seconds": 30}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "hang", "arguments": {"seconds": 3600}}\n</tool_call>\n'
     '<tool_call>\n{"name": "fail", "arguments": {}}\n</tool_call>',
     "1",
 ]
@@ -98,7 +104,7 @@ TOOL_REPLIES = [
     ["5", "error: unknown tool 'nope'; the tools are add, hang, fail"],
     ["error: add: argument a: \"x\" is not an integer",
      "error: malformed tool call: not JSON (Expecting ',' delimiter: line 3 column 1 (char 39))",
-     "error: hang: no result within 0.5 s",
+     f"error: hang: no result within {TOOL_TIMEOUT_S} s",
      "error: fail raised ValueError: no"],
 ]
 
