@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import aiohttp
 import pytest
@@ -108,13 +109,15 @@ def test_rewards_from_an_http_endpoint_and_failures_counted():
 
 
 async def slow_reward(prompt, completion, row):
-    await asyncio.sleep(5)
+    await asyncio.Event().wait()  # only the timeout's cancellation ends it
     return 1.0
 
 
+hung_released = threading.Event()
+
+
 def hung_sync_reward(prompt, completion, row):
-    import time
-    time.sleep(2)
+    hung_released.wait(60)  # released by the test once answered: it cannot return before that
     return 1.0
 
 
@@ -124,7 +127,11 @@ def test_a_reward_that_times_out_fails_its_rollouts(spec):
         async with aiohttp.ClientSession() as session:
             return await Reward(spec, 0.2, session).score("p", ["a", "b"], {})
 
-    assert asyncio.run(scenario()) == [None, None]
+    hung_released.clear()
+    try:
+        assert asyncio.run(scenario()) == [None, None]
+    finally:
+        hung_released.set()
 
 
 def test_teacher_logprobs_become_per_token_advantages():
