@@ -143,7 +143,7 @@ def server(tmp_path_factory):
             proc, url = started.result()
     try:
         yield {"url": url, "a": str(a_dir), "b": str(b_dir), "refs": refs, "empty": str(empty), "too_big": str(too_big),
-               "outside": str(outside), "run": run, "log": proc.log}
+               "outside": str(outside), "run": run, "log": proc.log, "proc": proc}
     finally:
         proc.stop()
 
@@ -305,17 +305,28 @@ def test_load_refusals(server, adapters):
 
 
 def test_unload_waits_for_no_generate_and_a_name_can_be_loaded_again(server, adapters):
+    import signal
+
+    from test_engine_stalls_vllm import engine_core
+
     url, refs = server["url"], server["refs"]
     adapters(a=1, b=2)
+    # The engine core stopped while the unload is asked: the generate cannot end before it (the
+    # server counts it from its arrival, in its front end), however loaded the machine.
+    core = engine_core(server["proc"])
 
     async def busy_unload():
         async with httpx.AsyncClient(timeout=120) as client:
-            task = asyncio.create_task(client.post(f"{url}/generate", json={
-                "request_id": "long", "prompt_token_ids": [Z], "n": 32, "max_tokens": 63, "lora": "a"}))
-            while (await client.get(f"{url}/health")).json()["running"] == 0:
-                assert not task.done(), (await task).text
-                await asyncio.sleep(0.005)
-            busy = await client.post(f"{url}/unload_lora_adapter", json={"name": "a"})
+            core.send_signal(signal.SIGSTOP)
+            try:
+                task = asyncio.create_task(client.post(f"{url}/generate", json={
+                    "request_id": "long", "prompt_token_ids": [Z], "n": 32, "max_tokens": 63, "lora": "a"}))
+                while (await client.get(f"{url}/health")).json()["running"] == 0:
+                    assert not task.done(), (await task).text
+                    await asyncio.sleep(0.005)
+                busy = await client.post(f"{url}/unload_lora_adapter", json={"name": "a"})
+            finally:
+                core.send_signal(signal.SIGCONT)
             long = await task
             return busy, long
 
