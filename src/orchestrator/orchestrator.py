@@ -95,7 +95,8 @@ class Orchestrator:
         self.reporting = Reporting(cfg, self.run_dir, self.pool, per_dataset=len(self.rollouts.sources) > 1)
         if self.next_step > 1:  # resumed: its predecessor may have died between checkpoint and record
             last = self.next_step - 1
-            self.reporting.recover(last, lambda: checkpointed_batch(self.run_dir, last))
+            self.reporting.recover(last, lambda: self.unsent if self.unsent is not None
+                                   else checkpointed_batch(self.run_dir, last))
 
     # --- waiting, visibly -----------------------------------------------------------------
 

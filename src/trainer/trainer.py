@@ -189,6 +189,7 @@ class Trainer:
         every = cfg.trainer.checkpoint_every
         if every and (step % every == 0 or step == cfg.max_steps):
             set_phase(f"checkpointing step {step}")
+            # Kept without checkpoint_s (not known until saved): a recovered record lacks it.
             ckpt_s = self.save_checkpoint(policy, step, record)
             crash_point("trainer.checkpointed", step)
         if self.rank == 0:
