@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import random
@@ -66,7 +67,8 @@ async def fake_trainer(run: RunDir, steps: int, step_latency, first: int = 1) ->
     for n in range(first, steps + 1):
         while not run.rollout_dir(n).exists():
             await asyncio.sleep(0.002)
-        await asyncio.sleep(step_latency())
+        delay = step_latency()  # seconds, or something to await
+        await (delay if inspect.isawaitable(delay) else asyncio.sleep(delay))
         d = run.weights_dir(n)
         d.mkdir(parents=True)
         (d / "model.safetensors").write_bytes(b"")
@@ -208,9 +210,9 @@ def test_hopeless_groups_are_aborted_on_the_server_and_their_prompts_requeued(tm
     check_rules(outcome)
     cancelled = sum(r.get("cancelled", 0) for r in outcome.metrics)
     assert cancelled > 0
-    # Aborted on the server itself, before the request would have run its course (8 x 0.2 s).
-    stopped_early = [r for r in server.requests.values()
-                     if r.aborted_at is not None and r.tokens < 8 and r.finished - r.started < 1.0]
+    # Aborted on the server itself, before the request would have run its course (fewer than its
+    # 8 tokens: how long that took depends on the machine, not on the abort).
+    stopped_early = [r for r in server.requests.values() if r.aborted_at is not None and r.tokens < 8]
     assert len(stopped_early) >= 1
     assert all(r.finished is not None for r in server.requests.values())
 
@@ -421,23 +423,32 @@ def test_a_server_that_never_answers_ends_in_a_clear_timeout(tmp_path):
 def test_a_server_restarted_between_requests_is_reloaded(tmp_path):
     """A server that restarts while idle comes back on the base model (version 0) and fails no
     request: a health check must notice and bring it back to the current version. It restarts
-    while the trainer pauses 4 s before version 10, so no routine push of a new version can be
-    what brings it back."""
+    while the trainer holds version 10 back, until b serves version 9 again (or 60 s pass), so
+    no routine push of a new version can be what brings it back."""
     a, b = FakeServer(lambda: 0.002), FakeServer(lambda: 0.002)
     calls, restarted, pause_ends = [], [], []
+    back = asyncio.Event()
 
-    def step_latency() -> float:
+    async def hold_version_10() -> None:
+        try:
+            await asyncio.wait_for(back.wait(), 60)
+        finally:
+            pause_ends.append(time.monotonic())
+
+    def step_latency():
         calls.append(time.monotonic())
         if len(calls) == 10:  # before version 10
-            pause_ends.append(time.monotonic() + 4.0)
-            return 4.0
+            return hold_version_10()
         return 0.1
 
     async def restart():
-        while not (pause_ends and b.version == 9):
+        while not (len(calls) >= 10 and b.version == 9):
             await asyncio.sleep(0.005)
         b.version = 0  # what a fresh `rl inference` reports
         restarted.append(time.monotonic())
+        while b.version != 9:  # brought back (only a reload sets it)
+            await asyncio.sleep(0.005)
+        back.set()
 
     async def scenario():
         task = asyncio.create_task(restart())
