@@ -86,27 +86,10 @@ def exact_logprobs(model, ids: list[int]):
     return lp, 2 * LOGIT_ERROR * (head.weight.abs() @ head_in[0].abs().T).max(0).values
 
 
-def test_a_chat_run_trains_on_exactly_the_rendered_and_sampled_ids(tmp_path):
-    """Each trained prompt is apply_chat_template's ids for its question; each trained
-    completion token is the id the engine sampled: at the base weights (version 0) the logprob
-    the engine reported with it is the base model's own logprob of that very id at that place
-    (float64 transformers, to within float32 rounding), which at most places no other id has (so
-    a trained id other than the sampled one would show). Generation
-    stops at the end of the turn though eos is another token; each dataset's sampling settings
-    ride with its samples; the per-step metrics, evaluations, trackers and plots are there."""
-    model = base_model_with_template(tmp_path)
-    words = ["ammonia", "splat", "canroyer", "kettle", "orbit", "sun", "mirror", "lantern"]
-    data = tmp_path / "spell.jsonl"
-    data.write_text("".join(json.dumps({"messages": [
-        {"role": "user", "content": f"Spell this word backward (example: sun -> nus): {w}"}], "answer": w[::-1]}) + "\n"
-        for w in words))
-    (tmp_path / "spell_reward.py").write_text(
-        "def reward(prompt, completion, row):\n"
-        "    right = sum(a == b for a, b in zip(completion.strip(), row['answer']))\n"
-        "    return {'letters': right / len(row['answer']), 'exact': float(completion.strip() == row['answer'])}\n")
+def chat_config(tmp_path, model, data) -> str:
+    """Two datasets at two temperatures, a held-out evaluation, both trackers, every port free."""
     out = tmp_path / "run"
-    cfg = tmp_path / "chat.toml"
-    cfg.write_text(f'''model = "{model}"
+    return f'''model = "{model}"
 output_dir = "{out}"
 max_steps = 3
 seq_len = 96
@@ -144,16 +127,14 @@ checkpoint_every = 0
 [tracking]
 tensorboard = true
 wandb = true
-''')
-    result = subprocess.run(rl_command("run", "@", str(cfg)), capture_output=True, text=True, timeout=420,
-                            cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:] + (out / "logs" / "orchestrator.log").read_text()[-3000:]
-    assert "held-out greedy heldout/accuracy: version 0" in result.stderr
+'''
 
+
+def assert_rendered_prompts_and_stops(model, batches: list[Batch], words: list[str]) -> None:
+    """Each prompt is apply_chat_template's ids for its question; generation stops at the end
+    of the turn though eos is another token; each dataset's sampling rides with its samples."""
     tok = AutoTokenizer.from_pretrained(model)
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
-    run = RunDir(out)
-    batches = [Batch.read(run.rollout_dir(step)) for step in (1, 2, 3)]
     ended = 0
     for batch in batches:
         for s, temperature, top_k in zip(batch.sample_slices(), batch.temperatures, batch.top_k):
@@ -172,9 +153,11 @@ wandb = true
             assert (temperature, top_k) == ((np.float32(0.7), 20) if reasoning_gym else (1.0, -1))
     assert ended > 0  # the model was taught to end its turns: some did within 16 tokens
 
-    # The completions are the sampled ids: at version 0, the engine's logprob of each (the batch
-    # keeps it, float32) is the base model's logprob of that id at that place. Samples drawn at
-    # temperature 1 without truncation (the jsonl dataset's) report the plain log_softmax.
+
+def assert_completions_are_the_sampled_ids(model, batches: list[Batch]) -> None:
+    """The completions are the sampled ids: at version 0, the engine's logprob of each (the batch
+    keeps it, float32) is the base model's logprob of that id at that place. Samples drawn at
+    temperature 1 without truncation (the jsonl dataset's) report the plain log_softmax."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -199,6 +182,38 @@ wandb = true
                 unique += int(others.sum()) == 1
     assert compared >= 16  # at least one sample's worth of 16 tokens at version 0
     assert unique > compared // 2, (unique, compared)  # 79 of 89 in one run
+
+
+def test_a_chat_run_trains_on_exactly_the_rendered_and_sampled_ids(tmp_path):
+    """Each trained prompt is apply_chat_template's ids for its question; each trained
+    completion token is the id the engine sampled: at the base weights (version 0) the logprob
+    the engine reported with it is the base model's own logprob of that very id at that place
+    (float64 transformers, to within float32 rounding), which at most places no other id has (so
+    a trained id other than the sampled one would show). Generation
+    stops at the end of the turn though eos is another token; each dataset's sampling settings
+    ride with its samples; the per-step metrics, evaluations, trackers and plots are there."""
+    model = base_model_with_template(tmp_path)
+    words = ["ammonia", "splat", "canroyer", "kettle", "orbit", "sun", "mirror", "lantern"]
+    data = tmp_path / "spell.jsonl"
+    data.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"Spell this word backward (example: sun -> nus): {w}"}], "answer": w[::-1]}) + "\n"
+        for w in words))
+    (tmp_path / "spell_reward.py").write_text(
+        "def reward(prompt, completion, row):\n"
+        "    right = sum(a == b for a, b in zip(completion.strip(), row['answer']))\n"
+        "    return {'letters': right / len(row['answer']), 'exact': float(completion.strip() == row['answer'])}\n")
+    out = tmp_path / "run"
+    cfg = tmp_path / "chat.toml"
+    cfg.write_text(chat_config(tmp_path, model, data))
+    result = subprocess.run(rl_command("run", "@", str(cfg)), capture_output=True, text=True, timeout=420,
+                            cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:] + (out / "logs" / "orchestrator.log").read_text()[-3000:]
+    assert "held-out greedy heldout/accuracy: version 0" in result.stderr
+
+    run = RunDir(out)
+    batches = [Batch.read(run.rollout_dir(step)) for step in (1, 2, 3)]
+    assert_rendered_prompts_and_stops(model, batches, words)
+    assert_completions_are_the_sampled_ids(model, batches)
 
     records = [json.loads(line) for line in run.metrics.read_text().splitlines()]
     orch = [r for r in records if r["program"] == "orchestrator"]
