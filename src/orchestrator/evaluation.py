@@ -22,6 +22,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
+from orchestrator.quiet import Quiet
 from orchestrator.rollouts import Rollouts
 from orchestrator.scoring import combine
 from orchestrator.sources import RowError, Source
@@ -43,6 +44,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 class Evaluation:
     def __init__(self, rollouts: Rollouts, sources: list[Source], cfg: EvalConfig):
         self.rollouts, self.sources, self.cfg = rollouts, sources, cfg
+        self.quiet = Quiet(log)  # rows that cannot be rendered: a line per row, each evaluation, otherwise
         # The same rows every time: a version's score is comparable with the one before.
         self.rows = {s.name: [s.fetch(d) for d in itertools.islice(s.draws(), cfg.rows)] for s in sources}
 
@@ -84,7 +86,7 @@ class Evaluation:
             text, ids = self.rollouts.renderer.render(source.ds, row, where)
             request = self.rollouts.request(request_id, ids, self.cfg.samples, sampling, where)
         except RowError as e:
-            log.warning("eval row skipped: %s", e)
+            self.quiet.warn(e.fix, f"eval row skipped: {e}")  # the same fix: the same cause
             return None
         if adapter is not None:
             request = request.model_copy(update={"lora": adapter})

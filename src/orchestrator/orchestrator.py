@@ -91,12 +91,23 @@ class Orchestrator:
         self.background: list[asyncio.Task] = []
         self.chores: set[asyncio.Task] = set()
         self.attempts: dict[int, int] = {}  # prompt index -> failed groups so far
-        self.streaks = Streaks(self.o.max_futile_streak)  # what would make the run spin ends it
+        self.streaks = Streaks(self.o.max_futile_streak, self.futile_spans())  # what would make the run spin ends it
+        self.best_reward = float("-inf")  # the highest reward any group got: is a filtered one mastered?
+        self.filtered_rewards: dict[float, None] = {}  # each reward of the groups filtered since one was batched
         self.reporting = Reporting(cfg, self.run_dir, self.pool, per_dataset=len(self.rollouts.sources) > 1)
         if self.next_step > 1:  # resumed: its predecessor may have died between checkpoint and record
             last = self.next_step - 1
             self.reporting.recover(last, lambda: self.unsent if self.unsent is not None
                                    else checkpointed_batch(self.run_dir, last))
+
+    def futile_spans(self) -> dict[str, float]:
+        """How long a streak of failed groups must last before it stops the run (orchestrator/streaks.py):
+        as long as this run waits on a slow reward (each of a prompt's MAX_ATTEMPTS) or teacher before
+        calling it down, so a reward endpoint or teacher restarting does not end the run."""
+        span = MAX_ATTEMPTS * self.o.reward_timeout_s
+        if self.o.teacher_url:
+            span = max(span, self.o.request_timeout_s)
+        return {"failed": span}
 
     # --- waiting, visibly -----------------------------------------------------------------
 
@@ -196,8 +207,10 @@ class Orchestrator:
 
     async def run_group(self, gid: str, g: InFlight) -> None:
         adapter = self.delivery.adapter(g.version)
+        who = self.culprit(g.prompt)
 
         async def generate(request: GenerateRequest) -> GenerateResponse:
+            self.streaks.rendered(who)  # its row made a request: the dataset has usable rows
             if g.cancelled:  # a multi-turn episode's next turn, after its group was aborted
                 raise Aborted(request.request_id)
             if adapter is not None:  # every turn on the adapter the group started on
@@ -237,16 +250,40 @@ class Orchestrator:
         if not group.samples:  # every rollout's reward or environment failed
             self.retry_or_drop(gid, g.prompt, f"{group.failed} of {self.o.group_size} rollouts failed, "
                                f"last: {group.error or 'no error recorded'}")
-        elif self.o.filter_zero_variance and self.rollouts.teacher is None and len(set(group.rewards)) == 1:
+            await self.notify()
+            return
+        self.streaks.scored(who)
+        self.best_reward = max(self.best_reward, *group.rewards)
+        if self.o.filter_zero_variance and self.rollouts.teacher is None and len(set(group.rewards)) == 1:
             self.counters.filtered += 1
-            self.streaks.hit("filtered", self.culprit(g.prompt), f"every rollout of a group got reward "
-                             f"{group.rewards[0]:g}", "make the task learnable at the model's level (easier rows, "
-                             "partial credit, a higher temperature), or set orchestrator.filter_zero_variance = false")
+            self.filtered(g.prompt, group.rewards[0])
         else:
             self.finished.append(group)
             self.counters.model_tokens += group.model_tokens
-            self.streaks.good(self.culprit(g.prompt))
+            self.filtered_rewards.clear()
+            self.streaks.good(who)
         await self.notify()
+
+    def filtered(self, prompt: Prompt, reward: float) -> None:
+        """A group filtered for zero reward variance: a futile event, said as either the task looking
+        mastered (every group since the last batched one got the highest reward seen, above 0: the
+        shipped scorers give 1 for a right answer) or unlearnable (one low reward for all)."""
+        self.filtered_rewards[reward] = None
+        who, rewards = self.culprit(prompt), list(self.filtered_rewards)
+        if rewards == [self.best_reward] and reward > 0:
+            why = f"every group got reward {reward:g}, the highest seen in this run: the task looks mastered"
+            fix = "harder rows, or end the run here; or set orchestrator.filter_zero_variance = false"
+        elif len(rewards) == 1:
+            sampling = self.rollouts.env_sampling if self.o.environment else self.rollouts.source(prompt).ds.sampling
+            why = (f"every group got the same low reward {reward:g} (the highest seen: {self.best_reward:g}): "
+                   f"unlearnable at temperature {sampling.temperature:g}")
+            fix = ("make the task learnable at the model's level (easier rows, partial credit, a higher "
+                   "temperature), or set orchestrator.filter_zero_variance = false")
+        else:
+            seen = ", ".join(f"{r:g}" for r in rewards)
+            why = f"each group got one reward for all its rollouts (last: {reward:g}; seen: {seen})"
+            fix = "set orchestrator.filter_zero_variance = false, or make rewards differ within a group"
+        self.streaks.hit("filtered", who, why, f"{fix} (or orchestrator.max_futile_streak = 0)")
 
     def group_failed(self, gid: str, g: InFlight, e: Exception) -> None:
         if isinstance(e, (InferenceError, Aborted)):  # the server's fault, not the prompt's

@@ -23,6 +23,7 @@ from tokenizers import Tokenizer
 from orchestrator.advantages import group_advantages
 from orchestrator.environment import Environment, ToolEnvironment, Turn
 from orchestrator.prompts import Prompt
+from orchestrator.quiet import Quiet
 from orchestrator.scoring import Teacher, combine
 from orchestrator.sources import Renderer, RowError, Source, configured_sources, mix
 from orchestrator.tokenizer import load_tokenizer
@@ -118,6 +119,7 @@ class Rollouts:
         self.env_sampling = self.o.sampling()  # an environment's turns: the orchestrator-level settings
         self.tool_episode = self._tool_episode(env) if self.tool_env else None
         self.env_error = ""  # the latest episode failure (Group.error)
+        self.env_quiet = Quiet(log)  # an environment that always raises would say so per episode
 
     @classmethod
     def from_config(cls, cfg: RunConfig, session: aiohttp.ClientSession) -> Rollouts:
@@ -174,7 +176,8 @@ class Rollouts:
         room = self.cfg.seq_len - len(tokens) - (1 if self.teacher is not None else 0)
         if room < 1:
             raise RowError(f"{where}: {len(tokens)} tokens leave no room to generate within seq_len {self.cfg.seq_len}",
-                           "raise seq_len, lower max_tokens or shorten the prompts (the system prompt, tool schemas)")
+                           # max_tokens is no help: generation is already cut to the room left (below)
+                           "raise seq_len or shorten the prompts (system prompt, tool schemas)")
         stop_ids = self.renderer.stop_token_ids if self.renderer else []
         return GenerateRequest(request_id=request_id, prompt_token_ids=tokens, n=n,
                                max_tokens=min(sampling.max_tokens, room), temperature=sampling.temperature,
@@ -310,7 +313,7 @@ class Rollouts:
 
     def _env_failed(self, eid: str, e: Exception) -> None:
         self.env_error = f"{type(e).__name__}: {e}"
-        log.warning("episode %s failed in %s: %s: %s", eid, self.o.environment, type(e).__name__, e)
+        self.env_quiet.warn(self.env_error, f"episode {eid} failed in {self.o.environment}: {self.env_error}")
         return None
 
     async def add_teacher_signal(self, samples: list[Sample], gid: str) -> None:

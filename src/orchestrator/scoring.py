@@ -21,13 +21,13 @@ import weakref
 
 import aiohttp
 
+from orchestrator.quiet import Quiet
 from rl.callables import load_callable
 from rl.dataset_config import BUILTIN_REWARDS
 from rl.inference_api import GenerateRequest, InferenceClient, InferenceError
 
 log = logging.getLogger("orchestrator")
 
-QUIET_S = 10.0  # a reward failing the same way again is logged at most this often
 REWARD_THREADS = 8  # Python rewards mostly hold the GIL: more threads would help only those waiting on I/O
 
 Score = float | dict[str, float]
@@ -67,21 +67,15 @@ class Reward:
         threaded = self.fn is not None and not self.is_async and not inline
         self.threads = RewardThreads(REWARD_THREADS) if threaded else None
         self.last_error = ""
-        self.unsaid, self.said_at = 0, 0.0  # failures like the last one not logged, and when one was
+        self.quiet = Quiet(log)
 
     def failed(self, what: str) -> None:
         """One rollout's reward failed: kept as the reward's last error (the line that stops a run
         whose every group fails names it: orchestrator/streaks.py) and said, but a failure like the
-        last one only every QUIET_S: a reward that always raises would write a line per rollout.
-        (Called from reward threads too: a count off by one is harmless.)"""
-        repeated = what == self.last_error and time.monotonic() - self.said_at < QUIET_S
+        last one only every QUIET_S (orchestrator/quiet.py): a reward that always raises would write
+        a line per rollout."""
         self.last_error = what
-        if repeated:
-            self.unsaid += 1
-            return
-        also = f" ({self.unsaid} more failure(s) like the one before not shown)" if self.unsaid else ""
-        self.unsaid, self.said_at = 0, time.monotonic()
-        log.warning("reward %s %s; that rollout fails%s", self.url or self.spec, what, also)
+        self.quiet.warn(what, f"reward {self.url or self.spec} {what}; that rollout fails")
 
     async def score(self, prompt: str, completions: list[str], row: dict) -> list[Score | None]:
         if self.url:
