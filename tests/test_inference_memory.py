@@ -19,7 +19,7 @@ import pytest
 from conftest import TINY_MODEL, free_port, rl_command
 from inference.server import vllm_args
 from rl import preflight
-from rl.config import load_config
+from rl.config import ConfigError, load_config
 
 
 def test_the_refusal_names_the_key_what_is_available_and_what_it_needs():
@@ -60,17 +60,28 @@ def test_a_kv_cache_beyond_the_machine_is_one_line_and_exit_2(tmp_path):
                            f"memory in all, and the KV cache ({kv} GiB) with the model's weights"), line
 
 
-def test_a_kv_cache_beyond_the_memory_available_is_one_line_and_exit_2(tmp_path):
-    """Less than the machine has, more than the other programs leave: checked with --dry-run, the
-    same checks as a start, so that a machine with that much free never starts such an engine."""
-    available, total = preflight._memory_gib()
-    kv = int(total - 0.5)  # below the total with the tiny model's weights
-    if kv <= available + 1:
-        pytest.skip(f"{available:.1f} of {total:.1f} GiB available: no KV size in between to try")
-    line = one_line(start(tmp_path, kv, "--dry-run"), tmp_path)
-    assert line.startswith(f"rl inference: inference.cpu_kv_cache_gib = {kv}: this machine has "), line
-    assert f"GiB of memory available (of {total:.1f} GiB), and the KV cache ({kv} GiB)" in line, line
-    assert line.endswith("lower it, or stop what holds the memory"), line
+def test_a_kv_cache_beyond_the_memory_available_is_refused(monkeypatch):
+    """Less than the machine has, more than the other programs leave. In-process, with the memory
+    reading fixed: the machine's own "available" moves as other programs (other tests' engines)
+    start and exit, by more than any margin a test could leave between its reading and a
+    subprocess's. (That a start runs this check, in one line and exit 2: the test above.)"""
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setattr(preflight, "_memory_gib", lambda: (3.1, 23.5))
+    cfg = load_config(["--model", str(TINY_MODEL), "--inference.cpu_kv_cache_gib", "4"])[0]
+    weights = sum(f.stat().st_size for f in TINY_MODEL.glob("*.safetensors")) / 2**30
+    with pytest.raises(ConfigError) as e:
+        preflight.inference_memory(cfg)
+    assert str(e.value) == preflight.memory_refusal("inference.cpu_kv_cache_gib = 4", 4, weights, 3.1, 23.5)
+    assert str(e.value).startswith("inference.cpu_kv_cache_gib = 4: this machine has 3.1 GiB of memory available "
+                                   "(of 23.5 GiB), and the KV cache (4 GiB)"), e.value
+    assert str(e.value).endswith("lower it, or stop what holds the memory"), e.value
+    # What fits passes; the environment's VLLM_CPU_KVCACHE_SPACE is what the server would use.
+    monkeypatch.setattr(preflight, "_memory_gib", lambda: (4.1 + weights, 23.5))
+    preflight.inference_memory(cfg)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "5")
+    with pytest.raises(ConfigError, match=r"^VLLM_CPU_KVCACHE_SPACE = 5 \(the environment's, in place of "
+                                          r"inference.cpu_kv_cache_gib = 4\): this machine has"):
+        preflight.inference_memory(cfg)
 
 
 def test_gpu_memory_utilization_reaches_vllm_only_when_set():
