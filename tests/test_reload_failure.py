@@ -13,6 +13,15 @@ version, and the next /generate killed the engine (layers still on vLLM's meta d
 - The rollback fails too (the old version's files are gone): the server is broken: /health,
   /generate and /update_weights answer 503 saying why and to restart it; the request the engine
   held ends as aborted, tagged with the old version.
+- A reload that outlived inference.reload_timeout_s (its caller got 504) and then fails: no
+  rollback, the server is broken. Nor is there one after a load that timed out (a stand-in
+  engine): vLLM's multiprocess executor leaves the worker loading, and a second call to it would
+  take the first one's answer for its own.
+
+"Frozen across the update" by construction, not by a race against the clock: the long request is
+seen running on the engine (vLLM's /metrics gauge), its engine core stopped (SIGSTOP) while the
+update goes out, and let go (SIGCONT) once the server logged that it pauses the engine; the
+worker's failure line says how many requests it held.
 """
 
 from __future__ import annotations
@@ -21,18 +30,26 @@ import asyncio
 import json
 import re
 import shutil
+import signal
+import time
 from pathlib import Path
 
 import aiohttp
 import pytest
 import torch
+from fastapi import HTTPException
 from safetensors.torch import load_file, save_file
 
 from conftest import TINY_MODEL
+from inference.access import WeightRoots
+from inference.adapters import AdaptersOff
+from inference.generation import Generations
+from inference.reload import FilesReload, Overdue, Weights
+from rl.config import load_config
+from rl.inference_api import UpdateWeightsRequest
 from rl.rundir import RunDir, mark_stable
 from test_end_to_end import launch_server, wait_healthy
-
-pytestmark = pytest.mark.slow
+from test_engine_stalls_vllm import engine_core
 
 SEQ_LEN = 1024  # the tiny model allowed 1,024 positions: a long greedy request runs for a second or more
 Z = 28  # "z": greedy, the tiny model writes "z" after "z" until max_tokens
@@ -42,9 +59,13 @@ PROMPTS = ([3, 4, 5, 29], [10, 11, 29], [Z, 27, 26, 25, 29])
 BAD = "model.layers.2.input_layernorm.weight"
 
 
+RELOAD_TIMEOUT_S = 3
+
+
 @pytest.fixture
-def setup(tmp_path):
-    """A server on a copy of the tiny model allowed SEQ_LEN positions, serving version 1."""
+def setup(tmp_path, request):
+    """A server on a copy of the tiny model allowed SEQ_LEN positions, serving version 1; with
+    indirect parametrization, request.param is more of its [inference] config."""
     model = tmp_path / "model"
     shutil.copytree(TINY_MODEL, model)
     config = json.loads((model / "config.json").read_text())
@@ -53,7 +74,8 @@ def setup(tmp_path):
     versions = {1: weights(run, model, 1, seed=1),
                 2: weights(run, model, 2, seed=2, misshapen=BAD),
                 3: weights(run, model, 3, seed=2)}
-    proc, url = launch_server(tmp_path, "server", model, run.root, seq_len=SEQ_LEN)
+    extra = getattr(request, "param", "")
+    proc, url = launch_server(tmp_path, "server", model, run.root, seq_len=SEQ_LEN, extra=extra)
     try:
         wait_healthy(proc, url)
         status, answer = asyncio.run(update(url, versions[1], 1))
@@ -117,17 +139,49 @@ async def running(s: aiohttp.ClientSession, url: str, timeout_s: float = 60) -> 
         await asyncio.sleep(0.01)
 
 
-async def long_across_update(s: aiohttp.ClientSession, url: str, path: Path, version: int) -> tuple[dict, tuple]:
+async def engine_running(s: aiohttp.ClientSession, url: str, task: asyncio.Task, timeout_s: float = 60) -> None:
+    """Until vLLM's own gauge (/metrics) shows a request the engine scheduled: the worker holds it."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        async with s.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
+            text = await r.text()
+        if sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:num_requests_running{")) >= 1:
+            return
+        assert not task.done(), f"the long request ended before the engine was seen running it: {task.result()}"
+        assert loop.time() < deadline, f"no request running on the engine within {timeout_s:g} s"
+        await asyncio.sleep(0.005)
+
+
+async def long_across_update(s: aiohttp.ClientSession, proc, url: str, path: Path,
+                             version: int) -> tuple[dict, tuple]:
     """A long greedy request, and the update of `path` as `version` in mode "keep" (the request
-    frozen between two decode steps) while it runs: (its sample, the update's answer)."""
+    frozen between two decode steps) while it runs, surely: its engine core is stopped from when
+    the engine runs it until the server pauses the engine for the update. (Before: a race; on a
+    fast machine the request could end before the update.) (its sample, the update's answer)."""
     long = asyncio.create_task(generate(s, url, "long-across", **LONG))
-    await running(s, url)
-    answer = await update(url, path, version)
+    await engine_running(s, url, long)
+    core = engine_core(proc)
+    core.send_signal(signal.SIGSTOP)
+    try:
+        pausing = f"updating to version {version} from {path}: pausing the engine"
+        before = proc.log.read_text(errors="replace").count(pausing)
+        answer = asyncio.create_task(update(url, path, version))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 60
+        while proc.log.read_text(errors="replace").count(pausing) == before:
+            assert loop.time() < deadline and not answer.done(), f"no update logged:\n{proc.tail()}"
+            await asyncio.sleep(0.01)
+    finally:
+        core.send_signal(signal.SIGCONT)
+    answer = await answer
     status, data = await long
     assert status == 200, data
     return data["samples"][0], answer
 
 
+@pytest.mark.slow
 def test_a_reload_failing_half_way_rolls_back_to_the_version_served(setup):
     proc, url, versions = setup
 
@@ -137,7 +191,7 @@ def test_a_reload_failing_half_way_rolls_back_to_the_version_served(setup):
             status, data = await generate(s, url, "long-before", **LONG)
             assert status == 200, data
             long_before = data["samples"][0]
-            long_across, (status, answer) = await long_across_update(s, url, versions[2], 2)
+            long_across, (status, answer) = await long_across_update(s, proc, url, versions[2], 2)
             return before, long_before, long_across, status, answer, await health(s, url), await greedy(s, url, "after")
 
     before, long_before, long_across, status, answer, (h_status, h), after = asyncio.run(scenario())
@@ -145,15 +199,17 @@ def test_a_reload_failing_half_way_rolls_back_to_the_version_served(setup):
     assert "Attempted to load weight (torch.Size([129])) into parameter (torch.Size([128]))" in answer, answer
     assert "rolled back: this server still serves version 1" in answer, answer
     # Half-way indeed: the worker had loaded layers of version 2 before the misshapen tensor.
-    loaded, kept = map(int, re.search(r"reload failed half-way: (\d+) layers had taken the new weights, "
-                                      r"(\d+) keep their own", proc.log.read_text()).groups())
+    loaded, kept, held = map(int, re.search(r"reload failed half-way: (\d+) layers had taken the new weights, "
+                                            r"(\d+) keep their own; (\d+) requests held", proc.log.read_text()).groups())
     assert loaded > 0 and kept > 0, (loaded, kept)
+    assert held == 1  # the long request, frozen across it
     assert h_status == 200 and h["version"] == 1 and h["path"] == str(versions[1]), h
     # Exactly version 1's weights: the same greedy tokens and logprobs, tagged 1.
     assert after == before
     assert all(set(sample["versions"]) == {1} for sample in after), after
     # The request frozen across the failed update, resumed on the rolled-back weights.
     assert long_across == long_before
+    assert 0 < len(long_across["token_ids"]) == LONG["max_tokens"]
     assert long_before["finish_reason"] == "length" and set(long_before["versions"]) == {1}
     # The engine takes the next good version.
     status, answer = asyncio.run(update(url, versions[3], 3))
@@ -167,6 +223,7 @@ def test_a_reload_failing_half_way_rolls_back_to_the_version_served(setup):
     assert all(set(sample["versions"]) == {3} for sample in v3) and v3 != before, v3
 
 
+@pytest.mark.slow
 def test_a_failed_rollback_marks_the_server_broken(setup):
     proc, url, versions = setup
     # Version 1's files gone (as a trainer's keep_weights would delete them): nothing to roll back to.
@@ -174,7 +231,7 @@ def test_a_failed_rollback_marks_the_server_broken(setup):
 
     async def scenario():
         async with aiohttp.ClientSession() as s:
-            long, (status, answer) = await long_across_update(s, url, versions[2], 2)
+            long, (status, answer) = await long_across_update(s, proc, url, versions[2], 2)
             return (long, status, answer, await health(s, url),
                     await generate(s, url, "after", prompt_token_ids=[3, 4], max_tokens=4, temperature=0),
                     await update(url, versions[3], 3))
@@ -190,3 +247,152 @@ def test_a_failed_rollback_marks_the_server_broken(setup):
     assert long["finish_reason"] == "abort" and len(long["token_ids"]) < LONG["max_tokens"], long
     assert set(long["versions"]) <= {1}, long
     assert "failed too" in proc.log.read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setup", [f"reload_timeout_s = {RELOAD_TIMEOUT_S}\n"], indirect=True)
+def test_an_overdue_reload_that_then_fails_marks_the_server_broken(setup):
+    """The engine core stopped past reload_timeout_s: 504, /health 503 "still running"; let go,
+    the load of the misshapen version fails in the worker. Its caller was told 504 and that the
+    server answers 503 until the reload ends, so no rollback: the server is broken (before: it
+    rolled back after the fact, and with a load that had timed out in vLLM's executor, the
+    rollback took the first load's answer for its own)."""
+    proc, url, versions = setup
+    core = engine_core(proc)
+    core.send_signal(signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        status, answer = asyncio.run(update(url, versions[2], 2))
+        assert status == 504 and f"still running after {RELOAD_TIMEOUT_S} s" in answer, answer
+        assert time.monotonic() - start >= RELOAD_TIMEOUT_S
+
+        async def stuck():
+            async with aiohttp.ClientSession() as s:
+                return await health(s, url)
+
+        h_status, h = asyncio.run(stuck())
+        assert h_status == 503 and "still running" in h, h
+    finally:
+        core.send_signal(signal.SIGCONT)
+
+    async def until_broken():
+        async with aiohttp.ClientSession() as s:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 60
+            while "still running" in (h := await health(s, url))[1]:
+                assert loop.time() < deadline, h
+                await asyncio.sleep(0.1)
+            return (h, await generate(s, url, "after", prompt_token_ids=[3, 4], max_tokens=4, temperature=0),
+                    await update(url, versions[3], 3))
+
+    (h_status, h), (g_status, g), (u_status, u) = asyncio.run(until_broken())
+    assert (h_status, g_status, u_status) == (503, 503, 503), (h, g, u)
+    for text in (h, g, u):
+        assert "the overdue reload of " in text and " as version 2 failed after " in text, text  # path: <path> to clients
+        assert "Attempted to load weight (torch.Size([129])) into parameter (torch.Size([128]))" in text, text
+        assert "the weights are no version's; restart this server" in text, text
+    log = proc.log.read_text()
+    assert "reload failed half-way" in log  # in the worker, after the 504
+    assert "rolled back" not in log and "rolling back" not in log
+
+
+# --- the decision, on a stand-in engine ---------------------------------------------------------
+
+class Engine:
+    """What Weights asks of vLLM's AsyncLLM; collective_rpc raises `errors` in turn, then answers."""
+
+    def __init__(self, *errors: Exception):
+        self.errors = list(errors)
+        self.calls: list[tuple] = []
+        self.resumed = 0
+        self.aborted: list[list[str]] = []
+
+    async def collective_rpc(self, method, timeout=None, args=()):
+        self.calls.append((method, args))
+        if self.errors:
+            raise self.errors.pop(0)
+        return [{}]
+
+    async def pause_generation(self, mode, clear_cache):
+        pass
+
+    async def resume_generation(self):
+        self.resumed += 1
+
+    async def reset_prefix_cache(self):
+        return True
+
+    async def abort(self, ids):
+        self.aborted.append(ids)
+
+
+def stand_in(tmp_path, engine: Engine) -> Weights:
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "model.safetensors").write_bytes(b"")
+    cfg = load_config(["--model", str(TINY_MODEL)])[0]
+    weights = Weights(cfg, WeightRoots(cfg), Generations(cfg.seq_len, AdaptersOff(None, 0)))
+    weights.engine = weights.generations.engine = engine
+    weights.path, weights.generations.version = str(served), 1
+    return weights
+
+
+def reload_to(weights: Weights, tmp_path) -> HTTPException:
+    body = UpdateWeightsRequest(path=str(tmp_path / "v2"), version=2, mode="keep")
+    with pytest.raises(HTTPException) as e:
+        asyncio.run(weights.update(FilesReload(3), tmp_path / "v2", body))
+    return e.value
+
+
+# How vLLM 0.32's AsyncLLM raises a collective_rpc its multiprocess executor gave up on, and one a
+# worker answered with an error (v1/engine/core_client.py _process_utility_output).
+TIMED_OUT = Exception("Call to collective_rpc method failed: RPC call to asyncrl_reload_weights timed out.")
+WORKER_FAILED = Exception("Call to collective_rpc method failed: Worker failed with error 'Attempted to load "
+                          "weight (torch.Size([129])) into parameter (torch.Size([128]))', please check the stack "
+                          "trace above for the root cause")
+
+
+@pytest.mark.parametrize("error", [TIMED_OUT, TimeoutError(), HTTPException(504, "receiving version 2 by broadcast "
+                                                                                 "failed: RPC call timed out.")],
+                         ids=["rpc-timeout", "TimeoutError", "broadcast-504"])
+def test_a_load_that_timed_out_is_not_rolled_back(tmp_path, error):
+    """The worker may still be loading: no second call (it would take the first one's answer),
+    the engine left paused, the server broken."""
+    engine = Engine(error)
+    weights = stand_in(tmp_path, engine)
+    weights.generations.switches["held-0"] = [(0, 1)]
+    e = reload_to(weights, tmp_path)
+    assert e.status_code == 503 and "timed out" in e.detail and "the weights are no version's; restart" in e.detail
+    assert len(engine.calls) == 1 and engine.resumed == 0 and engine.aborted == [["held-0"]]
+    assert weights.generations.broken == e.detail and weights.generations.version == 1
+
+
+def test_a_definite_failure_rolls_back(tmp_path):
+    engine = Engine(WORKER_FAILED)
+    weights = stand_in(tmp_path, engine)
+    e = reload_to(weights, tmp_path)
+    assert e.status_code == 500 and "rolled back: this server still serves version 1" in e.detail, e.detail
+    assert [m for m, _ in engine.calls] == ["asyncrl_reload_weights"] * 2 and engine.calls[1][1] == (weights.path,)
+    assert engine.resumed == 1 and not weights.generations.broken
+
+
+def test_an_overdue_load_that_fails_is_not_rolled_back(tmp_path):
+    engine = Engine(WORKER_FAILED)
+    weights = stand_in(tmp_path, engine)
+    weights.overdue = Overdue(tmp_path / "v2", 2, time.monotonic() - 5, 3)
+    e = reload_to(weights, tmp_path)
+    assert e.status_code == 503 and "the overdue reload of" in e.detail and "Attempted to load" in e.detail
+    assert len(engine.calls) == 1 and engine.resumed == 0
+
+
+def test_a_pause_that_times_out_answers_504(tmp_path):
+    engine = Engine()
+
+    async def pause_generation(mode, clear_cache):
+        raise TimeoutError
+
+    engine.pause_generation = pause_generation
+    weights = stand_in(tmp_path, engine)
+    e = reload_to(weights, tmp_path)
+    assert e.status_code == 504 and "timed out" in e.detail, e.detail
+    assert engine.calls == [] and not weights.generations.broken

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from fastapi import HTTPException
 
@@ -49,6 +50,9 @@ class Adapters:
         # Fresh per load, never reused: the engine identifies an adapter by this id, and a name
         # unloaded and loaded again from changed files must not be mistaken for the old one.
         self.last_lora_id = 0
+        # Raises the HTTPException to answer while the workers must take no call (reload.py
+        # Weights.check_not_overdue: a reload overdue, or the server broken); set by routes.py.
+        self.workers_free: Callable[[], None] = lambda: None
 
     @staticmethod
     def for_config(cfg: RunConfig, roots: WeightRoots) -> Adapters:
@@ -72,6 +76,7 @@ class Adapters:
     async def load_lora_adapter(self, body: LoadLoRARequest) -> dict:
         path = self.roots.confine_adapter(body.path)
         async with self.lock:
+            self.workers_free()
             loaded = self.loaded.get(body.name)
             if loaded is not None:
                 if loaded.path == str(path) and loaded.version == body.version:
@@ -118,6 +123,7 @@ class Adapters:
             if adapter.running:
                 raise HTTPException(409, f"name: adapter {body.name} is in use by {adapter.running} "
                                          "running /generate call(s)")
+            self.workers_free()
             # Forgotten before the engine call, with no suspension since the check: from here
             # a /generate naming it gets 404 instead of reaching the engine.
             del self.loaded[body.name]

@@ -47,6 +47,20 @@ def rpc_error(what: str, e: Exception) -> HTTPException:
     return HTTPException(504 if timed_out(e) else 500, f"{what} failed: {text[:1000]}")
 
 
+def may_still_run(e: Exception) -> bool:
+    """Whether the worker call that raised `e` may still be running: the call timed out (a
+    TimeoutError, or rpc_error's 504) rather than the worker answering with an error. vLLM 0.32's
+    multiprocess executor (the CPU backend's, and every multi-GPU one) gives up waiting after its
+    timeout, but the worker goes on, and its answer stays queued for the next collective_rpc to
+    take as its own (v1/executor/multiproc_executor.py: collective_rpc, get_response). A worker
+    that did answer with an error is "Worker failed with error ..." there, whatever its text."""
+    if isinstance(e, HTTPException):
+        out, text = e.status_code == 504, str(e.detail)
+    else:
+        out, text = timed_out(e), str(e)
+    return out and "Worker failed with error" not in text
+
+
 class Reload(ABC):
     """How the workers load version v from a directory the trainer delivered."""
 
@@ -184,7 +198,11 @@ class Weights:
             if reload.settled(path, body.version, self.generations.version):
                 return {"version": self.generations.version, "reload_s": 0.0, "switched": 0}
             start = time.perf_counter()
-            paused, switched = await self.switch_to(reload, path, body)
+            try:
+                paused, switched = await self.switch_to(reload, path, body)
+            except TimeoutError:
+                # The pause or the prefix cache reset (a load's own timeout is switch_to's).
+                raise HTTPException(504, f"reload of {path} as version {body.version} timed out") from None
             seconds = time.perf_counter() - paused
         log.info("now serving version %d from %s (mode %s: paused after %.3f s, reload %.3f s, "
                  "%d requests switched)", body.version, path, body.mode, paused - start,
@@ -205,17 +223,25 @@ class Weights:
     def finished_late(self, update: asyncio.Task) -> None:
         o, self.overdue = self.overdue, None
         took = time.monotonic() - o.since
+        gens = self.generations
         if update.cancelled():
             # Nobody waits for its answer any more: /health keeps saying it, so that no one is
             # served by weights that may be half old, half new.
-            if not self.generations.broken:
-                self.generations.broken = (f"the overdue reload of {o.path} as version {o.version} was cancelled "
-                                           f"after {took:.0f} s; the engine's weights may be mixed: restart this "
-                                           "server")
-                log.error("%s", self.generations.broken)
+            if not gens.broken:
+                gens.broken = (f"the overdue reload of {o.path} as version {o.version} was cancelled after "
+                               f"{took:.0f} s; the weights are no version's; restart this server")
+                log.error("%s", gens.broken)
         elif update.exception() is not None:
-            # Rolled back, or the server is broken: roll_back logged which.
-            log.warning("the overdue reload of %s as version %d failed after %.0f s", o.path, o.version, took)
+            if gens.broken:
+                # A load that failed or timed out after the 504: switch_to marked the server broken.
+                log.error("the overdue reload of %s as version %d failed after %.0f s: this server is broken",
+                          o.path, o.version, took)
+            else:
+                # It failed before it touched the weights (the lock, the pause), or after they
+                # were all loaded (switch_to records the version first).
+                log.warning("the overdue reload of %s as version %d failed after %.0f s (%s); serving version %d",
+                            o.path, o.version, took, getattr(update.exception(), "detail", update.exception()),
+                            gens.version)
         else:
             log.warning("the overdue reload of %s as version %d finished after %.0f s; serving it", o.path,
                         o.version, took)
@@ -225,6 +251,8 @@ class Weights:
         gens = self.generations
         gens.serving.clear()
         try:
+            # Logged before the pause goes out: what a stalled update waits on shows in the log.
+            log.info("updating to version %d from %s: pausing the engine (mode %s)", body.version, path, body.mode)
             await self.pause(body.mode)
             # reload_s counts from here: the time nothing generates ("wait" drains first,
             # generating as it goes).
@@ -233,12 +261,13 @@ class Weights:
                 try:
                     sampled = await reload.load(self.engine, path, body.version)
                 except Exception as e:
-                    await self.roll_back(path, body.version, e)
+                    await self.load_failed(path, body.version, e)
                 switched = gens.switch(sampled, body.version)
+                # The engine holds this version's weights now, whatever happens next.
+                gens.version, self.path = body.version, str(path)
                 # Cached KV was computed by the old weights. This fails (vLLM logs it)
                 # while running requests hold blocks, hence the per-reload cache salt.
                 await self.engine.reset_prefix_cache()
-                gens.version, self.path = body.version, str(path)
             finally:
                 # A failed reload must not leave the engine paused, unless its weights are
                 # no version's (vLLM's own routes would generate with them).
@@ -248,22 +277,51 @@ class Weights:
             gens.serving.set()
         return paused, switched
 
-    async def roll_back(self, path: Path, version: int, error: Exception) -> NoReturn:
-        """The load of `path` as `version` raised, the engine paused. vLLM reloads layer by layer:
-        the layers loaded before the failure hold the new weights, the others the old ones
-        (worker_extension.py: _end_interrupted_reload). No version names that mix, so reload the
-        version served before from its own directory (the trainer keeps the newest
-        trainer.keep_weights versions, and "base" is the starting model), which the engine then
-        serves exactly as before; the answer is the load's error. Should that fail too (its
-        directory deleted, or it came by broadcast and holds no files), the server is broken:
-        /health and /generate answer 503 saying why, the engine stays paused and the requests
-        it held end as aborted (their tokens were all sampled before the pause)."""
-        gens = self.generations
+    async def load_failed(self, path: Path, version: int, error: Exception) -> NoReturn:
+        """The load of `path` as `version` raised, the engine paused: roll back (roll_back) only
+        after a definite failure, the load's caller still waiting. Otherwise the weights are no
+        version's, and the server is broken (break_down):
+        - the load timed out (may_still_run): the worker may be loading still, and any other call
+          to it (a rollback) would take that load's answer for its own, and resume the engine
+          while the worker reloads;
+        - its caller got 504 already (self.overdue) and was told this server answers 503 until
+          the reload ends: it ends in error."""
         if isinstance(error, HTTPException):
-            status, detail = error.status_code, error.detail
+            detail = str(error.detail)
         else:
-            status, detail = 504 if timed_out(error) else 500, str(error) or type(error).__name__
-        failed = f"loading {path} as version {version} failed ({detail[:1000]})"
+            detail = str(error) or type(error).__name__
+        failed = f"loading {path} as version {version}"
+        if may_still_run(error):
+            await self.break_down(f"{failed} timed out ({detail[:1000]}); the worker may still be loading: the "
+                                  "weights are no version's; restart this server")
+        if self.overdue is not None:
+            await self.break_down(f"the overdue reload of {path} as version {version} failed after "
+                                  f"{time.monotonic() - self.overdue.since:.0f} s ({detail[:1000]}): the weights "
+                                  "are no version's; restart this server")
+        await self.roll_back(path, version, error, f"{failed} failed ({detail[:1000]})")
+
+    async def break_down(self, why: str) -> NoReturn:
+        """The engine's weights are no version's: /health, /generate and /update_weights answer
+        503 saying `why` for good, the engine stays paused (switch_to) and the requests it held
+        end as aborted (their tokens were all sampled before the pause). Aborts reach the engine
+        core, never the workers."""
+        gens = self.generations
+        gens.broken = why
+        log.error("%s", why)
+        await self.engine.abort(list(gens.switches))
+        raise HTTPException(503, why)
+
+    async def roll_back(self, path: Path, version: int, error: Exception, failed: str) -> NoReturn:
+        """The load of `path` as `version` failed for certain (the workers answered with an error),
+        the engine paused. vLLM reloads layer by layer: the layers loaded before the failure hold
+        the new weights, the others the old ones (worker_extension.py: _end_interrupted_reload).
+        No version names that mix, so reload the version served before from its own directory
+        (the trainer keeps the newest trainer.keep_weights versions, and "base" is the starting
+        model), which the engine then serves exactly as before; the answer is the load's error.
+        Should that fail too (its directory deleted, or it came by broadcast and holds no files,
+        or it timed out), the server is broken (break_down)."""
+        gens = self.generations
+        status = error.status_code if isinstance(error, HTTPException) else 500
         served = Path(self.path)
         start = time.perf_counter()
         try:
@@ -271,12 +329,9 @@ class Weights:
                 raise FileNotFoundError(f"{served} holds no *.safetensors")
             await self.files.load(self.engine, served, gens.version)
         except Exception as e:
-            gens.broken = (f"{failed}; rolling back to version {gens.version} from {served} failed too "
-                           f"({str(e)[:1000] or type(e).__name__}): the weights are no version's; restart this "
-                           "server")
-            log.error("%s", gens.broken)
-            await self.engine.abort(list(gens.switches))
-            raise HTTPException(503, gens.broken) from None
+            await self.break_down(f"{failed}; rolling back to version {gens.version} from {served} failed too "
+                                  f"({str(e)[:1000] or type(e).__name__}): the weights are no version's; restart "
+                                  "this server")
         log.warning("%s; rolled back to version %d from %s in %.3f s", failed, gens.version, served,
                     time.perf_counter() - start)
         raise HTTPException(status, f"{failed}; rolled back: this server still serves version {gens.version} "
@@ -315,6 +370,8 @@ class Weights:
                                      f"{self.workers} worker(s) from rank_offset {body.rank_offset}")
         wanted = (body.address, body.rank_offset, body.world_size)
         async with self.lock:
+            # An overdue reload's answer would be taken for this call's (may_still_run).
+            self.check_not_overdue()
             if self.reload.group == wanted:
                 # An orchestrator restarted on the same run asks again.
                 return {"address": body.address, "ranks": list(range(body.rank_offset, last + 1)),

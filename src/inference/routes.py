@@ -82,6 +82,7 @@ class Routes:
         self.adapters = Adapters.for_config(cfg, self.roots)
         self.generations = Generations(cfg.seq_len, self.adapters)
         self.weights = Weights(cfg, self.roots, self.generations)
+        self.adapters.workers_free = self.weights.check_not_overdue
         self.engine = None
 
     def handlers(self) -> dict[str, Callable]:

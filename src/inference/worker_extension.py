@@ -33,7 +33,7 @@ class WeightReloadExtension:
         """
         sampled = self._asyncrl_sampled()
         NothingToLoad.install(self.model_runner.get_model(), self._asyncrl_tied_lm_head())
-        with self._asyncrl_refreshing_tied_lm_head(), self._asyncrl_cleared_on_failure():
+        with self._asyncrl_refreshing_tied_lm_head(), self._asyncrl_cleared_on_failure(len(sampled)):
             self.reload_weights(weights_path=path)
         return sampled
 
@@ -41,16 +41,17 @@ class WeightReloadExtension:
         return {rid: len(state.output_token_ids) for rid, state in self.model_runner.requests.items()}
 
     @contextmanager
-    def _asyncrl_cleared_on_failure(self):
+    def _asyncrl_cleared_on_failure(self, held: int):
         """Around a reload_weights call: when it raises, leave no layer mid-load
         (_end_interrupted_reload), so that the engine can run and the next reload (the server's
-        rollback to the version it served: inference/reload.py) starts clean."""
+        rollback to the version it served: inference/reload.py) starts clean. `held`: how many
+        requests the worker held (frozen across the reload), said with the failure."""
         try:
             yield
         except BaseException:
             loaded, kept = _end_interrupted_reload(self.model_runner.get_model())
-            log.warning("reload failed half-way: %d layers had taken the new weights, %d keep their own", loaded,
-                        kept)
+            log.warning("reload failed half-way: %d layers had taken the new weights, %d keep their own; "
+                        "%d requests held", loaded, kept, held)
             raise
 
     def _asyncrl_tied_lm_head(self):
@@ -140,7 +141,7 @@ class WeightReloadExtension:
             raise
         ok = False
         try:
-            with self._asyncrl_refreshing_tied_lm_head(), self._asyncrl_cleared_on_failure():
+            with self._asyncrl_refreshing_tied_lm_head(), self._asyncrl_cleared_on_failure(len(sampled)):
                 self.reload_weights(weights_iterator=incoming.tensors())
             ok = True
         finally:
