@@ -145,10 +145,10 @@ CASES = [
          'orchestrator.chat = "on": ' + str(TINY_MODEL) + " has no chat template"),
     # prompts that leave no room for a completion (rl/prompt_fit.py): the run would skip every row
     Case("prompts longer than seq_len - max_tokens", ("orchestrator", "run"), ("--orchestrator.max_tokens", "60"),
-         "dataset data: 50 of the first 64 prompts leave less than max_tokens (60) within seq_len (64); the longest is 9 tokens (orchestrator.tasks.reverse:dataset row 6)"),
+         "dataset data: 50 of the first 64 prompts drawn leave less than max_tokens (60) within seq_len (64); the longest is 9 tokens (orchestrator.dataset row 6)"),
     Case("environment's first prompt longer than seq_len - max_tokens", ("orchestrator", "run"),
          ("--orchestrator.environment", "orchestrator.tasks.guess_letter:GuessLetter", "--orchestrator.max_tokens", "60"),
-         "orchestrator.environment = 'orchestrator.tasks.guess_letter:GuessLetter': 64 of the first 64 prompts"),
+         "orchestrator.environment = 'orchestrator.tasks.guess_letter:GuessLetter': 64 of the first 64 prompts drawn"),
     Case("flash attention not installed", ("trainer",), ("--trainer.attention", "flash_attention_2", "--trainer.dtype", "bfloat16"),
          'trainer.attention = "flash_attention_2": the flash-attn package is not installed'),
 ]

@@ -24,7 +24,7 @@ from rl.callables import load_callable
 from rl.chat import ChatTemplate, read_json, token_text
 from rl.config import OrchestratorConfig, RunConfig
 from rl.dataset_config import Dataset
-from rl.prompt_fit import dataset_prompt
+from rl.prompt_fit import dataset_prompt, draw_order
 from rl.tables import Table, load_table, row_problem
 
 log = logging.getLogger("orchestrator")
@@ -56,12 +56,8 @@ class Source:
             rows = load_callable(self.spec.function, f"dataset {self.name}: function")(seed)
             yield from rows
             return
-        n = len(self.table)
         for p in itertools.count() if self.spec.passes is None else range(self.spec.passes):
-            order = list(range(n))
-            if self.spec.shuffle:  # a str seed: the same order on every machine and Python run
-                random.Random(f"{seed}/{self.name}/{p}").shuffle(order)
-            yield from order
+            yield from draw_order(len(self.table), self.ds, seed, p)  # the order the start-up check samples
 
     @property
     def reward_weights(self) -> dict[str, float]:

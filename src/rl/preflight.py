@@ -26,14 +26,13 @@ from pathlib import Path
 import jinja2
 
 from rl.callables import load_callable
-from rl.chat import ChatTemplate, row_messages
+from rl.chat import ChatTemplate
 from rl.config import ConfigError, RunConfig
 from rl.dataset_config import BUILTIN_REWARDS, Dataset
 from rl import placement
 from rl.inference_api import resolve_token
-from rl.prompt_fit import datasets_fit, environment_fits
+from rl.prompt_fit import dataset_fits, environment_fits, error_line, measure, sample, tokenizer_of
 from rl.rundir import RunDir
-from rl.tables import load_table, row_problem
 from rl.tool_parsers import PARSERS
 from rl.tools import load_tools
 
@@ -227,14 +226,11 @@ def orchestrator_code(cfg: RunConfig) -> None:
         except ConfigError:
             raise
         except Exception as e:
-            first = (str(e).strip().splitlines() or [""])[0]
             raise ConfigError(f"orchestrator.environment = {o.environment!r}: building it failed: "
-                              f"{type(e).__name__}: {first}") from None
-        if hasattr(instance, "tools"):
-            tool_environment(cfg, instance)
-        environment_fits(cfg, instance)  # here: building it again could be costly (a verifiers taskset)
-        return
-    for ds, listed in _datasets(cfg):
+                              f"{error_line(e)}") from None
+        loaded = tool_environment(cfg, instance) if hasattr(instance, "tools") else (None, None)
+        environment_fits(cfg, instance, *loaded)  # here: building it again could be costly (a verifiers taskset)
+    for ds, listed, _ in _datasets(cfg):  # beside an environment: its eval datasets
         if ds.spec.function:
             key = _function_key(ds, listed)
             dataset = load_callable(ds.spec.function, key)
@@ -245,9 +241,10 @@ def orchestrator_code(cfg: RunConfig) -> None:
             _takes(reward, key, ds.reward, ("", "", {}), "function(prompt, completion, row)")
 
 
-def tool_environment(cfg: RunConfig, env) -> None:
+def tool_environment(cfg: RunConfig, env) -> tuple[ChatTemplate, list[dict]]:
     """A tool environment's tools describe themselves, it has a reward, its parser loads, and the
-    chat template renders a tool call and its result as a continuation (orchestrator/tool_episode.py)."""
+    chat template renders a tool call and its result as a continuation (orchestrator/tool_episode.py).
+    Returns the template and the tools' schemas, for measuring its prompts."""
     o, key = cfg.orchestrator, f"orchestrator.environment = {cfg.orchestrator.environment!r}"
     try:
         schemas = [t.schema for t in load_tools(env.tools, f"{key}: tools").values()]
@@ -275,6 +272,7 @@ def tool_environment(cfg: RunConfig, env) -> None:
         raise ConfigError(f"{key}: the chat template ({template.origin}) renders an assistant turn differently "
                           "once a tool message follows it, so the ids trained on would not be those the model "
                           "saw; use a template that only appends")
+    return template, schemas
 
 
 def trackers(cfg: RunConfig) -> None:
@@ -287,52 +285,64 @@ def trackers(cfg: RunConfig) -> None:
 
 
 def orchestrator_data(cfg: RunConfig) -> None:
-    """Dataset files and columns exist, reasoning-gym tasks exist, and the chat template (if
-    any) renders each dataset's first row."""
-    o = cfg.orchestrator
-    if o.environment:
+    """Each training and eval dataset: its file and columns exist (reasoning-gym tasks too), the
+    chat template (if any) renders the first row the run draws, and the first rows drawn leave
+    room for max_tokens (rl/prompt_fit.py). One table load and one pass per dataset."""
+    _datasets_data(cfg, _datasets(cfg))
+
+
+def eval_data(cfg: RunConfig) -> None:
+    """`rl eval`: the same for the eval datasets only (it trains on none)."""
+    _datasets_data(cfg, _datasets(cfg, training=False))
+
+
+def _datasets_data(cfg: RunConfig, datasets: list[tuple[Dataset, bool, str]]) -> None:
+    if not datasets:
         return
-    template = ChatTemplate.configured(o, cfg.model)
-    for ds, listed in _datasets(cfg):
-        row, where = _first_row(cfg, ds, listed)
-        if template is None:
-            if isinstance(row, dict) and row.get(ds.spec.messages_key) is not None:
-                raise ConfigError(f"dataset {ds.name}: {where} holds chat messages but {cfg.model} has no chat "
-                                  "template (set orchestrator.chat_template)")
-            continue
-        if row_problem(row, ds.spec) is not None:
-            continue  # a function's bad row: skipped and counted when drawn, like any other
+    template = ChatTemplate.configured(cfg.orchestrator, cfg.model)
+    tokenizer = tokenizer_of(cfg.model)
+    for ds, listed, what in datasets:
+        rows = _sample(cfg, ds, listed)
+        row, where = rows[0]
+        if template is None and isinstance(row, dict) and row.get(ds.spec.messages_key) is not None:
+            raise ConfigError(f"dataset {ds.name}: {where} holds chat messages but {cfg.model} has no chat "
+                              "template (set orchestrator.chat_template)")
         try:
-            template.render(row_messages(row, ds.spec.prompt_key, ds.spec.messages_key, ds.system_prompt))
+            longest = measure(cfg, ds, rows, template, tokenizer)
         except jinja2.TemplateError as e:
             raise ConfigError(f"dataset {ds.name}: the chat template ({template.origin}) fails on {where}: {e}") from None
+        if tokenizer is not None:
+            dataset_fits(cfg, what, ds, longest, template)
 
 
-def _datasets(cfg: RunConfig) -> list[tuple[Dataset, bool]]:
-    """Training and eval datasets, each with whether the config lists it (False: the one made
-    from orchestrator.dataset, whose errors name that key)."""
+def _datasets(cfg: RunConfig, training: bool = True) -> list[tuple[Dataset, bool, str]]:
+    """Training (unless `training` is false, or an environment makes the rows) and eval datasets,
+    each with whether the config lists it (False: the one made from orchestrator.dataset, whose
+    errors name that key) and how messages about its prompts name it."""
     o = cfg.orchestrator
-    return [(ds, bool(o.datasets)) for ds in o.resolved_datasets()] + \
-        [(ds, True) for ds in o.resolved_datasets(evaluation=True)]
+    train = o.resolved_datasets() if training and not o.environment else []
+    return [(ds, bool(o.datasets), f"dataset {ds.name}") for ds in train] + \
+        [(ds, True, f"eval dataset {ds.name}") for ds in o.resolved_datasets(evaluation=True)]
 
 
 def _function_key(ds: Dataset, listed: bool) -> str:
     return f"dataset {ds.name}: function" if listed else "orchestrator.dataset"
 
 
-def _first_row(cfg: RunConfig, ds: Dataset, listed: bool) -> tuple[object, str]:
-    """A dataset's first usable row (a table's) or first row (a function's), and where it is."""
-    if ds.spec.function:
-        key = _function_key(ds, listed)
-        try:
-            seed = cfg.seed if ds.spec.seed is None else ds.spec.seed
-            return next(iter(load_callable(ds.spec.function, key)(seed))), f"{key} row 0"
-        except StopIteration:
-            raise ConfigError(f"{key} = {ds.spec.function!r} yields no rows") from None
-        except Exception as e:
-            raise ConfigError(f"{key} = {ds.spec.function!r}: its first row raised {type(e).__name__}: {e}") from None
-    table = load_table(ds.spec, cfg.seed)
-    return table[0], f"{table.where} row {table.source_row(0)}"
+def _sample(cfg: RunConfig, ds: Dataset, listed: bool) -> list[tuple[object, str]]:
+    """The first rows the run draws from a dataset (rl/prompt_fit.py sample), at least one."""
+    key = _function_key(ds, listed)
+    try:
+        rows = sample(cfg, ds, key)
+    except ConfigError:
+        raise
+    except Exception as e:
+        if not ds.spec.function:
+            raise
+        raise ConfigError(f"{key} = {ds.spec.function!r}: its first rows raised {error_line(e)}") from None
+    if not rows:
+        raise ConfigError(f"{key} = {ds.spec.function!r} yields no rows")
+    return rows
 
 
 def trainer_attention(cfg: RunConfig) -> None:
@@ -469,13 +479,13 @@ def cores(program: str) -> Check:
 CHECKS: dict[str, tuple[Check, ...]] = {
     "inference": (cores("inference"), output_dir, model_for_generation, inference_memory, inference_endpoint),
     "orchestrator": (cores("orchestrator"), output_dir, model_for_scoring, orchestrator_code, orchestrator_data,
-                     datasets_fit, trackers, orchestrator_run_state),
+                     trackers, orchestrator_run_state),
     "trainer": (cores("trainer"), output_dir, model_for_training, trainer_attention, trainer_run_state,
                 trainer_endpoints),
     "slurm": (slurm_template,),
 }
 CHECKS["eval"] = (output_dir, model_for_generation, inference_memory, inference_endpoint, orchestrator_code,
-                  orchestrator_data, datasets_fit)
+                  eval_data)
 CHECKS["run"] = tuple(dict.fromkeys(CHECKS["inference"] + CHECKS["orchestrator"] + CHECKS["trainer"]))
 
 

@@ -1,27 +1,35 @@
-"""Start-up check: every dataset's prompts, and an environment's first prompts, leave room for a
-completion. Once a run spun for ten minutes: a tool environment's system prompt, tool schemas and
-question took more than seq_len, so the orchestrator skipped every row it drew (a warning each,
-~250,000 lines) while the trainer waited for batch 1. Here the first rows of each dataset (and
-of the environment) are rendered and tokenized as the orchestrator will render them, and the run
-is refused, naming the longest prompt, when it leaves less than max_tokens within seq_len.
+"""Start-up check: the prompts a run will draw first leave room for a completion. Once a run spun
+for ten minutes: a tool environment's system prompt, tool schemas and question took more than
+seq_len, so the orchestrator skipped every row it drew (a warning each, ~250,000 lines) while the
+trainer waited for batch 1. Here the first rows the run draws from each dataset (and from the
+environment) are rendered and tokenized as the orchestrator will render them (rl/preflight.py
+runs this on the rows it checks anyway: one table load, one pass).
 
-How a row becomes prompt text lives here, not in the orchestrator, because both must measure the
-same text: orchestrator/sources.py (Renderer) and orchestrator/tool_episode.py call
-`dataset_prompt` and `opening_messages` (rl may not import the orchestrator).
+The rule follows what the orchestrator does with a long prompt: it still generates, with
+max_tokens cut to what seq_len leaves (orchestrator/rollouts.py `room`), and skips the row only
+when nothing is left. So a few long rows among short ones are fine: one warning at start-up
+(how many of the sample, the longest, the keys). A config is refused (ConfigError, exit 2) when
+at least half of the sample leaves less than max_tokens: the run would mostly truncate or skip.
+That includes the case where no sampled prompt leaves any room at all.
+
+How a row becomes prompt text, and the order the run draws a table's rows in, live here, not in
+the orchestrator, because both must use the same (rl may not import the orchestrator):
+orchestrator/sources.py (Renderer, Source.draws) and orchestrator/tool_episode.py call
+`dataset_prompt`, `draw_order` and `opening_messages`.
 
 Measured with the model's tokenizer.json through the Rust `tokenizers` library (no torch, as in
 orchestrator/tokenizer.py); a model without one is not measured here (the orchestrator would
 load transformers for it, which imports torch).
-
-The bound is the one the run needs, seq_len - max_tokens: the orchestrator would still generate
-for a prompt that leaves fewer tokens (shorter completions, cut at seq_len), but a config whose
-sampled prompts do not leave max_tokens asks for completions the run cannot give.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import itertools
-from collections.abc import Callable, Iterator
+import logging
+import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,9 +40,25 @@ from rl.chat import ChatTemplate, row_messages
 from rl.config import ConfigError, RunConfig
 from rl.dataset_config import Dataset
 from rl.tables import load_table, row_problem
-from rl.tools import load_tools
+
+log = logging.getLogger("rl")
 
 SAMPLE_ROWS = 64  # rows measured per dataset: enough to see a template that never fits, cheap to render
+
+
+def error_line(e: BaseException) -> str:
+    """An exception as one line: its type and its message's first line (a traceback-like message
+    from a user's code must not break the one-line refusal)."""
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+
+
+def draw_order(n: int, ds: Dataset, seed: int, p: int) -> list[int]:
+    """The positions of a dataset's table of `n` rows, as the run draws them in pass `p` (`seed`:
+    the dataset's); a str seed gives the same order on every machine and Python run."""
+    order = list(range(n))
+    if ds.spec.shuffle:
+        random.Random(f"{seed}/{ds.name}/{p}").shuffle(order)
+    return order
 
 
 def dataset_prompt(template: ChatTemplate | None, ds: Dataset, row: dict) -> tuple[str, list[dict] | None]:
@@ -71,7 +95,7 @@ class Longest:
             self.tokens, self.where = tokens, where
 
 
-def _tokenizer(model: Path):
+def tokenizer_of(model: Path):
     path = model / "tokenizer.json"
     if not path.is_file():
         return None
@@ -84,107 +108,113 @@ def _count(tokenizer, text: str, special: bool) -> int:
     return len(tokenizer.encode(text, add_special_tokens=special).ids)
 
 
-def _sample(cfg: RunConfig, ds: Dataset) -> Iterator[tuple[dict, str]]:
-    """(row, where) for a dataset's first SAMPLE_ROWS rows (a table's in file order, a function's in
-    its own)."""
+def sample(cfg: RunConfig, ds: Dataset, label: str) -> list[tuple[dict, str]]:
+    """(row, where) for the first SAMPLE_ROWS rows the run draws from a dataset: a function's in its
+    own order, a table's in the run's order (shuffled unless shuffle = false; loaded once).
+    `label`: how a function dataset's rows are named (the key that names the function)."""
     seed = cfg.seed if ds.spec.seed is None else ds.spec.seed
     if ds.spec.function:
-        rows = load_callable(ds.spec.function, f"dataset {ds.name}: function")(seed)
-        for i, row in enumerate(itertools.islice(rows, SAMPLE_ROWS)):
-            yield row, f"{ds.spec.function} row {i}"
-        return
+        rows = load_callable(ds.spec.function, label)(seed)
+        return [(row, f"{label} row {i}") for i, row in enumerate(itertools.islice(rows, SAMPLE_ROWS))]
     table = load_table(ds.spec, seed)
-    for i in range(min(SAMPLE_ROWS, len(table))):
-        yield table[i], f"{table.where} row {table.source_row(i)}"
+    order = draw_order(len(table), ds, seed, 0)
+    return [(table[i], f"{table.where} row {table.source_row(i)}") for i in order[:SAMPLE_ROWS]]
 
 
-def _measure_dataset(cfg: RunConfig, ds: Dataset, template: ChatTemplate | None, tokenizer) -> Longest:
+def measure(cfg: RunConfig, ds: Dataset, rows: list[tuple[dict, str]], template: ChatTemplate | None,
+            tokenizer) -> Longest:
+    """The sampled rows' prompt lengths. The first row's template failure raises (a template that
+    fails on the first row drawn is refused by rl/preflight.py); a later row's is that row's
+    alone, skipped when drawn. Without a tokenizer only the first row is rendered."""
     budget, longest = cfg.seq_len - ds.sampling.max_tokens, Longest()
-    for row, where in _sample(cfg, ds):
+    for i, (row, where) in enumerate(rows if tokenizer is not None else rows[:1]):
         if row_problem(row, ds.spec) is not None or (template is None and row.get(ds.spec.messages_key) is not None):
             continue  # a row that cannot make a prompt at all: skipped and counted when drawn
         try:
             text, messages = dataset_prompt(template, ds, row)
         except jinja2.TemplateError:
-            continue  # the template fails on this row alone: skipped when drawn (orchestrator_data checks row 0)
-        longest.add(_count(tokenizer, text, special=messages is None), where, budget)
+            if i == 0:
+                raise
+            continue
+        if tokenizer is not None:
+            longest.add(_count(tokenizer, text, special=messages is None), where, budget)
     return longest
 
 
-def _refusal(cfg: RunConfig, what: str, longest: Longest, max_tokens: int, keys: str) -> str:
-    budget = cfg.seq_len - max_tokens
-    return (f"{what}: {longest.over} of the first {longest.measured} prompts leave less than max_tokens "
-            f"({max_tokens}) within seq_len ({cfg.seq_len}); the longest is {longest.tokens} tokens "
-            f"({longest.where}), over the {budget} a prompt may take: raise seq_len, lower {keys}")
-
-
-def datasets_fit(cfg: RunConfig) -> None:
-    """Every training and eval dataset's first rows leave max_tokens within seq_len."""
-    o = cfg.orchestrator
-    if o.environment:
-        return  # measured where the environment is built (environment_fits)
-    tokenizer = _tokenizer(cfg.model)
-    if tokenizer is None:
+def judge(cfg: RunConfig, what: str, longest: Longest, max_tokens: int, keys: str) -> None:
+    """Refuse (ConfigError) when at least half the sample leaves less than max_tokens; otherwise
+    warn once if any does: those rows get shorter completions (or are skipped if nothing is left)."""
+    if not longest.over:
         return
-    template = ChatTemplate.configured(o, cfg.model)
-    for ds, kind in [(ds, "") for ds in o.resolved_datasets()] + \
-            [(ds, "eval ") for ds in o.resolved_datasets(evaluation=True)]:
-        what = f"{kind}dataset {ds.name}"
-        try:
-            longest = _measure_dataset(cfg, ds, template, tokenizer)
-        except ConfigError:
-            raise
-        except Exception as e:  # a function dataset whose later rows raise
-            first = (str(e).strip().splitlines() or [""])[0]
-            raise ConfigError(f"{what}: measuring its first prompts failed: {type(e).__name__}: {first}") from None
-        if longest.over:
-            keys = "orchestrator.max_tokens" if ds.spec.max_tokens is None else "the dataset's max_tokens"
-            if template is not None and ds.system_prompt:
-                prompt_key = "orchestrator.system_prompt" if ds.spec.system_prompt is None else "its system_prompt"
-                keys += f" or shorten {prompt_key}"
-            raise ConfigError(_refusal(cfg, what, longest, ds.sampling.max_tokens, keys))
+    said = (f"{what}: {longest.over} of the first {longest.measured} prompts drawn leave less than max_tokens "
+            f"({max_tokens}) within seq_len ({cfg.seq_len}); the longest is {longest.tokens} tokens "
+            f"({longest.where}), over the {cfg.seq_len - max_tokens} a prompt may take")
+    if 2 * longest.over >= longest.measured:
+        raise ConfigError(f"{said}: raise seq_len, lower {keys}")
+    log.warning("%s: those get fewer tokens to generate (none left: skipped); to give them max_tokens, "
+                "raise seq_len, lower %s", said, keys)
 
 
-def environment_fits(cfg: RunConfig, env) -> None:
+def dataset_fits(cfg: RunConfig, what: str, ds: Dataset, longest: Longest, template: ChatTemplate | None) -> None:
+    """Judge a dataset's measured sample (`what`: how messages name it)."""
+    keys = "orchestrator.max_tokens" if ds.spec.max_tokens is None else "the dataset's max_tokens"
+    if template is not None and ds.system_prompt:
+        keys += " or shorten " + ("orchestrator.system_prompt" if ds.spec.system_prompt is None else "its system_prompt")
+    judge(cfg, what, longest, ds.sampling.max_tokens, keys)
+
+
+def environment_fits(cfg: RunConfig, env, template: ChatTemplate | None = None, schemas: list | None = None) -> None:
     """An environment's first rows' opening prompts (a tool environment's system prompt, tool
     schemas and question through the chat template, as orchestrator/tool_episode.py renders them;
     a text environment's episode start) leave orchestrator.max_tokens within seq_len. `env`: the
-    built environment (rl/preflight.py builds it once, and has checked a tool environment's
-    tools and template)."""
+    built environment; a tool environment's `template` and tool `schemas` as rl/preflight.py
+    loaded and checked them."""
     o = cfg.orchestrator
-    tokenizer = _tokenizer(cfg.model)
+    tokenizer = tokenizer_of(cfg.model)
     if tokenizer is None:
         return
     key = f"orchestrator.environment = {o.environment!r}"
-    opening = _opening(cfg, env, tokenizer)
+    opening = _opening(env, tokenizer, template, schemas)
     budget, longest = cfg.seq_len - o.max_tokens, Longest()
     try:
         for i, row in enumerate(itertools.islice(env.dataset(cfg.seed), SAMPLE_ROWS)):
             tokens = opening(row)
             if tokens is not None:
                 longest.add(tokens, f"row {i} of its dataset(seed={cfg.seed})", budget)
-    except Exception as e:
-        first = (str(e).strip().splitlines() or [""])[0]
-        raise ConfigError(f"{key}: measuring its first prompts failed: {type(e).__name__}: {first}") from None
-    if longest.over:
-        keys = "orchestrator.max_tokens"
-        if hasattr(env, "tools"):
-            keys += " or shorten the environment's system prompt, tool schemas (docstrings) or questions"
-        raise ConfigError(_refusal(cfg, key, longest, o.max_tokens, keys))
+    except Exception as e:  # its dataset raised: the run could draw no row
+        raise ConfigError(f"{key}: measuring its first prompts failed: {error_line(e)}") from None
+    keys = "orchestrator.max_tokens"
+    if hasattr(env, "tools"):
+        keys += " or shorten the environment's system prompt, tool schemas (docstrings) or questions"
+    judge(cfg, key, longest, o.max_tokens, keys)
 
 
-def _opening(cfg: RunConfig, env, tokenizer) -> Callable[[dict], int | None]:
-    """row -> tokens of an episode's first prompt, or None where that episode fails on its own."""
+def _opening(env, tokenizer, template: ChatTemplate | None, schemas: list | None) -> Callable[[dict], int | None]:
+    """row -> tokens of an episode's first prompt, or None where that episode fails on its own
+    (at run time: one failed rollout, orchestrator/rollouts.py)."""
     if not hasattr(env, "tools"):
-        return lambda row: _count(tokenizer, env.episode(row).start(), special=True)
-    template = ChatTemplate.configured(cfg.orchestrator, cfg.model)
-    schemas = [t.schema for t in load_tools(env.tools, "tools").values()]
+        return lambda row: _text_opening(env, tokenizer, row)
 
     def tool_opening(row: dict) -> int | None:
         try:
             text = template.render(opening_messages(env, row), True, schemas)
         except jinja2.TemplateError:
-            return None  # that episode fails naming the template (orchestrator/rollouts.py)
+            return None
         return _count(tokenizer, text, special=False)
 
     return tool_opening
+
+
+def _text_opening(env, tokenizer, row: dict) -> int | None:
+    try:
+        episode = env.episode(row)
+    except Exception:
+        return None
+    try:
+        return _count(tokenizer, episode.start(), special=True)
+    except Exception:
+        return None
+    finally:  # an episode may hold a process or a connection
+        closed = getattr(episode, "close", lambda: None)()
+        if inspect.iscoroutine(closed):
+            asyncio.run(closed)  # start-up checks run before any event loop
