@@ -243,7 +243,9 @@ class OrchestratorConfig(Section):
 
     server_wait_timeout_s: float = Field(600, gt=0)
     """Longest to wait at start-up for a first server to become healthy (with weight_sync
-    broadcast: for every listed server) before giving up."""
+    broadcast: for every listed server) before giving up; and, mid-run, longest with no server in
+    rotation before the run stops (one line naming each server and its error, exit 1). Raise it if
+    your servers take longer than this to restart."""
 
     server_retry_max_s: float = Field(30, gt=0)
     """A server that fails is taken out of rotation and health-checked with exponential backoff
@@ -262,11 +264,14 @@ class OrchestratorConfig(Section):
     """Orchestrator checkpoints (step, data cursor, pending prompts) kept under checkpoints/."""
 
     max_futile_streak: int = Field(200, ge=0)
-    """Stop the run (one line naming the dataset, the last reason and the fix; exit 1) once this
-    many in a row came to nothing for one cause: rows of a dataset skipped (too long for seq_len,
-    no prompt), groups of a dataset that all failed (its reward raises), or groups all filtered
-    for zero reward variance (filter_zero_variance). A useful group ends the streak. 0: never
-    stop (docs/reliability.md)."""
+    """Stop the run (one line naming the dataset, what was counted, the last reason and the fix;
+    exit 1) once this many in a row came to nothing for one cause: rows of a dataset that could
+    not be rendered within seq_len (ended by a row of it that makes a request), groups of a dataset
+    that all failed, its reward raising or timing out (ended by a group of it scored; the streak
+    must also have lasted 3 x reward_timeout_s, or request_timeout_s with a teacher, so a restart
+    passes), or groups all filtered for zero reward variance (filter_zero_variance: a run whose
+    groups all look mastered or unlearnable stops by design; ended by a group in a batch).
+    0: never stop (docs/reliability.md)."""
 
     @field_validator("dataset", "environment")
     @classmethod
