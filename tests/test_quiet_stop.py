@@ -2,8 +2,9 @@
 server with a tied model (the tiny one), after a reload, SIGINT to its process group (what a
 terminal's Ctrl-C sends: the server, vLLM's engine core and worker, multiprocessing's resource
 tracker) ends it within its own shutdown bounds, exit code 0, and its output holds the readiness
-line but neither multiprocessing's "leaked shared_memory" warning (vLLM SIGKILLed its engine core
-right after asking it to stop: inference/server.py --shutdown-timeout) nor the "Failed to load
+line but neither multiprocessing's resource tracker warnings, "leaked shared_memory" and "leaked
+semaphore" (vLLM SIGKILLed its engine core right after asking it to stop:
+inference/server.py --shutdown-timeout), nor the "Failed to load
 weights" vLLM said of the tied lm_head and the rotary embedding at every reload (neither has
 weights in a checkpoint: inference/worker_extension.py NothingToLoad)."""
 
@@ -55,5 +56,11 @@ def test_ctrl_c_after_a_reload_stops_quietly(tmp_path):
     assert code == 0, proc.tail()
     assert "inference INFO ready: serving" in out
     assert "now serving version 1" in out
-    assert "leaked shared_memory" not in out, proc.tail()
+    # multiprocessing's resource tracker warns of each shared memory segment and semaphore left
+    # behind ("resource_tracker: There appear to be N leaked shared_memory / semaphore objects").
+    # Out of scope here: nanobind's "leaked instances/types/functions" lines at exit, which
+    # triton's extension prints (triton's own, not our stop).
+    leaks = [line for line in out.splitlines()
+             if "resource_tracker" in line or "leaked shared_memory" in line or "leaked semaphore" in line]
+    assert not leaks, leaks
     assert "Failed to load weights" not in out, [line for line in out.splitlines() if "Failed to load" in line]
