@@ -16,6 +16,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from conftest import ROOT, free_port, rl_command
+from float32_rounding import U, float64_logprobs
 from rl.batch import Batch
 from rl.rundir import RunDir
 from test_tracking import scalars
@@ -58,32 +59,6 @@ def assert_the_promised_metrics(orch: list[dict], trainer: list[dict], samples: 
         assert 0 < r["loss_tokens"] <= r["tokens"] and r["step_s"] > 0 and r["trainer_tokens_per_s"] > 0
         assert r["grad_norm"] >= 0 and r["entropy"] >= 0 and 0 <= r["clipped_frac"] <= 1
         assert 0 <= r["masked_frac"] <= 1 and r["max_staleness"] in (0, 1) and r["wait_s"] >= 0
-
-
-U = 2.0 ** -24  # float32 unit roundoff
-CHAINED, WIDEST = 4 * 6 + 1, 384  # the tiny chat model's chained matrix products on the path to a logit
-# (per layer q/k/v, scores, values, o, gate/up, down; then lm_head) and its widest (intermediate_size)
-LOGIT_ERROR = CHAINED * WIDEST * U / (1 - CHAINED * WIDEST * U)
-
-
-def exact_logprobs(model, ids: list[int]):
-    """(log_softmax at every position, float64 [len(ids), vocab]; per position, how far float32
-    rounding may move a logprob there). The model runs in float64 (exact to ~1e-16), so all
-    that sets the engine's float32 answer apart is float32 rounding in whatever order the CPU's
-    kernels sum: as in test_inference_lora.py's greedy_reference, a logit is off by at most
-    LOGIT_ERROR * max_i sum_j |E_ij h_j| (gamma_n ~ n u per dot product of n terms, in any
-    order, the widest n charged to each chained product), a logprob by twice that."""
-    import torch
-
-    head_in = []
-    head = model.get_output_embeddings()
-    hook = head.register_forward_hook(lambda m, i, o: head_in.append(i[0][0]))
-    try:
-        with torch.no_grad():
-            lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
-    finally:
-        hook.remove()
-    return lp, 2 * LOGIT_ERROR * (head.weight.abs() @ head_in[0].abs().T).max(0).values
 
 
 def chat_config(tmp_path, model, data) -> str:
@@ -169,7 +144,8 @@ def assert_completions_are_the_sampled_ids(model, batches: list[Batch]) -> None:
                 continue
             tokens, mask = batch.tokens[s].tolist(), batch.loss_mask[s].tolist()
             engine_lp, versions = batch.logprobs[s].tolist(), batch.token_versions[s].tolist()
-            lp, err = exact_logprobs(base, tokens)
+            lp, bound = float64_logprobs(base, tokens)
+            err = 2 * bound  # a logprob: twice a logit's (tests/float32_rounding.py)
             for t in range(mask.index(1), len(tokens)):
                 if not mask[t] or versions[t] != 0:
                     continue

@@ -19,6 +19,7 @@ from fastapi import FastAPI, HTTPException
 from fastapi.testclient import TestClient
 
 from conftest import TINY_MODEL
+from float32_rounding import logit_error
 from rl.config import RunConfig
 from rl.rundir import RunDir
 from test_end_to_end import start_server
@@ -61,11 +62,9 @@ class Reference:
     """Per step: the two lead logits are within 2 * bound: either may be picked."""
 
 
-U = 2.0 ** -24  # float32 unit roundoff
-WIDEST = 384  # the tiny model's longest dot product (intermediate_size)
-CHAINED = 4 * 8 + 1  # matrix products one after another: per layer q/k/v, scores, values, o, up/gate,
-# down (LoRA's A then B beside each); then lm_head
-LOGIT_ERROR = CHAINED * WIDEST * U / (1 - CHAINED * WIDEST * U)
+# Per layer q/k/v, scores, values, o, up/gate, down, and LoRA's A then B beside each: ~7.6e-4
+# (tests/float32_rounding.py). test_sampling_mask and test_packing use this, the larger bound.
+LOGIT_ERROR = logit_error(8)
 
 
 def greedy_reference(model, prompts) -> list[Reference]:
@@ -75,7 +74,7 @@ def greedy_reference(model, prompts) -> list[Reference]:
     The reference runs in float64 (exact to ~1e-16 here), so all that sets vLLM's float32
     answer apart from it is float32 rounding, in whatever order and blocking the CPU's kernels
     sum. A dot product of n terms is off by at most gamma_n * sum |a_i b_i|, gamma_n ~ n u
-    (Higham, any order). Charging the widest n to every one of the CHAINED products on the
+    (Higham, any order). Charging the widest n to every one of the chained products on the
     path to a logit, each relative to the scale of the logit's own terms sum_j |E_ij h_j|
     (to first order, assuming no layer amplifies an earlier error beyond that scale: every
     product's input is RMS-normalised), bounds each logit's error by

@@ -78,7 +78,7 @@ def kept_bounds(scaled: torch.Tensor, gap: float, top_k: int, top_p: float) -> t
     e^gap each), whichever of the possible top-k sets it is normalised over; RHO: float32
     rounding of the masses themselves (a softmax and a cumulative sum over at most the
     candidates: a few units in the last place each)."""
-    from test_inference_lora import U
+    from float32_rounding import U
 
     y, g = scaled.double(), float(gap)
     kth = y.topk(top_k).values[-1]

@@ -21,6 +21,7 @@ import aiohttp
 import pytest
 
 from conftest import TINY_MODEL
+from float32_rounding import float64_logprobs
 from orchestrator.orchestrator import Orchestrator
 from rl.batch import Batch
 from rl.rundir import RunDir, mark_stable
@@ -126,13 +127,6 @@ def test_with_wait_updates_no_sample_straddles_a_version_on_real_servers(servers
     assert straddling(o) == 0
 
 
-U = 2.0 ** -24  # float32 unit roundoff
-WIDEST = 384  # the tiny model's longest dot product (intermediate_size)
-CHAINED = 4 * 6 + 1  # matrix products one after another on the path to a logit: per layer q/k/v,
-# scores, values, o, gate/up, down; then lm_head
-LOGIT_ERROR = CHAINED * WIDEST * U / (1 - CHAINED * WIDEST * U)
-
-
 def perturbed_copy(out: Path, seed: int = 0) -> None:
     """The tiny model's files with every matrix moved by 30% of its own spread in random
     directions: a teacher whose logprobs are its own, different per token and from the
@@ -151,31 +145,11 @@ def perturbed_copy(out: Path, seed: int = 0) -> None:
 
 def teacher_reference(path: Path, tokens: list[int]):
     """(log_softmax over the vocabulary at every position, float64, [len(tokens), vocab]; per
-    position, how far float32 rounding may move any of its logits).
-
-    The model runs in float64 (exact to ~1e-16 here), so all that sets vLLM's float32 answer
-    apart from it is float32 rounding, in whatever order and blocking the CPU's kernels sum (an
-    AMD EPYC and an Intel Xeon with AMX differ). As in test_inference_lora.py's
-    greedy_reference: a dot product of n terms is off by at most gamma_n * sum |a_i b_i|,
-    gamma_n ~ n u (Higham, any order); charging the widest n to each of the CHAINED products on
-    the path to a logit, relative to the scale of the logit's own terms sum_j |E_ij h_j| (to
-    first order; every product's input is RMS-normalised), bounds each logit's error by
-    LOGIT_ERROR * max_i sum_j |E_ij h_j|, LOGIT_ERROR ~ 5.7e-4. A logprob is then off by at
-    most twice that (log_softmax adds at most max |dlogit| to the logit's own error)."""
+    position, how far float32 rounding may move any of its logits: tests/float32_rounding.py)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).double().eval()
-    head_in = []
-    head = model.get_output_embeddings()
-    hook = head.register_forward_hook(lambda m, i, o: head_in.append(i[0][0]))
-    try:
-        with torch.no_grad():
-            lp = torch.log_softmax(model(torch.tensor([tokens])).logits[0].double(), -1)
-            bounds = LOGIT_ERROR * (head.weight.abs() @ head_in[0].abs().T).max(0).values
-    finally:
-        hook.remove()
-    return lp, bounds
+    return float64_logprobs(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).double().eval(), tokens)
 
 
 def test_a_real_teacher_scores_the_students_real_tokens(servers, tmp_path):

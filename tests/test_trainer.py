@@ -403,29 +403,16 @@ def test_chunked_logprobs_and_an_offloaded_reference_train_as_the_plain_trainer_
 
     # Step 3's KL(policy || reference) in float64: per loss token x = ref_lp - lp, k3(x) =
     # exp(x) - x - 1, averaged. A float32 logprob is off by at most twice the worst logit error
-    # (log_softmax adds at most max |dlogit|); as in test_inference_lora.py's greedy_reference, a
-    # logit is off by at most LOGIT_ERROR * max_i sum_j |E_ij h_j| (gamma_n ~ n u for a dot
-    # product of n terms in any order, the widest n charged to each of the chained products on
-    # the path to a logit, relative to the scale of the logit's own terms).
+    # of its position (tests/float32_rounding.py).
+    from float32_rounding import U as u
+    from float32_rounding import float64_logprobs
     from trainer.loss import _MAX_LOG_RATIO
-
-    u = 2.0 ** -24
-    chained, widest = 4 * 6 + 1, 384  # per layer q/k/v, scores, values, o, gate/up, down; then lm_head
-    logit_error = chained * widest * u / (1 - chained * widest * u)
 
     def logprobs_and_errors(path, ids):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).double().eval()
-        head_in = []
-        head = model.get_output_embeddings()
-        hook = head.register_forward_hook(lambda mod, i, o: head_in.append(i[0][0]))
-        try:
-            with torch.no_grad():
-                lp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, :-1].double(), -1)
-                err = 2 * logit_error * (head.weight.abs() @ head_in[0].abs().T).max(0).values[:-1]
-        finally:
-            hook.remove()
+        lp, bound = float64_logprobs(model, ids)
         targets = torch.tensor(ids[1:])
-        return lp[torch.arange(len(targets)), targets], err
+        return lp[:-1][torch.arange(len(targets)), targets], 2 * bound[:-1]
 
     ks, bounds = [], []
     for s in batch3.sample_slices():
