@@ -57,10 +57,10 @@ def test_ctrl_c_after_a_reload_stops_quietly(tmp_path):
     assert "inference INFO ready: serving" in out
     assert "now serving version 1" in out
     # multiprocessing's resource tracker warns of each shared memory segment and semaphore left
-    # behind ("resource_tracker: There appear to be N leaked shared_memory / semaphore objects").
-    # Out of scope here: nanobind's "leaked instances/types/functions" lines at exit, which
-    # triton's extension prints (triton's own, not our stop).
-    leaks = [line for line in out.splitlines()
-             if "resource_tracker" in line or "leaked shared_memory" in line or "leaked semaphore" in line]
+    # behind ("resource_tracker: There appear to be N leaked shared_memory / semaphore objects");
+    # triton's bindings, if installed, printed ~70 "nanobind: leaked ..." lines at exit (make
+    # install removes triton: vLLM does not use it on CPU).
+    leaks = [line for line in out.splitlines() if "resource_tracker" in line or "leaked shared_memory" in line
+             or "leaked semaphore" in line or "nanobind: leaked" in line]
     assert not leaks, leaks
     assert "Failed to load weights" not in out, [line for line in out.splitlines() if "Failed to load" in line]

@@ -27,6 +27,7 @@ import aiohttp
 
 from inference import orphans
 from inference.routes import Routes
+from rl import quiet_tracker
 from rl.config import RunConfig
 from rl.heartbeat import set_phase
 from rl.inference_api import resolve_token
@@ -167,6 +168,8 @@ def main(cfg: RunConfig) -> int:
     # rl.cli checked the config (rl/preflight.py: the port, the exposure of the admin routes, the
     # model) before calling this. Before the engine's processes exist: they must not outlive this one (inference/orphans.py).
     orphans.start()
+    # Before vLLM starts its resource tracker (with its first engine process): rl/quiet_tracker.py.
+    os.environ["PYTHONWARNINGS"] = quiet_tracker.pythonwarnings()
     # The CPU engine sizes its KV cache from this variable; GPU engines ignore it. Empty, vLLM
     # would size it from gpu_memory_utilization, a share of the machine's memory its CPU worker
     # refuses to take when other programs hold the rest (vllm/v1/worker/cpu_worker.py).

@@ -22,6 +22,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
+from rl import quiet_tracker
 from rl.config import RunConfig
 from rl.heartbeat import PeerWatch, heartbeat_path
 from rl.plots import write_plots
@@ -32,10 +33,9 @@ STOP_GRACE_S = 15.0
 # What a killed program's helper processes print as they go down with it: triton's nanobind
 # reference-leak report and multiprocessing's resource tracker cleaning up vLLM's shared memory.
 # Neither says anything about why the program died, so the tail shown skips them (the log keeps
-# them), and the children's resource trackers are told not to warn at all.
+# them), and the children's resource trackers are told not to warn at all (rl/quiet_tracker.py).
 EXIT_NOISE = re.compile(r"^nanobind: |^\s*- leaked |^\s*- \.\.\. skipped remainder|nanobind\.readthedocs\.io"
                         r"|UserWarning: resource_tracker: There appear to be|warnings\.warn\('resource_tracker: ")
-QUIET_TRACKER = "ignore::UserWarning:multiprocessing.resource_tracker"
 
 
 @dataclass
@@ -58,7 +58,7 @@ def _die_with_parent() -> None:
 
 def _start(name: str, argv: list[str], run: RunDir, cfg: RunConfig) -> Child:
     log = run.logs / f"{name}.log"
-    warnings = ",".join(w for w in (os.environ.get("PYTHONWARNINGS"), QUIET_TRACKER) if w)
+    warnings = quiet_tracker.pythonwarnings()
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "rl", name, *argv],
