@@ -38,6 +38,7 @@ def float64_logprobs(model, ids: list[int]):
     try:
         with torch.no_grad():
             lp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].double(), -1)
+            bound = LOGIT_ERROR * (head.weight.abs() @ head_in[0].abs().T).max(0).values
     finally:
         hook.remove()
-    return lp, LOGIT_ERROR * (head.weight.abs() @ head_in[0].abs().T).max(0).values
+    return lp, bound
