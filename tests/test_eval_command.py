@@ -1,6 +1,7 @@
 """`rl eval` (orchestrator/eval_command.py) on real vLLM: a model and the same weights published as
-a run's weights/step_1 give the same greedy numbers; what it measured lands in evals.jsonl; weights
-that were never published are refused (exit 2)."""
+a run's weights/step_1, evaluated one after the other on one server, give the same greedy numbers;
+what it measured lands in evals.jsonl; weights that were never published are refused (exit 2); a
+LoRA step's adapter, loaded beside the base model, gives what its merged weights give."""
 
 from __future__ import annotations
 
@@ -40,22 +41,28 @@ seed = 10000
 
 
 def test_rl_eval_gives_the_same_greedy_numbers_for_the_same_weights(tmp_path):
+    """`--step all`: the model (step 0) on a fresh server, then step 1 (the same weights) reloaded
+    into it from a link in the server's scratch run."""
     run = tmp_path / "run"
     published = run / "weights" / "step_1"
     shutil.copytree(CHAT_MODEL, published)
     (published / "STABLE").touch()
+    (run / "weights" / "step_2").mkdir()  # being written: no STABLE, not evaluated
     cfg = write_config(tmp_path / "cfg.toml", CHAT_MODEL, run)
-    outputs = []
-    for extra in ([], ["--step", "1"]):
-        result = subprocess.run(rl_command("eval", "@", str(cfg), *extra), capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, result.stderr[-3000:]
-        outputs.append(result.stdout)
-    assert outputs[0] == outputs[1] and "heldout/accuracy: " in outputs[0]
+    result = subprocess.run(rl_command("eval", "@", str(cfg), "--step", "all"), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step 0:\n" in result.stdout and "step 2:" not in result.stdout, result.stdout
+    step_0, step_1 = result.stdout.split("step 0:\n")[1].split("step 1:\n")
+    assert step_0 == step_1 and "heldout/accuracy: " in step_0, result.stdout
     records = [json.loads(line) for line in (run / "evals.jsonl").read_text().splitlines()]
-    assert [(r["step"], r["weights"]) for r in records] == [(0, str(CHAT_MODEL)), (1, str(published))]
+    assert [(r["step"], r["version"], r["weights"]) for r in records] == [(0, 0, str(CHAT_MODEL)),
+                                                                           (1, 1, str(published))]
     assert records[0]["eval/heldout/rows"] == 30 and 0 <= records[0]["eval/heldout/accuracy"] <= 1
     assert {k: v for k, v in records[0].items() if k.startswith("eval/")} == \
         {k: v for k, v in records[1].items() if k.startswith("eval/")}
+    assert published.joinpath("model.safetensors").stat().st_nlink == 1, "the link was left behind"
+    assert not list((run / "eval").glob("server-*")), "the scratch server directory was left behind"
 
     never = subprocess.run(rl_command("eval", "@", str(cfg), "--step", "2"), capture_output=True, text=True,
                            timeout=60)
@@ -87,16 +94,18 @@ def test_rl_eval_of_a_lora_step_loads_its_adapter_on_the_base_model(tmp_path):
         if "token" in f.name or f.name == "chat_template.jinja":
             shutil.copy(f, merged / f.name)
 
-    def evaluate(model_dir, *extra) -> dict:
+    def evaluate(model_dir, *extra, steps: int = 1) -> list[dict]:
+        """The eval/ numbers of the last `steps` records the run wrote."""
         cfg = write_config(tmp_path / "cfg.toml", model_dir, run)
         result = subprocess.run(rl_command("eval", "@", str(cfg), *extra), capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
-        record = json.loads((run / "evals.jsonl").read_text().splitlines()[-1])
-        return {k: v for k, v in record.items() if k.startswith("eval/")}
+        records = [json.loads(line) for line in (run / "evals.jsonl").read_text().splitlines()[-steps:]]
+        return [{k: v for k, v in record.items() if k.startswith("eval/") or k == "step"} for record in records]
 
-    lora = evaluate(CHAT_MODEL, "--trainer.lora.rank", "8", "--step", "3")
-    as_merged = evaluate(merged)
-    base = evaluate(CHAT_MODEL)
+    # One server: the base model (step 0), then step 3's adapter loaded by name.
+    base, lora = evaluate(CHAT_MODEL, "--trainer.lora.rank", "8", "--step", "3,0", steps=2)
+    (as_merged,) = evaluate(merged)
+    assert (base["step"], lora["step"], as_merged["step"]) == (0, 3, 0)
     # Merged weights and base + adapter agree to rounding; a greedy pick may flip where two
     # logits tie to the last bits, so one row of the 30 may score differently.
     assert abs(lora["eval/heldout/reward"] - as_merged["eval/heldout/reward"]) <= 1 / 30

@@ -18,15 +18,16 @@ version, and the next /generate killed the engine (layers still on vLLM's meta d
   engine): vLLM's multiprocess executor leaves the worker loading, and a second call to it would
   take the first one's answer for its own.
 
-"Frozen across the update" by construction, not by a race against the clock: the long request is
-seen running on the engine (vLLM's /metrics gauge), its engine core stopped (SIGSTOP) while the
-update goes out, and let go (SIGCONT) once the server logged that it pauses the engine; the
-worker's failure line says how many requests it held.
+"Frozen across the update" by construction, not by a race against the clock: the engine runs in
+short slices until vLLM's /metrics gauge, read while its engine core is stopped (SIGSTOP), shows it
+holding the long request; the update goes out, and the core is let go (SIGCONT) once the server
+logged that it pauses the engine; the worker's failure line says how many requests it held.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import shutil
@@ -35,6 +36,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import psutil
 import pytest
 import torch
 from fastapi import HTTPException
@@ -60,6 +62,7 @@ BAD = "model.layers.2.input_layernorm.weight"
 
 
 RELOAD_TIMEOUT_S = 3
+NICE = 10  # the engine's niceness while the test finds it holding the long request
 
 
 @pytest.fixture
@@ -139,31 +142,59 @@ async def running(s: aiohttp.ClientSession, url: str, timeout_s: float = 60) -> 
         await asyncio.sleep(0.01)
 
 
-async def engine_running(s: aiohttp.ClientSession, url: str, task: asyncio.Task, timeout_s: float = 60) -> None:
-    """Until vLLM's own gauge (/metrics) shows a request the engine scheduled: the worker holds it."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        async with s.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
-            text = await r.text()
-        if sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:num_requests_running{")) >= 1:
+async def engine_running(s: aiohttp.ClientSession, url: str) -> float:
+    """vLLM's own gauge (/metrics): how many requests the engine has scheduled."""
+    async with s.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=30)) as r:
+        text = await r.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:num_requests_running{"))
+
+
+async def held_by_stopped_engine(s: aiohttp.ClientSession, url: str, core, task: asyncio.Task,
+                                 slices: int = 200) -> None:
+    """Returns with the engine core stopped (SIGSTOP) while it holds `task`'s request. The engine
+    runs in short slices (SIGCONT, a moment, SIGSTOP), and the gauge is read only while it is
+    stopped, after the server had time to take in its last outputs: a request that needs ~1,000
+    decode steps cannot end unseen. The engine's processes run niced meanwhile: a slice is over
+    when this process wakes, and beside a busy loop a waking test process could otherwise wait
+    long enough for the whole request to run. (Before: the gauge was polled while the engine ran
+    freely, and beside a busy loop the request ended between two polls.)"""
+    core.send_signal(signal.SIGSTOP)
+    seen = []  # gauge readings and slice lengths (s), for the message should the request end unseen
+    for _ in range(slices):
+        await asyncio.sleep(0.2)  # the server takes in the outputs of the last slice
+        assert not task.done(), (f"the long request ended ({len(task.result()[1]['samples'][0]['token_ids'])} "
+                                 f"tokens) before the engine was seen holding it: {seen}")
+        seen.append(await engine_running(s, url))
+        if seen[-1] >= 1:
             return
-        assert not task.done(), f"the long request ended before the engine was seen running it: {task.result()}"
-        assert loop.time() < deadline, f"no request running on the engine within {timeout_s:g} s"
-        await asyncio.sleep(0.005)
+        start = time.monotonic()
+        core.send_signal(signal.SIGCONT)
+        await asyncio.sleep(0.02)
+        core.send_signal(signal.SIGSTOP)
+        seen.append(round(time.monotonic() - start, 3))
+    core.send_signal(signal.SIGCONT)
+    raise AssertionError(f"no request running on the engine after {slices} slices")
 
 
 async def long_across_update(s: aiohttp.ClientSession, proc, url: str, path: Path,
                              version: int) -> tuple[dict, tuple]:
     """A long greedy request, and the update of `path` as `version` in mode "keep" (the request
-    frozen between two decode steps) while it runs, surely: its engine core is stopped from when
-    the engine runs it until the server pauses the engine for the update. (Before: a race; on a
+    frozen between two decode steps) while it runs, surely: the engine core is stopped while it
+    holds the request until the server pauses the engine for the update. (Before: a race; on a
     fast machine the request could end before the update.) (its sample, the update's answer)."""
-    long = asyncio.create_task(generate(s, url, "long-across", **LONG))
-    await engine_running(s, url, long)
     core = engine_core(proc)
-    core.send_signal(signal.SIGSTOP)
+    engine = [core, *core.children(recursive=True)]  # the engine core and its worker
+    niceness = [p.nice() for p in engine]
+    for p in engine:
+        p.nice(NICE)
+    long = asyncio.create_task(generate(s, url, "long-across", **LONG))
+    try:
+        await held_by_stopped_engine(s, url, core, long)
+    finally:
+        for p, was in zip(engine, niceness):
+            with contextlib.suppress(psutil.AccessDenied):  # lowering it back needs privileges
+                p.nice(was)
     try:
         pausing = f"updating to version {version} from {path}: pausing the engine"
         before = proc.log.read_text(errors="replace").count(pausing)

@@ -1,14 +1,20 @@
-"""`rl eval @ cfg.toml [--step N]`: evaluate a run's published weights (weights/step_N) or, without
---step, the config's model, on the config's [orchestrator.eval] datasets, standalone: it starts
-its own inference server on those weights (`rl inference`, as a child process), runs the same
-evaluation a training run runs (orchestrator/evaluation.py), prints it, appends it to
-<output_dir>/evals.jsonl and stops the server. Greedy evaluation of the same weights gives the
-same numbers every time.
+"""`rl eval @ cfg.toml [--step N[,M...]]`: evaluate a run's published weights (weights/step_N) or,
+without --step (or as step 0), the config's model, on the config's [orchestrator.eval] datasets,
+standalone: it starts its own inference server (`rl inference`, as a child process), runs the same
+evaluation a training run runs (orchestrator/evaluation.py) for each step in turn, prints it,
+appends one record per step to <output_dir>/evals.jsonl and stops the server. Greedy evaluation of
+the same weights gives the same numbers every time.
+
+Several steps share one server: it starts on the first step's weights and reloads each next one
+(the same reload a training run uses), so a run's checkpoints are compared for the cost of one
+engine start, not one each.
 
 The server's run directory is a scratch directory under <output_dir>/eval/, so that an
-orchestrator still training in <output_dir> does not find it and send it rollouts. A LoRA run's
-step is an adapter: the server starts on the base model, and the adapter is copied into the
-scratch run's weights/ (the only adapter root a server accepts, and a few MB) and loaded there.
+orchestrator still training in <output_dir> does not find it and send it rollouts. Weights it
+loads after starting must lie in its own run's weights/ (the only root a server accepts besides
+its model), so each step is linked there (hard links: no copy of the bytes where the filesystem
+allows). A LoRA run's step is an adapter: the server starts on the base model and loads each
+step's adapter by name; step 0 is the base model itself.
 """
 
 from __future__ import annotations
@@ -46,23 +52,38 @@ def weights_for(cfg: RunConfig, step: int | None) -> Path:
     return weights
 
 
-async def evaluate(cfg: RunConfig, url: str, version: int, proc: subprocess.Popen, adapter: Path | None) -> dict:
+async def evaluate(cfg: RunConfig, url: str, proc: subprocess.Popen, steps: list[int], scratch: RunDir,
+                   lora: bool) -> list[dict]:
+    """One record per step: the server already serves steps[0] (full fine-tuning) or the base
+    model (LoRA); each next step is reloaded, or its adapter loaded, from `scratch`'s weights/."""
     async with aiohttp.ClientSession() as session:
         client = InferenceClient(url, session, cfg.inference.api_token)
-        deadline = time.monotonic() + cfg.orchestrator.server_wait_timeout_s
-        while not await _answers(client):
-            if proc.poll() is not None:
-                raise RuntimeError(f"the inference server exited with code {proc.returncode}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the inference server did not answer within {cfg.orchestrator.server_wait_timeout_s:.0f} s")
-            await asyncio.sleep(1.0)
+        await _until_answering(cfg, client, proc)
         sources = configured_sources(cfg, session, evaluation=True)
-        name = None
-        if adapter is not None:
-            name = f"eval-v{version}"
-            await client.load_lora_adapter(name, str(adapter), version, cfg.inference.reload_timeout_s)
         rollouts = Rollouts(cfg, load_tokenizer(str(cfg.model)), {}, None, None)
-        return await Evaluation(rollouts, sources, cfg.orchestrator.eval).run(client, version, version, "eval", name)
+        evaluation = Evaluation(rollouts, sources, cfg.orchestrator.eval)
+        records, timeout = [], cfg.inference.reload_timeout_s
+        for i, step in enumerate(steps):
+            name = None
+            if lora and step:
+                name = f"eval-v{step}"
+                await client.load_lora_adapter(name, str(scratch.weights_dir(step).absolute()), step, timeout)
+            elif i > 0:
+                await client.update_weights(str(scratch.weights_dir(step).absolute()), step, "wait", timeout)
+            records.append(await evaluation.run(client, step, step, f"eval-{step}", name))
+            if name is not None:
+                await client.unload_lora_adapter(name)
+        return records
+
+
+async def _until_answering(cfg: RunConfig, client: InferenceClient, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + cfg.orchestrator.server_wait_timeout_s
+    while not await _answers(client):
+        if proc.poll() is not None:
+            raise RuntimeError(f"the inference server exited with code {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the inference server did not answer within {cfg.orchestrator.server_wait_timeout_s:.0f} s")
+        await asyncio.sleep(1.0)
 
 
 async def _answers(client: InferenceClient) -> bool:
@@ -73,41 +94,55 @@ async def _answers(client: InferenceClient) -> bool:
         return False
 
 
-def main(cfg: RunConfig, argv: list[str], step: int | None) -> int:
+def main(cfg: RunConfig, argv: list[str], steps: list[int]) -> int:
+    """`steps`: the steps to evaluate, 0 for the config's model ([0] without --step)."""
     if not cfg.orchestrator.eval.datasets:
         log.error("rl eval: no [[orchestrator.eval.datasets]] in the config: nothing to evaluate")
         return 2
+    steps = sorted(set(steps))
     try:
-        weights = weights_for(cfg, step)
+        weights = {step: weights_for(cfg, step or None) for step in steps}
     except FileNotFoundError as e:
         log.error("rl eval: %s", e)
         return 2
-    scratch = Path(cfg.output_dir) / "eval" / f"server-{os.getpid()}"
-    scratch.mkdir(parents=True, exist_ok=True)
-    log_file = scratch / "inference.log"
-    served, adapter = weights, None
-    if cfg.trainer.lora.rank and step is not None:
-        served, adapter = Path(cfg.model), RunDir(scratch).weights_dir(step)
-        shutil.copytree(weights, adapter)
+    scratch = RunDir(Path(cfg.output_dir) / "eval" / f"server-{os.getpid()}")
+    scratch.root.mkdir(parents=True, exist_ok=True)
+    lora = bool(cfg.trainer.lora.rank)
+    for step in steps[0 if lora else 1:]:  # the first full step is served as the model itself
+        if step:
+            shutil.copytree(weights[step], scratch.weights_dir(step), copy_function=_link_or_copy)
+    served = Path(cfg.model) if lora else weights[steps[0]]
+    log_file = scratch.root / "inference.log"
     with open(log_file, "ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", "rl", "inference", *argv, "--model", str(served.absolute()),
-                                 "--output_dir", str(scratch)], stdout=out, stderr=subprocess.STDOUT,
+                                 "--output_dir", str(scratch.root)], stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     try:
-        record = asyncio.run(evaluate(cfg, cfg.inference.url, step or 0, proc, adapter and adapter.absolute()))
+        records = asyncio.run(evaluate(cfg, cfg.inference.url, proc, steps, scratch, lora))
     except (RuntimeError, TimeoutError, InferenceError) as e:
         log.error("rl eval: %s; last lines of %s:\n%s", e, log_file, log_file.read_text(errors="replace")[-2000:])
         return 1
     finally:
         _stop(proc)
-    record = {**record, "weights": str(weights)}
     with open(Path(cfg.output_dir) / "evals.jsonl", "a") as f:
-        f.write(json.dumps(record) + "\n")
-    for key, value in record.items():
-        if key.startswith("eval/"):
-            print(f"{key.removeprefix('eval/')}: {value:.4f}" if isinstance(value, float) else f"{key[5:]}: {value}")
-    shutil.rmtree(scratch, ignore_errors=True)
+        for step, record in zip(steps, records):
+            f.write(json.dumps({**record, "weights": str(weights[step])}) + "\n")
+    for step, record in zip(steps, records):
+        if len(steps) > 1:
+            print(f"step {step}:")
+        for key, value in record.items():
+            if key.startswith("eval/"):
+                print(f"{key.removeprefix('eval/')}: {value:.4f}" if isinstance(value, float) else f"{key[5:]}: {value}")
+    shutil.rmtree(scratch.root, ignore_errors=True)
     return 0
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """A hard link (the step's bytes are not copied), or a copy where the filesystem refuses one."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def _stop(proc: subprocess.Popen) -> None:

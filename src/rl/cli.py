@@ -27,6 +27,7 @@ import typer
 from typer.core import TyperCommand
 
 from rl.config import ConfigError, RunConfig, load_config
+from rl.rundir import RunDir
 
 app = typer.Typer(
     add_completion=False,
@@ -178,21 +179,26 @@ def slurm(ctx: typer.Context) -> None:
 
 @app.command("eval", cls=ProgramCommand, context_settings=_ARGS)
 def evaluate(ctx: typer.Context) -> None:
-    """Evaluate weights/step_N (--step N) or the config's model on [orchestrator.eval] datasets,
-    with a server of its own; prints the numbers and appends them to <output_dir>/evals.jsonl."""
-    argv, step = list(ctx.args), None
+    """Evaluate weights/step_N (--step N; several: --step 0,2,4, or --step all: the model and every
+    published step) or the config's model on [orchestrator.eval] datasets, with a server of its
+    own that reloads step after step; prints the numbers and appends one record per step to
+    <output_dir>/evals.jsonl."""
+    argv, steps = list(ctx.args), "0"
     if "--step" in argv:
         i = argv.index("--step")
-        value = argv[i + 1] if i + 1 < len(argv) else ""
-        if not value.isdigit():
-            typer.echo(f"rl eval: --step {value!r}: expected a step number", err=True)
+        steps = argv[i + 1] if i + 1 < len(argv) else ""
+        argv = argv[:i] + argv[i + 2:]
+        if steps != "all" and not all(part.isdigit() for part in steps.split(",")):
+            typer.echo(f"rl eval: --step {steps!r}: expected a step number, several separated by commas, "
+                       "or all", err=True)
             raise typer.Exit(2)
-        step, argv = int(value), argv[:i] + argv[i + 2:]
     cfg = resolve(argv, "eval")
     setup_logging("eval")
     from orchestrator.eval_command import main as run_eval
 
-    raise typer.Exit(run_eval(cfg, argv, step))
+    chosen = ([0, *RunDir(cfg.run_dir).stable_weight_steps()] if steps == "all"
+              else [int(part) for part in steps.split(",")])
+    raise typer.Exit(run_eval(cfg, argv, chosen))
 
 
 @app.command()

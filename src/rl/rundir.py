@@ -108,10 +108,13 @@ class RunDir:
         for d in (self.rollouts, self.weights, self.logs, self.root / "config", self.heartbeat_dir):
             d.mkdir(parents=True, exist_ok=True)
 
+    def stable_weight_steps(self) -> list[int]:
+        """The n whose weights/step_n holds STABLE (complete), ascending."""
+        return sorted(n for n in _steps(self.weights) if (self.weights_dir(n) / STABLE).exists())
+
     def latest_stable_weights(self) -> int | None:
         """Highest n whose weights/step_n holds STABLE, or None."""
-        steps = [n for n in _steps(self.weights) if (self.weights_dir(n) / STABLE).exists()]
-        return max(steps, default=None)
+        return max(self.stable_weight_steps(), default=None)
 
     def rollout_steps(self) -> list[int]:
         return sorted(_steps(self.rollouts))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 
 import pytest
@@ -119,7 +120,12 @@ def test_calls_queued_behind_hung_ones_are_not_charged_for_the_wait(caplog):
         scores = asyncio.run(scenario())
     assert scores == [[1.0, None, 1.0]] * 8 + [[1.0, 1.0]] * 4
     swaps = [r.getMessage() for r in caplog.records if SWAP_WARNING in r.getMessage()]
-    assert len(swaps) == 1 and "8 calls hung" in swaps[0], swaps
+    # One swap, once at least half the eight threads were stuck; how many more of the eight had
+    # passed their timeout by then depends on when each call started (a loaded machine spreads
+    # them out: "7 calls hung" was seen beside a busy suite).
+    assert len(swaps) == 1, swaps
+    hung = int(re.search(r"(\d+) calls hung past", swaps[0])[1])
+    assert 4 <= hung <= 8 and f"hold {hung} of 8 reward threads" in swaps[0], swaps
 
 
 def test_an_http_reward_that_hangs_fails_only_that_rollout():
