@@ -58,8 +58,8 @@ from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 from orchestrator.tasks.calculator import EVAL_SEED, SFT_SEED, Calculator, calculate, rows, task_dataset
 from orchestrator.tasks.calculator import row as make_row
-from rl.tool_parsers import HermesParser, ToolCall
-from rl.tools import Tool, ToolError
+from orchestrator.tool_parsers import HermesParser, ToolCall
+from orchestrator.tools import Tool, ToolError
 
 TOOLS = {t.name: t for t in map(Tool.from_function, Calculator.tools)}
 SCHEMAS = [t.schema for t in TOOLS.values()]

@@ -125,7 +125,7 @@ CASES = [
     Case("inference core missing", ("inference", "run"), ("--inference.cpus", "[4096]"), "inference.cpus = [4096]: core(s) [4096]"),
     Case("orchestrator core missing", ("orchestrator", "run"), ("--orchestrator.cpus", "[4096]"), "orchestrator.cpus = [4096]"),
     Case("trainer core missing", ("trainer", "run"), ("--trainer.cpus", "[4096]"), "trainer.cpus = [4096]"),
-    # datasets and chat templates (orchestrator.datasets, rl/tables.py, rl/chat.py)
+    # datasets and chat templates (orchestrator.datasets, orchestrator/tables.py, orchestrator/chat.py)
     Case("dataset file missing", ("orchestrator", "run"),
          ("--orchestrator.datasets", '[{{path = "{tmp}/nowhere.jsonl", reward = "math_verify"}}]'),
          "dataset nowhere: path = {tmp}/nowhere.jsonl: no such file or directory"),
@@ -143,7 +143,7 @@ CASES = [
          "chat template ({tmp}/broken.jinja) line 1"),
     Case("chat on, model without template", ("orchestrator", "run"), ("--orchestrator.chat", "on"),
          'orchestrator.chat = "on": ' + str(TINY_MODEL) + " has no chat template"),
-    # prompts that leave no room for a completion (rl/prompt_fit.py): the run would skip every row
+    # prompts that leave no room for a completion (orchestrator/prompt_fit.py): the run would skip every row
     Case("prompts longer than seq_len - max_tokens", ("orchestrator", "run"), ("--orchestrator.max_tokens", "60"),
          "dataset data: 50 of the first 64 prompts drawn leave less than max_tokens (60) within seq_len (64); the longest is 9 tokens (orchestrator.dataset row 6)"),
     Case("environment's first prompt longer than seq_len - max_tokens", ("orchestrator", "run"),

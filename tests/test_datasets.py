@@ -1,4 +1,4 @@
-"""Datasets from files and tasks (rl/tables.py, orchestrator/sources.py): jsonl, parquet and HF
+"""Datasets from files and tasks (orchestrator/tables.py, orchestrator/sources.py): jsonl, parquet and HF
 `datasets` rows with mapped fields; the seeded mix by weight, shuffled per pass; an exact resume
 from the checkpointed cursor; bad rows skipped and counted, bad files named; the reasoning-gym
 and math-verify scorers; reward components; the three ways to treat completions cut at
@@ -27,7 +27,7 @@ from orchestrator.tasks import gym_tasks
 from orchestrator.tasks.math_answer import reward as math_reward
 from orchestrator.tokenizer import load_tokenizer
 from rl.config import ConfigError, RunConfig
-from rl.tables import load_table
+from orchestrator.tables import load_table
 from test_rollouts import with_server
 
 

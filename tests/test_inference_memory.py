@@ -1,5 +1,5 @@
 """A CPU engine that cannot fit beside what already runs is refused at start, in one line naming
-the key and the memory found (rl/preflight.py inference_memory), before vLLM loads anything:
+the key and the memory found (inference/preflight.py inference_memory), before vLLM loads anything:
 vLLM itself checks only the KV cache, once its engine has started and loaded the model.
 
 inference.gpu_memory_utilization (unset: vLLM's 0.9) is not what a CPU engine needs: measured
@@ -18,7 +18,7 @@ import pytest
 
 from conftest import TINY_MODEL, free_port, rl_command
 from inference.server import vllm_args
-from rl import preflight
+from inference import preflight
 from rl.config import ConfigError, load_config
 
 

@@ -1,7 +1,7 @@
 """No run that spins (docs/reliability.md): a config whose rows or groups can only come to nothing
 ends with one line naming the culprit, why and the fix, instead of drawing rows forever.
 
-- At start-up (rl/prompt_fit.py): prompts that leave no room for max_tokens within seq_len are
+- At start-up (orchestrator/prompt_fit.py): prompts that leave no room for max_tokens within seq_len are
   refused by `rl orchestrator` / `rl run`, exit 2, before any engine starts.
 - At run time (orchestrator/streaks.py): rows skipped, groups filtered or failed
   orchestrator.max_futile_streak times in a row, or no server in rotation for
@@ -248,8 +248,8 @@ def test_the_check_measures_the_ids_the_orchestrator_sends(tmp_path):
     prompt, and the tool environment)."""
     from orchestrator.rollouts import Rollouts
     from rl.config import load_config
-    from rl.preflight import tool_environment
-    from rl.prompt_fit import _opening, measure, sample, tokenizer_of
+    from orchestrator.preflight import tool_environment
+    from orchestrator.prompt_fit import _opening, measure, sample, tokenizer_of
 
     cfg, _ = load_config(["@", str(ROOT / "configs/demo.toml"), "--orchestrator.system_prompt", "Spell it backwards."])
     rollouts = Rollouts(cfg, tokenizer_of(cfg.model), {}, None, None)
@@ -530,7 +530,7 @@ def test_a_text_environment_row_whose_episode_raises_is_that_row_alone(tmp_path)
     """At run time such a row is one failed rollout, not a reason to refuse the run: it is left
     out of the measure; every episode measured is closed."""
     from rl.config import load_config
-    from rl.prompt_fit import environment_fits
+    from orchestrator.prompt_fit import environment_fits
 
     closed = []
 
@@ -574,7 +574,7 @@ def eval_config(tmp_path: Path, environment: bool, train_long: bool, eval_long: 
 @pytest.mark.parametrize("environment", [False, True])
 def test_eval_datasets_are_measured_beside_an_environment_and_rl_eval_measures_only_them(tmp_path, environment):
     from rl.config import ConfigError, load_config
-    from rl.preflight import eval_data, orchestrator_data
+    from orchestrator.preflight import eval_data, orchestrator_data
 
     cfg, _ = load_config(["@", str(eval_config(tmp_path, environment, train_long=False, eval_long=True))])
     for check in (orchestrator_data, eval_data):

@@ -17,10 +17,10 @@ from tokenizers import Tokenizer
 
 from conftest import ROOT
 from orchestrator.rollouts import Rollouts
-from rl.chat import ChatTemplate
+from orchestrator.chat import ChatTemplate
 from rl.config import ConfigError, RunConfig
 from rl.inference_api import GeneratedSample, GenerateRequest, GenerateResponse
-from rl.preflight import orchestrator_code
+from orchestrator.preflight import orchestrator_code
 
 CHAT_MODEL = ROOT / "models" / "tiny-chat"
 TOKENIZER = Tokenizer.from_file(str(CHAT_MODEL / "tokenizer.json"))
@@ -61,7 +61,7 @@ class NoReward:
         return iter([])
 
 
-# The scripted calls of `add` and `fail` run in a thread (rl/tools.py) and must answer within it
+# The scripted calls of `add` and `fail` run in a thread (orchestrator/tools.py) and must answer within it
 # on a loaded machine, where a thread may wait a while to be scheduled; `hang` (awaiting, far
 # longer than any timeout) never does.
 TOOL_TIMEOUT_S = 2

@@ -78,8 +78,8 @@ def model_spans(mask: list[int]) -> list[tuple[int, int]]:
 
 
 def test_tool_episodes_on_the_real_engine_keep_the_sampled_ids(server):
-    from rl.chat import ChatTemplate, row_messages
-    from rl.tools import Tool
+    from orchestrator.chat import ChatTemplate, row_messages
+    from orchestrator.tools import Tool
     from orchestrator.tasks.calculator import Calculator
 
     groups, seen = play(server, prompts=4, group_size=8)

@@ -1,4 +1,4 @@
-"""Trackers (rl/tracking.py) fed from metrics.jsonl: TensorBoard event files that TensorBoard's
+"""Trackers (orchestrator/tracking.py) fed from metrics.jsonl: TensorBoard event files that TensorBoard's
 own reader reads back, wandb's offline run files, a resumed tracker that neither repeats nor
 loses a record and keeps its wandb run, and a failing sink that costs only itself."""
 
@@ -11,7 +11,7 @@ from tensorboard.util.tensor_util import make_ndarray
 
 from rl.config import RunConfig
 from rl.rundir import RunDir
-from rl.tracking import Tracker
+from orchestrator.tracking import Tracker
 
 
 def config(tmp_path, **tracking) -> RunConfig:

@@ -20,8 +20,8 @@ from orchestrator.rollouts import Rollouts  # noqa: E402
 from orchestrator.tokenizer import load_tokenizer  # noqa: E402
 from orchestrator.verifiers_taskset import VerifiersTaskset  # noqa: E402
 from rl.config import ConfigError  # noqa: E402
-from rl.preflight import orchestrator_code  # noqa: E402
-from rl.tools import load_tools  # noqa: E402
+from orchestrator.preflight import orchestrator_code  # noqa: E402
+from orchestrator.tools import load_tools  # noqa: E402
 from test_tool_episode import TOKENIZER, ScriptedModel, config  # noqa: E402
 
 ENV = "orchestrator.verifiers_taskset:VerifiersTaskset"

@@ -20,7 +20,7 @@ single-turn rollouts. Nothing else in the pipeline (staleness, batching, weight 
 A tool environment talks through the model's chat template and gives it functions to call:
 
     class MyToolEnv:
-        tools = [calculate, search]                    # functions, sync or async (rl/tools.py)
+        tools = [calculate, search]                    # functions, sync or async (orchestrator/tools.py)
         system_prompt = "..."                          # optional
         def dataset(self, seed) -> Iterator[dict]:     # rows with "prompt" or "messages"
         def reward(self, messages, row) -> float:      # sync or async; the whole conversation

@@ -1,6 +1,6 @@
 """What the orchestrator says about each batch it hands over: one record in metrics.jsonl (the
 counters since the previous batch, staleness, waits, idle servers, rewards) and one log line, and
-the forwarding of metrics.jsonl to the trackers (rl/tracking.py) when wandb or TensorBoard is on.
+the forwarding of metrics.jsonl to the trackers (orchestrator/tracking.py) when wandb or TensorBoard is on.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from rl.batch import Batch
 from rl.config import RunConfig
 from rl.rundir import RunDir
-from rl.tracking import Tracker
+from orchestrator.tracking import Tracker
 
 if TYPE_CHECKING:
     from orchestrator.rollouts import Group
@@ -95,7 +95,7 @@ class Reporting:
     # --- trackers ------------------------------------------------------------------------------
 
     async def track(self) -> None:
-        """Forward metrics.jsonl to the trackers (rl/tracking.py), off the event loop."""
+        """Forward metrics.jsonl to the trackers (orchestrator/tracking.py), off the event loop."""
         while True:
             await asyncio.to_thread(self.tracker.forward)
             await asyncio.sleep(2.0)

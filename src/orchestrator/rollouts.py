@@ -28,8 +28,8 @@ from orchestrator.scoring import Teacher, combine
 from orchestrator.sources import Renderer, RowError, Source, configured_sources, mix
 from orchestrator.tokenizer import load_tokenizer
 from orchestrator.tool_episode import TemplateDrift, ToolEpisode
-from rl.tool_parsers import tool_parser
-from rl.tools import load_tools
+from orchestrator.tool_parsers import tool_parser
+from orchestrator.tools import load_tools
 from rl.batch import Sample
 from rl.callables import load_callable
 from rl.config import ConfigError, RunConfig

@@ -21,11 +21,11 @@ import jinja2
 
 from orchestrator.scoring import Reward
 from rl.callables import load_callable
-from rl.chat import ChatTemplate, read_json, token_text
+from orchestrator.chat import ChatTemplate, read_json, token_text
 from rl.config import OrchestratorConfig, RunConfig
 from rl.dataset_config import Dataset
-from rl.prompt_fit import dataset_prompt, draw_order
-from rl.tables import Table, load_table, row_problem
+from orchestrator.prompt_fit import dataset_prompt, draw_order
+from orchestrator.tables import Table, load_table, row_problem
 
 log = logging.getLogger("orchestrator")
 
@@ -126,7 +126,7 @@ class Renderer:
                                "set orchestrator.chat_template, or use a chat model")
             text, _ = dataset_prompt(None, ds, row)
             return text, self.encode(text)
-        try:  # the text the start-up check measured (rl/prompt_fit.py)
+        try:  # the text the start-up check measured (orchestrator/prompt_fit.py)
             text, messages = dataset_prompt(self.template, ds, row)
         except jinja2.TemplateError as e:
             raise RowError(f"{where}: the chat template ({self.template.origin}) failed: {e}",

@@ -1,6 +1,6 @@
 """One tool-calling episode: the chat template renders the conversation with the environment's
-tools, the model answers, its tool calls are read (rl/tool_parsers.py) and run
-(rl/tools.py), their results go back as tool messages through the template, and the
+tools, the model answers, its tool calls are read (orchestrator/tool_parsers.py) and run
+(orchestrator/tools.py), their results go back as tool messages through the template, and the
 model goes on, until it answers without a call, max_turns model turns, or seq_len.
 
 Token fidelity: the trajectory is built by appending, never by re-rendering. The model's turns
@@ -21,10 +21,10 @@ import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from rl.tool_parsers import BadCall, ToolCall, ToolParser
-from rl.tools import Tool, ToolError
-from rl.chat import ChatTemplate
-from rl.prompt_fit import opening_messages
+from orchestrator.tool_parsers import BadCall, ToolCall, ToolParser
+from orchestrator.tools import Tool, ToolError
+from orchestrator.chat import ChatTemplate
+from orchestrator.prompt_fit import opening_messages
 from rl.inference_api import GeneratedSample
 
 SampleTurn = Callable[[str, list[int]], Awaitable[GeneratedSample]]
@@ -64,7 +64,7 @@ class ToolEpisode:
 
     def first_messages(self, row: dict) -> list[dict]:
         """The environment's own messages(row) if it has one, else the row's prompt or messages
-        (as the start-up check measured them: rl/prompt_fit.py)."""
+        (as the start-up check measured them: orchestrator/prompt_fit.py)."""
         return opening_messages(self.env, row)
 
     async def run(self, row: dict, eid: str, sample_turn: SampleTurn, add) -> EpisodeLog:

@@ -24,7 +24,7 @@ taskset supplies the data, the tools and the rewards, and asyncrl's tool loop
 - `tools`: the `@vf.tool` methods of the taskset's toolsets (`Taskset.toolsets(config)`, shared)
   and of its task class's (`Task.toolsets(task.config)`), as plain functions named as verifiers
   names them for the model (`<TOOL_PREFIX or snake_case class>_<name>`, bare when TOOL_PREFIX is
-  None), with the method's signature, type hints and docstring: rl/tools.py builds the schema
+  None), with the method's signature, type hints and docstring: orchestrator/tools.py builds the schema
   from them. A result becomes the tool message's text as verifiers' MCP server would make it
   (a string as is, other values as indented JSON, a list item by item);
 - `reward(messages, row)`: the conversation becomes a `vf.Trace` of that task (system, user,
@@ -47,9 +47,9 @@ Refused at start-up, with a message naming the culprit (these need verifiers' ow
 Not supported, silently different or untested:
 - harness tools: verifiers' default `bash` harness gives the model a shell; here the model has
   only the taskset's toolsets;
-- arguments are checked by rl/tools.py strictly (an int is not "3"), where MCP's pydantic
-  validation coerces; tool parameters must have types rl/tools.py describes (str, int, float,
-  bool, list[...], dict, Literal[...], unions); the schema the model sees is rl/tools.py's: the
+- arguments are checked by orchestrator/tools.py strictly (an int is not "3"), where MCP's pydantic
+  validation coerces; tool parameters must have types orchestrator/tools.py describes (str, int, float,
+  bool, list[...], dict, Literal[...], unions); the schema the model sees is orchestrator/tools.py's: the
   same names, types and required parameters as verifiers' MCP schema, without pydantic's "title"
   keys, with the docstring's summary as description and its `Args:` entries on the parameters
   (verifiers sends the whole docstring); tool results that are images are refused (error
@@ -206,7 +206,7 @@ class VerifiersTaskset:
         import verifiers.v1 as vf
         from verifiers.v1.mcp import Toolset
 
-        from rl.tools import Tool
+        from orchestrator.tools import Tool
         from verifiers.v1.mcp.server import ServerBase
         from verifiers.v1.runtimes import SubprocessConfig
         from verifiers.v1.state import State, state_cls
@@ -299,7 +299,7 @@ def _requires_runtime(fn) -> bool:
 
 
 def _wrap(name: str, method) -> Callable:
-    """The bound @vf.tool `method` as a plain function named `name` (what rl/tools.py describes
+    """The bound @vf.tool `method` as a plain function named `name` (what orchestrator/tools.py describes
     and calls), sync or async as the method is; its result as MCP would put it in text."""
     hints = typing.get_type_hints(method)
     signature = inspect.signature(method)  # bound: no self

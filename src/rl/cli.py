@@ -71,6 +71,24 @@ def setup_logging(program: str) -> None:
     )
 
 
+def preflight_checks(program: str) -> tuple:
+    """The start-up checks of `program`: each program's own (its preflight.py, imported here
+    only, as the programs themselves are) with the shared ones in them; `rl run` all three's."""
+    from rl.preflight import slurm_template
+
+    if program == "slurm":
+        return (slurm_template,)
+    if program == "eval":  # a server of its own, then the orchestrator's evaluation
+        from inference.preflight import SERVING
+        from orchestrator.preflight import EVAL_CHECKS
+
+        return SERVING + EVAL_CHECKS
+    import importlib
+
+    programs = ("inference", "orchestrator", "trainer") if program == "run" else (program,)
+    return tuple(dict.fromkeys(c for p in programs for c in importlib.import_module(f"{p}.preflight").CHECKS))
+
+
 def resolve(argv: list[str], program: str) -> RunConfig:
     """Parse, validate and check what the config names (rl/preflight.py), or exit 2 with one line
     naming the culprit, before anything is written or started. --dry-run prints and exits."""
@@ -78,7 +96,7 @@ def resolve(argv: list[str], program: str) -> RunConfig:
         cfg, dry_run = load_config(argv)
         from rl.preflight import check
 
-        check(cfg, program)
+        check(cfg, preflight_checks(program))
     except ConfigError as e:
         typer.echo(f"rl {program}: {e}", err=True)
         raise typer.Exit(2) from None

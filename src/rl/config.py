@@ -171,7 +171,7 @@ class OrchestratorConfig(Section):
     tool_parser: str = "hermes"
     """How a tool environment's calls are read from the model's text: "hermes" (<tool_call>{json}
     </tool_call>, as Qwen and Hermes models write them) or `module:Class` of your own parser
-    (rl/tool_parsers.py)."""
+    (orchestrator/tool_parsers.py)."""
 
     tool_timeout_s: float = Field(10, gt=0)
     """Longest one tool call may take; past it the model is told the call timed out."""
@@ -627,7 +627,7 @@ class SlurmConfig(Section):
 
 
 class TrackingConfig(Section):
-    """Experiment trackers fed from metrics.jsonl by the orchestrator (rl/tracking.py)."""
+    """Experiment trackers fed from metrics.jsonl by the orchestrator (orchestrator/tracking.py)."""
 
     wandb: bool = False
     """Log to Weights & Biases (`pip install wandb`); files under output_dir/tracking/."""

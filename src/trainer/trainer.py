@@ -21,7 +21,7 @@ from rl.batch import BatchError
 from rl.config import RunConfig
 from rl.faults import crash_point
 from rl.heartbeat import PeerReporter, PeerWatch, heartbeat_path, set_phase
-from rl.preflight import trainer_state_refusal
+from trainer.preflight import trainer_state_refusal
 from rl.rundir import RunDir, remove_quietly
 from rl.transport import BatchReceiver
 from trainer import checkpoint

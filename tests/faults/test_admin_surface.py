@@ -66,7 +66,7 @@ def no_env_token(monkeypatch):
     ("myhost", None, True), ("", None, True), ("0.0.0.0", TOKEN, False),
 ])
 def test_exposure_needs_a_token_off_loopback(host, token, refused):
-    from rl.preflight import exposure_error
+    from inference.preflight import exposure_error
 
     error = exposure_error(host, token)
     assert (error is not None) == refused

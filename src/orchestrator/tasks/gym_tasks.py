@@ -1,5 +1,5 @@
 """Scoring for reasoning-gym tasks (`[[orchestrator.datasets]] reasoning_gym = "<task>"`): each
-task's own scorer, found by the task name its rows carry (rl/tables.py makes the rows).
+task's own scorer, found by the task name its rows carry (orchestrator/tables.py makes the rows).
 
 The answer scored is what the completion puts between <answer> and </answer> if it has those
 tags (reasoning-gym's suggested format, for models that think first), else the whole completion,

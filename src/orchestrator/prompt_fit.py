@@ -36,10 +36,10 @@ from pathlib import Path
 import jinja2
 
 from rl.callables import load_callable
-from rl.chat import ChatTemplate, row_messages
+from orchestrator.chat import ChatTemplate, row_messages
 from rl.config import ConfigError, RunConfig
 from rl.dataset_config import Dataset
-from rl.tables import load_table, row_problem
+from orchestrator.tables import load_table, row_problem
 
 log = logging.getLogger("rl")
 

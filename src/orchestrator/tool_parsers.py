@@ -25,7 +25,7 @@ from rl.callables import load_callable
 class ToolCall:
     name: str
     arguments: Any
-    """As the model wrote them; checked against the tool's schema when called (rl/tools.py)."""
+    """As the model wrote them; checked against the tool's schema when called (orchestrator/tools.py)."""
 
 
 @dataclass

