@@ -17,7 +17,7 @@ from conftest import TINY_MODEL, free_port
 from rl.batch import Batch, BatchError, Sample
 from rl.config import TransportConfig
 from rl.rundir import RunDir
-from rl.transport import BatchReceiver, BatchSender
+from rl.transports import batch_receiver, batch_sender
 from test_trainer import write_batches
 
 pytestmark = pytest.mark.slow
@@ -31,7 +31,7 @@ def batch(step: int) -> Batch:
 
 def send_all(cfg: TransportConfig, run: RunDir, batches: list[Batch]) -> None:
     async def go():
-        sender = BatchSender(cfg, run)
+        sender = batch_sender(cfg, run)
         try:
             for b in batches:
                 await sender.send(b, timeout_s=30)
@@ -45,7 +45,7 @@ def test_batches_arrive_whole_and_in_step_order(tmp_path, address):
     addr = f"ipc://{tmp_path}/batches.sock" if address == "ipc" else f"tcp://127.0.0.1:{free_port()}"
     cfg = TransportConfig(kind="zmq", address=addr)
     run = RunDir(tmp_path)
-    receiver = BatchReceiver(cfg, run)
+    receiver = batch_receiver(cfg, run)
     try:
         # Sent out of order: the receiver holds batch 3 until 2 has been asked for.
         sender = threading.Thread(target=send_all, args=(cfg, run, [batch(1), batch(3), batch(2)]))
@@ -66,7 +66,7 @@ def test_a_foreign_or_corrupt_message_is_dropped_naming_the_address(tmp_path, ca
     decoded as code, and the trainer goes on waiting for the real batch."""
     addr = f"ipc://{tmp_path}/b.sock"
     cfg = TransportConfig(kind="zmq", address=addr)
-    receiver = BatchReceiver(cfg, RunDir(tmp_path))
+    receiver = batch_receiver(cfg, RunDir(tmp_path))
     push = zmq.Context.instance().socket(zmq.PUSH)
     push.connect(addr)
     try:
@@ -86,7 +86,7 @@ def test_a_foreign_or_corrupt_message_is_dropped_naming_the_address(tmp_path, ca
 
 def test_receiver_times_out_with_a_clear_message(tmp_path):
     cfg = TransportConfig(kind="zmq", address=f"ipc://{tmp_path}/c.sock")
-    receiver = BatchReceiver(cfg, RunDir(tmp_path))
+    receiver = batch_receiver(cfg, RunDir(tmp_path))
     try:
         with pytest.raises(TimeoutError, match="no batch 1 at ipc://.*trainer.batch_timeout_s"):
             receiver.receive(1, timeout_s=0.3)
@@ -129,7 +129,7 @@ def test_zmq_receiver_keeps_batches_for_a_resumed_trainer(tmp_path):
     with keep, every batch received is written to rollouts/step_n and read from there first."""
     run = RunDir(tmp_path / "run")
     cfg = TransportConfig(kind="zmq", address=f"ipc://{tmp_path}/batches.sock")
-    receiver = BatchReceiver(cfg, run, keep=True)
+    receiver = batch_receiver(cfg, run, keep=True)
     try:
         sender = threading.Thread(target=send_all, args=(cfg, run, [batch(1), batch(3), batch(2)]))
         sender.start()
@@ -141,7 +141,7 @@ def test_zmq_receiver_keeps_batches_for_a_resumed_trainer(tmp_path):
     # Batch 3 arrived while the trainer still wanted 2: it was written to disk on arrival.
     assert run.rollout_steps() == [1, 2, 3]
     # The trainer dies and resumes from a checkpoint at step 1: nobody sends 2 and 3 again.
-    again = BatchReceiver(cfg, run, keep=True)
+    again = batch_receiver(cfg, run, keep=True)
     try:
         for n in (2, 3):
             assert again.receive(n, timeout_s=5).batch.step == n
@@ -159,11 +159,11 @@ def test_a_damaged_batch_file_is_set_aside_and_written_again_by_the_sender(tmp_p
     sent = batch(1)
 
     async def scenario():
-        sender = BatchSender(cfg, run)
+        sender = batch_sender(cfg, run)
         await sender.send(sent, timeout_s=5)
         data = run.rollout_dir(1) / "batch.safetensors"
         data.write_bytes(data.read_bytes()[:-10])  # truncated on the way to disk
-        receiver = BatchReceiver(cfg, run, poll_s=0.01)
+        receiver = batch_receiver(cfg, run, poll_s=0.01)
         got = asyncio.create_task(asyncio.to_thread(receiver.receive, 1, 10))
         while not got.done():
             await sender.resend_rejected()
@@ -185,7 +185,7 @@ def test_without_reject_a_damaged_batch_file_raises_naming_it(tmp_path):
     batch(1).write(run.rollout_dir(1))
     (run.rollout_dir(1) / "meta.json").write_text("{")
     with pytest.raises(BatchError, match=r"rollouts/step_1/meta.json: not valid JSON"):
-        BatchReceiver(TransportConfig(kind="filesystem"), run, reject_damaged=False).receive(1, 5)
+        batch_receiver(TransportConfig(kind="filesystem"), run, reject_damaged=False).receive(1, 5)
 
 
 def test_a_dropped_connection_is_reported_and_untrained_batches_go_again(tmp_path, caplog):
@@ -197,9 +197,9 @@ def test_a_dropped_connection_is_reported_and_untrained_batches_go_again(tmp_pat
     run = RunDir(tmp_path)
 
     async def main():
-        sender = BatchSender(cfg, run)
+        sender = batch_sender(cfg, run)
         watcher = asyncio.create_task(sender.watch_connection(timeout_s=30))
-        receiver = BatchReceiver(cfg, run)
+        receiver = batch_receiver(cfg, run)
         try:
             await sender.send(batch(1), timeout_s=30)
             await sender.send(batch(2), timeout_s=30)
@@ -212,7 +212,7 @@ def test_a_dropped_connection_is_reported_and_untrained_batches_go_again(tmp_pat
                 while "lost the connection to the trainer" not in caplog.text:
                     await asyncio.sleep(0.05)
             await asyncio.wait_for(noticed(), 120)
-            again = BatchReceiver(cfg, run)
+            again = batch_receiver(cfg, run)
             try:
                 second = await asyncio.to_thread(again.receive, 2, 30)
             finally:

@@ -48,7 +48,7 @@ from rl.faults import crash_point
 from rl.heartbeat import set_phase
 from rl.polling import Backoff
 from rl.rundir import RunDir
-from rl.transport import BatchSender
+from rl.transports import batch_sender
 
 log = logging.getLogger("orchestrator")
 
@@ -80,7 +80,7 @@ class Orchestrator:
         evals = configured_sources(cfg, session, evaluation=True)
         self.evaluations = EvaluationRunner(Evaluation(self.rollouts, evals, self.o.eval) if evals else None,
                                             self.pool, self.run_dir, self.wait_until, self.tag)
-        self.sender = BatchSender(cfg.transport, self.run_dir)
+        self.sender = batch_sender(cfg.transport, self.run_dir)
         self.next_step, cursor, pending, self.unsent = resume_point(self.run_dir, self.sender)
         self.queue = PromptQueue(self.rollouts.draws(), self.rollouts.fetch, cursor, pending)
         self.in_flight: dict[str, InFlight] = {}

@@ -8,8 +8,8 @@
               can send garbage, never code (rl/transport_zmq.py)
 
 One interface for both: a BatchSender (orchestrator side) and a BatchReceiver (trainer side).
-The kind is looked at once, here: `BatchSender(cfg, run)` and `BatchReceiver(cfg, run, ...)`
-make the implementation for `cfg.kind`, and whatever differs between the kinds (what is left
+The kind is looked at once, in rl/transports.py (`batch_sender(cfg, run)`, `batch_receiver(cfg,
+run, ...)`: one registry line per kind), and whatever differs between the kinds (what is left
 half handed over after a crash, how a batch the trainer lost reaches it again) is a method of
 the implementation.
 
@@ -38,23 +38,8 @@ log = logging.getLogger("transport")
 HEARTBEAT_S = 30.0
 
 
-def _implementation(cfg: TransportConfig) -> tuple[type[BatchSender], type[BatchReceiver]]:
-    """The one place that looks at transport.kind: (sender class, receiver class)."""
-    # Imported here: each implementation imports this module for the interface.
-    if cfg.kind == "zmq":
-        from rl.transport_zmq import ZmqReceiver, ZmqSender
-        return ZmqSender, ZmqReceiver
-    from rl.transport_files import FileReceiver, FileSender
-    return FileSender, FileReceiver
-
-
 class BatchSender(ABC):
-    """Orchestrator side. `BatchSender(cfg, run)` makes the FileSender or ZmqSender."""
-
-    def __new__(cls, cfg: TransportConfig, run: RunDir):
-        if cls is BatchSender:
-            cls = _implementation(cfg)[0]
-        return super().__new__(cls)
+    """Orchestrator side: FileSender or ZmqSender (rl/transports.py batch_sender)."""
 
     def __init__(self, cfg: TransportConfig, run: RunDir):
         self.cfg, self.run = cfg, run
@@ -102,13 +87,8 @@ class Received:
 
 
 class BatchReceiver(ABC):
-    """Trainer side (rank 0 only under zmq; the trainer shares the bytes with its other ranks).
-    `BatchReceiver(cfg, run, ...)` makes the FileReceiver or ZmqReceiver."""
-
-    def __new__(cls, cfg: TransportConfig, run: RunDir, *args, **kwargs):
-        if cls is BatchReceiver:
-            cls = _implementation(cfg)[1]
-        return super().__new__(cls)
+    """Trainer side (rank 0 only under zmq; the trainer shares the bytes with its other ranks):
+    FileReceiver or ZmqReceiver (rl/transports.py batch_receiver)."""
 
     def __init__(self, cfg: TransportConfig, run: RunDir, poll_s: float = 0.05, keep: bool = False,
                  reject_damaged: bool = True, on_wait: Callable[[], object] | None = None):

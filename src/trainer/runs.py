@@ -33,6 +33,7 @@ from rl.config import ConfigError, RunConfig, load_config
 from rl.heartbeat import PeerState, PeerWatch
 from rl.rundir import RunDir, write_file_atomic
 from rl.transport import BatchReceiver
+from rl.transports import batch_receiver
 from trainer.parallel import share_json
 from trainer.policy import Policy
 from trainer.trainer import Trainer
@@ -156,7 +157,7 @@ class MultiRun:
             self.status(run, "finished", f"all {cfg.max_steps} steps were trained before")
             return
         # A damaged batch fails this run alone: waiting here for a rewrite would stall every run.
-        receiver = BatchReceiver(cfg.transport, run, keep=bool(cfg.trainer.checkpoint_every), reject_damaged=False)
+        receiver = batch_receiver(cfg.transport, run, keep=bool(cfg.trainer.checkpoint_every), reject_damaged=False)
         self.members[name] = Member(policy, receiver, step, time.monotonic())
         self.status(run, "joined", f"slot {slot}, next batch {step}", slot=slot, step=step)
         if self.t.rank == 0:

@@ -24,6 +24,7 @@ from rl.heartbeat import PeerReporter, PeerWatch, heartbeat_path, set_phase
 from trainer.preflight import trainer_state_refusal
 from rl.rundir import RunDir, remove_quietly
 from rl.transport import BatchReceiver
+from rl.transports import batch_receiver
 from trainer import checkpoint
 from trainer.data import MicroBatch, loss_weights, rank_micro_batches, receive_batch
 from trainer.loss import policy_loss
@@ -152,7 +153,7 @@ class Trainer:
         watch = PeerWatch(heartbeat_path(cfg, "orchestrator"), "orchestrator", cfg.heartbeat_timeout_s)
         orchestrator = PeerReporter(watch, log, f"waiting for it to come back (trainer.batch_timeout_s = "
                                     f"{cfg.trainer.batch_timeout_s:.0f} s)")
-        return BatchReceiver(cfg.transport, policy.run, keep=bool(cfg.trainer.checkpoint_every),
+        return batch_receiver(cfg.transport, policy.run, keep=bool(cfg.trainer.checkpoint_every),
                              on_wait=orchestrator.poll)
 
     def micro_batches(self, batch, policy: Policy) -> list[MicroBatch]:

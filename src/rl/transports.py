@@ -1,0 +1,25 @@
+"""Which batch transport a run uses: the one place that reads transport.kind. A new kind is a
+module implementing rl/transport.py's BatchSender and BatchReceiver, and a line in KINDS."""
+
+from __future__ import annotations
+
+from rl.config import TransportConfig
+from rl.rundir import RunDir
+from rl.transport import BatchReceiver, BatchSender
+from rl.transport_files import FileReceiver, FileSender
+from rl.transport_zmq import ZmqReceiver, ZmqSender
+
+KINDS: dict[str, tuple[type[BatchSender], type[BatchReceiver]]] = {
+    "filesystem": (FileSender, FileReceiver),
+    "zmq": (ZmqSender, ZmqReceiver),
+}
+
+
+def batch_sender(cfg: TransportConfig, run: RunDir) -> BatchSender:
+    """The orchestrator's side of `cfg.kind`."""
+    return KINDS[cfg.kind][0](cfg, run)
+
+
+def batch_receiver(cfg: TransportConfig, run: RunDir, **options) -> BatchReceiver:
+    """The trainer's side of `cfg.kind` (options: BatchReceiver's)."""
+    return KINDS[cfg.kind][1](cfg, run, **options)
