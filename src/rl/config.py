@@ -197,9 +197,15 @@ class OrchestratorConfig(Section):
     """Sampling temperature; the trainer scales its logits by the same value."""
 
     top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling: the smallest set of tokens holding this much probability (1: off);
+    recorded with each sample (the trainer renormalises over the kept set: trainer.sampling_mask)."""
+
     top_k: int = Field(-1, ge=-1)
+    """Sample among the k most likely tokens only (-1: off); recorded with each sample."""
+
     min_p: float = Field(0.0, ge=0, le=1)
-    """Nucleus, top-k (-1: off) and min-p sampling; recorded with each sample."""
+    """Drop tokens less likely than min_p times the most likely one (0: off); recorded with each
+    sample."""
 
     stop: list[str] = []
     """Strings that end a completion (besides eos and the chat template's end-of-turn tokens)."""
@@ -636,7 +642,10 @@ class TrackingConfig(Section):
     """auto: online when WANDB_API_KEY is set, else offline (`wandb sync` uploads it later)."""
 
     wandb_project: str = "asyncrl"
+    """The Weights & Biases project the run logs to."""
+
     wandb_entity: str | None = None
+    """The Weights & Biases team or user owning the project; unset: the API key's default entity."""
 
     run_name: str = ""
     """The run's name in the trackers; empty: the run directory's name."""

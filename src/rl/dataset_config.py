@@ -115,12 +115,22 @@ class DatasetConfig(BaseModel):
     component's mean is logged."""
 
     temperature: float | None = Field(None, gt=0)
+    """This dataset's sampling temperature; unset: orchestrator.temperature."""
+
     top_p: float | None = Field(None, gt=0, le=1)
+    """This dataset's nucleus sampling; unset: orchestrator.top_p."""
+
     top_k: int | None = Field(None, ge=-1)
+    """This dataset's top-k (-1: off); unset: orchestrator.top_k."""
+
     min_p: float | None = Field(None, ge=0, le=1)
+    """This dataset's min-p; unset: orchestrator.min_p."""
+
     max_tokens: int | None = Field(None, ge=1)
+    """This dataset's longest completion, tokens; unset: orchestrator.max_tokens."""
+
     stop: list[str] | None = None
-    """Sampling for this dataset; unset keys take orchestrator.<key>."""
+    """This dataset's stop strings; unset: orchestrator.stop."""
 
     @field_validator("function")
     @classmethod
