@@ -42,9 +42,13 @@ def _render(model: BaseModel, data: dict, prefix: str) -> list[str]:
     lines: list[str] = []
     tables: list[tuple[str, BaseModel, dict]] = []
     for name, field in type(model).model_fields.items():
-        if name not in data:
-            continue  # unset optional key
         value = getattr(model, name)
+        if name not in data and value is not None:
+            continue  # left out on purpose: a secret in a saved config
+        if name not in data:  # unset: shown as a comment (TOML has no null), with its docs
+            lines += [f"# {line.strip()}" for line in (field.description or "").splitlines()]
+            lines.append(f"# {name} = (unset)")
+            continue
         if isinstance(value, BaseModel):
             tables.append((f"{prefix}{name}", value, data[name]))
             continue
