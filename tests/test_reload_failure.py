@@ -20,14 +20,14 @@ version, and the next /generate killed the engine (layers still on vLLM's meta d
 
 "Frozen across the update" by construction, not by a race against the clock: the engine runs in
 short slices until vLLM's /metrics gauge, read while its engine core is stopped (SIGSTOP), shows it
-holding the long request; the update goes out, and the core is let go (SIGCONT) once the server
-logged that it pauses the engine; the worker's failure line says how many requests it held.
+holding the long request (a request that ended first, on a starved test process, is sent again);
+the update goes out, and the core is let go (SIGCONT) once the server logged that it pauses the
+engine; the worker's failure line says how many requests it held.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
 import shutil
@@ -36,7 +36,6 @@ import time
 from pathlib import Path
 
 import aiohttp
-import psutil
 import pytest
 import torch
 from fastapi import HTTPException
@@ -62,7 +61,7 @@ BAD = "model.layers.2.input_layernorm.weight"
 
 
 RELOAD_TIMEOUT_S = 3
-NICE = 10  # the engine's niceness while the test finds it holding the long request
+ATTEMPTS = 5  # long requests sent until the engine is seen holding one (held_by_stopped_engine)
 
 
 @pytest.fixture
@@ -151,28 +150,25 @@ async def engine_running(s: aiohttp.ClientSession, url: str) -> float:
 
 
 async def held_by_stopped_engine(s: aiohttp.ClientSession, url: str, core, task: asyncio.Task,
-                                 slices: int = 200) -> None:
-    """Returns with the engine core stopped (SIGSTOP) while it holds `task`'s request. The engine
-    runs in short slices (SIGCONT, a moment, SIGSTOP), and the gauge is read only while it is
-    stopped, after the server had time to take in its last outputs: a request that needs ~1,000
-    decode steps cannot end unseen. The engine's processes run niced meanwhile: a slice is over
-    when this process wakes, and beside a busy loop a waking test process could otherwise wait
-    long enough for the whole request to run. (Before: the gauge was polled while the engine ran
-    freely, and beside a busy loop the request ended between two polls.)"""
+                                 slices: int = 200) -> bool:
+    """True with the engine core stopped (SIGSTOP) while it holds `task`'s request; False, the
+    engine running, if the request ended before it was seen there. The engine runs in short
+    slices (SIGCONT, a moment, SIGSTOP), and the gauge is read only while it is stopped, after
+    the server had time to take in its last outputs. A slice ends when this process wakes,
+    though, and beside a busy loop it once woke 2.7 s late, time enough for all ~1,000 decode
+    steps: the caller tries again (before: the gauge was polled while the engine ran freely,
+    and beside a busy loop the request ended between two polls)."""
     core.send_signal(signal.SIGSTOP)
-    seen = []  # gauge readings and slice lengths (s), for the message should the request end unseen
     for _ in range(slices):
         await asyncio.sleep(0.2)  # the server takes in the outputs of the last slice
-        assert not task.done(), (f"the long request ended ({len(task.result()[1]['samples'][0]['token_ids'])} "
-                                 f"tokens) before the engine was seen holding it: {seen}")
-        seen.append(await engine_running(s, url))
-        if seen[-1] >= 1:
-            return
-        start = time.monotonic()
+        if task.done():
+            core.send_signal(signal.SIGCONT)
+            return False
+        if await engine_running(s, url) >= 1:
+            return True
         core.send_signal(signal.SIGCONT)
         await asyncio.sleep(0.02)
         core.send_signal(signal.SIGSTOP)
-        seen.append(round(time.monotonic() - start, 3))
     core.send_signal(signal.SIGCONT)
     raise AssertionError(f"no request running on the engine after {slices} slices")
 
@@ -184,17 +180,13 @@ async def long_across_update(s: aiohttp.ClientSession, proc, url: str, path: Pat
     holds the request until the server pauses the engine for the update. (Before: a race; on a
     fast machine the request could end before the update.) (its sample, the update's answer)."""
     core = engine_core(proc)
-    engine = [core, *core.children(recursive=True)]  # the engine core and its worker
-    niceness = [p.nice() for p in engine]
-    for p in engine:
-        p.nice(NICE)
-    long = asyncio.create_task(generate(s, url, "long-across", **LONG))
-    try:
-        await held_by_stopped_engine(s, url, core, long)
-    finally:
-        for p, was in zip(engine, niceness):
-            with contextlib.suppress(psutil.AccessDenied):  # lowering it back needs privileges
-                p.nice(was)
+    for attempt in range(ATTEMPTS):  # a setup condition, tried again: not what the test checks
+        long = asyncio.create_task(generate(s, url, f"long-across-{attempt}", **LONG))
+        if await held_by_stopped_engine(s, url, core, long):
+            break
+        await long
+    else:
+        raise AssertionError(f"the long request ended before the engine was seen holding it, {ATTEMPTS} times")
     try:
         pausing = f"updating to version {version} from {path}: pausing the engine"
         before = proc.log.read_text(errors="replace").count(pausing)
