@@ -42,18 +42,15 @@ def _render(model: BaseModel, data: dict, prefix: str) -> list[str]:
     lines: list[str] = []
     tables: list[tuple[str, BaseModel, dict]] = []
     for name, field in type(model).model_fields.items():
-        value = getattr(model, name)
-        if name not in data and value is not None:
+        value, unset = getattr(model, name), name not in data
+        if unset and value is not None:
             continue  # left out on purpose: a secret in a saved config
-        if name not in data:  # unset: shown as a comment (TOML has no null), with its docs
-            lines += [f"# {line.strip()}" for line in (field.description or "").splitlines()]
-            lines.append(f"# {name} = (unset)")
-            continue
         if isinstance(value, BaseModel):
             tables.append((f"{prefix}{name}", value, data[name]))
             continue
         lines += [f"# {line.strip()}" for line in (field.description or "").splitlines()]
-        lines.append(f"{name} = {_inline(data[name])}")
+        # Unset: a comment, with its docs (TOML has no null).
+        lines.append(f"# {name} = (unset)" if unset else f"{name} = {_inline(data[name])}")
     for table, sub, subdata in tables:
         lines += ["", f"[{table}]"] + _render(sub, subdata, f"{table}.")
     return lines
