@@ -5,12 +5,14 @@ its readiness line, true the moment it appears (the fixture's first request)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import shutil
 import time
 
 import aiohttp
 import openai
+import psutil
 import pytest
 from safetensors.torch import load_file, save_file
 
@@ -45,7 +47,8 @@ def server(tmp_path_factory):
         wait_healthy(proc, url)
         # The engine's first batches are several times slower: keep them out of the timings.
         asyncio.run(_warm_up(url))
-        yield {"url": url, "zero": str(zero), "model": str(TINY_MODEL), "first_completion": first}
+        yield {"url": url, "zero": str(zero), "model": str(TINY_MODEL), "first_completion": first,
+               "pid": proc.proc.pid}
     finally:
         proc.stop()
 
@@ -124,6 +127,18 @@ def test_the_readiness_line_is_true_an_openai_client_gets_a_completion_at_once(s
     first = server["first_completion"]
     assert not isinstance(first, Exception), f"{type(first).__name__}: {first}"
     assert len(first.choices) == 1 and first.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_cpu_engine_runs_its_worker_in_the_engine_core_on_the_bound_cores(server):
+    """inference.one_process_engine (default): vLLM's engine core computes itself, no worker
+    process beside it, on the cores $VLLM_CPU_OMP_THREADS_BIND names (conftest sets one per
+    xdist worker) or, unset, on the cores this test may use."""
+    names = [p.name() for p in psutil.Process(server["pid"]).children(recursive=True)]
+    assert names.count("VLLM::EngineCore") == 1 and not [n for n in names if "Worker" in n], names
+    (core,) = [p for p in psutil.Process(server["pid"]).children(recursive=True) if p.name() == "VLLM::EngineCore"]
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    want = {int(c) for c in bind.split(",")} if bind else os.sched_getaffinity(0)
+    assert set(core.cpu_affinity()) == want
 
 
 def test_generate_returns_tokens_logprobs_and_versions(server):

@@ -89,6 +89,40 @@ def vllm_args(cfg: RunConfig) -> list[str]:
     return args + inf.extra_args
 
 
+# `vllm serve` flags that give an engine more than one worker: it keeps vLLM's worker processes.
+MULTI_WORKER_FLAGS = ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp",
+                      "--data-parallel-size", "-dp", "--distributed-executor-backend")
+
+
+def engine_in_one_process(cfg: RunConfig) -> bool:
+    """Whether the worker runs inside the engine-core process (inference.one_process_engine).
+    vLLM 0.32's CPU platform turns a one-worker engine's "uni" executor back into "mp" (a worker
+    process of its own, vllm/platforms/cpu.py) unless VLLM_ENABLE_V1_MULTIPROCESSING is 0, so
+    that its OpenMP threads can be bound by environment before the worker starts. Here they are
+    bound by this program's own cores instead (bind_engine_cores). The API server's engine
+    client stays a separate process either way (AsyncLLM always is)."""
+    if not cfg.inference.one_process_engine:
+        return False
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False  # one GPU worker already runs in the engine core
+    return not any(arg.split("=", 1)[0] in MULTI_WORKER_FLAGS for arg in cfg.inference.extra_args)
+
+
+def bind_engine_cores() -> None:
+    """Pin this program, and so the engine core it starts, to $VLLM_CPU_OMP_THREADS_BIND when
+    that lists cores (rl/placement.py sets it from inference.cpus; the test suite per worker):
+    the engine's OpenMP pool is as large as the cores it may use. "auto", "nobind" or unset
+    leave the cores as they are."""
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    if not bind or bind in ("auto", "nobind"):
+        return
+    from vllm.utils.cpu_resource_utils import parse_id_list
+
+    os.sched_setaffinity(0, set(parse_id_list(bind.split("|")[0])))
+
+
 def keep_root_logging() -> Callable[[], None]:
     """Returns a function that puts the root logger's level and its handlers' levels back as
     they are now. Importing model_hosting_container_standards (vLLM's SageMaker routes, in
@@ -188,7 +222,15 @@ def main(cfg: RunConfig) -> int:
 
     cli_env_setup()
     parser = make_arg_parser(FlexibleArgumentParser(prog="rl inference"))
-    args = parser.parse_args(vllm_args(cfg))
+    one_process = engine_in_one_process(cfg)
+    if one_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read by the engine core it starts
+        # vLLM then warns that seeding "may affect the random state of the Python process that
+        # launched vLLM": true of its in-process engine (LLM), not of this server's engine core.
+        logging.getLogger("vllm.engine.arg_utils").addFilter(
+            lambda record: "VLLM_ENABLE_V1_MULTIPROCESSING" not in record.getMessage())
+        bind_engine_cores()
+    args = parser.parse_args(vllm_args(cfg) + (["--distributed-executor-backend", "uni"] if one_process else []))
     validate_parsed_serve_args(args)
     uvloop.run(_serve(args, Routes(cfg), restore_logging))
     return 0

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -78,8 +79,8 @@ class RealRun:
         self.programs.append(p)
         return p
 
-    def start_server(self) -> Program:
-        server = self.start("inference")
+    def start_server(self, *extra: str) -> Program:
+        server = self.start("inference", *extra)
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
             assert server.proc.poll() is None, server.tail()
@@ -378,11 +379,16 @@ def test_a_damaged_batch_file_is_rejected_and_written_again(real_run):
 
 
 def test_inference_killed_mid_generation_leaves_no_process_and_a_restart_catches_up(tmp_path):
+    """With vLLM's own worker process (inference.one_process_engine off): the most processes a
+    one-worker server has, all gone with it; the run on that layout trains to the end."""
     r = RealRun(tmp_path, free_port())
+    two_processes = ("--inference.one_process_engine", "false")
     try:
-        server = r.start_server()
+        server = r.start_server(*two_processes)
         trainer, orchestrator = r.start("trainer"), r.start("orchestrator")
         r.wait_for("step 2", lambda: r.trained() >= 2, watch=(trainer, orchestrator))
+        layout = [p.name() for p in psutil.Process(server.proc.pid).children(recursive=True)]
+        assert {"VLLM::EngineCore", "VLLM::Worker"} <= set(layout), layout
         os.kill(server.proc.pid, signal.SIGKILL)  # the main process alone, as the OOM killer would
         server.proc.wait(timeout=10)  # reaped, as its parent would: what is left of its group is vLLM's
         r.wait_for("the orchestrator to report the server", lambda: in_log(orchestrator, f"server {r.url} out of rotation"),
@@ -391,7 +397,7 @@ def test_inference_killed_mid_generation_leaves_no_process_and_a_restart_catches
         assert gone(server.proc.pid), subprocess.run(["ps", "-o", "pid,pgid,cmd", "-g", str(server.proc.pid)],
                                                      capture_output=True, text=True).stdout
         stalled_at = r.trained()
-        r.start_server()
+        r.start_server(*two_processes)
         r.finish(trainer, orchestrator)
         assert stalled_at < MAX_STEPS, "the run did not need the restarted server"
         assert in_log(orchestrator, f"server {r.url} back in rotation")
