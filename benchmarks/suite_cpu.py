@@ -41,10 +41,14 @@ def owner(pid: int, parent: dict[int, int], workers: dict[int, str]) -> str:
     return "(other)"
 
 
-def sample(seen: dict[int, float], charged: Counter) -> None:
+def sample(seen: dict[int, float], charged: Counter, held: Counter, every: float) -> None:
+    """Charge the CPU each process used since the last look; and `every` seconds of wall time
+    to each file a worker is running now (how long the file held its worker)."""
     procs = list(psutil.process_iter(["ppid", "cmdline", "cpu_times"]))
     parent = {p.pid: p.info["ppid"] for p in procs}
     workers = {p.pid: name for p in procs if (name := test_file(" ".join(p.info["cmdline"] or [])))}
+    for name in workers.values():
+        held[name] += every
     for p in procs:
         t = p.info["cpu_times"]
         if t is None:
@@ -63,20 +67,22 @@ def main() -> None:
     args = parser.parse_args()
     seen: dict[int, float] = {p.pid: sum(p.cpu_times()[:2]) for p in psutil.process_iter()}
     charged: Counter = Counter()
+    held: Counter = Counter()
     stop = []
     signal.signal(signal.SIGINT, lambda *_: stop.append(1))
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     start = time.monotonic()
     while not stop:
-        sample(seen, charged)
+        sample(seen, charged, held, args.every)
         time.sleep(args.every)
     wall = time.monotonic() - start
-    result = {"wall_s": round(wall, 1), "cpu_s": {k: round(v, 1) for k, v in charged.most_common()}}
+    result = {"wall_s": round(wall, 1), "cpu_s": {k: round(v, 1) for k, v in charged.most_common()},
+              "worker_s": {k: round(v, 1) for k, v in held.most_common()}}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    print(f"{wall:.0f} s wall; CPU seconds per test file:")
+    print(f"{wall:.0f} s wall; per test file, CPU seconds and seconds it held its worker:")
     for name, cpu in charged.most_common(25):
-        print(f"{cpu:8.1f}  {name}")
+        print(f"{cpu:8.1f} {held.get(name, 0):8.0f}  {name}")
 
 
 if __name__ == "__main__":
