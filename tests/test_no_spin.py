@@ -31,6 +31,7 @@ import pytest
 
 from conftest import ROOT, TINY_MODEL, free_port, rl_command
 from orchestrator.prompts import decode_state
+from orchestrator.quiet import QUIET_S
 from rl.batch import Batch
 from rl.rundir import RunDir
 
@@ -458,8 +459,12 @@ def test_a_reward_that_always_raises_stops_the_run_naming_it_and_its_error(tmp_p
                               reward_timeout_s=0.5)
     start = time.monotonic()
     lines, code = run_orchestrator(cfg, tmp_path)
+    took = time.monotonic() - start
     assert code == 1, "\n".join(lines[-30:])
-    assert time.monotonic() - start >= 1.5  # a lower bound: holds however loaded the machine
+    assert took >= 1.5  # a lower bound: holds however loaded the machine
+    # Each failed group requeues its prompt (STREAK of them at least): said once per QUIET_S.
+    requeued = [line for line in lines if "requeued" in line]
+    assert 1 <= len(requeued) <= 1 + took / QUIET_S, requeued
     error = the_error(lines)
     assert "dataset data: " in error and " groups in a row failed (none of its groups was scored between them) " \
            f"over " in error and f" s (orchestrator.max_futile_streak = {STREAK}); " \

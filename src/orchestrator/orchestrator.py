@@ -34,6 +34,7 @@ from orchestrator.checkpoint import checkpointed_batch, resume_point, save_check
 from orchestrator.delivery import weight_delivery
 from orchestrator.evaluation import Evaluation, EvaluationRunner
 from orchestrator.prompts import Prompt, PromptQueue
+from orchestrator.quiet import Quiet
 from orchestrator.reporting import Counters, Reporting
 from orchestrator.rollouts import Aborted, Group, Rollouts
 from orchestrator.servers import Server, ServerPool
@@ -92,6 +93,7 @@ class Orchestrator:
         self.chores: set[asyncio.Task] = set()
         self.attempts: dict[int, int] = {}  # prompt index -> failed groups so far
         self.streaks = Streaks(self.o.max_futile_streak, self.futile_spans())  # what would make the run spin ends it
+        self.requeue_quiet = Quiet(log)  # a teacher that is down fails every group: not a line per group
         self.best_reward = float("-inf")  # the highest reward any group got: is a filtered one mastered?
         self.filtered_rewards: dict[float, None] = {}  # each reward of the groups filtered since one was batched
         self.reporting = Reporting(cfg, self.run_dir, self.pool, per_dataset=len(self.rollouts.sources) > 1)
@@ -305,7 +307,7 @@ class Orchestrator:
         n = self.attempts[prompt.index] = self.attempts.get(prompt.index, 0) + 1
         self.streaks.hit("failed", self.culprit(prompt), why, self.failure_fix(prompt))
         if n < MAX_ATTEMPTS:
-            log.warning("group %s failed (%s); prompt %d requeued", gid, why, prompt.index)
+            self.requeue_quiet.warn(why.split(":", 1)[0], f"group {gid} failed ({why}); prompt {prompt.index} requeued")
             self.queue.give_back(prompt)
         else:
             log.error("group %s failed (%s); prompt %d dropped after %d attempts", gid, why, prompt.index, n)
