@@ -31,18 +31,31 @@ from test_scheduling import Collect, Outcome, check_rules, make_config
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def servers(tmp_path):
-    """Two fresh servers on the test's run directory (tmp_path / "run"): the orchestrator names
-    weights relative to it, and a server loads only from its own run's weights/."""
-    launched = [launch_server(tmp_path, f"server{i}", TINY_MODEL, tmp_path / "run") for i in range(2)]
+@pytest.fixture(scope="module")
+def server_pair(tmp_path_factory):
+    """Two servers for the module, on one run directory (the orchestrator names weights relative
+    to it, and a server loads only from its own run's weights/)."""
+    tmp = tmp_path_factory.mktemp("servers")
+    launched = [launch_server(tmp, f"server{i}", TINY_MODEL, tmp / "run") for i in range(2)]
     try:
         for proc, url in launched:
             wait_healthy(proc, url)
-        yield [url for _, url in launched]
+        yield tmp / "run", [url for _, url in launched]
     finally:
         for proc, _ in launched:
             proc.stop()
+
+
+@pytest.fixture
+def servers(server_pair) -> tuple[Path, list[str]]:
+    """The run directory, emptied but for the servers' own heartbeats, and the two URLs: each
+    test starts at step 1, and the orchestrator loads version 0 (the base model) back onto
+    servers an earlier test left on another version."""
+    run, urls = server_pair
+    for child in run.iterdir():
+        if child.name != "heartbeats":
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
+    return run, urls
 
 
 async def copying_trainer(run: RunDir, steps: int) -> None:
@@ -110,8 +123,8 @@ def straddling(o: Outcome) -> int:
     return count
 
 
-def test_the_rules_hold_on_real_servers_with_in_flight_updates(servers, tmp_path):
-    o = asyncio.run(real_scenario(tmp_path / "run", servers, in_flight=True))
+def test_the_rules_hold_on_real_servers_with_in_flight_updates(servers):
+    o = asyncio.run(real_scenario(*servers, in_flight=True))
     check_rules(o)
     assert all(len(v) == 2 for v in o.handover_versions.values()), o.handover_versions  # both in rotation
     # Updates land while requests run (each batch's version reaches servers generating the next
@@ -121,8 +134,8 @@ def test_the_rules_hold_on_real_servers_with_in_flight_updates(servers, tmp_path
     assert max(v for vs in o.handover_versions.values() for v in vs) >= o.cfg.max_steps - 2
 
 
-def test_with_wait_updates_no_sample_straddles_a_version_on_real_servers(servers, tmp_path):
-    o = asyncio.run(real_scenario(tmp_path / "run", servers, in_flight=False))
+def test_with_wait_updates_no_sample_straddles_a_version_on_real_servers(servers):
+    o = asyncio.run(real_scenario(*servers, in_flight=False))
     check_rules(o)
     assert straddling(o) == 0
 
@@ -152,7 +165,7 @@ def teacher_reference(path: Path, tokens: list[int]):
     return float64_logprobs(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).double().eval(), tokens)
 
 
-def test_a_real_teacher_scores_the_students_real_tokens(servers, tmp_path):
+def test_a_real_teacher_scores_the_students_real_tokens(servers):
     """On-policy distillation with both models on real engines: server 0 is the student (the
     tiny model), server 1 becomes the teacher by a real reload of a perturbed copy of it, whose
     logprobs differ per token and from the student's. Each model token's advantage is
@@ -169,9 +182,9 @@ def test_a_real_teacher_scores_the_students_real_tokens(servers, tmp_path):
     from rl.config import RunConfig
     from rl.inference_api import InferenceClient
 
-    teacher_dir = RunDir(tmp_path / "run").weights_dir(1)
+    run, (student_url, teacher_url) = servers
+    teacher_dir = RunDir(run).weights_dir(1)
     perturbed_copy(teacher_dir)
-    student_url, teacher_url = servers
     coef = 0.5
     cfg = RunConfig.model_validate({"model": str(TINY_MODEL), "seq_len": 64, "orchestrator": {
         "group_size": 4, "max_tokens": 12, "reward": "", "teacher_url": teacher_url, "teacher_coef": coef}})
