@@ -46,8 +46,8 @@ class InferenceConfig(Section):
 
     cpus: list[NonNegativeInt] = []
     """Cores this program and everything it starts may run on; empty: all. Where the three
-    programs share a machine, giving each its own cores stops them competing (vLLM's engine keeps
-    a scheduler process busy beside its worker). E.g. on 2 cores: inference [0], orchestrator
+    programs share a machine, giving each its own cores stops them competing (vLLM's engine
+    computes on every core it may use). E.g. on 2 cores: inference [0], orchestrator
     [0], trainer [1]."""
 
     api_token: str | None = None

@@ -2,9 +2,10 @@
 section names (`[inference] cpus`, `[orchestrator] cpus`, `[trainer] cpus`).
 
 Why: on a machine the three programs share, the kernel spreads them over every core. vLLM's CPU
-engine keeps a scheduler process polling on a core of its own beside the worker's, and that core
-is the trainer's on a small machine: measured on the 2-core build machine, the engine's scheduler
-took ~30% of the trainer's core and the trainer step slowed by ~40% (docs/performance.md).
+engine with a worker process of its own (inference.one_process_engine = false) keeps a scheduler
+process polling on another core, and that core is the trainer's on a small machine: measured on
+the 2-core build machine, the scheduler took ~30% of the trainer's core and the trainer step
+slowed by ~40% (docs/performance.md). In one process the engine computes on every core it may.
 Pinning happens first thing in the program, before any thread or child exists, so all inherit it.
 """
 
