@@ -65,9 +65,10 @@ class InferenceConfig(Section):
     one_process_engine: bool = True
     """CPU engines with one worker (no tensor, pipeline or data parallel flags in extra_args): run
     vLLM's worker inside its engine-core process instead of a process of its own. Measured here
-    (docs/performance.md): the server is ready ~8 s sooner and its start takes ~9 CPU s less (one
-    interpreter fewer importing torch and vLLM); generation is ~8% slower on the tiny model (the
-    scheduler no longer overlaps the worker). The engine's OpenMP threads then follow this
+    (docs/performance.md, benchmarks/engine_start.py): the server is ready ~5 s sooner and its
+    start takes ~6.5 CPU s less (one interpreter fewer importing torch and vLLM); generation is as
+    fast within the runs' spread, for half the CPU (no scheduler polling the worker). The
+    engine's OpenMP threads then follow this
     program's cores (`cpus`, else $VLLM_CPU_OMP_THREADS_BIND when it lists cores). GPU engines
     with one worker already run it so; false keeps vLLM's separate worker process."""
 
