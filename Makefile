@@ -10,11 +10,16 @@ TORCH ?= torch==2.13.0
 
 .PHONY: install demo test clean-demo
 
+# pip compiles every installed file to bytecode one after another (~1 min of a 2:09 install
+# here); compileall does the same on every core in ~0:27. (torch/testing holds a file in 3.12
+# syntax that pip skips as well.) Bytecode must exist before the first run: where
+# PYTHONDONTWRITEBYTECODE is set, imports would otherwise compile torch and vLLM at every start.
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
-	$(PIP) install $(TORCH)
-	$(PIP) install -e ".[cpu,dev]" $(TORCH)
+	$(PIP) install --no-compile $(TORCH)
+	$(PIP) install --no-compile -e ".[cpu,dev]" $(TORCH)
 	$(PIP) uninstall -y torchvision torchaudio torchcodec triton
+	$(PY) -m compileall -q -j 0 -x '/torch/testing/' $(VENV)/lib > /dev/null 2>&1 || echo "some files were not compiled ahead (they compile when imported)"
 	touch $@
 
 install: $(VENV)/.installed
@@ -23,14 +28,16 @@ demo: install
 	rm -rf runs/demo
 	$(VENV)/bin/rl run @ configs/demo.toml
 
-# Two workers (pytest-xdist), each taking whole files (a module's vLLM server starts once): most
-# of the suite waits on engines, processes and timeouts, and each worker's vLLM engines get a
-# core of their own (tests/conftest.py). (--dist loadgroup did not keep a group on one worker
-# with pytest 9.2 and xdist 3.8.)
-TEST_WORKERS ?= 2
+# Three workers (pytest-xdist), each taking whole files (a module's vLLM server starts once):
+# much of the suite waits on engines, processes and timeouts, so a third worker fills the CPU
+# the first two leave idle (on 2 cores, fresh clone of 2026-11-25: 2 workers 15:56, 3 workers
+# 14:32, 4 workers 15:31; docs/performance.md). Each worker's vLLM engines compute on one core
+# (tests/conftest.py). (--dist loadgroup did not keep a group on one worker with pytest 9.2 and
+# xdist 3.8.) The slowest tests are listed at the end: where the time goes, in every CI log.
+TEST_WORKERS ?= 3
 
 test: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=10
 
 clean-demo:
 	rm -rf runs/demo

@@ -35,9 +35,10 @@ def write_toml(tmp_path):
 
 
 def pytest_configure(config):
-    """Each xdist worker's vLLM engines compute on a core of its own: vLLM's CPU worker binds
-    its OpenMP threads to fixed cores (core 0 unless told), so two engines started by two
-    workers would otherwise share one core and leave the other idle."""
+    """Worker n's vLLM engines compute on core n (modulo the cores there are): vLLM's CPU
+    engine binds its OpenMP threads to fixed cores (core 0 unless told), so engines started by
+    different workers would otherwise all share one core and leave the others idle. (With
+    three workers on two cores, `make test`'s default, gw0 and gw2 share core 0.)"""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     if worker.startswith("gw"):
         cores = sorted(os.sched_getaffinity(0))

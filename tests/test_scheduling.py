@@ -529,3 +529,44 @@ def test_a_server_announced_in_the_run_directory_joins_on_the_current_version_an
     late = [i for i in b.requests if int(i.rsplit("-", 1)[1]) > left["seq"]]
     assert not late, f"used after it left: {late}"
     assert [s.url for s in o.orchestrator.pool.servers] == [o.cfg.orchestrator.server_urls[0]]
+
+
+def test_a_restarted_server_is_asked_when_it_starts_and_again_when_its_heartbeat_says_serving(tmp_path):
+    """A server out of rotation is retried with a backoff that doubles up to server_retry_max_s;
+    vLLM takes ~20-30 s to get ready, so a restarted one would wait up to that backoff once
+    ready. Its heartbeat says when it starts (a new instance) and when it serves: the pool asks
+    it at once on each, and not in between (it is still starting: the backoff stands)."""
+    from orchestrator.servers import ServerPool
+    from rl.heartbeat import SERVING, Heartbeat, server_heartbeat_path
+
+    url = "http://127.0.0.1:9"  # never asked here: discover() only schedules the next question
+
+    async def until(what: str, condition, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            await asyncio.sleep(0.01)
+
+    async def scenario() -> None:
+        async with aiohttp.ClientSession() as session:
+            pool = ServerPool([url], session, None, retry_max_s=30, delivery=lambda pool: None)
+            s = pool.servers[0]
+            s.joined, s.backoff_s, s.retry_at = True, 16.0, time.monotonic() + 16  # down a while
+            beat = Heartbeat(server_heartbeat_path(tmp_path, url), every_s=0.05, url=url).start()
+            watch = asyncio.create_task(pool.discover(tmp_path, set(), timeout_s=20, every_s=0.05))
+            try:
+                await until("the new instance to be asked at once", lambda: s.retry_at == 0.0)
+                assert s.backoff_s == 1.0
+                s.backoff_s, s.retry_at = 2.0, time.monotonic() + 60  # asked: not up yet
+                beats = beat.beats
+                await until("three more beats", lambda: beat.beats >= beats + 3)
+                await asyncio.sleep(0.1)  # and two turns of discover() after the last
+                assert s.retry_at > time.monotonic() + 30, "asked again while it still starts"
+                beat.set_phase(SERVING)
+                await until("the ready server to be asked at once", lambda: s.retry_at == 0.0)
+                assert s.backoff_s == 1.0
+            finally:
+                watch.cancel()
+                beat.stop()
+
+    asyncio.run(scenario())

@@ -18,6 +18,7 @@ import re
 import subprocess
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -73,11 +74,27 @@ def apart(stamps: list[int], interval_s: int) -> bool:
     return all(b - a >= interval_s for a, b in zip(stamps, stamps[1:]))
 
 
-def test_the_orchestrator_waiting_for_servers_says_so_and_gives_up_at_server_wait_timeout_s(tmp_path, write_toml):
+@pytest.fixture(scope="module")
+def waited(tmp_path_factory) -> dict:
+    """Both programs wait at once, each timed from its own start in a thread of its own: the
+    file holds its test worker for the longer wait, not for the sum of the two.
+    {program: (lines, exit code)}, and "url": where the orchestrator's server should be."""
+    tmp = tmp_path_factory.mktemp("waits")
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    cfg = write_toml(f'model = "{TINY_MODEL}"\noutput_dir = "{tmp_path / "run"}"\nmax_steps = 2\nseq_len = 64\n'
-                     f'[orchestrator]\nserver_urls = ["{url}"]\nserver_wait_timeout_s = 25\n', "cfg.toml")
-    lines, code = timed_lines(rl_command("orchestrator", "@", str(cfg)), limit_s=60)
+    orchestrator = tmp / "orchestrator.toml"
+    orchestrator.write_text(f'model = "{TINY_MODEL}"\noutput_dir = "{tmp / "orchestrator"}"\nmax_steps = 2\n'
+                            f'seq_len = 64\n[orchestrator]\nserver_urls = ["{url}"]\nserver_wait_timeout_s = 25\n')
+    trainer = tmp / "trainer.toml"
+    trainer.write_text(f'model = "{TINY_MODEL}"\noutput_dir = "{tmp / "trainer"}"\nmax_steps = 2\nseq_len = 64\n'
+                       "heartbeat_timeout_s = 5\n[trainer]\nbatch_timeout_s = 40\ntorch_threads = 1\n")
+    with ThreadPoolExecutor(2) as pool:
+        runs = {"orchestrator": pool.submit(timed_lines, rl_command("orchestrator", "@", str(orchestrator)), 60),
+                "trainer": pool.submit(timed_lines, rl_command("trainer", "@", str(trainer)), 90)}
+        return {"url": url, **{name: run.result() for name, run in runs.items()}}
+
+
+def test_the_orchestrator_waiting_for_servers_says_so_and_gives_up_at_server_wait_timeout_s(waited):
+    url, (lines, code) = waited["url"], waited["orchestrator"]
     text = "\n".join(line for _, line in lines)
     beat = rf"waiting for inference server\(s\) {re.escape(url)} to come up"
     gave = rf"{re.escape(url)} not healthy after 25 s \(orchestrator.server_wait_timeout_s\)"
@@ -93,10 +110,8 @@ def test_the_orchestrator_waiting_for_servers_says_so_and_gives_up_at_server_wai
     assert max(beats(lines, beat)) < gave_up[0]  # and nothing waited on after it
 
 
-def test_the_trainer_waiting_for_a_batch_says_so_and_gives_up_at_batch_timeout_s(tmp_path, write_toml):
-    cfg = write_toml(f'model = "{TINY_MODEL}"\noutput_dir = "{tmp_path / "run"}"\nmax_steps = 2\nseq_len = 64\n'
-                     "heartbeat_timeout_s = 5\n[trainer]\nbatch_timeout_s = 40\ntorch_threads = 1\n", "cfg.toml")
-    lines, code = timed_lines(rl_command("trainer", "@", str(cfg)), limit_s=90)
+def test_the_trainer_waiting_for_a_batch_says_so_and_gives_up_at_batch_timeout_s(waited):
+    lines, code = waited["trainer"]
     text = "\n".join(line for _, line in lines)
     # The batch wait beats every 30 s (rl/transport.py). (The watch on the orchestrator's
     # heartbeat speaks only of an orchestrator that was there and went silent: tests/faults.)

@@ -29,7 +29,7 @@ from inference import orphans
 from inference.routes import Routes
 from rl import quiet_tracker
 from rl.config import RunConfig
-from rl.heartbeat import set_phase
+from rl.heartbeat import SERVING, set_phase
 from rl.inference_api import resolve_token
 
 log = logging.getLogger("inference")
@@ -195,7 +195,7 @@ async def announce_when_ready(args) -> None:
                 pass  # not listening yet
             await asyncio.sleep(READY_POLL_S)
     log.info("ready: serving %s on %s://%s:%d (version %d)", args.model, scheme, args.host, args.port, version)
-    set_phase("serving")
+    set_phase(SERVING)
 
 
 def main(cfg: RunConfig) -> int:

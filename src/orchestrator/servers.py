@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from orchestrator.streaks import Spinning
-from rl.heartbeat import PeerWatch, announced_url, server_heartbeats
+from rl.heartbeat import SERVING, PeerWatch, announced_url, server_heartbeats
 from rl.inference_api import InferenceClient, InferenceError
 
 if TYPE_CHECKING:
@@ -290,7 +290,10 @@ class ServerPool:
         each new one, take out one whose heartbeat stops (removed or silent for `timeout_s`),
         forgetting it unless listed, and let it in again when it beats again."""
         watches: dict[str, PeerWatch] = {}
-        instances: dict[str, str | None] = {}
+        # (instance, serving?) last seen per URL: a server is asked at once when it starts and
+        # again when it declares itself ready, not after the backoff its predecessor's failures
+        # grew (up to server_retry_max_s: a restarted vLLM takes ~20-30 s to get ready).
+        instances: dict[str, tuple[str | None, bool]] = {}
         while True:
             # Only new files are read here: the watches read the known ones.
             watched = {w.path for w in watches.values()}
@@ -303,9 +306,10 @@ class ServerPool:
                 if peer.state == "alive":
                     if s is None:
                         s = self.add(url, f"announced itself ({watch.instance})")
-                    if s.silent or instances.get(url) != watch.instance:
-                        s.silent, s.retry_at, s.backoff_s = False, 0.0, 1.0  # new or back: ask it now
-                    instances[url] = watch.instance
+                    seen = (watch.instance, watch.phase == SERVING)
+                    if s.silent or instances.get(url) != seen:
+                        s.silent, s.retry_at, s.backoff_s = False, 0.0, 1.0  # new, back or ready: ask it now
+                    instances[url] = seen
                 elif peer.state in ("silent", "stopped"):
                     if s is not None and not s.silent:
                         s.silent = True

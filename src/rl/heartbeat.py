@@ -35,6 +35,8 @@ from rl.config import RunConfig
 from rl.rundir import RunDir, write_file_atomic
 
 HEARTBEAT_EVERY_S = 2.0
+# The phase a server declares once it answers requests: an orchestrator asks it at once then.
+SERVING = "serving"
 PEER_TIMEOUT_S = 20.0  # the default of heartbeat_timeout_s
 
 log = logging.getLogger("heartbeat")
@@ -181,6 +183,13 @@ class PeerWatch:
     @property
     def instance(self) -> str | None:
         return self.content.split(b"\n", 1)[0].decode(errors="replace") if self.content else None
+
+    @property
+    def phase(self) -> str | None:
+        """The phase line 2 declares (SERVING, "waiting for batch 7"), None if there is none."""
+        lines = (self.content or b"").decode(errors="replace").splitlines()
+        parts = lines[1].split(" ", 2) if len(lines) >= 2 else []
+        return parts[2] if len(parts) == 3 else None
 
 
 class PeerReporter:

@@ -151,7 +151,7 @@ def test_a_server_answering_500_to_some_requests_keeps_its_place(tmp_path, caplo
     request makes a healthy real engine answer 500 (docs/reliability.md says why); the same
     branch of the orchestrator (any non-200 answer, broken connection or timeout is an
     InferenceError) is shown on real engines by test_engine_stalls_vllm.py's request timeout and
-    test_kill_restart.py's killed server."""
+    test_kill_inference.py's killed server."""
     a, b = FakeServer(lambda: 0.002), FakeServer(lambda: 0.002, error_rate=0.3)
     with caplog.at_level(logging.INFO, logger="orchestrator"):
         o = asyncio.run(run_scenario(tmp_path, [a, b], step_latency=lambda: 0.1, max_steps=30,

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from conftest import free_port
-from test_kill_restart import RealRun, gone, rl_run
+from real_run import RealRun, gone, rl_run
 
 pytestmark = pytest.mark.slow
 
