@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import sys
@@ -11,8 +12,39 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY_MODEL = ROOT / "models" / "tiny-reverse"
 
 
+# Ports for the tests' servers come from below the kernel's ephemeral range, where bind(port 0)
+# and the local end of every outgoing connection get theirs: a port found free there can be
+# taken by some connection before the server binds it, seconds later (seen in a three-worker
+# run: vLLM's "Address already in use"). Each xdist worker hands out its own slice, in turn, so
+# neither another worker nor a recent test of the same worker gets the same port.
+PORTS_FROM = 20000
+
+
+def _port_slice() -> range:
+    try:
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768  # Linux's default
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index, count = int(worker[2:] or 0), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    width = (ephemeral - PORTS_FROM) // max(count, 1)
+    return range(PORTS_FROM + index * width, PORTS_FROM + (index + 1) * width)
+
+
+_ports = itertools.count()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    ports = _port_slice()
+    for _ in range(len(ports)):
+        port = ports[next(_ports) % len(ports)]
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use (or in TIME_WAIT): the next one
+            return port
+    with socket.socket() as s:  # no slice to take from (an unusual ephemeral range): any free port
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
