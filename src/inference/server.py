@@ -21,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 
 import aiohttp
 
@@ -139,7 +140,41 @@ def keep_root_logging() -> Callable[[], None]:
     return restore
 
 
-async def _serve(args, routes: Routes, restore_logging: Callable[[], None]) -> None:
+@asynccontextmanager
+async def forked_engine_client(args) -> AsyncIterator:
+    """vLLM's engine client (build_async_engine_client_from_engine_args, as `vllm serve` builds
+    it), with its engine-core process forked from this one instead of spawned. vLLM's CPU platform
+    asks for spawn (VLLM_WORKER_MULTIPROC_METHOD, set while the config is built) so that the
+    workers it starts bind their OpenMP threads from the environment; a one-process engine starts
+    no worker, and a spawned engine core only re-imports torch and vLLM, which this process
+    already holds: 6-7 of its ~9 CPU seconds, and the seconds before the server is ready
+    (docs/performance.md, "A forked engine core"). Its OpenMP pool is sized here: libgomp counted
+    the cores when torch was imported, before bind_engine_cores pinned this process."""
+    import torch
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    usage = UsageContext.OPENAI_API_SERVER
+    vllm_config = engine_args.create_engine_config(usage_context=usage)
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"  # after the platform said "spawn"
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    engine = None
+    try:
+        engine = AsyncLLM.from_vllm_config(
+            vllm_config=vllm_config, usage_context=usage,
+            enable_log_requests=engine_args.enable_log_requests,
+            aggregate_engine_logging=engine_args.aggregate_engine_logging,
+            disable_log_stats=engine_args.disable_log_stats)
+        await engine.reset_mm_cache()  # as vLLM's: no dummy multimodal data kept
+        yield engine
+    finally:
+        if engine is not None:
+            engine.shutdown(timeout=vllm_config.shutdown_timeout)
+
+
+async def _serve(args, routes: Routes, restore_logging: Callable[[], None], fork: bool) -> None:
     # Mirrors vllm.entrypoints.launchers.api_server.entry.run_server_worker, plus routes.attach.
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
@@ -148,7 +183,7 @@ async def _serve(args, routes: Routes, restore_logging: Callable[[], None]) -> N
 
     _, sock = setup_server(args, reuse_port=False)
     try:
-        async with build_async_engine_client(args) as engine:
+        async with (forked_engine_client if fork else build_async_engine_client)(args) as engine:
             tasks = await engine.get_supported_tasks()
             app = build_app(args, tasks, engine.model_config)
             routes.attach(app, engine)
@@ -232,5 +267,5 @@ def main(cfg: RunConfig) -> int:
         bind_engine_cores()
     args = parser.parse_args(vllm_args(cfg) + (["--distributed-executor-backend", "uni"] if one_process else []))
     validate_parsed_serve_args(args)
-    uvloop.run(_serve(args, Routes(cfg), restore_logging))
+    uvloop.run(_serve(args, Routes(cfg), restore_logging, fork=one_process))
     return 0

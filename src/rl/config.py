@@ -64,12 +64,12 @@ class InferenceConfig(Section):
 
     one_process_engine: bool = True
     """CPU engines with one worker (no tensor, pipeline or data parallel flags in extra_args): run
-    vLLM's worker inside its engine-core process instead of a process of its own. Measured here
-    (docs/performance.md, benchmarks/engine_start.py): the server is ready ~5 s sooner and its
-    start takes ~6.5 CPU s less (one interpreter fewer importing torch and vLLM); generation is as
-    fast within the runs' spread, for half the CPU (no scheduler polling the worker). The
-    engine's OpenMP threads then follow this
-    program's cores (`cpus`, else $VLLM_CPU_OMP_THREADS_BIND when it lists cores). GPU engines
+    vLLM's worker inside its engine-core process instead of a process of its own, and fork that
+    process from the server (which already imported torch and vLLM) instead of spawning it.
+    Measured here (docs/performance.md, benchmarks/engine_start.py): ready in 10-11 s instead of
+    23-24 s, start 10-11 CPU s instead of 25 (two interpreters fewer importing torch and vLLM);
+    generation is as fast within the runs' spread, for half the CPU (no scheduler polling the
+    worker). The engine's OpenMP threads then follow this program's cores (`cpus`, else $VLLM_CPU_OMP_THREADS_BIND when it lists cores). GPU engines
     with one worker already run it so; false keeps vLLM's separate worker process."""
 
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
