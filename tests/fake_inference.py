@@ -257,6 +257,7 @@ async def score_over_http(handler, timeout_s: float, prompt: str, completions: l
     `handler` (an aiohttp handler for POST /score). `release`: set once scored, before the
     server shuts down (which waits for handlers still hanging on it)."""
     import aiohttp
+    from rl.inference_api import connector
 
     from orchestrator.scoring import Reward
 
@@ -267,7 +268,7 @@ async def score_over_http(handler, timeout_s: float, prompt: str, completions: l
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     try:
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(connector=connector()) as session:
             return await Reward(f"http://127.0.0.1:{port}/score", timeout_s, session).score(prompt, completions, row)
     finally:
         if release is not None:

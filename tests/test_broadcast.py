@@ -363,6 +363,7 @@ def test_real_server_receives_a_version_by_broadcast(vllm_server):
     computes from /health, then /update_weights on the broadcast directory while the trainer's
     WeightBroadcaster sends. The result must equal a filesystem reload of the same tensors."""
     import aiohttp
+    from rl.inference_api import connector
     from safetensors.torch import load_file, save_file
 
     from orchestrator.delivery import BroadcastDelivery
@@ -392,7 +393,7 @@ def test_real_server_receives_a_version_by_broadcast(vllm_server):
         return t
 
     async def main():
-        async with aiohttp.ClientSession() as s:
+        async with aiohttp.ClientSession(connector=connector()) as s:
             async with s.get(f"{url}/broadcaster") as r:
                 info = await r.json()
             before = await greedy(s, url)

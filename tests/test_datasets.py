@@ -29,6 +29,7 @@ from orchestrator.tokenizer import load_tokenizer
 from rl.config import ConfigError, RunConfig
 from orchestrator.tables import load_table
 from test_rollouts import with_server
+from rl.inference_api import connector
 
 
 def write_jsonl(path, rows, extra_lines=()):
@@ -184,7 +185,7 @@ def test_math_verify_scores_final_answers_with_components():
 
 def test_a_reward_returning_something_else_fails_that_rollout(caplog):
     async def scenario(fn):
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(connector=connector()) as session:
             reward = Reward("orchestrator.tasks.math_answer:reward", 5.0, session)
             reward.fn = fn
             return await reward.score("p", ["a"], {})

@@ -35,6 +35,7 @@ from rl.rundir import RunDir, mark_stable
 from test_end_to_end import launch_server, wait_healthy
 from test_scheduling import Collect, make_config
 from test_scheduling_vllm import copying_trainer
+from rl.inference_api import connector
 
 pytestmark = pytest.mark.slow
 
@@ -150,7 +151,7 @@ def test_hopeless_groups_are_aborted_on_the_engine(long_server, tmp_path):
     seen = {}
 
     async def scenario():
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(connector=connector()) as session:
             async def state() -> dict:
                 async with session.get(f"{url}/health") as r:
                     return await r.json()
@@ -278,7 +279,7 @@ def test_a_request_that_outlives_its_timeout_is_aborted_on_the_engine_and_requeu
     logging.getLogger("orchestrator").addHandler(warnings)
 
     async def scenario():
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(connector=connector()) as session:
             async def state() -> dict:
                 async with session.get(f"{url}/health") as r:
                     return await r.json() if r.status == 200 else {}

@@ -17,6 +17,7 @@ from orchestrator.sources import Source
 from orchestrator.tokenizer import load_tokenizer
 from rl.config import ConfigError, RunConfig, load_config
 from test_rollouts import with_server
+from rl.inference_api import connector
 
 SEEN: dict[str, list[float]] = {}
 
@@ -89,7 +90,7 @@ def test_a_greedy_evaluation_on_a_real_engine_takes_one_sample_per_row_and_repea
     calls: list[tuple] = []
 
     async def body():
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(connector=connector()) as session:
             client = InferenceClient(url, session)
             real_generate = client.generate
 

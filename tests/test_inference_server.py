@@ -17,6 +17,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from conftest import TINY_MODEL
+from rl.inference_api import connector
 from rl.rundir import RunDir
 from test_end_to_end import Program, launch_server, wait_healthy
 
@@ -70,7 +71,7 @@ def complete_right_after_the_ready_line(proc: Program, url: str, model: str):
 
 
 async def _warm_up(url: str) -> None:
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(connector=connector()) as s:
         await generate(s, url, "warm-up", n=MAX_NUM_SEQS, **LONG)
 
 
@@ -146,7 +147,7 @@ def test_generate_returns_tokens_logprobs_and_versions(server):
     prompt = [A, 4, 5, 6, EQ]  # "abcd="
 
     async def main():
-        async with aiohttp.ClientSession() as s:
+        async with aiohttp.ClientSession(connector=connector()) as s:
             out = await generate(s, url, "a", prompt_token_ids=prompt, n=5, max_tokens=20,
                                  prompt_logprobs=True)
             greedy = await generate(s, url, "g", prompt_token_ids=prompt, max_tokens=20,
@@ -198,7 +199,7 @@ def test_sampling_controls_and_stop_strings_reach_the_engine(server):
     prompt = [A, 4, 5, 6, EQ]
 
     async def main():
-        async with aiohttp.ClientSession() as s:
+        async with aiohttp.ClientSession(connector=connector()) as s:
             greedy = await generate(s, url, "g", prompt_token_ids=prompt, max_tokens=8, temperature=0)
             top_k = await generate(s, url, "k", prompt_token_ids=prompt, n=4, max_tokens=8, top_k=1)
             min_p = await generate(s, url, "m", prompt_token_ids=prompt, n=4, max_tokens=8, min_p=1.0)
@@ -219,7 +220,7 @@ def test_abort_stops_the_engine_requests(server):
     calls, n = 4, 64  # 256 engine requests, 128 at a time: ~6 s on one core
 
     async def main():
-        async with aiohttp.ClientSession() as s:
+        async with aiohttp.ClientSession(connector=connector()) as s:
             start = time.perf_counter()
             full = await asyncio.gather(*(generate(s, url, f"full-{i}", n=n, **LONG)
                                           for i in range(calls)))
@@ -277,7 +278,7 @@ def test_in_flight_update_tags_every_token_with_the_version_that_sampled_it(serv
     url = server["url"]
 
     async def main():
-        async with aiohttp.ClientSession() as s:
+        async with aiohttp.ClientSession(connector=connector()) as s:
             v = (await health(s, url))["version"]
             # "keep": at most MAX_NUM_SEQS requests, so all of them run when the update lands.
             task = await all_running(s, url, "keep")
@@ -358,7 +359,7 @@ def test_health_reports_version_and_running_requests(server):
     url = server["url"]
 
     async def main():
-        async with aiohttp.ClientSession() as s:
+        async with aiohttp.ClientSession(connector=connector()) as s:
             await _update(s, url, "base", 7, "wait")  # the model it started with, wherever it is
             busy = None
             for attempt in range(3):  # a starved poll can miss a whole run (see all_running)
@@ -397,7 +398,7 @@ def test_a_multi_turn_episode_on_real_vllm(server):
     seen = {}
 
     async def scenario():
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(connector=connector()) as session:
             client = InferenceClient(url, session)
 
             async def generate(request):

@@ -47,7 +47,7 @@ from inference.adapters import AdaptersOff
 from inference.generation import Generations
 from inference.reload import FilesReload, Overdue, Weights
 from rl.config import load_config
-from rl.inference_api import UpdateWeightsRequest
+from rl.inference_api import UpdateWeightsRequest, connector
 from rl.rundir import RunDir, mark_stable
 from test_end_to_end import launch_server, wait_healthy
 from test_engine_stalls_vllm import engine_core
@@ -104,7 +104,7 @@ def weights(run: RunDir, model: Path, version: int, seed: int, misshapen: str | 
 
 
 async def update(url: str, path: Path, version: int, mode: str = "keep") -> tuple[int, str]:
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(connector=connector()) as s:
         async with s.post(f"{url}/update_weights", json={"path": str(path), "version": version, "mode": mode},
                           timeout=aiohttp.ClientTimeout(total=120)) as r:
             return r.status, await r.text()
@@ -209,7 +209,7 @@ def test_a_reload_failing_half_way_rolls_back_to_the_version_served(setup):
     proc, url, versions = setup
 
     async def scenario():
-        async with aiohttp.ClientSession() as s:
+        async with aiohttp.ClientSession(connector=connector()) as s:
             before = await greedy(s, url, "before")
             status, data = await generate(s, url, "long-before", **LONG)
             assert status == 200, data
@@ -239,7 +239,7 @@ def test_a_reload_failing_half_way_rolls_back_to_the_version_served(setup):
     assert status == 200, answer
 
     async def now():
-        async with aiohttp.ClientSession() as s:
+        async with aiohttp.ClientSession(connector=connector()) as s:
             return await greedy(s, url, "v3")
 
     v3 = asyncio.run(now())
@@ -253,7 +253,7 @@ def test_a_failed_rollback_marks_the_server_broken(setup):
     (versions[1] / "model.safetensors").unlink()
 
     async def scenario():
-        async with aiohttp.ClientSession() as s:
+        async with aiohttp.ClientSession(connector=connector()) as s:
             long, (status, answer) = await long_across_update(s, proc, url, versions[2], 2)
             return (long, status, answer, await health(s, url),
                     await generate(s, url, "after", prompt_token_ids=[3, 4], max_tokens=4, temperature=0),
@@ -290,7 +290,7 @@ def test_an_overdue_reload_that_then_fails_marks_the_server_broken(setup):
         assert time.monotonic() - start >= RELOAD_TIMEOUT_S
 
         async def stuck():
-            async with aiohttp.ClientSession() as s:
+            async with aiohttp.ClientSession(connector=connector()) as s:
                 return await health(s, url)
 
         h_status, h = asyncio.run(stuck())
@@ -299,7 +299,7 @@ def test_an_overdue_reload_that_then_fails_marks_the_server_broken(setup):
         core.send_signal(signal.SIGCONT)
 
     async def until_broken():
-        async with aiohttp.ClientSession() as s:
+        async with aiohttp.ClientSession(connector=connector()) as s:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + 60
             while "still running" in (h := await health(s, url))[1]:

@@ -21,7 +21,7 @@ from orchestrator.sources import Source
 from orchestrator.tasks.guess_letter import Game, GuessLetter
 from orchestrator.tokenizer import load_tokenizer
 from rl.config import RunConfig
-from rl.inference_api import InferenceClient
+from rl.inference_api import InferenceClient, connector
 
 TOKENIZER = load_tokenizer(str(TINY_MODEL))
 
@@ -39,7 +39,7 @@ async def with_server(server: FakeServer, body):
     port = free_port()
     runner = await start(server, port)
     try:
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(connector=connector()) as session:
             client = InferenceClient(f"http://127.0.0.1:{port}", session)
             return await body(client, session)
     finally:
@@ -124,7 +124,7 @@ def hung_sync_reward(prompt, completion, row):
 @pytest.mark.parametrize("spec", ["test_rollouts:slow_reward", "test_rollouts:hung_sync_reward"])
 def test_a_reward_that_times_out_fails_its_rollouts(spec):
     async def scenario():
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(connector=connector()) as session:
             return await Reward(spec, 0.2, session).score("p", ["a", "b"], {})
 
     hung_released.clear()

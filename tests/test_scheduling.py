@@ -33,6 +33,7 @@ from rl.async_rule import is_fresh
 from rl.batch import Batch
 from rl.config import RunConfig
 from rl.rundir import RunDir, mark_stable
+from rl.inference_api import connector
 
 pytestmark = pytest.mark.slow
 
@@ -101,7 +102,7 @@ async def run_scenario(root: Path, servers: list[FakeServer], step_latency=lambd
     warnings = Collect()
     logging.getLogger("orchestrator").addHandler(warnings)
     try:
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(connector=connector()) as session:
             orch = Orchestrator(cfg, session)
             send = orch.sender.send
 
@@ -548,7 +549,7 @@ def test_a_restarted_server_is_asked_when_it_starts_and_again_when_its_heartbeat
             await asyncio.sleep(0.01)
 
     async def scenario() -> None:
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(connector=connector()) as session:
             pool = ServerPool([url], session, None, retry_max_s=30, delivery=lambda pool: None)
             s = pool.servers[0]
             s.joined, s.backoff_s, s.retry_at = True, 16.0, time.monotonic() + 16  # down a while

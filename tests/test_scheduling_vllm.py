@@ -27,6 +27,7 @@ from rl.batch import Batch
 from rl.rundir import RunDir, mark_stable
 from test_end_to_end import launch_server, wait_healthy
 from test_scheduling import Collect, Outcome, check_rules, make_config
+from rl.inference_api import connector
 
 pytestmark = pytest.mark.slow
 
@@ -82,7 +83,7 @@ async def real_scenario(root: Path, urls: list[str], in_flight: bool) -> Outcome
     warnings = Collect()
     logging.getLogger("orchestrator").addHandler(warnings)
     try:
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(connector=connector()) as session:
             orch = Orchestrator(cfg, session)
             send = orch.sender.send
 
@@ -190,7 +191,7 @@ def test_a_real_teacher_scores_the_students_real_tokens(servers):
         "group_size": 4, "max_tokens": 12, "reward": "", "teacher_url": teacher_url, "teacher_coef": coef}})
 
     async def scenario():
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(connector=connector()) as session:
             async with session.post(f"{teacher_url}/update_weights",
                                     json={"path": str(teacher_dir), "version": 1, "mode": "wait"}) as r:
                 assert r.status == 200, await r.text()

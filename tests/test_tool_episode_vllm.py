@@ -15,6 +15,7 @@ from tokenizers import Tokenizer
 
 from conftest import ROOT
 from test_end_to_end import launch_server, wait_healthy
+from rl.inference_api import connector
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +50,7 @@ def play(url: str, prompts: int, group_size: int):
     seen = {}
 
     async def scenario():
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(connector=connector()) as session:
             client = InferenceClient(url, session)
 
             async def generate(request):

@@ -17,7 +17,7 @@ from conftest import TINY_MODEL, rl_command
 from test_end_to_end import start_server
 
 from rl.config import RunConfig
-from rl.inference_api import TOKEN_ENV, InferenceClient, InferenceError
+from rl.inference_api import TOKEN_ENV, InferenceClient, InferenceError, connector
 from rl.rundir import RunDir
 
 slow = pytest.mark.slow
@@ -185,7 +185,7 @@ def test_the_right_token_works(server):
     assert r.status_code == 200 and r.json()["version"] == 1, r.text
 
     async def through_the_client():
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(connector=connector()) as session:
             # The orchestrator passes cfg.inference.api_token: None here, so the environment's.
             os.environ[TOKEN_ENV] = TOKEN
             try:
