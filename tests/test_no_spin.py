@@ -249,8 +249,8 @@ def test_the_check_measures_the_ids_the_orchestrator_sends(tmp_path):
     prompt, and the tool environment)."""
     from orchestrator.rollouts import Rollouts
     from rl.config import load_config
-    from orchestrator.preflight import tool_environment
-    from orchestrator.prompt_fit import _opening, measure, sample, tokenizer_of
+    from orchestrator.prompt_fit import measure, sample, tokenizer_of
+    from orchestrator.tool_episodes import ToolEpisodes
 
     cfg, _ = load_config(["@", str(ROOT / "configs/demo.toml"), "--orchestrator.system_prompt", "Spell it backwards."])
     rollouts = Rollouts(cfg, tokenizer_of(cfg.model), {}, None, None)
@@ -264,7 +264,7 @@ def test_the_check_measures_the_ids_the_orchestrator_sends(tmp_path):
 
     env = Calculator()
     rollouts = Rollouts(cfg, tokenizer_of(cfg.model), {}, None, env)
-    measure = _opening(env, rollouts.fast, *tool_environment(cfg, env))
+    measure = ToolEpisodes.start_up(cfg, env)(rollouts.fast)
 
     async def first_turn(request_id, tokens):
         raise StopAsyncIteration  # the opening prompt, appended before the first turn, is all we need
@@ -272,7 +272,7 @@ def test_the_check_measures_the_ids_the_orchestrator_sends(tmp_path):
     for _, row in zip(range(8), env.dataset(cfg.seed)):
         ids: list[int] = []
         with pytest.raises(StopAsyncIteration):
-            asyncio.run(rollouts.tool_episode.run(row, "e", first_turn, lambda x, sample=None: ids.extend(x)))
+            asyncio.run(rollouts.kind.tool_episode.run(row, "e", first_turn, lambda x, sample=None: ids.extend(x)))
         assert len(ids) == measure(row) > 100
 
 
@@ -536,6 +536,7 @@ def test_a_text_environment_row_whose_episode_raises_is_that_row_alone(tmp_path)
     out of the measure; every episode measured is closed."""
     from rl.config import load_config
     from orchestrator.prompt_fit import environment_fits
+    from orchestrator.text_episodes import TextEpisodes
 
     closed = []
 
@@ -559,7 +560,8 @@ def test_a_text_environment_row_whose_episode_raises_is_that_row_alone(tmp_path)
             return Episode(row)
 
     cfg, _ = load_config(["@", str(ROOT / "configs/guess_letter.toml"), "--output_dir", str(tmp_path / "run")])
-    environment_fits(cfg, Env())  # no ConfigError
+    env = Env()
+    environment_fits(cfg, env, TextEpisodes.start_up(cfg, env), TextEpisodes.fit_keys)  # no ConfigError
     assert closed == list(range(10))
 
 

@@ -150,7 +150,7 @@ def test_a_tool_episode_calls_tools_answers_errors_and_keeps_the_sampled_ids():
 
     # Between the turns: the template's own rendering of the tool messages, in the order called.
     template = ChatTemplate.load(CHAT_MODEL)
-    schemas = rollouts.tool_episode.schemas
+    schemas = rollouts.kind.tool_episode.schemas
     raw = [{"role": "system", "content": Tools.system_prompt}, {"role": "user", "content": "What is 0 + 1?"}]
     for turn, text in enumerate(SCRIPT):
         raw.append({"role": "assistant", "content": text})
@@ -244,9 +244,9 @@ def test_schemas_reach_the_template():
     from orchestrator.tokenizer import load_tokenizer
 
     rollouts = Rollouts(cfg, load_tokenizer(cfg.model), {}, None, Tools())
-    text = rollouts.tool_episode.template.render([{"role": "user", "content": "x"}], True,
-                                                  rollouts.tool_episode.schemas)
-    assert json.dumps(rollouts.tool_episode.schemas[0]) in text
+    text = rollouts.kind.tool_episode.template.render([{"role": "user", "content": "x"}], True,
+                                                  rollouts.kind.tool_episode.schemas)
+    assert json.dumps(rollouts.kind.tool_episode.schemas[0]) in text
 
 
 def test_tool_conversations_render_as_transformers_renders_them():

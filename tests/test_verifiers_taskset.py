@@ -164,8 +164,8 @@ def test_the_config_names_a_taskset_by_id():
     cfg = config(ENV, environment_args={"id": TINY, "num_tasks": 2})
     orchestrator_code(cfg)
     rollouts = Rollouts.from_config(cfg, None)
-    assert list(rollouts.tool_episode.tools) == ["calc_add", "calc_mul"]
-    assert len(rollouts.env.tasks) == 2
+    assert list(rollouts.kind.tool_episode.tools) == ["calc_add", "calc_mul"]
+    assert len(rollouts.kind.env.tasks) == 2
 
     with pytest.raises(ConfigError, match="takes|signature"):
         orchestrator_code(config(ENV, environment_args={"num_tasks": 2}))  # no id

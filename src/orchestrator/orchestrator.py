@@ -36,7 +36,8 @@ from orchestrator.evaluation import Evaluation, EvaluationRunner
 from orchestrator.prompts import Prompt, PromptQueue
 from orchestrator.quiet import Quiet
 from orchestrator.reporting import Counters, Reporting
-from orchestrator.rollouts import Aborted, Group, Rollouts
+from orchestrator.rollout_kind import Aborted
+from orchestrator.rollouts import Group, Rollouts
 from orchestrator.servers import Server, ServerPool
 from orchestrator.sources import RowError, configured_sources
 from orchestrator.streaks import Streaks
@@ -83,7 +84,7 @@ class Orchestrator:
                                             self.pool, self.run_dir, self.wait_until, self.tag)
         self.sender = batch_sender(cfg.transport, self.run_dir)
         self.next_step, cursor, pending, self.unsent = resume_point(self.run_dir, self.sender)
-        self.queue = PromptQueue(self.rollouts.draws(), self.rollouts.fetch, cursor, pending)
+        self.queue = PromptQueue(self.rollouts.kind.draws(cfg.seed), self.rollouts.kind.fetch, cursor, pending)
         self.in_flight: dict[str, InFlight] = {}
         self.finished: list[Group] = []
         self.weights_poll = Backoff(self.o.poll_interval_s, 5 * self.o.poll_interval_s)
@@ -96,7 +97,7 @@ class Orchestrator:
         self.requeue_quiet = Quiet(log)  # a teacher that is down fails every group: not a line per group
         self.best_reward = float("-inf")  # the highest reward any group got: is a filtered one mastered?
         self.filtered_rewards: dict[float, None] = {}  # each reward of the groups filtered since one was batched
-        self.reporting = Reporting(cfg, self.run_dir, self.pool, per_dataset=len(self.rollouts.sources) > 1)
+        self.reporting = Reporting(cfg, self.run_dir, self.pool, per_dataset=len(self.rollouts.kind.sources) > 1)
         if self.next_step > 1:  # resumed: its predecessor may have died between checkpoint and record
             last = self.next_step - 1
             self.reporting.recover(last, lambda: self.unsent if self.unsent is not None
@@ -209,7 +210,7 @@ class Orchestrator:
 
     async def run_group(self, gid: str, g: InFlight) -> None:
         adapter = self.delivery.adapter(g.version)
-        who = self.culprit(g.prompt)
+        who = self.rollouts.kind.culprit(g.prompt)
 
         async def generate(request: GenerateRequest) -> GenerateResponse:
             self.streaks.rendered(who)  # its row made a request: the dataset has usable rows
@@ -271,12 +272,12 @@ class Orchestrator:
         mastered (every group since the last batched one got the highest reward seen, above 0: the
         shipped scorers give 1 for a right answer) or unlearnable (one low reward for all)."""
         self.filtered_rewards[reward] = None
-        who, rewards = self.culprit(prompt), list(self.filtered_rewards)
+        who, rewards = self.rollouts.kind.culprit(prompt), list(self.filtered_rewards)
         if rewards == [self.best_reward] and reward > 0:
             why = f"every group got reward {reward:g}, the highest seen in this run: the task looks mastered"
             fix = "harder rows, or end the run here; or set orchestrator.filter_zero_variance = false"
         elif len(rewards) == 1:
-            sampling = self.rollouts.env_sampling if self.o.environment else self.rollouts.source(prompt).ds.sampling
+            sampling = self.rollouts.kind.sampling(prompt)
             why = (f"every group got the same low reward {reward:g} (the highest seen: {self.best_reward:g}): "
                    f"unlearnable at temperature {sampling.temperature:g}")
             fix = ("make the task learnable at the model's level (easier rows, partial credit, a higher "
@@ -296,7 +297,7 @@ class Orchestrator:
         elif isinstance(e, RowError):  # said once per batch, with the count (make_batch), not per row
             self.counters.skipped_rows += 1
             self.counters.first_skip = self.counters.first_skip or str(e)
-            self.streaks.hit("skipped", self.culprit(g.prompt), str(e), e.fix)
+            self.streaks.hit("skipped", self.rollouts.kind.culprit(g.prompt), str(e), e.fix)
         else:  # a teacher that is down, a tokenizer that chokes
             self.counters.failed += self.o.group_size
             self.retry_or_drop(gid, g.prompt, f"{type(e).__name__}: {e}")
@@ -305,26 +306,13 @@ class Orchestrator:
         """Requeue a prompt whose group failed for a reason that may pass (a reward endpoint
         down); after MAX_ATTEMPTS the prompt is dropped, loudly, rather than retried forever."""
         n = self.attempts[prompt.index] = self.attempts.get(prompt.index, 0) + 1
-        self.streaks.hit("failed", self.culprit(prompt), why, self.failure_fix(prompt))
+        self.streaks.hit("failed", self.rollouts.kind.culprit(prompt), why, self.rollouts.kind.failure_fix(prompt))
         if n < MAX_ATTEMPTS:
             self.requeue_quiet.warn(why.split(":", 1)[0], f"group {gid} failed ({why}); prompt {prompt.index} requeued")
             self.queue.give_back(prompt)
         else:
             log.error("group %s failed (%s); prompt %d dropped after %d attempts", gid, why, prompt.index, n)
             self.attempts.pop(prompt.index)
-
-    def culprit(self, prompt: Prompt) -> str:
-        """Whose rows `prompt` is, as the line that stops a spinning run names it."""
-        if self.o.environment:
-            return f"orchestrator.environment = {self.o.environment!r}"
-        return f"dataset {self.rollouts.source(prompt).name}"
-
-    def failure_fix(self, prompt: Prompt) -> str:
-        if self.o.environment:
-            return "fix the environment's reward or episodes (the error above)"
-        reward = self.rollouts.source(prompt).ds.reward
-        teacher = f" or the teacher at {self.o.teacher_url}" if self.o.teacher_url else ""
-        return f"fix its reward {reward!r}{teacher} (the error above), or orchestrator.reward_timeout_s if it is slow"
 
     def spawn(self, coro) -> None:
         """Fire and forget (best effort), but keep a reference so the task is not collected."""

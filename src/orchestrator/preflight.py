@@ -12,8 +12,7 @@ import jinja2
 
 from orchestrator.chat import ChatTemplate
 from orchestrator.prompt_fit import dataset_fits, environment_fits, error_line, measure, sample, tokenizer_of
-from orchestrator.tool_parsers import PARSERS
-from orchestrator.tools import load_tools
+from orchestrator.rollout_kinds import kind_of
 from rl.callables import load_callable
 from rl.config import ConfigError, RunConfig
 from rl.dataset_config import BUILTIN_REWARDS, Dataset
@@ -68,8 +67,9 @@ def orchestrator_code(cfg: RunConfig) -> None:
         except Exception as e:
             raise ConfigError(f"orchestrator.environment = {o.environment!r}: building it failed: "
                               f"{error_line(e)}") from None
-        loaded = tool_environment(cfg, instance) if hasattr(instance, "tools") else (None, None)
-        environment_fits(cfg, instance, *loaded)  # here: building it again could be costly (a verifiers taskset)
+        kind = kind_of(instance)
+        # Measured here: building it again could be costly (a verifiers taskset).
+        environment_fits(cfg, instance, kind.start_up(cfg, instance), kind.fit_keys)
     for ds, listed, _ in _datasets(cfg):  # beside an environment: its eval datasets
         if ds.spec.function:
             key = _function_key(ds, listed)
@@ -79,40 +79,6 @@ def orchestrator_code(cfg: RunConfig) -> None:
             key = f"dataset {ds.name}: reward" if listed and ds.spec.reward else "orchestrator.reward"
             reward = load_callable(BUILTIN_REWARDS.get(ds.reward, ds.reward), key)
             _takes(reward, key, ds.reward, ("", "", {}), "function(prompt, completion, row)")
-
-
-def tool_environment(cfg: RunConfig, env) -> tuple[ChatTemplate, list[dict]]:
-    """A tool environment's tools describe themselves, it has a reward, its parser loads, and the
-    chat template renders a tool call and its result as a continuation (orchestrator/tool_episode.py).
-    Returns the template and the tools' schemas, for measuring its prompts."""
-    o, key = cfg.orchestrator, f"orchestrator.environment = {cfg.orchestrator.environment!r}"
-    try:
-        schemas = [t.schema for t in load_tools(env.tools, f"{key}: tools").values()]
-    except TypeError as e:
-        raise ConfigError(str(e)) from None
-    if not callable(getattr(env, "reward", None)):
-        raise ConfigError(f"{key}: a tool environment needs a reward(messages, row) method")
-    if o.tool_parser not in PARSERS:
-        load_callable(o.tool_parser, "orchestrator.tool_parser")
-    template = ChatTemplate.configured(o, cfg.model)
-    if template is None:
-        raise ConfigError(f"{key} has tools, which need a chat template: {cfg.model} has none "
-                          "(set orchestrator.chat_template)")
-    name = schemas[0]["function"]["name"] if schemas else "tool"
-    asked = [{"role": "user", "content": "probe"}]
-    called = asked + [{"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_0_0", "type": "function", "function": {"name": name, "arguments": {}}}]}]
-    replied = called + [{"role": "tool", "tool_call_id": "call_0_0", "name": name, "content": "probe"}]
-    try:
-        template.render(asked, True, schemas)
-        before, after = template.render(called, False, schemas), template.render(replied, True, schemas)
-    except jinja2.TemplateError as e:
-        raise ConfigError(f"{key}: the chat template ({template.origin}) fails on a tool call: {e}") from None
-    if not after.startswith(before):
-        raise ConfigError(f"{key}: the chat template ({template.origin}) renders an assistant turn differently "
-                          "once a tool message follows it, so the ids trained on would not be those the model "
-                          "saw; use a template that only appends")
-    return template, schemas
 
 
 def trackers(cfg: RunConfig) -> None:

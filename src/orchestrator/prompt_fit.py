@@ -24,8 +24,6 @@ load transformers for it, which imports torch).
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import itertools
 import logging
 import random
@@ -35,8 +33,9 @@ from pathlib import Path
 
 import jinja2
 
-from rl.callables import load_callable
 from orchestrator.chat import ChatTemplate, row_messages
+from orchestrator.rollout_kind import Opening
+from rl.callables import load_callable
 from rl.config import ConfigError, RunConfig
 from rl.dataset_config import Dataset
 from orchestrator.tables import load_table, row_problem
@@ -163,58 +162,24 @@ def dataset_fits(cfg: RunConfig, what: str, ds: Dataset, longest: Longest, templ
     judge(cfg, what, longest, ds.sampling.max_tokens, keys)
 
 
-def environment_fits(cfg: RunConfig, env, template: ChatTemplate | None = None, schemas: list | None = None) -> None:
+def environment_fits(cfg: RunConfig, env, opening: Callable[[object], Opening], keys: str) -> None:
     """An environment's first rows' opening prompts (a tool environment's system prompt, tool
     schemas and question through the chat template, as orchestrator/tool_episode.py renders them;
     a text environment's episode start) leave orchestrator.max_tokens within seq_len. `env`: the
-    built environment; a tool environment's `template` and tool `schemas` as rl/preflight.py
-    loaded and checked them."""
+    built environment; `opening`, from its kind's start-up checks (EnvironmentKind.start_up):
+    tokenizer -> row -> tokens of the opening prompt; `keys`: what the user may change."""
     o = cfg.orchestrator
     tokenizer = tokenizer_of(cfg.model)
     if tokenizer is None:
         return
     key = f"orchestrator.environment = {o.environment!r}"
-    opening = _opening(env, tokenizer, template, schemas)
+    measure = opening(tokenizer)
     budget, longest = cfg.seq_len - o.max_tokens, Longest()
     try:
         for i, row in enumerate(itertools.islice(env.dataset(cfg.seed), SAMPLE_ROWS)):
-            tokens = opening(row)
+            tokens = measure(row)
             if tokens is not None:
                 longest.add(tokens, f"row {i} of its dataset(seed={cfg.seed})", budget)
     except Exception as e:  # its dataset raised: the run could draw no row
         raise ConfigError(f"{key}: measuring its first prompts failed: {error_line(e)}") from None
-    keys = "orchestrator.max_tokens"
-    if hasattr(env, "tools"):
-        keys += " or shorten the environment's system prompt, tool schemas (docstrings) or questions"
     judge(cfg, key, longest, o.max_tokens, keys)
-
-
-def _opening(env, tokenizer, template: ChatTemplate | None, schemas: list | None) -> Callable[[dict], int | None]:
-    """row -> tokens of an episode's first prompt, or None where that episode fails on its own
-    (at run time: one failed rollout, orchestrator/rollouts.py)."""
-    if not hasattr(env, "tools"):
-        return lambda row: _text_opening(env, tokenizer, row)
-
-    def tool_opening(row: dict) -> int | None:
-        try:
-            text = template.render(opening_messages(env, row), True, schemas)
-        except jinja2.TemplateError:
-            return None
-        return _count(tokenizer, text, special=False)
-
-    return tool_opening
-
-
-def _text_opening(env, tokenizer, row: dict) -> int | None:
-    try:
-        episode = env.episode(row)
-    except Exception:
-        return None
-    try:
-        return _count(tokenizer, episode.start(), special=True)
-    except Exception:
-        return None
-    finally:  # an episode may hold a process or a connection
-        closed = getattr(episode, "close", lambda: None)()
-        if inspect.iscoroutine(closed):
-            asyncio.run(closed)  # start-up checks run before any event loop

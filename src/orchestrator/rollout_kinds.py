@@ -1,0 +1,24 @@
+"""The registry of rollout kinds (orchestrator/rollout_kind.py): a new kind is a file with its
+class and one line here. A run's kind follows from its config: without orchestrator.environment
+its datasets; with one, the class it names is a tool environment if it declares `tools`, else a
+text environment (the protocols in orchestrator/environment.py)."""
+
+from __future__ import annotations
+
+from orchestrator.rollout_kind import RolloutKind
+from orchestrator.single_turn import SingleTurn
+from orchestrator.text_episodes import TextEpisodes
+from orchestrator.tool_episodes import ToolEpisodes
+
+KINDS: dict[str, type[RolloutKind]] = {
+    "datasets": SingleTurn,
+    "text": TextEpisodes,
+    "tools": ToolEpisodes,
+}
+
+
+def kind_of(env) -> type[RolloutKind]:
+    """The kind for a run's built environment (None: no orchestrator.environment)."""
+    if env is None:
+        return KINDS["datasets"]
+    return KINDS["tools" if hasattr(env, "tools") else "text"]

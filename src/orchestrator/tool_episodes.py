@@ -1,0 +1,114 @@
+"""The tool environment kind: `orchestrator.environment` names a class with `tools` (functions),
+dataset(seed) and reward(messages, row) (orchestrator/environment.py). Each of a group's episodes
+is a conversation through the chat template in which the model calls the tools
+(orchestrator/tool_episode.py runs one); the environment's reward scores the whole conversation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jinja2
+
+from orchestrator.chat import ChatTemplate
+from orchestrator.environment import EnvironmentKind
+from orchestrator.prompt_fit import opening_messages
+from orchestrator.rollout_kind import Aborted, Generate, Opening, Toolkit, Trajectory
+from orchestrator.tool_episode import TemplateDrift, ToolEpisode
+from orchestrator.tool_parsers import PARSERS, tool_parser
+from orchestrator.tools import load_tools
+from rl.callables import load_callable
+from rl.config import ConfigError, RunConfig
+from rl.inference_api import GeneratedSample
+
+
+class ToolEpisodes(EnvironmentKind):
+    fit_keys = ("orchestrator.max_tokens or shorten the environment's system prompt, tool schemas "
+                "(docstrings) or questions")
+
+    def __init__(self, cfg: RunConfig, toolkit: Toolkit, renderer, sources, env):
+        super().__init__(cfg, toolkit, renderer, sources, env)
+        self.stop_token_ids = renderer.stop_token_ids
+        key = f"orchestrator.environment = {self.o.environment!r}"
+        if renderer.template is None:
+            raise ConfigError(f"{key} has tools, which need a chat template: {cfg.model} has none "
+                              "(set orchestrator.chat_template)")
+        try:
+            tools = load_tools(env.tools, f"{key}: tools")
+        except TypeError as e:
+            raise ConfigError(str(e)) from None
+        self.tool_episode = ToolEpisode(
+            env, tools, renderer.template, toolkit.fast, toolkit.encode, toolkit.decode,
+            tool_parser(self.o.tool_parser), self.o.tool_timeout_s, self.o.max_turns, cfg.seq_len)
+
+    async def episode(self, row: dict, eid: str, generate: Generate) -> Trajectory | None:
+        """One tool-calling episode; None if the template or the reward failed (a tool's failure
+        is the model's to read)."""
+        t = Trajectory([], [], [], [], 0.0)
+
+        async def sample_turn(request_id: str, tokens: list[int]) -> GeneratedSample:
+            sample = (await generate(self.toolkit.request(request_id, tokens, 1, self.env_sampling))).samples[0]
+            if sample.finish_reason == "abort":
+                raise Aborted(eid)
+            t.truncated = sample.finish_reason == "length"
+            return sample
+
+        try:
+            log = await self.tool_episode.run(row, eid, sample_turn, t.add)
+        except (TemplateDrift, jinja2.TemplateError) as e:
+            return self.failed(eid, e)
+        try:
+            t.reward = await self.tool_episode.reward(log, row)
+        except Exception as e:
+            return self.failed(eid, e)
+        t.episode = log.stats()
+        return t
+
+    @classmethod
+    def start_up(cls, cfg: RunConfig, env) -> Callable[[object], Opening]:
+        template, schemas = checked(cfg, env)
+
+        def opening(tokenizer) -> Opening:
+            def tokens(row: dict) -> int | None:
+                try:
+                    text = template.render(opening_messages(env, row), True, schemas)
+                except jinja2.TemplateError:
+                    return None  # at run time: that one rollout fails
+                return len(tokenizer.encode(text, add_special_tokens=False).ids)
+
+            return tokens
+
+        return opening
+
+
+def checked(cfg: RunConfig, env) -> tuple[ChatTemplate, list[dict]]:
+    """A tool environment's tools describe themselves, it has a reward, its parser loads, and the
+    chat template renders a tool call and its result as a continuation (orchestrator/tool_episode.py).
+    Returns the template and the tools' schemas, for measuring its prompts."""
+    o, key = cfg.orchestrator, f"orchestrator.environment = {cfg.orchestrator.environment!r}"
+    try:
+        schemas = [t.schema for t in load_tools(env.tools, f"{key}: tools").values()]
+    except TypeError as e:
+        raise ConfigError(str(e)) from None
+    if not callable(getattr(env, "reward", None)):
+        raise ConfigError(f"{key}: a tool environment needs a reward(messages, row) method")
+    if o.tool_parser not in PARSERS:
+        load_callable(o.tool_parser, "orchestrator.tool_parser")
+    template = ChatTemplate.configured(o, cfg.model)
+    if template is None:
+        raise ConfigError(f"{key} has tools, which need a chat template: {cfg.model} has none "
+                          "(set orchestrator.chat_template)")
+    name = schemas[0]["function"]["name"] if schemas else "tool"
+    asked = [{"role": "user", "content": "probe"}]
+    called = asked + [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_0_0", "type": "function", "function": {"name": name, "arguments": {}}}]}]
+    replied = called + [{"role": "tool", "tool_call_id": "call_0_0", "name": name, "content": "probe"}]
+    try:
+        template.render(asked, True, schemas)
+        before, after = template.render(called, False, schemas), template.render(replied, True, schemas)
+    except jinja2.TemplateError as e:
+        raise ConfigError(f"{key}: the chat template ({template.origin}) fails on a tool call: {e}") from None
+    if not after.startswith(before):
+        raise ConfigError(f"{key}: the chat template ({template.origin}) renders an assistant turn differently "
+                          "once a tool message follows it, so the ids trained on would not be those the model "
+                          "saw; use a template that only appends")
+    return template, schemas
