@@ -12,10 +12,10 @@ when nothing is left. So a few long rows among short ones are fine: one warning 
 at least half of the sample leaves less than max_tokens: the run would mostly truncate or skip.
 That includes the case where no sampled prompt leaves any room at all.
 
-How a row becomes prompt text, and the order the run draws a table's rows in, live here, not in
-the orchestrator, because both must use the same (rl may not import the orchestrator):
-orchestrator/sources.py (Renderer, Source.draws) and orchestrator/tool_episode.py call
-`dataset_prompt`, `draw_order` and `opening_messages`.
+How a row becomes prompt text (`dataset_prompt`) and the order the run draws a table's rows in
+(`draw_order`) live here: the check and the run (orchestrator/sources.py: Renderer, Source.draws)
+must use the same. An environment's opening prompt is measured by its kind (`start_up`,
+orchestrator/text_episodes.py and tool_episodes.py).
 
 Measured with the model's tokenizer.json through the Rust `tokenizers` library (no torch, as in
 orchestrator/tokenizer.py); a model without one is not measured here (the orchestrator would
@@ -69,14 +69,6 @@ def dataset_prompt(template: ChatTemplate | None, ds: Dataset, row: dict) -> tup
         return row[ds.spec.prompt_key], None
     messages = row_messages(row, ds.spec.prompt_key, ds.spec.messages_key, ds.system_prompt)
     return template.render(messages), messages
-
-
-def opening_messages(env, row: dict) -> list[dict]:
-    """A tool environment's first messages: its own messages(row) if it has one, else the row's
-    prompt or messages after its system_prompt."""
-    if hasattr(env, "messages"):
-        return env.messages(row)
-    return row_messages(row, "prompt", "messages", getattr(env, "system_prompt", "") or "")
 
 
 @dataclass

@@ -23,12 +23,20 @@ from dataclasses import dataclass, field
 
 from orchestrator.tool_parsers import BadCall, ToolCall, ToolParser
 from orchestrator.tools import Tool, ToolError
-from orchestrator.chat import ChatTemplate
-from orchestrator.prompt_fit import opening_messages
+from orchestrator.chat import ChatTemplate, row_messages
 from rl.inference_api import GeneratedSample
 
 SampleTurn = Callable[[str, list[int]], Awaitable[GeneratedSample]]
 """(request id, the episode's ids so far) -> the model's next turn."""
+
+
+def opening_messages(env, row: dict) -> list[dict]:
+    """A tool environment's first messages (measured at start-up, orchestrator/tool_episodes.py): its own messages(row) if it has one, else the row's
+    prompt or messages after its system_prompt."""
+    if hasattr(env, "messages"):
+        return env.messages(row)
+    return row_messages(row, "prompt", "messages", getattr(env, "system_prompt", "") or "")
+
 
 
 class TemplateDrift(Exception):

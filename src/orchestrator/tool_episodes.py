@@ -11,9 +11,8 @@ import jinja2
 
 from orchestrator.chat import ChatTemplate
 from orchestrator.environment import EnvironmentKind
-from orchestrator.prompt_fit import opening_messages
 from orchestrator.rollout_kind import Aborted, Generate, Opening, Toolkit, Trajectory
-from orchestrator.tool_episode import TemplateDrift, ToolEpisode
+from orchestrator.tool_episode import TemplateDrift, ToolEpisode, opening_messages
 from orchestrator.tool_parsers import PARSERS, tool_parser
 from orchestrator.tools import load_tools
 from rl.callables import load_callable
