@@ -57,7 +57,7 @@ class Adapters:
     @staticmethod
     def for_config(cfg: RunConfig, roots: WeightRoots) -> Adapters:
         """Adapters where the engine was started with LoRA (server.vllm_args), else AdaptersOff."""
-        kind = Adapters if cfg.trainer.lora.rank > 0 else AdaptersOff
+        kind = Adapters if cfg.weight_delivery == "adapters" else AdaptersOff
         return kind(roots, cfg.inference.max_loras)
 
     def lookup(self, name: str | None) -> Adapter | None:

@@ -760,6 +760,17 @@ class RunConfig(Section):
         return self.output_dir / "runs" / self.run_name if self.run_name else self.output_dir
 
     @property
+    def weight_delivery(self) -> str:
+        """How each version reaches the servers, the one choice every program follows: "adapters"
+        (trainer.lora.rank > 0: peft adapters through files), "broadcast" (weight_sync.kind: full
+        weights streamed to the servers' workers) or "files" (full weights through files).
+        Each program maps it to its own class: orchestrator/delivery.py, trainer/publish.py,
+        inference/adapters.py."""
+        if self.trainer.lora.rank > 0:
+            return "adapters"
+        return "broadcast" if self.weight_sync.kind == "broadcast" else "files"
+
+    @property
     def adapter_prefix(self) -> str:
         """Servers hold this run's adapter versions as "<prefix>-v<version>"."""
         return self.run_name or "policy"

@@ -1,10 +1,11 @@
 """The trainer's side of weight delivery: after step n, version n goes to the inference servers.
 
-One interface, one implementation per way of delivering, chosen once when the trainer starts:
-    AdapterPublisher    trainer.lora.rank > 0: the run's adapter as a peft directory weights/step_n
-    BroadcastPublisher  weight_sync.kind = "broadcast": the full weights streamed from rank 0 to
+One interface, one implementation per way of delivering (RunConfig.weight_delivery, the choice
+the orchestrator and the servers follow too), chosen once when the trainer starts (PUBLISHERS):
+    AdapterPublisher    "adapters" (trainer.lora.rank > 0): the run's adapter as a peft directory weights/step_n
+    BroadcastPublisher  "broadcast" (weight_sync.kind): the full weights streamed from rank 0 to
                         every inference worker (trainer/broadcast.py), weights/step_n holding the manifest
-    FilePublisher       otherwise: the full weights as an HF directory weights/step_n (trainer/weights.py)
+    FilePublisher       "files": the full weights as an HF directory weights/step_n (trainer/weights.py)
 
 publish() is a collective (gathering the FSDP2 shards needs every rank); only rank 0 delivers,
 and its seconds are the step's write_s in metrics.jsonl.
@@ -13,6 +14,7 @@ and its seconds are the step's write_s in metrics.jsonl.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -107,9 +109,14 @@ class AdapterPublisher(Publisher):
 
 def make_publisher(cfg: RunConfig, run: RunDir, rank: int, model: torch.nn.Module, lora: LoRA | None,
                    tied: bool) -> Publisher:
-    """The trainer's one publisher; with broadcast, rank 0 returns once every server joined."""
-    if lora is not None:  # trainer.lora.rank > 0 (config validation keeps broadcast out)
-        return AdapterPublisher(rank, lora, cfg.model)
-    if cfg.weight_sync.kind == "broadcast":
-        return BroadcastPublisher(rank, model, cfg, run, tied)
-    return FilePublisher(rank, model, cfg.model, tied)
+    """The trainer's one publisher, for the run's RunConfig.weight_delivery; with broadcast, rank 0
+    returns once every server joined."""
+    return PUBLISHERS[cfg.weight_delivery](cfg, run, rank, model, lora, tied)
+
+
+PUBLISHERS: dict[str, Callable[..., Publisher]] = {
+    "files": lambda cfg, run, rank, model, lora, tied: FilePublisher(rank, model, cfg.model, tied),
+    "broadcast": lambda cfg, run, rank, model, lora, tied: BroadcastPublisher(rank, model, cfg, run, tied),
+    "adapters": lambda cfg, run, rank, model, lora, tied: AdapterPublisher(rank, lora, cfg.model),
+}
+"""(cfg, run, rank, model, lora, tied) -> the publisher, one line per kind of delivery."""

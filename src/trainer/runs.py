@@ -139,7 +139,6 @@ class MultiRun:
             cfg = self.run_config(run)
             slot = self.free.pop(0)
             try:
-                self.t.lora.reset(slot, cfg.seed)
                 policy = self.t.new_policy(cfg, run, slot)
                 step = self.t.start_step(policy, resume=True)
             except SystemExit as e:  # start_step's refusals: weights without a checkpoint

@@ -8,13 +8,11 @@ trainer/publish.py publishes, trainer/checkpoint.py saves every checkpoint_every
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from transformers import AutoConfig
 
 from rl.batch import BatchError
@@ -34,6 +32,7 @@ from trainer.parallel import init_distributed
 from trainer.policy import Policy
 from trainer.publish import make_publisher
 from trainer.sampling_mask import Truncation
+from trainer.tunings import TUNINGS, tuning_kind
 
 log = logging.getLogger("trainer")
 
@@ -60,26 +59,26 @@ class Trainer:
         self.vocab_size = hf_config.get_text_config().vocab_size
         pad_id = getattr(hf_config.get_text_config(), "pad_token_id", None)
         self.pad_id = 0 if pad_id is None else pad_id
-        lora = cfg.trainer.lora
-        slots = (lora.slots if lora.multi_run else 1) if lora.rank else 0
+        lora_cfg = cfg.trainer.lora
+        kind = tuning_kind(cfg)
+        slots = (lora_cfg.slots if lora_cfg.multi_run else 1) if kind == "adapters" else 0
         self.model, self.lora = load_model(cfg, self.device, trainable=True, lora_slots=slots)
+        self.tuning = TUNINGS[kind](self.model, self.lora)
         self.flash = self.model.config._attn_implementation.startswith("flash")
         if self.rank == 0:
             log.info("attention: %s", self.model.config._attn_implementation)
         loss = cfg.trainer.loss
-        # With LoRA the reference is the base model itself: the forward pass without an adapter.
-        self.reference = (load_model(cfg, self.device, trainable=False)[0] if
-                          loss.kl_coef > 0 and loss.kl_target == "reference" and self.lora is None else None)
+        self.reference = (load_model(cfg, self.device, trainable=False)[0] if loss.kl_coef > 0
+                          and loss.kl_target == "reference" and self.tuning.own_reference else None)
         self.publisher = make_publisher(cfg, self.run, self.rank, self.model, self.lora, self.tied)
         self.policy = None  # multi-run: one per run (trainer/runs.py)
-        if self.lora is None:
-            self.policy = self.new_policy(cfg, self.run, None)
-        elif not lora.multi_run:
-            self.lora.reset(0, cfg.seed)
-            self.policy = self.new_policy(cfg, self.run, 0)
+        if not lora_cfg.multi_run:
+            self.policy = self.new_policy(cfg, self.run, self.tuning.first_slot)
 
     def new_policy(self, cfg: RunConfig, run: RunDir, slot: int | None) -> Policy:
-        params = list(self.model.parameters()) if slot is None else list(self.lora.params(slot).values())
+        """A run's policy in `slot`, its weights fresh there (tuning.reset)."""
+        self.tuning.reset(slot, cfg.seed)
+        params = self.tuning.params(slot)
         return Policy(cfg, run, params, *build_optimizer(params, cfg.trainer.optim, cfg.max_steps), slot=slot)
 
     def start_step(self, policy: Policy, resume: bool) -> int:
@@ -99,36 +98,16 @@ class Trainer:
             if self.rank == 0:
                 log.info("--resume: no checkpoint yet in %s: replaying from step 1 on the base model", run.root)
             return 1
-        state = self.checkpoint_state(policy)
+        state = self.tuning.checkpoint_state(policy)
         record = checkpoint.load(run, latest, state, policy.scheduler)
         if record is not None and self.rank == 0 and latest not in policy.recorded:
             # Killed between this checkpoint and its record: the record the checkpoint kept.
             self.append_record(policy, {**record, "recovered": True})
-        if policy.slot is None:
-            set_state_dict(self.model, policy.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"])
+        self.tuning.restored(policy, state)
         policy.last_checkpoint = latest
         if self.rank == 0:
             log.info("resumed from checkpoints/step_%d: next batch is %d (%s)", latest, latest + 1, run.root)
         return latest + 1
-
-    def checkpoint_state(self, policy: Policy) -> dict:
-        """What a checkpoint holds, as tensors of this rank's sharding: the whole model and its
-        optimizer, or the run's adapter and its optimizer state under slot-independent names."""
-        if policy.slot is None:
-            # get_state_dict materialises the optimizer's (empty) state first, so DCP has
-            # tensors of the right sharding to load into.
-            model_sd, optim_sd = get_state_dict(self.model, policy.optimizer)
-            return {"model": model_sd, "optim": optim_sd}
-        adapter = self.lora.params(policy.slot)
-        optim = {}
-        for name, param in adapter.items():
-            state = policy.optimizer.state[param]
-            if not state:  # AdamW's own initial state, so a load has tensors to fill
-                state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(param),
-                             exp_avg_sq=torch.zeros_like(param))
-            optim.update({f"{name}.{k}": v for k, v in state.items()})
-        return {"adapter": adapter, "optim": optim}
 
     def train(self) -> None:
         policy = self.policy
@@ -228,7 +207,7 @@ class Trainer:
             policy.recorded.add(record["step"])
 
     def save_checkpoint(self, policy: Policy, step: int, record: dict | None = None) -> float:
-        seconds = checkpoint.save(policy.run, step, self.checkpoint_state(policy), policy.scheduler,
+        seconds = checkpoint.save(policy.run, step, self.tuning.checkpoint_state(policy), policy.scheduler,
                                   policy.cfg.trainer.keep_checkpoints, record if self.rank == 0 else None)
         policy.last_checkpoint = step
         return seconds
@@ -254,10 +233,8 @@ class Trainer:
         # reference's own logits) as the policy's: the KL compares the two at the
         # distributions the samples were drawn from.
         truncation = mb.truncation(self.vocab_size) if sampling_mask else None
-        if self.lora is not None:
-            with self.lora.use(None):
-                return self.forward_logprobs(self.model, mb, truncation)[0]
-        return self.forward_logprobs(self.reference, mb, truncation)[0]
+        return self.tuning.reference_logprobs(lambda model: self.forward_logprobs(model, mb, truncation),
+                                              self.reference)[0]
 
     def train_step(self, micro_batches: list[MicroBatch], policy: Policy) -> dict:
         # loss_weight already divides by the whole batch's normaliser (trainer/data.py), so the
@@ -267,15 +244,12 @@ class Trainer:
         use_reference = loss_cfg.kl_coef > 0 and loss_cfg.kl_target == "reference"
         sums = torch.zeros(len(_SUMS) + len(_MASK_SUMS) + 1, dtype=torch.float64)
 
-        def slot():
-            return self.lora.use(policy.slot) if self.lora is not None else contextlib.nullcontext()
-
         for mb in micro_batches:
             reference = self.reference_logprobs(mb, policy.cfg.trainer.sampling_mask) if use_reference else None
             # Found whatever the setting: truncated_frac is reported (and named in the warning)
             # also when the mask is off.
             truncation = mb.truncation(self.vocab_size)
-            with slot():
+            with self.tuning.active(policy.slot):
                 logprobs, entropy = self.forward_logprobs(
                     self.model, mb, truncation if policy.cfg.trainer.sampling_mask else None)
             d = {k: v.to(self.device) for k, v in (("inference_logprobs", mb.inference_logprobs),
@@ -284,7 +258,7 @@ class Trainer:
             out = policy_loss(logprobs, cfg=loss_cfg, entropy=entropy, reference_logprobs=reference, **d)
             # The adapter stays active through backward: activation checkpointing re-runs the
             # forward hooks there.
-            with slot():
+            with self.tuning.active(policy.slot):
                 (out.loss * self.world).backward()
             truncated = float(truncation.select.sum()) if truncation is not None else 0.0
             misses = truncation.misses if truncation is not None else 0.0
