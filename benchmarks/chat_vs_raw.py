@@ -26,7 +26,7 @@ import aiohttp  # noqa: E402
 
 from orchestrator.prompts import PromptQueue  # noqa: E402
 from orchestrator.rollouts import Rollouts  # noqa: E402
-from orchestrator.scoring import Reward  # noqa: E402
+from orchestrator.rewards import make_reward  # noqa: E402
 from orchestrator.sources import Source, mix  # noqa: E402
 from orchestrator.tokenizer import load_tokenizer  # noqa: E402
 from rl.config import RunConfig  # noqa: E402
@@ -48,7 +48,7 @@ async def rollouts_per_s(url: str, chat: str, groups: int) -> dict:
     async with aiohttp.ClientSession() as session:
         sources = {d.name: Source(d, cfg.seed) for d in cfg.orchestrator.resolved_datasets()}
         for s in sources.values():
-            s.reward = Reward(s.ds.reward, 60, session, key="reward")
+            s.reward = make_reward(s.ds.reward, 60, session, key="reward")
         rollouts = Rollouts(cfg, load_tokenizer(str(MODEL)), sources, None, None)
         queue = PromptQueue(mix(list(sources.values()), cfg.seed), lambda n, d: sources[n].fetch(d))
         client = InferenceClient(url, session)

@@ -259,7 +259,7 @@ async def score_over_http(handler, timeout_s: float, prompt: str, completions: l
     import aiohttp
     from rl.inference_api import connector
 
-    from orchestrator.scoring import Reward
+    from orchestrator.rewards import make_reward
 
     app = web.Application()
     app.router.add_post("/score", handler)
@@ -269,7 +269,7 @@ async def score_over_http(handler, timeout_s: float, prompt: str, completions: l
     await web.TCPSite(runner, "127.0.0.1", port).start()
     try:
         async with aiohttp.ClientSession(connector=connector()) as session:
-            return await Reward(f"http://127.0.0.1:{port}/score", timeout_s, session).score(prompt, completions, row)
+            return await make_reward(f"http://127.0.0.1:{port}/score", timeout_s, session).score(prompt, completions, row)
     finally:
         if release is not None:
             release.set()

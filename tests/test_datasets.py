@@ -21,7 +21,8 @@ from conftest import TINY_MODEL
 from fake_inference import FakeServer
 from orchestrator.prompts import PromptQueue, decode_state, encode_state
 from orchestrator.rollouts import Rollouts
-from orchestrator.scoring import Reward, combine
+from orchestrator.rewards import make_reward
+from orchestrator.scoring import combine
 from orchestrator.sources import Source, mix
 from orchestrator.tasks import gym_tasks
 from orchestrator.tasks.math_answer import reward as math_reward
@@ -186,7 +187,7 @@ def test_math_verify_scores_final_answers_with_components():
 def test_a_reward_returning_something_else_fails_that_rollout(caplog):
     async def scenario(fn):
         async with aiohttp.ClientSession(connector=connector()) as session:
-            reward = Reward("orchestrator.tasks.math_answer:reward", 5.0, session)
+            reward = make_reward("orchestrator.tasks.math_answer:reward", 5.0, session)
             reward.fn = fn
             return await reward.score("p", ["a"], {})
 
@@ -213,7 +214,7 @@ def test_completions_cut_at_max_tokens(overlong):
     async def body(client, session):
         srcs = {s.name: s for s in sources(cfg)}
         for s in srcs.values():
-            s.reward = Reward(s.ds.reward, 5.0, session, key="r")
+            s.reward = make_reward(s.ds.reward, 5.0, session, key="r")
         rollouts = Rollouts(cfg, load_tokenizer(str(TINY_MODEL)), srcs, None, None)
         prompt = queue(cfg).take()
         return await rollouts.group(prompt, "g", lambda r: client.generate(r, 10))

@@ -12,7 +12,7 @@ from conftest import TINY_MODEL
 from fake_inference import FakeServer
 from orchestrator.evaluation import Evaluation, pass_at_k
 from orchestrator.rollouts import Rollouts
-from orchestrator.scoring import Reward
+from orchestrator.rewards import make_reward
 from orchestrator.sources import Source
 from orchestrator.tokenizer import load_tokenizer
 from rl.config import ConfigError, RunConfig, load_config
@@ -46,7 +46,7 @@ def test_samples_per_row_give_accuracy_and_pass_at_k():
     async def body(client, session):
         sources = [Source(d, cfg.seed) for d in cfg.orchestrator.resolved_datasets(evaluation=True)]
         for s in sources:
-            s.reward = Reward(s.ds.reward, 5.0, session, inline=True, key="r")
+            s.reward = make_reward(s.ds.reward, 5.0, session, inline=True, key="r")
         rollouts = Rollouts(cfg, load_tokenizer(str(TINY_MODEL)), {}, None, None)  # renders, as in a run
         return await Evaluation(rollouts, sources, cfg.orchestrator.eval).run(client, 3, 7, "t", None)
 
@@ -103,7 +103,7 @@ def test_a_greedy_evaluation_on_a_real_engine_takes_one_sample_per_row_and_repea
             client.generate = observed
             sources = [Source(d, cfg.seed) for d in cfg.orchestrator.resolved_datasets(evaluation=True)]
             for s in sources:
-                s.reward = Reward(s.ds.reward, 5.0, session, inline=True, key="r")
+                s.reward = make_reward(s.ds.reward, 5.0, session, inline=True, key="r")
             rollouts = Rollouts(cfg, load_tokenizer(str(TINY_MODEL)), {}, None, None)
             evaluation = Evaluation(rollouts, sources, cfg.orchestrator.eval)
             first = await evaluation.run(client, 0, 0, "a", None)

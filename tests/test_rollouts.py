@@ -16,7 +16,8 @@ from fake_inference import FakeServer, score_over_http, start
 from orchestrator.environment import Turn
 from orchestrator.prompts import Prompt
 from orchestrator.rollouts import Rollouts
-from orchestrator.scoring import Reward, Teacher
+from orchestrator.rewards import make_reward
+from orchestrator.scoring import Teacher
 from orchestrator.sources import Source
 from orchestrator.tasks.guess_letter import Game, GuessLetter
 from orchestrator.tokenizer import load_tokenizer
@@ -125,7 +126,7 @@ def hung_sync_reward(prompt, completion, row):
 def test_a_reward_that_times_out_fails_its_rollouts(spec):
     async def scenario():
         async with aiohttp.ClientSession(connector=connector()) as session:
-            return await Reward(spec, 0.2, session).score("p", ["a", "b"], {})
+            return await make_reward(spec, 0.2, session).score("p", ["a", "b"], {})
 
     hung_released.clear()
     try:

@@ -23,17 +23,36 @@ import asyncio
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from rl.broadcast import MANIFEST
 from rl.inference_api import InferenceError
 
+from orchestrator.server import Server
+
 if TYPE_CHECKING:
-    from orchestrator.servers import Server, ServerPool
     from rl.config import RunConfig
+
+
+class ServerPool(Protocol):
+    """What a delivery reads of the pool (orchestrator/servers.py) and reports to it: the pool
+    owns every server's state."""
+
+    servers: list[Server]
+
+    @property
+    def in_rotation(self) -> list[Server]: ...
+
+    def fail(self, s: Server, why: str, gone: bool = False) -> None: ...
+
+    def serving(self, s: Server, version: int) -> None: ...
+
+    def updating(self, s: Server, update: asyncio.Task | None) -> None: ...
+
+    def updated(self, s: Server) -> None: ...
 
 log = logging.getLogger("orchestrator")
 
@@ -77,7 +96,7 @@ class WeightDelivery(ABC):
 
     @abstractmethod
     async def bring(self, s: Server, target: Weights) -> float:
-        """Bring one server to `target`; returns the server's load seconds."""
+        """Bring one server to `target` (the caller records it serving); returns its load seconds."""
 
     def wire_path(self, version: int, path: Path) -> str:
         """How a server finds `path`: relative to the run directory (each host mounts it where
@@ -98,8 +117,8 @@ class WeightDelivery(ABC):
         return health["version"]
 
     def note(self, s: Server, health: dict) -> None:
-        """Record what a server (joining, or answering again) serves."""
-        s.version = self.reported_version(health)
+        """What a server (joining, or answering again) reports beyond its version (the pool
+        recorded that: reported_version)."""
 
     def serves(self, s: Server, health: dict) -> bool:
         """Whether the server still serves what we recorded."""
@@ -151,18 +170,18 @@ class FileDelivery(WeightDelivery):
         tasks = [asyncio.create_task(s.client.update_weights(target.path, version, self.mode, timeout))
                  for s in stale]
         for s, task in zip(stale, tasks):
-            s.updating, s.update = True, task if droppable else None
+            self.pool.updating(s, task if droppable else None)
         try:
             results = await asyncio.gather(*tasks, return_exceptions=True)
         finally:
             for s in stale:
-                s.updating, s.update = False, None
+                self.pool.updated(s)
         reload_s = []
         for s, r in zip(stale, results):
             if isinstance(r, BaseException):
                 self.pool.fail(s, f"weight update to version {version} failed: {r}")
             else:
-                s.version = version
+                self.pool.serving(s, version)
                 reload_s.append(r.get("reload_s", 0.0))
         if reload_s:
             self.update_s.append(time.monotonic() - started)
@@ -171,7 +190,6 @@ class FileDelivery(WeightDelivery):
 
     async def bring(self, s: Server, target: Weights) -> float:
         r = await s.client.update_weights(target.path, target.version, self.mode, self._timeout_s(target.local_path))
-        s.version = target.version
         return r.get("reload_s", 0.0)
 
     def take_update_s(self) -> float | None:
@@ -241,6 +259,8 @@ class AdapterDelivery(WeightDelivery):
     def __init__(self, pool: ServerPool, reload_timeout_s: float, root: Path | None, prefix: str):
         super().__init__(pool, reload_timeout_s, root)
         self.prefix = prefix
+        self.loaded: dict[str, set[int]] = {}
+        """Per server URL: the adapter versions this run loaded there and has not unloaded."""
 
     def adapter(self, version: int) -> str | None:
         return f"{self.prefix}-v{version}" if version > 0 else None
@@ -256,6 +276,7 @@ class AdapterDelivery(WeightDelivery):
             if isinstance(r, BaseException):
                 self.pool.fail(s, f"loading adapter {self.adapter(version)} failed: {r}")
             else:
+                self.pool.serving(s, version)
                 load_s.append(r)
         if load_s:
             log.info("version %d (adapter %s) serving on %d server(s) (load %.3f s)", version,
@@ -266,10 +287,9 @@ class AdapterDelivery(WeightDelivery):
         if target.version > 0:
             # Recorded first: a load cut short here (a SIGTERM) may still land on the server,
             # and unload_all must ask for it (a 404 if it never did).
-            s.adapters.add(target.version)
+            self.loaded.setdefault(s.url, set()).add(target.version)
             r = await s.client.load_lora_adapter(self.adapter(target.version), target.path, target.version,
                                                  self.reload_timeout_s)
-        s.version = target.version
         return r.get("load_s", 0.0)
 
     def _ours(self, health: dict) -> set[int]:
@@ -281,10 +301,9 @@ class AdapterDelivery(WeightDelivery):
         return max(self._ours(health), default=0)
 
     def note(self, s: Server, health: dict) -> None:
-        super().note(s, health)
         # From an earlier orchestrator: unloaded once unused. What a restart lost is not there
         # to unload.
-        s.adapters = self._ours(health)
+        self.loaded[s.url] = self._ours(health)
 
     def serves(self, s: Server, health: dict) -> bool:
         """Ours is loaded (a newer one may be, too: a load can finish on the server before we
@@ -302,14 +321,15 @@ class AdapterDelivery(WeightDelivery):
         left = 0
         for s in self.pool.in_rotation:
             current = {s.version} if keep_current else set()
-            for v in sorted(s.adapters - current - pinned.get(id(s), set())):
+            loaded = self.loaded.setdefault(s.url, set())
+            for v in sorted(loaded - current - pinned.get(id(s), set())):
                 try:
                     await s.client.unload_lora_adapter(self.adapter(v))
                 except InferenceError as e:
                     if "HTTP 404" not in str(e):  # 404: gone already (a restart), forget it
                         left += 1
                         continue
-                s.adapters.discard(v)
+                loaded.discard(v)
         return left
 
     async def unload_all(self, timeout_s: float = 10.0) -> None:
@@ -320,12 +340,18 @@ class AdapterDelivery(WeightDelivery):
             await asyncio.sleep(0.2)
 
 
+DELIVERIES: dict[str, Callable[[RunConfig, ServerPool], WeightDelivery]] = {
+    "files": lambda cfg, pool: FileDelivery(pool, cfg.inference.reload_timeout_s, cfg.output_dir,
+                                            cfg.orchestrator.in_flight_updates),
+    "broadcast": lambda cfg, pool: BroadcastDelivery(pool, cfg.inference.reload_timeout_s, cfg.output_dir,
+                                                     cfg.orchestrator.in_flight_updates, cfg.weight_sync.address,
+                                                     cfg.weight_sync.timeout_s),
+    "adapters": lambda cfg, pool: AdapterDelivery(pool, cfg.inference.reload_timeout_s, cfg.output_dir,
+                                                  cfg.adapter_prefix),
+}
+"""One line per kind of RunConfig.weight_delivery."""
+
+
 def weight_delivery(cfg: RunConfig, pool: ServerPool) -> WeightDelivery:
-    """The run's kind of delivery, chosen once: adapters with LoRA, else as weight_sync.kind."""
-    o, ws = cfg.orchestrator, cfg.weight_sync
-    reload_s, root = cfg.inference.reload_timeout_s, cfg.output_dir
-    if cfg.trainer.lora.rank > 0:
-        return AdapterDelivery(pool, reload_s, root, cfg.adapter_prefix)
-    if ws.kind == "broadcast":
-        return BroadcastDelivery(pool, reload_s, root, o.in_flight_updates, ws.address, ws.timeout_s)
-    return FileDelivery(pool, reload_s, root, o.in_flight_updates)
+    """The run's kind of delivery, chosen once."""
+    return DELIVERIES[cfg.weight_delivery](cfg, pool)

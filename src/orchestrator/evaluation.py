@@ -31,7 +31,8 @@ from rl.inference_api import InferenceClient
 from rl.rundir import RunDir
 
 if TYPE_CHECKING:
-    from orchestrator.servers import Server, ServerPool
+    from orchestrator.server import Server
+    from orchestrator.servers import ServerPool
 
 log = logging.getLogger("orchestrator")
 

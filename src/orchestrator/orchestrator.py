@@ -38,7 +38,8 @@ from orchestrator.quiet import Quiet
 from orchestrator.reporting import Counters, Reporting
 from orchestrator.rollout_kind import Aborted
 from orchestrator.rollouts import Group, Rollouts
-from orchestrator.servers import Server, ServerPool
+from orchestrator.server import Server
+from orchestrator.servers import ServerPool
 from orchestrator.sources import RowError, configured_sources
 from orchestrator.streaks import Streaks
 from orchestrator.trainer_watch import watch_trainer

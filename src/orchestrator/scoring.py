@@ -1,34 +1,22 @@
-"""Scoring is an interface: a reward is a Python callable, an HTTP endpoint, or nothing; a
-teacher model adds a per-token signal (on-policy distillation). The rest of the pipeline only
-sees numbers: a reward gives a float, or named components (a dict of floats) that `combine`
-weighs into one, each logged.
+"""Scoring is an interface: a reward (one kind per dataset, chosen once when the run starts:
+orchestrator/rewards.py) scores a group's completions, and a teacher model adds a per-token signal
+(on-policy distillation). The rest of the pipeline only sees numbers: a reward gives a float, or
+named components (a dict of floats) that `combine` weighs into one, each logged.
 
 A reward that raises or times out fails that one rollout (None here); the caller counts it and
-the run goes on. A sync reward that hangs for good holds its thread for good: those threads are
-replaced, and leaked, once half are stuck.
+the run goes on.
 """
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import logging
 import math
-import queue
-import threading
-import time
-import weakref
-
-import aiohttp
+from abc import ABC, abstractmethod
 
 from orchestrator.quiet import Quiet
-from rl.callables import load_callable
-from rl.dataset_config import BUILTIN_REWARDS
 from rl.inference_api import GenerateRequest, InferenceClient, InferenceError
 
 log = logging.getLogger("orchestrator")
-
-REWARD_THREADS = 8  # Python rewards mostly hold the GIL: more threads would help only those waiting on I/O
 
 Score = float | dict[str, float]
 
@@ -51,23 +39,19 @@ def combine(score: Score, weights: dict[str, float]) -> tuple[float, dict[str, f
     return sum(weights.get(k, 1.0) * v for k, v in score.items()), score
 
 
-class Reward:
-    """Scores a group's completions; returns one Score or None (failed) per completion."""
+class Reward(ABC):
+    """Scores a group's completions; returns one Score or None (failed) per completion.
+    `spec`: what the config names (a URL, a built-in name, "module:function")."""
 
-    def __init__(self, spec: str, timeout_s: float, session: aiohttp.ClientSession, inline: bool = False,
-                 key: str = "orchestrator.reward"):
-        self.spec, self.timeout_s, self.session, self.inline = spec, timeout_s, session, inline
-        self.url = spec if spec.startswith(("http://", "https://")) else None
-        self.fn = None if self.url else load_callable(BUILTIN_REWARDS.get(spec, spec), key)
-        # A reward function may carry its components' default weights (orchestrator/tasks/math_answer.py).
-        self.weights: dict[str, float] = dict(getattr(self.fn, "weights", None) or {})
-        self.is_async = self.fn is not None and inspect.iscoroutinefunction(self.fn)
-        # Its own threads: hung rewards must never take the loop's default executor, which the
-        # batch writes use.
-        threaded = self.fn is not None and not self.is_async and not inline
-        self.threads = RewardThreads(REWARD_THREADS) if threaded else None
+    def __init__(self, spec: str, timeout_s: float):
+        self.spec, self.timeout_s = spec, timeout_s
+        self.weights: dict[str, float] = {}
+        """The components' default weights (a reward function may carry them: orchestrator/tasks/math_answer.py)."""
         self.last_error = ""
         self.quiet = Quiet(log)
+
+    @abstractmethod
+    async def score(self, prompt: str, completions: list[str], row: dict) -> list[Score | None]: ...
 
     def failed(self, what: str) -> None:
         """One rollout's reward failed: kept as the reward's last error (the line that stops a run
@@ -75,201 +59,27 @@ class Reward:
         last one only every QUIET_S (orchestrator/quiet.py): a reward that always raises would write
         a line per rollout."""
         self.last_error = what
-        self.quiet.warn(what, f"reward {self.url or self.spec} {what}; that rollout fails")
+        self.quiet.warn(what, f"reward {self.spec} {what}; that rollout fails")
 
-    async def score(self, prompt: str, completions: list[str], row: dict) -> list[Score | None]:
-        if self.url:
-            return list(await asyncio.gather(*(self._http(prompt, c, row) for c in completions)))
-        if self.is_async:
-            return list(await asyncio.gather(*(self._async(prompt, c, row) for c in completions)))
-        if self.inline:
-            return [self.call(prompt, c, row) for c in completions]
-        # One thread hop per group, not per completion: a slow or hung reward cannot stall the
-        # event loop. A call that times out fails its rollout only; the group's later
-        # completions go on in a fresh job (the hung call keeps its thread).
-        scores: list[Score | None] = []
-        while len(scores) < len(completions):
-            scores += await self._threaded(_Job(self, prompt, completions[len(scores):], row))
-        return scores
+    def timed_out(self) -> None:
+        self.failed(f"timed out after {self.timeout_s:g} s (orchestrator.reward_timeout_s)")
+
+
+class FunctionReward(Reward):
+    """A Python function reward(prompt, completion, row), loaded once (orchestrator/rewards.py)."""
+
+    def __init__(self, spec: str, timeout_s: float, fn):
+        super().__init__(spec, timeout_s)
+        self.fn = fn
+        self.weights = dict(getattr(fn, "weights", None) or {})
 
     def call(self, prompt: str, completion: str, row: dict) -> Score | None:
+        """One sync call, checked; None (and said) if it raised or answered no score."""
         try:
             return as_score(self.fn(prompt, completion, row))
         except Exception as e:
             self.failed(f"raised {type(e).__name__}: {e}")
             return None
-
-    async def _threaded(self, job: _Job) -> list[Score | None]:
-        """The job's scores, or those before its first call to overrun reward_timeout_s plus
-        None for that one. The clock starts when a call starts, not when the job is queued: a
-        job waiting behind slow or hung calls is not the reward's fault (hung threads are
-        replaced, see _replace_hung_threads, so the wait is bounded)."""
-        # Checked here too: calls of cancelled groups hang unwatched, no timeout reports them.
-        self._replace_hung_threads()
-        self.threads.submit(job)
-        try:
-            while not job.done.done():
-                late = job.give_up_if_late(self.timeout_s)
-                if late is not None:
-                    self.failed(f"timed out after {self.timeout_s:g} s (orchestrator.reward_timeout_s)")
-                    self._replace_hung_threads()
-                    return late
-                if job.started is None:  # still queued: perhaps behind hung calls
-                    self._replace_hung_threads()
-                await asyncio.wait([job.done], timeout=job.time_left(self.timeout_s))
-            return job.done.result()
-        except asyncio.CancelledError:  # the group was cancelled: its remaining calls need not run
-            job.give_up()
-            raise
-
-    def _replace_hung_threads(self) -> None:
-        """Once half the threads are stuck in calls past reward_timeout_s, start a fresh set and
-        move the queued jobs over. Half, not all: a reward hanging on some inputs would
-        otherwise run on ever fewer threads (one at the end) before anything is done; the cost
-        of acting early is only starting the threads. The hung threads are leaked either way
-        (Python cannot stop a thread); the old set's healthy ones exit after their call."""
-        hung = self.threads.hung(self.timeout_s)
-        if 2 * hung < self.threads.size:
-            return
-        log.warning("reward %s: %d calls hung past orchestrator.reward_timeout_s (%g s) hold %d of %d reward "
-                    "threads; starting %d fresh ones, the hung threads are leaked", self.spec, hung,
-                    self.timeout_s, hung, self.threads.size, self.threads.size)
-        old, self.threads = self.threads, RewardThreads(self.threads.size)
-        for job in old.retire():
-            self.threads.submit(job)
-
-    async def _async(self, prompt: str, completion: str, row: dict) -> Score | None:
-        try:
-            return as_score(await asyncio.wait_for(self.fn(prompt, completion, row), self.timeout_s))
-        except TimeoutError:
-            self.failed(f"timed out after {self.timeout_s:g} s (orchestrator.reward_timeout_s)")
-        except Exception as e:
-            self.failed(f"failed: {type(e).__name__}: {e}")
-        return None
-
-    async def _http(self, prompt: str, completion: str, row: dict) -> Score | None:
-        # The total timeout also counts waiting for a free connection of the session's pool,
-        # which is sized for every generation request in flight plus some, so that wait is short.
-        try:
-            async with self.session.post(self.url, json={"prompt": prompt, "completion": completion, "row": row},
-                                         timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as r:
-                r.raise_for_status()
-                return as_score((await r.json())["reward"])
-        except TimeoutError:
-            self.failed(f"timed out after {self.timeout_s:g} s (orchestrator.reward_timeout_s)")
-        except Exception as e:
-            self.failed(f"failed: {type(e).__name__}: {e}")
-        return None
-
-
-class _Job:
-    """Some of one group's sync reward calls, made one after another in one worker thread. The
-    loop reads `started` to time each call on its own; a job it gave up on stops before its next
-    call and delivers nothing."""
-
-    def __init__(self, reward: Reward, prompt: str, completions: list[str], row: dict):
-        self.reward, self.prompt, self.completions, self.row = reward, prompt, completions, row
-        self.loop = asyncio.get_running_loop()
-        self.done: asyncio.Future = self.loop.create_future()
-        self.lock = threading.Lock()  # the loop's verdict "late" and the thread's next result exclude each other
-        self.scores: list[Score | None] = []
-        self.started: float | None = None
-        """When the call now running started (None: queued, or between two calls)."""
-        self.given_up = False
-
-    def run(self) -> None:  # in a worker thread
-        for c in self.completions:
-            with self.lock:
-                if self.given_up:
-                    return
-                self.started = time.monotonic()
-            try:
-                score = self.reward.call(self.prompt, c, self.row)
-            except BaseException as e:  # SystemExit and kin, which call() lets by: they would end the thread
-                self.reward.failed(f"raised {type(e).__name__}: {e}")
-                score = None
-            with self.lock:
-                if self.given_up:
-                    return
-                self.scores.append(score)
-                self.started = None
-        try:
-            self.loop.call_soon_threadsafe(self._settle)
-        except RuntimeError:  # the loop is closed: nobody is waiting
-            pass
-
-    def _settle(self) -> None:
-        if not self.done.done():
-            self.done.set_result(self.scores)
-
-    def overdue(self, timeout_s: float) -> bool:
-        started = self.started
-        return started is not None and time.monotonic() - started >= timeout_s
-
-    def time_left(self, timeout_s: float) -> float:
-        started = self.started
-        return timeout_s if started is None else max(0.0, started + timeout_s - time.monotonic())
-
-    def give_up_if_late(self, timeout_s: float) -> list[Score | None] | None:
-        """If the running call is overdue: stop the job, return the scores so far plus None."""
-        with self.lock:
-            if not self.overdue(timeout_s):
-                return None
-            self.given_up = True
-            return [*self.scores, None]
-
-    def give_up(self) -> None:
-        with self.lock:
-            self.given_up = True
-
-
-class RewardThreads:
-    """Worker threads for sync rewards. Daemon threads rather than a ThreadPoolExecutor's:
-    concurrent.futures joins its threads at interpreter exit, so a single reward call hung for
-    good would keep `rl orchestrator` from ever exiting after its last batch."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self.running: list[_Job | None] = [None] * size
-        for i in range(size):
-            threading.Thread(target=_work, args=(self.jobs, self.running, i), name=f"reward-{i}", daemon=True).start()
-        # Idle threads leave once this set is dropped (a test makes many orchestrators).
-        weakref.finalize(self, _stop, self.jobs, size)
-
-    def submit(self, job: _Job) -> None:
-        self.jobs.put(job)
-
-    def hung(self, timeout_s: float) -> int:
-        return sum(1 for job in list(self.running) if job is not None and job.overdue(timeout_s))
-
-    def retire(self) -> list[_Job]:
-        """Take no more work: hand back the queued jobs and let each thread exit once free."""
-        queued = []
-        while True:
-            try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                queued.append(job)
-        _stop(self.jobs, self.size)
-        return queued
-
-
-def _work(jobs: queue.SimpleQueue, running: list, i: int) -> None:
-    # Holds no reference to its RewardThreads, so that the set can be collected (and stopped).
-    while (job := jobs.get()) is not None:
-        running[i] = job
-        try:
-            job.run()
-        finally:
-            running[i] = None
-
-
-def _stop(jobs: queue.SimpleQueue, size: int) -> None:
-    for _ in range(size):
-        jobs.put(None)
 
 
 class TeacherError(Exception):

@@ -20,12 +20,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import aiohttp
 
+from orchestrator.server import Server
 from orchestrator.streaks import Spinning
 from rl.heartbeat import SERVING, PeerWatch, announced_url, server_heartbeats
 from rl.inference_api import InferenceClient, InferenceError
@@ -38,43 +38,6 @@ log = logging.getLogger("orchestrator")
 # How often the run directory's heartbeats are read: a server that stops is out of rotation
 # within this (plus its in-flight requests), one that starts joins within this plus its load.
 DISCOVER_EVERY_S = 1.0
-
-
-@dataclass
-class Server:
-    client: InferenceClient
-    version: int = 0
-    in_flight: int = 0
-    """Requests now generating (for idle accounting)."""
-    groups: int = 0
-    """Groups assigned and not yet finished (for routing: counted from the moment of assignment,
-    so a burst of new groups spreads over the servers)."""
-    healthy: bool = False
-    updating: bool = False
-    update: asyncio.Task | None = None
-    """Its weight update in progress (file sync): cancelled when it leaves rotation, so that a
-    server cut off mid-update does not hold the other servers' next version back."""
-    backoff_s: float = 1.0
-    retry_at: float = 0.0
-    idle_s: float = 0.0
-    idle_since: float | None = field(default_factory=time.monotonic)
-    adapters: set[int] = field(default_factory=set)
-    """LoRA: adapter versions this run loaded on the server and has not unloaded."""
-    listed: bool = True
-    """In orchestrator.server_urls: never forgotten, only taken out of rotation."""
-    joined: bool = False
-    """Has served in this run (before that it is joining: probed every second, noted every
-    30 s)."""
-    noted_at: float = field(default_factory=time.monotonic)
-    silent: bool = False
-    """Its heartbeat stopped: kept out of rotation even if it answers HTTP (it cannot read
-    the run directory, so it cannot load new weights)."""
-    last_error: str = ""
-    """Why it last left rotation or failed to rejoin (named if none is left for long)."""
-
-    @property
-    def url(self) -> str:
-        return self.client.url
 
 
 class ServerPool:
@@ -94,6 +57,25 @@ class ServerPool:
     def version(self) -> int:
         """What every server in rotation must serve: the version last delivered."""
         return self.delivery.target.version
+
+    # --- what the delivery reports ---------------------------------------------------------
+
+    def serving(self, s: Server, version: int) -> None:
+        """The delivery brought `s` to `version` (or its /health says it serves it)."""
+        s.version = version
+
+    def updating(self, s: Server, update: asyncio.Task | None) -> None:
+        """`s` is being brought to a new version: not routed to meanwhile; `update`, if given,
+        is cancelled should it leave rotation."""
+        s.updating, s.update = True, update
+
+    def updated(self, s: Server) -> None:
+        s.updating, s.update = False, None
+
+    def note(self, s: Server, health: dict) -> None:
+        """Record what a server (joining, or answering again) serves, as its delivery reads it."""
+        self.serving(s, self.delivery.reported_version(health))
+        self.delivery.note(s, health)
 
     # --- rotation and load ---------------------------------------------------------------
 
@@ -202,7 +184,7 @@ class ServerPool:
             results = await asyncio.gather(*(s.client.health() for s in pending), return_exceptions=True)
             for s, r in zip(pending, results):
                 if not isinstance(r, BaseException):
-                    self.delivery.note(s, r)
+                    self.note(s, r)
                     s.healthy = s.joined = True
                     s.idle_since = time.monotonic()
             left = [s for s in self.servers if not s.joined]
@@ -251,13 +233,14 @@ class ServerPool:
                     continue
                 try:
                     health = await s.client.health()
-                    self.delivery.note(s, health)
+                    self.note(s, health)
                     # Until it serves the current version: a load() while it was brought to one
                     # moved the version on (and skipped it: it is not in rotation yet), so it is
                     # brought again, and it joins serving exactly the pool's version. `target`
                     # is read before each await: the server is recorded with what it loaded.
                     while s.version != (target := self.delivery.target).version and target.path:
                         await self.delivery.bring(s, target)
+                        self.serving(s, target.version)
                 except InferenceError as e:
                     s.last_error = str(e)
                     if s.joined:

@@ -67,7 +67,7 @@ class SingleTurn(RolloutKind):
 
     def last_error(self, prompt: Prompt) -> str:
         reward = self.source(prompt).reward
-        return f"reward {reward.url or reward.spec} {reward.last_error}" if reward and reward.last_error else ""
+        return f"reward {reward.spec} {reward.last_error}" if reward and reward.last_error else ""
 
     def culprit(self, prompt: Prompt) -> str:
         return f"dataset {self.source(prompt).name}"

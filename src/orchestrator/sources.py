@@ -19,7 +19,7 @@ from pathlib import Path
 import aiohttp
 import jinja2
 
-from orchestrator.scoring import Reward
+from orchestrator.rewards import make_reward
 from rl.callables import load_callable
 from orchestrator.chat import ChatTemplate, read_json, token_text
 from rl.config import OrchestratorConfig, RunConfig
@@ -84,7 +84,7 @@ def configured_sources(cfg: RunConfig, session: aiohttp.ClientSession, evaluatio
     for ds in o.resolved_datasets(evaluation):
         source = Source(ds, cfg.seed)
         key = "orchestrator.reward" if not (o.datasets or evaluation) else f"dataset {ds.name}: reward"
-        source.reward = Reward(ds.reward, o.reward_timeout_s, session, o.reward_inline, key) if ds.reward else None
+        source.reward = make_reward(ds.reward, o.reward_timeout_s, session, o.reward_inline, key) if ds.reward else None
         sources.append(source)
     return sources
 

@@ -18,7 +18,7 @@ from aiohttp import web
 
 import fake_inference
 from fake_inference import FakeServer, score_over_http
-from orchestrator.scoring import Reward
+from orchestrator.rewards import make_reward
 from test_scheduling import check_rules, run_scenario
 
 SWAP_WARNING = "the hung threads are leaked"
@@ -109,7 +109,7 @@ def test_calls_queued_behind_hung_ones_are_not_charged_for_the_wait(caplog):
     them. The hung calls fail their rollout alone (the third completion is scored), and the queued
     groups run on fresh threads once half are stuck: their time in the queue is no timeout."""
     async def scenario():
-        reward = Reward("test_flaky_services:hangs_on_h", 0.5, session=None)
+        reward = make_reward("test_flaky_services:hangs_on_h", 0.5, session=None)
         hung = [reward.score("p=", ["a", "h", "b"], {}) for _ in range(8)]
         queued = [reward.score("p=", ["c", "d"], {}) for _ in range(4)]
         # Only a guard against hanging (the hung calls end at their 0.5 s timeout): what shows
