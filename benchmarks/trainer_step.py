@@ -57,9 +57,10 @@ def random_batch(samples: int, min_len: int, max_len: int, vocab: int, seed: int
         total = int(rng.integers(min_len, max_len + 1))
         p = min(int(rng.integers(16, 49)), total - 1)
         completion = rng.integers(1, vocab, size=total - p).tolist()
-        out.append(Sample.single_turn(rng.integers(1, vocab, size=p).tolist(), completion,
-                                      (-rng.random(len(completion))).tolist(), [0] * len(completion),
-                                      reward=0.0, advantage=float(rng.normal())))
+        prompt, c = rng.integers(1, vocab, size=p).tolist(), len(completion)
+        logprobs, advantage = (-rng.random(c)).tolist(), float(rng.normal())
+        out.append(Sample(prompt + completion, [0] * p + [1] * c, [0.0] * p + logprobs,
+                          [0.0] * p + [advantage] * c, [-1] * p + [0] * c, reward=0.0))
     return Batch.from_samples(1, out)
 
 
@@ -90,7 +91,7 @@ def packing(args, tmp: Path) -> dict:
         mbs = t.micro_batches(batch, t.policy)
         timed_steps(t, batch, 1)  # warm-up
         times = timed_steps(t, batch, args.repeats)
-        computed = sum(mb.num_tokens for mb in mbs)
+        computed = sum(int(mb.tokens.numel()) for mb in mbs)
         results[name] = {"micro_batches": len(mbs), "tokens_computed": computed, "real_tokens": tokens,
                          "step_s": min(times), "tokens_per_s": tokens / min(times)}
         print(f"{name}: {len(mbs)} micro-batches, {computed} tokens computed for {tokens} real, "

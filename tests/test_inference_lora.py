@@ -377,7 +377,7 @@ def test_lora_off_and_vllm_args(tmp_path):
     (tmp_path / "out" / "weights").mkdir(parents=True)
     (tmp_path / "out" / "weights" / "link").symlink_to(TINY_MODEL)
     with pytest.raises(HTTPException) as e:
-        routes.confine_adapter(str(tmp_path / "out" / "weights" / "link"))
+        routes.roots.confine_adapter(str(tmp_path / "out" / "weights" / "link"))
     assert e.value.status_code == 403
 
 

@@ -10,10 +10,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, Gemma2Config, Qwen2Config
 
-from rl.batch import Batch, Sample
+from rl.batch import Batch
 from trainer.data import loss_weights, rank_micro_batches
 from trainer.logprob_head import LogprobHead, install
 from trainer.model import micro_batch_logprobs
+from samples import single_turn
 
 VOCAB = 512
 EPS32 = 2.0 ** -24  # float32 unit roundoff
@@ -36,7 +37,7 @@ def mixed_batch(seed: int = 0) -> Batch:
     for i in range(10):
         prompt = rng.integers(1, VOCAB, size=int(rng.integers(3, 12))).tolist()
         completion = rng.integers(1, VOCAB, size=int(rng.integers(1, 30))).tolist()
-        samples.append(Sample.single_turn(prompt, completion, (-rng.random(len(completion))).tolist(),
+        samples.append(single_turn(prompt, completion, (-rng.random(len(completion))).tolist(),
                                           [0] * len(completion), reward=0.0, advantage=float(rng.normal()),
                                           **settings[i % len(settings)]))
     return Batch.from_samples(1, samples)

@@ -15,6 +15,7 @@ from conftest import TINY_MODEL
 from rl.batch import Batch, BatchError, Sample
 from trainer.data import assign_ranks, loss_weights, pack, rank_micro_batches
 from trainer.loss import token_logprobs_and_entropy
+from samples import single_turn
 
 
 def variable_batch(seed: int = 0, n: int = 12, temperatures: list[float] = (1.0,)) -> Batch:
@@ -25,7 +26,7 @@ def variable_batch(seed: int = 0, n: int = 12, temperatures: list[float] = (1.0,
         prompt = rng.integers(2, 30, size=int(rng.integers(3, 9))).tolist()
         completion = rng.integers(2, 30, size=int(rng.integers(1, 40))).tolist()
         logprobs = (-rng.random(len(completion))).tolist()
-        samples.append(Sample.single_turn(prompt, completion, logprobs, [0] * len(completion),
+        samples.append(single_turn(prompt, completion, logprobs, [0] * len(completion),
                                           reward=float(rng.random()), advantage=float(rng.normal()),
                                           temperature=temperatures[i % len(temperatures)]))
     return Batch.from_samples(1, samples)
@@ -104,7 +105,7 @@ def test_ranks_get_equal_micro_batch_counts_even_with_odd_sample_counts(packed):
     """Sample counts vary (failed rollouts leave groups smaller): every rank must still run the
     same number of forward/backward passes, padding-only ones included, or FSDP2 hangs."""
     for samples, world, mbs in [(5, 2, 1), (7, 4, 1), (9, 2, 2), (3, 2, 4), (1, 2, 1), (3, 8, 2)]:
-        batch = Batch.from_samples(1, [Sample.single_turn([5, 6], [7], [-1.0], [0], 1.0, 0.5)] * samples)
+        batch = Batch.from_samples(1, [single_turn([5, 6], [7], [-1.0], [0], 1.0, 0.5)] * samples)
         w = loss_weights(batch, "token", 0)
         per_rank = [rank_micro_batches(batch, r, world, row_len=3 if packed else None,
                                        per_micro_batch=mbs, pad_id=0, weights=w) for r in range(world)]
@@ -116,8 +117,8 @@ def test_ranks_get_equal_micro_batch_counts_even_with_odd_sample_counts(packed):
 
 def test_loss_weights_by_normalisation():
     # Two samples: 1 and 3 loss tokens.
-    batch = Batch.from_samples(1, [Sample.single_turn([5], [7], [-1.0], [0], 1.0, 0.5),
-                                   Sample.single_turn([5], [7, 8, 9], [-1.0] * 3, [0] * 3, 1.0, 0.5)])
+    batch = Batch.from_samples(1, [single_turn([5], [7], [-1.0], [0], 1.0, 0.5),
+                                   single_turn([5], [7, 8, 9], [-1.0] * 3, [0] * 3, 1.0, 0.5)])
     mask = batch.loss_mask.astype(bool)
     assert loss_weights(batch, "token", 0)[mask].tolist() == pytest.approx([0.25] * 4)
     assert loss_weights(batch, "sequence", 0)[mask].tolist() == pytest.approx([0.5] + [1 / 6] * 3)
@@ -159,8 +160,8 @@ def test_packed_rows_as_one_row_give_the_same_logits():
 def test_a_sample_whose_first_token_is_trained_weighs_the_same_packed_or_padded():
     """A sample's first token has no prediction; packed, the position before it is the previous
     sample's last token, which must not train on it either."""
-    samples = [Sample.single_turn([], [7, 8, 9], [-1.0] * 3, [0] * 3, 1.0, 0.5),
-               Sample.single_turn([], [4, 5], [-1.0] * 2, [0] * 2, 1.0, 0.5)]
+    samples = [single_turn([], [7, 8, 9], [-1.0] * 3, [0] * 3, 1.0, 0.5),
+               single_turn([], [4, 5], [-1.0] * 2, [0] * 2, 1.0, 0.5)]
     batch = Batch.from_samples(1, samples)
     w = loss_weights(batch, "token", 0)
     assert w.tolist() == pytest.approx([0, 1 / 3, 1 / 3, 0, 1 / 3])
@@ -228,9 +229,9 @@ def test_each_sample_is_scored_at_its_own_temperature(layout):
 
 def sampled_batch() -> Batch:
     return Batch.from_samples(3, [
-        Sample.single_turn([5, 6], [7, 8], [-1.0, -2.0], [2, 2], 1.0, 0.5,
+        single_turn([5, 6], [7, 8], [-1.0, -2.0], [2, 2], 1.0, 0.5,
                            temperature=0.7, top_p=0.9, top_k=20, min_p=0.05),
-        Sample.single_turn([5], [9], [-0.5], [1], 0.0, -0.5),  # the defaults
+        single_turn([5], [9], [-0.5], [1], 0.0, -0.5),  # the defaults
         Sample([4, 5, 6], [0, 1, 1], [0.0, -0.1, -0.2], [0.0, 1.0, 1.0], [-1, 2, 2], 1.0, temperature=1.5),
     ])
 
@@ -239,7 +240,7 @@ def test_batch_round_trip_keeps_per_sample_sampling_settings(tmp_path):
     batch = sampled_batch()
     meta, payload = batch.encode()
     assert set(json.loads(meta)) == {"format", "step", "num_samples", "sha256"}  # no batch-wide temperature
-    batch.write(tmp_path / "step_3")
+    Batch.write_encoded(meta, payload, tmp_path / "step_3")
     for back in (Batch.decode(meta, payload, "wire"), Batch.read(tmp_path / "step_3")):
         assert back.temperatures.dtype == back.top_p.dtype == back.min_p.dtype == np.float32
         assert back.top_k.dtype == np.int64
@@ -270,4 +271,4 @@ def test_decode_rejects_out_of_range_sampling_settings_naming_them(name, value, 
 
 def test_from_samples_refuses_a_non_positive_temperature():
     with pytest.raises(ValueError, match=r"tensor 'temperatures' holds 0.0 for sample 0"):
-        Batch.from_samples(1, [Sample.single_turn([5], [7], [-1.0], [0], 1.0, 0.5, temperature=0.0)])
+        Batch.from_samples(1, [single_turn([5], [7], [-1.0], [0], 1.0, 0.5, temperature=0.0)])

@@ -45,7 +45,7 @@ from conftest import TINY_MODEL
 from inference.access import WeightRoots
 from inference.adapters import AdaptersOff
 from inference.generation import Generations
-from inference.reload import FilesReload, Overdue, Weights
+from inference.reload import FilesReload, Overdue, ServedWeights
 from rl.config import load_config
 from rl.inference_api import UpdateWeightsRequest, connector
 from rl.rundir import RunDir, mark_stable
@@ -322,7 +322,7 @@ def test_an_overdue_reload_that_then_fails_marks_the_server_broken(setup):
 # --- the decision, on a stand-in engine ---------------------------------------------------------
 
 class Engine:
-    """What Weights asks of vLLM's AsyncLLM; collective_rpc raises `errors` in turn, then answers."""
+    """What ServedWeights asks of vLLM's AsyncLLM; collective_rpc raises `errors` in turn, then answers."""
 
     def __init__(self, *errors: Exception):
         self.errors = list(errors)
@@ -349,18 +349,18 @@ class Engine:
         self.aborted.append(ids)
 
 
-def stand_in(tmp_path, engine: Engine) -> Weights:
+def stand_in(tmp_path, engine: Engine) -> ServedWeights:
     served = tmp_path / "served"
     served.mkdir()
     (served / "model.safetensors").write_bytes(b"")
     cfg = load_config(["--model", str(TINY_MODEL)])[0]
-    weights = Weights(cfg, WeightRoots(cfg), Generations(cfg.seq_len, AdaptersOff(None, 0)))
+    weights = ServedWeights(cfg, WeightRoots(cfg), Generations(cfg.seq_len, AdaptersOff(None, 0)))
     weights.engine = weights.generations.engine = engine
     weights.path, weights.generations.version = str(served), 1
     return weights
 
 
-def reload_to(weights: Weights, tmp_path) -> HTTPException:
+def reload_to(weights: ServedWeights, tmp_path) -> HTTPException:
     body = UpdateWeightsRequest(path=str(tmp_path / "v2"), version=2, mode="keep")
     with pytest.raises(HTTPException) as e:
         asyncio.run(weights.update(FilesReload(3), tmp_path / "v2", body))

@@ -4,22 +4,23 @@ from __future__ import annotations
 
 import pytest
 
-from rl.batch import Batch, BatchError, Sample
+from rl.batch import Batch, BatchError
 from rl.rundir import RunDir, mark_stable, write_file_atomic
+from samples import single_turn, write_batch
 
 
 def make_batch(step: int = 1) -> Batch:
     samples = [
-        Sample.single_turn([5, 6, 7], [8, 9], [-0.5, -1.5], [0, 0], reward=0.75, advantage=0.25),
+        single_turn([5, 6, 7], [8, 9], [-0.5, -1.5], [0, 0], reward=0.75, advantage=0.25),
         # An in-flight weight update landed after its first token: versions 1 then 2.
-        Sample.single_turn([5], [8, 9, 10], [-0.1, -0.2, -0.3], [1, 2, 2], reward=0.25, advantage=-0.25,
+        single_turn([5], [8, 9, 10], [-0.1, -0.2, -0.3], [1, 2, 2], reward=0.25, advantage=-0.25,
                            temperature=0.7, top_p=0.9, top_k=20, min_p=0.05),
     ]
     return Batch.from_samples(step, samples)
 
 
 def test_batch_round_trip(tmp_path):
-    make_batch(3).write(tmp_path / "step_3")
+    write_batch(make_batch(3), tmp_path / "step_3")
     b = Batch.read(tmp_path / "step_3")
     assert (b.step, b.num_samples) == (3, 2)
     # How each sample was drawn: the defaults, and a dataset's own settings.
@@ -36,14 +37,14 @@ def test_batch_round_trip(tmp_path):
 
 
 def test_batch_write_leaves_no_partial_directory(tmp_path):
-    make_batch().write(tmp_path / "step_1")
+    write_batch(make_batch(), tmp_path / "step_1")
     assert [p.name for p in tmp_path.iterdir()] == ["step_1"]  # the temporary name is gone
     assert sorted(p.name for p in (tmp_path / "step_1").iterdir()) == ["batch.safetensors", "meta.json"]
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "remove"])
 def test_damaged_batch_is_refused_naming_the_file(tmp_path, damage):
-    make_batch().write(tmp_path / "step_1")
+    write_batch(make_batch(), tmp_path / "step_1")
     data = tmp_path / "step_1" / "batch.safetensors"
     raw = data.read_bytes()
     if damage == "truncate":
@@ -123,7 +124,10 @@ def test_servers_announce_their_url_and_are_found_by_it(tmp_path):
     that is how an orchestrator on another host finds it. Files that are not a server's, or
     carry no URL, are not servers."""
     from rl.config import InferenceConfig
-    from rl.heartbeat import Heartbeat, announced_servers, server_heartbeat_path
+    from rl.heartbeat import Heartbeat, announced_url, server_heartbeat_path, server_heartbeats
+
+    def announced_servers(output_dir):  # as the orchestrator's discover loop reads them
+        return {url: path for path in server_heartbeats(output_dir) if (url := announced_url(path))}
 
     urls = ["http://10.0.0.5:8000", "http://10.0.0.6:8000", "http://[fd00::7]:8001"]
     beats = [Heartbeat(server_heartbeat_path(tmp_path, u), every_s=60, url=u).start() for u in urls]

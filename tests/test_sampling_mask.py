@@ -22,11 +22,12 @@ import pytest
 import torch
 
 from conftest import ROOT
-from rl.batch import Batch, Sample
+from rl.batch import Batch
 from rl.config import LossConfig
 from trainer.data import loss_weights, rank_micro_batches
 from trainer.loss import policy_loss, token_logprobs_and_entropy
 from trainer.sampling_mask import Truncation, kept_mask
+from samples import single_turn, write_batch
 
 CHAT_MODEL = ROOT / "models" / "tiny-chat"
 TEMPERATURE, TOP_P, TOP_K = 0.9, 0.7, 5
@@ -168,7 +169,7 @@ def sampled_batch(url: str) -> Batch:
             "temperature": TEMPERATURE, "top_p": TOP_P, "top_k": TOP_K})
         r.raise_for_status()
         for s in r.json()["samples"]:
-            samples.append(Sample.single_turn(prompt, s["token_ids"], s["logprobs"], s["versions"], 0.0, 1.0,
+            samples.append(single_turn(prompt, s["token_ids"], s["logprobs"], s["versions"], 0.0, 1.0,
                                               temperature=TEMPERATURE, top_p=TOP_P, top_k=TOP_K))
     return Batch.from_samples(1, samples)
 
@@ -301,8 +302,8 @@ def test_rebuilt_kept_sets_are_the_samplers(server, model):
 def test_truncation_selects_only_truncated_loss_tokens():
     """Untruncated samples (and prompts) are never touched: a batch without top_k/top_p/min_p
     pays nothing."""
-    plain = Sample.single_turn([1, 2], [3, 4], [-0.1, -0.2], [0, 0], 0.0, 1.0)
-    cut = Sample.single_turn([1, 2], [3, 4, 5], [-0.1, -0.2, -0.3], [0, 0, 0], 0.0, 1.0, top_p=0.8)
+    plain = single_turn([1, 2], [3, 4], [-0.1, -0.2], [0, 0], 0.0, 1.0)
+    cut = single_turn([1, 2], [3, 4, 5], [-0.1, -0.2, -0.3], [0, 0, 0], 0.0, 1.0, top_p=0.8)
     for batch, want in ((Batch.from_samples(1, [plain, plain]), None), (Batch.from_samples(1, [plain, cut]), 3)):
         for row_len in (None, 16):
             (mb,) = rank_micro_batches(batch, 0, 1, row_len=row_len, per_micro_batch=2, pad_id=0,
@@ -324,7 +325,7 @@ def test_the_trainer_program_masks_truncated_samples_and_warns_without(server, m
     from test_trainer import run_trainer, trainer_metrics
 
     run = RunDir(tmp_path / "run")
-    sampled_batch(server).write(run.rollout_dir(1))
+    write_batch(sampled_batch(server), run.rollout_dir(1))
     cfg = write_toml(f'model = "{CHAT_MODEL}"\noutput_dir = "{run.root}"\nmax_steps = 1\nseq_len = 128\n'
                      f"[trainer]\ntorch_threads = 1\nsampling_mask = {str(mask).lower()}\n")
     log = run_trainer(rl_command("trainer"), ["@", str(cfg)])

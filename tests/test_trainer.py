@@ -21,9 +21,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import AutoModelForCausalLM
 
 from conftest import TINY_MODEL, free_port, rl_command
-from rl.batch import Batch, Sample
+from rl.batch import Batch
 from rl.config import OptimConfig
 from rl.rundir import RunDir
+from samples import single_turn, write_batch
 
 pytestmark = pytest.mark.slow
 
@@ -49,10 +50,10 @@ def write_batches(run: RunDir, steps, *, prompts: int = 4) -> None:
         with torch.no_grad():
             logp = torch.log_softmax(base(input_ids=ids).logits[0, :-1], -1)
         per_token = logp[torch.arange(ids.shape[1] - 1), ids[0, 1:]][len(PROMPT) - 1:].tolist()
-        return Sample.single_turn(PROMPT, completion, per_token, [0] * len(completion), reward=0.5 + adv, advantage=adv)
+        return single_turn(PROMPT, completion, per_token, [0] * len(completion), reward=0.5 + adv, advantage=adv)
     for n in steps:
         samples = [sample(GOOD, 0.5), sample(BAD, -0.5), sample(LONG, 0.25 * (-1) ** n)] * prompts
-        Batch.from_samples(n, samples[:-1]).write(run.rollout_dir(n))  # odd count: ranks differ
+        write_batch(Batch.from_samples(n, samples[:-1]), run.rollout_dir(n))  # odd count: ranks differ
 
 
 def on_policy_kl_bound(completions: list[list[int]]) -> float:
@@ -346,10 +347,10 @@ def test_each_sample_is_scored_at_its_own_temperature_by_the_real_trainer(tmp_pa
         # The trainer's logits are another float32 implementation's: within gap of these, so its
         # logprob (the token's scaled logit and the normaliser) within 2 * gap / temperature.
         bounds.extend((2 * gap[0, :-1] / temperature)[len(PROMPT) - 1:].tolist())
-        return Sample.single_turn(PROMPT, completion, per_token, [0] * len(completion), reward=0.5 + adv,
+        return single_turn(PROMPT, completion, per_token, [0] * len(completion), reward=0.5 + adv,
                                   advantage=adv, temperature=temperature)
     samples = [sample(c, a, t) for t in (0.5, 1.0, 1.5) for c, a in ((GOOD, 0.5), (BAD, -0.5), (LONG, 0.25))]
-    Batch.from_samples(1, samples).write(run.rollout_dir(1))
+    write_batch(Batch.from_samples(1, samples), run.rollout_dir(1))
     extra = f"[trainer]\npack = {str(pack).lower()}\nmicro_batch_size = 4\n"
     run_trainer(rl_command("trainer"), ["@", config(write_toml, run, "cfg.toml"),
                                         "@", str(write_toml(extra, "extra.toml")), "--max_steps", "1"])

@@ -14,19 +14,20 @@ import zmq
 from safetensors.torch import load_file
 
 from conftest import TINY_MODEL, free_port
-from rl.batch import Batch, BatchError, Sample
+from rl.batch import Batch, BatchError
 from rl.config import TransportConfig
 from rl.rundir import RunDir
 from rl.transports import batch_receiver, batch_sender
 from test_trainer import write_batches
+from samples import single_turn, write_batch
 
 pytestmark = pytest.mark.slow
 
 
 def batch(step: int) -> Batch:
     return Batch.from_samples(step, [
-        Sample.single_turn([5, 6], [7, 8], [-0.5, -0.25], [step - 1, step - 1], reward=1.0, advantage=0.5),
-        Sample.single_turn([5], [9], [-1.0], [step - 1], reward=0.0, advantage=-0.5)])
+        single_turn([5, 6], [7, 8], [-0.5, -0.25], [step - 1, step - 1], reward=1.0, advantage=0.5),
+        single_turn([5], [9], [-1.0], [step - 1], reward=0.0, advantage=-0.5)])
 
 
 def send_all(cfg: TransportConfig, run: RunDir, batches: list[Batch]) -> None:
@@ -108,7 +109,7 @@ def test_two_rank_trainer_over_zmq_matches_the_filesystem_run(tmp_path, write_to
                          "[trainer]\nmicro_batch_size = 2\n[trainer.optim]\nlr = 1e-4\n", f"{kind}.toml")
         if kind == "filesystem":
             for b in batches:
-                b.write(run.rollout_dir(b.step))
+                write_batch(b, run.rollout_dir(b.step))
         trainer = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                                     "--master-port", str(free_port()), "-m", "trainer", "@", str(cfg)],
                                    env=env, stderr=subprocess.PIPE, text=True)
@@ -182,7 +183,7 @@ def test_a_damaged_batch_file_is_set_aside_and_written_again_by_the_sender(tmp_p
 
 def test_without_reject_a_damaged_batch_file_raises_naming_it(tmp_path):
     run = RunDir(tmp_path)
-    batch(1).write(run.rollout_dir(1))
+    write_batch(batch(1), run.rollout_dir(1))
     (run.rollout_dir(1) / "meta.json").write_text("{")
     with pytest.raises(BatchError, match=r"rollouts/step_1/meta.json: not valid JSON"):
         batch_receiver(TransportConfig(kind="filesystem"), run, reject_damaged=False).receive(1, 5)

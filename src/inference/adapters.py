@@ -51,7 +51,7 @@ class Adapters:
         # unloaded and loaded again from changed files must not be mistaken for the old one.
         self.last_lora_id = 0
         # Raises the HTTPException to answer while the workers must take no call (reload.py
-        # Weights.check_not_overdue: a reload overdue, or the server broken); set by routes.py.
+        # ServedWeights.check_not_overdue: a reload overdue, or the server broken); set by routes.py.
         self.workers_free: Callable[[], None] = lambda: None
 
     @staticmethod

@@ -31,7 +31,7 @@ class Generation:
 
 
 @dataclass(frozen=True)
-class Policy:
+class WeightsInUse:
     """What one /generate call samples with: the base weights or an adapter."""
 
     version: int
@@ -113,7 +113,7 @@ class Generations:
                 raise HTTPException(400, f"{field}: token ids {bad[:5]} outside the vocabulary "
                                          f"[0, {vocab})")
 
-    def policy(self, adapter: Adapter | None) -> Policy:
+    def weights_in_use(self, adapter: Adapter | None) -> WeightsInUse:
         """Read once the server serves (not during an update)."""
         # Salted per reload: the prefix cache cannot always be reset (an in-flight update keeps
         # running requests' blocks), and KV computed by older weights must not seed a request
@@ -121,9 +121,9 @@ class Generations:
         # by adapter name and path, which a reload of rewritten files under the same name keeps.
         salt = f"reload-{self.reloads}"
         if adapter is None:
-            return Policy(self.version, salt, None, switches=True)
-        return Policy(adapter.version, f"{salt}-lora-{adapter.request.lora_int_id}", adapter.request,
-                      switches=False)
+            return WeightsInUse(self.version, salt, None, switches=True)
+        return WeightsInUse(adapter.version, f"{salt}-lora-{adapter.request.lora_int_id}", adapter.request,
+                            switches=False)
 
     async def run(self, gen: Generation, body: GenerateRequest,
                   adapter: Adapter | None) -> list[tuple[GeneratedSample, list[float | None] | None]]:
@@ -133,19 +133,19 @@ class Generations:
             await self.serving.wait()
             if self.broken:
                 raise HTTPException(503, self.broken)
-            policy = self.policy(adapter)
+            weights = self.weights_in_use(adapter)
             # Rendered input (not a raw TokensPrompt) keeps vLLM off its tokenizer thread pool.
-            prompt = tokens_input(body.prompt_token_ids, cache_salt=policy.salt)
+            prompt = tokens_input(body.prompt_token_ids, cache_salt=weights.salt)
             # A TaskGroup: if one sample fails, the others are cancelled, which aborts their
             # engine requests instead of leaving them running for nobody.
             async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(self.sample(gen, i, body, prompt, policy)) for i in range(body.n)]
+                tasks = [group.create_task(self.sample(gen, i, body, prompt, weights)) for i in range(body.n)]
         except* Exception as failed:
             raise failed.exceptions[0] from None  # what the exception handlers understand
         return [t.result() for t in tasks]
 
     async def sample(self, gen: Generation, i: int, body: GenerateRequest, prompt,
-                     policy: Policy) -> tuple[GeneratedSample, list[float | None] | None]:
+                     weights: WeightsInUse) -> tuple[GeneratedSample, list[float | None] | None]:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -166,10 +166,10 @@ class Generations:
         )
         # An adapter request is registered without switch points (None): a full reload does not
         # change what version its tokens are, and switch() leaves it alone.
-        switches = [(0, policy.version)]
-        self.switches[engine_id] = switches if policy.switches else None
+        switches = [(0, weights.version)]
+        self.switches[engine_id] = switches if weights.switches else None
         try:
-            async for out in self.engine.generate(prompt, params, engine_id, lora_request=policy.lora):
+            async for out in self.engine.generate(prompt, params, engine_id, lora_request=weights.lora):
                 final = out
         finally:
             del self.switches[engine_id]

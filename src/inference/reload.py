@@ -151,7 +151,7 @@ class Overdue:
     timeout_s: float
 
 
-class Weights:
+class ServedWeights:
     """The full weights the engine serves: the directory they came from, how the next version
     arrives (a Reload), and the routes that bring it in. The version itself is
     Generations.version: /generate reads it, an update writes it."""

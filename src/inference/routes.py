@@ -12,7 +12,6 @@ Request bodies that do not validate get 400 with one line naming each offending 
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import get_type_hints
 
 from fastapi import APIRouter, FastAPI, HTTPException, Request
@@ -22,7 +21,7 @@ from fastapi.routing import APIRoute
 from inference.access import WeightRoots, guard
 from inference.adapters import Adapters
 from inference.generation import Generations
-from inference.reload import Weights
+from inference.reload import ServedWeights
 from rl.config import RunConfig
 from rl.inference_api import ROUTES, Route, resolve_token
 
@@ -81,7 +80,7 @@ class Routes:
         # Chosen once: the engine either was started with LoRA or was not (server.vllm_args).
         self.adapters = Adapters.for_config(cfg, self.roots)
         self.generations = Generations(cfg.seq_len, self.adapters)
-        self.weights = Weights(cfg, self.roots, self.generations)
+        self.weights = ServedWeights(cfg, self.roots, self.generations)
         self.adapters.workers_free = self.weights.check_not_overdue
         self.engine = None
 
@@ -114,10 +113,6 @@ class Routes:
         return {"status": "ok", "version": self.generations.version, "path": self.weights.path,
                 "running": len(self.generations.switches), "aborted": self.generations.aborted,
                 **self.adapters.health()}
-
-    def confine_adapter(self, path: str) -> Path:
-        """Where /load_lora_adapter would read `path` from (WeightRoots.confine_adapter)."""
-        return self.roots.confine_adapter(path)
 
     def attach(self, app: FastAPI, engine) -> None:
         self.engine = self.generations.engine = self.weights.engine = self.adapters.engine = engine

@@ -60,7 +60,7 @@ ANSWER_MARGIN_S = 10.0  # beyond a server's own timeout: its answer says what ra
 
 
 @dataclass(frozen=True)
-class Weights:
+class Target:
     """A version as the servers are told to load it."""
     version: int
     path: str
@@ -70,8 +70,8 @@ class Weights:
 
 
 class WeightDelivery(ABC):
-    """Brings the pool's servers to a version. The pool calls bring() and note() while healing,
-    serves() and reported_version() while checking; the orchestrator calls the rest."""
+    """Brings the pool's servers to a version. The pool calls load_one() and seen() while healing,
+    still_serves() and reported_version() while checking; the orchestrator calls the rest."""
 
     fixed_members = False
     """Every listed server must be there from the start and none joins later: connect waits for
@@ -80,22 +80,22 @@ class WeightDelivery(ABC):
     def __init__(self, pool: ServerPool, reload_timeout_s: float, root: Path | None):
         """`root`: the run directory weight paths are sent relative to (None: absolute)."""
         self.pool, self.reload_timeout_s, self.root = pool, reload_timeout_s, root
-        self.target = Weights(0, "", None)  # what every server in rotation must serve
+        self.target = Target(0, "", None)  # what every server in rotation must serve
 
     async def prepare(self) -> None:
         """Once every server is connected, before the first load."""
 
     async def load(self, version: int, path: Path) -> None:
         """Make every server in rotation serve `version`; a server that fails leaves rotation."""
-        self.target = Weights(version, self.wire_path(version, path), path)
+        self.target = Target(version, self.wire_path(version, path), path)
         await self._load(self.target)
 
     @abstractmethod
-    async def _load(self, target: Weights) -> None:
+    async def _load(self, target: Target) -> None:
         """Bring every server in rotation to `target`."""
 
     @abstractmethod
-    async def bring(self, s: Server, target: Weights) -> float:
+    async def load_one(self, s: Server, target: Target) -> float:
         """Bring one server to `target` (the caller records it serving); returns its load seconds."""
 
     def wire_path(self, version: int, path: Path) -> str:
@@ -116,11 +116,11 @@ class WeightDelivery(ABC):
         """The version a server's /health says it serves."""
         return health["version"]
 
-    def note(self, s: Server, health: dict) -> None:
+    def seen(self, s: Server, health: dict) -> None:
         """What a server (joining, or answering again) reports beyond its version (the pool
         recorded that: reported_version)."""
 
-    def serves(self, s: Server, health: dict) -> bool:
+    def still_serves(self, s: Server, health: dict) -> bool:
         """Whether the server still serves what we recorded."""
         return health.get("version") == s.version
 
@@ -151,7 +151,7 @@ class FileDelivery(WeightDelivery):
         self.mode = "keep" if in_flight_updates else "wait"
         self.update_s: list[float] = []  # each full-weights update's duration, until reported
 
-    def _members(self, target: Weights) -> tuple[list[Server], bool]:
+    def _members(self, target: Target) -> tuple[list[Server], bool]:
         """The servers to update, and whether one may be dropped half-way (leaving rotation
         cancels its update)."""
         return self.pool.in_rotation, True
@@ -161,7 +161,7 @@ class FileDelivery(WeightDelivery):
         # why; waiting a little longer here lets that answer, not a bare client timeout, arrive.
         return self.reload_timeout_s + ANSWER_MARGIN_S
 
-    async def _load(self, target: Weights) -> None:
+    async def _load(self, target: Target) -> None:
         version = target.version
         members, droppable = self._members(target)
         stale = [s for s in members if s.version != version]
@@ -188,7 +188,7 @@ class FileDelivery(WeightDelivery):
             log.info("version %d serving on %d server(s) (reload %.3f s, mode %s)",
                      version, len(reload_s), max(reload_s), self.mode)
 
-    async def bring(self, s: Server, target: Weights) -> float:
+    async def load_one(self, s: Server, target: Target) -> float:
         r = await s.client.update_weights(target.path, target.version, self.mode, self._timeout_s(target.local_path))
         return r.get("reload_s", 0.0)
 
@@ -212,7 +212,7 @@ class BroadcastDelivery(FileDelivery):
     def _streamed(local_path: Path | None) -> bool:
         return local_path is not None and (local_path / MANIFEST).is_file()
 
-    def _members(self, target: Weights) -> tuple[list[Server], bool]:
+    def _members(self, target: Target) -> tuple[list[Server], bool]:
         if not self._streamed(target.local_path):
             return super()._members(target)
         # A broadcast waits for every member: servers out of rotation that still answer take
@@ -265,12 +265,12 @@ class AdapterDelivery(WeightDelivery):
     def adapter(self, version: int) -> str | None:
         return f"{self.prefix}-v{version}" if version > 0 else None
 
-    async def _load(self, target: Weights) -> None:
+    async def _load(self, target: Target) -> None:
         """Load the adapter next to those serving; no server pauses, so none is marked updating
         (a group started meanwhile names the older adapter and is tagged with it)."""
         version = target.version
         stale = [s for s in self.pool.in_rotation if s.version != version]
-        results = await asyncio.gather(*(self.bring(s, target) for s in stale), return_exceptions=True)
+        results = await asyncio.gather(*(self.load_one(s, target) for s in stale), return_exceptions=True)
         load_s = []
         for s, r in zip(stale, results):
             if isinstance(r, BaseException):
@@ -282,7 +282,7 @@ class AdapterDelivery(WeightDelivery):
             log.info("version %d (adapter %s) serving on %d server(s) (load %.3f s)", version,
                      self.adapter(version), len(load_s), max(load_s))
 
-    async def bring(self, s: Server, target: Weights) -> float:
+    async def load_one(self, s: Server, target: Target) -> float:
         r = {"load_s": 0.0}
         if target.version > 0:
             # Recorded first: a load cut short here (a SIGTERM) may still land on the server,
@@ -300,12 +300,12 @@ class AdapterDelivery(WeightDelivery):
         """The newest of our adapters."""
         return max(self._ours(health), default=0)
 
-    def note(self, s: Server, health: dict) -> None:
+    def seen(self, s: Server, health: dict) -> None:
         # From an earlier orchestrator: unloaded once unused. What a restart lost is not there
         # to unload.
         self.loaded[s.url] = self._ours(health)
 
-    def serves(self, s: Server, health: dict) -> bool:
+    def still_serves(self, s: Server, health: dict) -> bool:
         """Ours is loaded (a newer one may be, too: a load can finish on the server before we
         record it)."""
         return s.version == 0 or s.version in self._ours(health)

@@ -75,7 +75,7 @@ class ServerPool:
     def note(self, s: Server, health: dict) -> None:
         """Record what a server (joining, or answering again) serves, as its delivery reads it."""
         self.serving(s, self.delivery.reported_version(health))
-        self.delivery.note(s, health)
+        self.delivery.seen(s, health)
 
     # --- rotation and load ---------------------------------------------------------------
 
@@ -210,7 +210,7 @@ class ServerPool:
                 continue  # changed while we asked
             if isinstance(r, BaseException):
                 self.fail(s, f"health check failed: {r}", gone=True)
-            elif not s.updating and not self.delivery.serves(s, r):
+            elif not s.updating and not self.delivery.still_serves(s, r):
                 self.fail(s, f"reports version {self.delivery.reported_version(r)}, expected {s.version} (restarted?)")
 
     async def heal(self, alone_timeout_s: float, check_every_s: float = 2.0) -> None:
@@ -239,7 +239,7 @@ class ServerPool:
                     # brought again, and it joins serving exactly the pool's version. `target`
                     # is read before each await: the server is recorded with what it loaded.
                     while s.version != (target := self.delivery.target).version and target.path:
-                        await self.delivery.bring(s, target)
+                        await self.delivery.load_one(s, target)
                         self.serving(s, target.version)
                 except InferenceError as e:
                     s.last_error = str(e)

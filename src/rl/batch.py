@@ -59,17 +59,6 @@ class Sample:
     top_k: int = -1
     min_p: float = 0.0
 
-    @classmethod
-    def single_turn(cls, prompt_ids: list[int], completion_ids: list[int], logprobs: list[float],
-                    versions: list[int], reward: float, advantage: float, *, temperature: float = 1.0,
-                    top_p: float = 1.0, top_k: int = -1, min_p: float = 0.0) -> Sample:
-        if not len(completion_ids) == len(logprobs) == len(versions):
-            raise ValueError(f"{len(completion_ids)} tokens, {len(logprobs)} logprobs, {len(versions)} versions")
-        p, c = len(prompt_ids), len(completion_ids)
-        return cls(list(prompt_ids) + list(completion_ids), [0] * p + [1] * c,
-                   [0.0] * p + list(logprobs), [0.0] * p + [advantage] * c,
-                   [-1] * p + list(versions), reward, temperature, top_p, top_k, min_p)
-
     @functools.cached_property
     def oldest_version(self) -> int:
         """Oldest version among the sampled tokens (a sample with none is as new as can be).
@@ -229,13 +218,10 @@ class Batch:
                 return f"tensor {name!r} holds {getattr(self, name)[i].item()!r} for sample {i}, expected {want}"
         return None
 
-    def write(self, final: Path) -> None:
-        """Write the batch to directory `final` atomically (temporary directory, then one rename)."""
-        self.write_encoded(*self.encode(), final)
-
     @staticmethod
     def write_encoded(meta: bytes, payload: bytes, final: Path) -> None:
-        """Write already-encoded blobs (as received over ZMQ) the way `write` does."""
+        """Write a batch's encoded blobs (Batch.encode, or as received over ZMQ) to directory
+        `final` atomically (a temporary directory, then one rename)."""
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
         # Plain writes: nobody reads the temporary directory, and publish_dir fsyncs every file

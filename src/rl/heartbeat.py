@@ -77,11 +77,6 @@ def announced_url(path: Path) -> str | None:
     return lines[2][4:].strip().rstrip("/") if len(lines) >= 3 and lines[2].startswith("url ") else None
 
 
-def announced_servers(output_dir: Path) -> dict[str, Path]:
-    """URL -> heartbeat file of every server announcing itself under output_dir/heartbeats/."""
-    return {url: path for path in server_heartbeats(output_dir) if (url := announced_url(path))}
-
-
 class Heartbeat:
     def __init__(self, path: Path, every_s: float = HEARTBEAT_EVERY_S, url: str | None = None):
         self.path, self.every_s = path, every_s

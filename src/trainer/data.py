@@ -81,10 +81,6 @@ class MicroBatch:
     top_p: torch.Tensor
     min_p: torch.Tensor
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.tokens.numel())
-
     def truncation(self, vocab: int) -> Truncation | None:
         """The loss tokens of samples drawn from a truncated distribution, with their settings;
         None when there are none (the common untruncated batch pays nothing)."""

@@ -1,0 +1,25 @@
+"""Samples and batches as the tests build them: a prompt, then a completion the model sampled; a
+batch written where the trainer reads it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rl.batch import Batch, Sample
+
+
+def single_turn(prompt_ids: list[int], completion_ids: list[int], logprobs: list[float], versions: list[int],
+                reward: float, advantage: float, *, temperature: float = 1.0, top_p: float = 1.0,
+                top_k: int = -1, min_p: float = 0.0) -> Sample:
+    """The prompt's tokens as context (loss mask 0, no version), the completion's trained on
+    with one advantage for all."""
+    if not len(completion_ids) == len(logprobs) == len(versions):
+        raise ValueError(f"{len(completion_ids)} tokens, {len(logprobs)} logprobs, {len(versions)} versions")
+    p, c = len(prompt_ids), len(completion_ids)
+    return Sample(list(prompt_ids) + list(completion_ids), [0] * p + [1] * c, [0.0] * p + list(logprobs),
+                  [0.0] * p + [advantage] * c, [-1] * p + list(versions), reward, temperature, top_p, top_k, min_p)
+
+
+def write_batch(batch: Batch, directory: Path) -> None:
+    """As the orchestrator's file transport writes it (atomically)."""
+    Batch.write_encoded(*batch.encode(), directory)
