@@ -119,6 +119,7 @@ class Record:
     aborted_at: float | None = None
     tokens: int = 0
     abort: asyncio.Event = field(default_factory=asyncio.Event)
+    stop_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -179,7 +180,8 @@ class FakeServer:
             self.errors.append(time.monotonic())
             return web.json_response({"error": "engine failed"}, status=500)
         await self.admit.wait()
-        rec = self.requests[rid] = Record(body["prompt_token_ids"], n, time.monotonic())
+        rec = self.requests[rid] = Record(body["prompt_token_ids"], n, time.monotonic(),
+                                          stop_token_ids=body.get("stop_token_ids") or [])
         self.running += 1
         self.idle.clear()
         if self.hang_rate and self.faults.random() < self.hang_rate:

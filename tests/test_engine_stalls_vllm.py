@@ -205,7 +205,7 @@ def test_hopeless_groups_are_aborted_on_the_engine(long_server, tmp_path):
             orch.cancel_hopeless = observed
             # load: every server to a new version; bring: one server back (health checks).
             orch.delivery.load = engine_running(orch.delivery.load)
-            orch.delivery.bring = engine_running(orch.delivery.bring)
+            orch.delivery.load_one = engine_running(orch.delivery.load_one)
             gating = asyncio.create_task(gate())
             trainer = asyncio.create_task(copying_trainer(RunDir(root), cfg.max_steps))
             try:

@@ -61,6 +61,32 @@ def test_samples_per_row_give_accuracy_and_pass_at_k():
     assert record["eval/d/pass@4"] == pytest.approx(sum(c > 0 for c in right) / 6)
 
 
+def test_eval_datasets_beside_a_text_environment_render_and_stop_as_datasets_do():
+    """A text environment trains in raw text (no renderer, no stop ids of its own); its eval
+    datasets are still rendered, and end where the model's turns end, as in a datasets run."""
+    from orchestrator.tasks.guess_letter import GuessLetter
+
+    SEEN.clear()
+    cfg = RunConfig.model_validate({"model": str(TINY_MODEL), "seq_len": 64, "orchestrator": {
+        "environment": "orchestrator.tasks.guess_letter:GuessLetter", "eval": {
+            "rows": 2, "samples": 1, "datasets": [{"name": "d", "function": "orchestrator.tasks.reverse:dataset",
+                                                   "reward": "test_evaluation:has_a", "max_tokens": 3}]}}})
+    server = FakeServer()
+
+    async def body(client, session):
+        sources = [Source(d, cfg.seed) for d in cfg.orchestrator.resolved_datasets(evaluation=True)]
+        for s in sources:
+            s.reward = make_reward(s.ds.reward, 5.0, session, inline=True, key="r")
+        rollouts = Rollouts(cfg, load_tokenizer(str(TINY_MODEL)), {}, None, GuessLetter())
+        assert rollouts.kind.stop_token_ids == []  # the environment's own requests
+        return rollouts, await Evaluation(rollouts, sources, cfg.orchestrator.eval).run(client, 0, 1, "t", None)
+
+    rollouts, record = asyncio.run(with_server(server, body))
+    assert record["eval/d/rows"] == 2 and len(SEEN) == 2
+    assert rollouts.renderer.stop_token_ids  # the tiny model's eos
+    assert all(r.stop_token_ids == rollouts.renderer.stop_token_ids for r in server.requests.values())
+
+
 def test_greedy_evaluation_with_several_samples_is_refused(write_toml):
     with pytest.raises(ConfigError, match="eval.samples > 1 needs eval.temperature > 0"):
         load_config(["@", str(write_toml('model = "m"\n')), "--orchestrator.eval.samples", "4"])

@@ -3,7 +3,8 @@
     rl inference @ configs/demo.toml
 
 This is the one module that touches vLLM's server internals (pinned: vllm 0.32). It builds the
-app exactly as `vllm serve` does, then puts the project's routes in front (inference/routes.py;
+app as `vllm serve` does (the engine client too, but for a CPU engine core that is forked:
+`forked_engine_client`), then puts the project's routes in front (inference/routes.py;
 each route, its body and its answer: ROUTES in rl/inference_api.py). Paths the routes name
 (weights, adapters) are relative to this server's output_dir, "base" (the model it started with),
 or absolute within the weight roots (inference/access.py).
@@ -152,14 +153,17 @@ async def forked_engine_client(args) -> AsyncIterator:
     the cores when torch was imported, before bind_engine_cores pinned this process."""
     import torch
     from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import propagate_flash_late_interaction
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
     engine_args = AsyncEngineArgs.from_cli_args(args)
+    propagate_flash_late_interaction(args, engine_args)
     usage = UsageContext.OPENAI_API_SERVER
     vllm_config = engine_args.create_engine_config(usage_context=usage)
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"  # after the platform said "spawn"
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    # As a fresh interpreter's libgomp would size it: $OMP_NUM_THREADS, else the cores it may use.
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or len(os.sched_getaffinity(0)))
     engine = None
     try:
         engine = AsyncLLM.from_vllm_config(
@@ -182,6 +186,11 @@ async def _serve(args, routes: Routes, restore_logging: Callable[[], None], fork
     from vllm.entrypoints.launchers.launcher import serve_http, setup_server
 
     _, sock = setup_server(args, reuse_port=False)
+    if fork:
+        # The engine core, forked below, must not hold the server's port: after a SIGKILL of
+        # this process it would keep the port listening (answering nobody) until the watchdog
+        # kills it, and a restart on the same port would fail.
+        os.register_at_fork(after_in_child=sock.close)
     try:
         async with (forked_engine_client if fork else build_async_engine_client)(args) as engine:
             tasks = await engine.get_supported_tasks()

@@ -270,13 +270,18 @@ class AdapterDelivery(WeightDelivery):
         (a group started meanwhile names the older adapter and is tagged with it)."""
         version = target.version
         stale = [s for s in self.pool.in_rotation if s.version != version]
-        results = await asyncio.gather(*(self.load_one(s, target) for s in stale), return_exceptions=True)
+
+        async def load(s: Server) -> float:
+            seconds = await self.load_one(s, target)
+            self.pool.serving(s, version)  # at once: new groups there name the new adapter
+            return seconds
+
+        results = await asyncio.gather(*(load(s) for s in stale), return_exceptions=True)
         load_s = []
         for s, r in zip(stale, results):
             if isinstance(r, BaseException):
                 self.pool.fail(s, f"loading adapter {self.adapter(version)} failed: {r}")
             else:
-                self.pool.serving(s, version)
                 load_s.append(r)
         if load_s:
             log.info("version %d (adapter %s) serving on %d server(s) (load %.3f s)", version,

@@ -85,7 +85,8 @@ class Evaluation:
                             max_tokens=s.max_tokens, stop=s.stop)
         try:
             text, ids = self.rollouts.renderer.render(source.ds, row, where)
-            request = self.rollouts.request(request_id, ids, self.cfg.samples, sampling, where)
+            request = self.rollouts.request(request_id, ids, self.cfg.samples, sampling, where,
+                                            self.rollouts.renderer.stop_token_ids)
         except RowError as e:
             self.quiet.warn(e.fix, f"eval row skipped: {e}")  # the same fix: the same cause
             return None

@@ -82,16 +82,14 @@ class Toolkit(Protocol):
     def decode_all(self, ids: list[list[int]]) -> list[str]: ...
 
     def request(self, request_id: str, tokens: list[int], n: int, sampling: Sampling,
-                where: str = "a prompt") -> GenerateRequest: ...
+                where: str = "a prompt", stop_token_ids: list[int] | None = None) -> GenerateRequest: ...
 
 
 class RolloutKind(ABC):
     """One kind of rollout, built once per run as KIND(cfg, toolkit, renderer, sources, env)
-    (orchestrator/rollout_kinds.py). `uses_template`: it renders through the chat template (a
-    Renderer is built for it, else None); `stop_token_ids`: where its completions end beyond the
+    (orchestrator/rollout_kinds.py). `stop_token_ids`: where its completions end beyond the
     sampling settings' own stops."""
 
-    uses_template = True
     stop_token_ids: list[int] = []
     sources: dict = {}
     """The datasets drawn from, by name (the datasets kind's; reporting breaks a step down by them)."""

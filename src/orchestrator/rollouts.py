@@ -25,6 +25,7 @@ from rl.config import RunConfig
 from rl.dataset_config import Sampling
 from rl.inference_api import GenerateRequest, InferenceClient
 
+
 @dataclass
 class Group:
     prompt: Prompt
@@ -53,7 +54,6 @@ class Group:
         return sum(s.num_model_tokens for s in self.samples)
 
 
-
 class Rollouts:
     """Builds the run's rollout kind once (orchestrator/rollout_kinds.py) and is its Toolkit:
     the tokenizer's way in and out, and the generate request."""
@@ -65,9 +65,9 @@ class Rollouts:
         # called directly: the HF wrapper costs ~10x more per call, which shows at thousands of
         # groups per second.
         self.fast = tokenizer if isinstance(tokenizer, Tokenizer) else getattr(tokenizer, "backend_tokenizer", None)
-        kind = kind_of(env)
-        self.renderer = Renderer(self.o, cfg.model, self.fast, self.encode) if kind.uses_template else None
-        self.kind: RolloutKind = kind(cfg, self, self.renderer, sources, env)
+        # Datasets and tool episodes render through it; evaluation's datasets too, whatever the kind.
+        self.renderer = Renderer(self.o, cfg.model, self.fast, self.encode)
+        self.kind: RolloutKind = kind_of(env)(cfg, self, self.renderer, sources, env)
 
     @classmethod
     def from_config(cls, cfg: RunConfig, session: aiohttp.ClientSession) -> Rollouts:
@@ -95,7 +95,9 @@ class Rollouts:
         return self.decode_all([ids])[0]
 
     def request(self, request_id: str, tokens: list[int], n: int, sampling: Sampling,
-                where: str = "a prompt") -> GenerateRequest:
+                where: str = "a prompt", stop_token_ids: list[int] | None = None) -> GenerateRequest:
+        """`stop_token_ids`: where completions end besides the sampling's stops (default: the
+        run's kind's)."""
         # A teacher scores the finished sequence plus one generated token: leave it that room.
         room = self.cfg.seq_len - len(tokens) - (1 if self.teacher is not None else 0)
         if room < 1:
@@ -105,7 +107,8 @@ class Rollouts:
         return GenerateRequest(request_id=request_id, prompt_token_ids=tokens, n=n,
                                max_tokens=min(sampling.max_tokens, room), temperature=sampling.temperature,
                                top_p=sampling.top_p, top_k=sampling.top_k, min_p=sampling.min_p,
-                               stop=list(sampling.stop), stop_token_ids=self.kind.stop_token_ids)
+                               stop=list(sampling.stop),
+                               stop_token_ids=self.kind.stop_token_ids if stop_token_ids is None else stop_token_ids)
 
     async def group(self, prompt: Prompt, gid: str, generate: Generate) -> Group:
         trajectories = await self.kind.trajectories(prompt, gid, generate)

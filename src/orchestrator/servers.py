@@ -11,7 +11,8 @@ server in rotation serves >= n-1-k) never regresses. A discovered server whose h
 (removed, or silent for heartbeat_timeout_s) leaves the pool; it joins again when it comes back.
 
 How a version reaches a server (files, broadcast, LoRA adapters) and what its /health means is
-the run's weight delivery (orchestrator/delivery.py); the pool only decides who is in rotation.
+the run's weight delivery (orchestrator/delivery.py); the pool decides who is in rotation and
+records every server's state (orchestrator/server.py), the delivery reporting what it did.
 """
 
 from __future__ import annotations
@@ -233,6 +234,8 @@ class ServerPool:
                     continue
                 try:
                     health = await s.client.health()
+                    if s not in self.servers:
+                        continue  # removed while we asked: a re-added one with its URL is another
                     self.note(s, health)
                     # Until it serves the current version: a load() while it was brought to one
                     # moved the version on (and skipped it: it is not in rotation yet), so it is

@@ -9,13 +9,15 @@ import asyncio
 import inspect
 from collections.abc import Callable
 
-from orchestrator.environment import EnvironmentKind, Turn
+from orchestrator.environment import Turn
+from orchestrator.environment_kind import EnvironmentKind
 from orchestrator.rollout_kind import Aborted, Generate, Opening, Trajectory
 from rl.config import RunConfig
 
 
 class TextEpisodes(EnvironmentKind):
-    uses_template = False  # raw text; the tokenizer's own special tokens
+    """Raw text, the tokenizer's own special tokens: the renderer is not used, no stop ids
+    beyond the sampling settings' own."""
 
     @classmethod
     def start_up(cls, cfg: RunConfig, env) -> Callable[[object], Opening]:

@@ -38,7 +38,6 @@ def opening_messages(env, row: dict) -> list[dict]:
     return row_messages(row, "prompt", "messages", getattr(env, "system_prompt", "") or "")
 
 
-
 class TemplateDrift(Exception):
     """The template's rendering of a longer conversation does not extend the shorter one's."""
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import jinja2
 
 from orchestrator.chat import ChatTemplate
-from orchestrator.environment import EnvironmentKind
+from orchestrator.environment_kind import EnvironmentKind
 from orchestrator.rollout_kind import Aborted, Generate, Opening, Toolkit, Trajectory
 from orchestrator.tool_episode import TemplateDrift, ToolEpisode, opening_messages
 from orchestrator.tool_parsers import PARSERS, tool_parser
