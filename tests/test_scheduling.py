@@ -15,6 +15,7 @@ import inspect
 import json
 import logging
 import random
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -571,3 +572,35 @@ def test_a_restarted_server_is_asked_when_it_starts_and_again_when_its_heartbeat
                 beat.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_cancel_that_meets_a_notify_is_not_lost():
+    """SIGTERM cancels the orchestrator's main task wherever it waits. Python 3.11's
+    asyncio.wait_for returned the inner wait's result when that wait ended in the same loop turn
+    as the cancel, and the cancel was lost: a run told to stop went on waiting for its final
+    version (seen once in a suite run). The waits go through orchestrator.notified instead."""
+    from orchestrator.orchestrator import notified
+
+    async def scenario(wait) -> str:
+        changed, ready = asyncio.Condition(), []
+
+        async def waiter() -> str:
+            async with changed:
+                await wait(changed, lambda: bool(ready))
+            return "went on waiting"
+
+        task = asyncio.create_task(waiter())
+        await asyncio.sleep(0)  # it waits on the condition now
+        async with changed:
+            ready.append(True)
+            changed.notify_all()  # its wait ends ...
+        task.cancel()  # ... in the same loop turn as the cancel
+        try:
+            return await task
+        except asyncio.CancelledError:
+            return "cancelled"
+
+    assert asyncio.run(scenario(lambda c, _: notified(c, 5.0))) == "cancelled"
+    assert asyncio.run(scenario(lambda c, ready: notified(c, 5.0, ready))) == "cancelled"
+    if sys.version_info < (3, 12):  # the race itself, as 3.11's wait_for loses it (3.12 rewrote wait_for)
+        assert asyncio.run(scenario(lambda c, _: asyncio.wait_for(c.wait(), 5.0))) == "went on waiting"

@@ -183,7 +183,8 @@ class ServedWeights:
         # worker process) and never covers an engine core that stopped answering, nor the pause.
         update = asyncio.create_task(self.update(reload, path, body))
         try:
-            return await asyncio.wait_for(asyncio.shield(update), reload.timeout_s)
+            async with asyncio.timeout(reload.timeout_s):  # not wait_for: it can lose a cancel
+                return await asyncio.shield(update)
         except TimeoutError:
             # The update goes on (a half-done reload cannot be called back); until it ends the
             # server says so on /health and takes no other update.

@@ -210,7 +210,8 @@ async def _serve(args, routes: Routes, restore_logging: Callable[[], None], fork
             finally:
                 ready.cancel()
         try:
-            await asyncio.wait_for(shutdown, 4 * SHUTDOWN_GRACE_S)
+            async with asyncio.timeout(4 * SHUTDOWN_GRACE_S):
+                await shutdown
         except TimeoutError:
             log.warning("the HTTP server is still shutting down after %d s: exiting anyway", 4 * SHUTDOWN_GRACE_S)
     finally:

@@ -138,9 +138,9 @@ class EvaluationRunner:
             pin = (server, version)
             self.pins.append(pin)
             try:
-                record = await asyncio.wait_for(self.evaluation.run(
-                    server.client, version, step, f"{self.tag}-eval{step}", self.pool.delivery.adapter(version)),
-                    timeout_s)
+                async with asyncio.timeout(timeout_s):  # not wait_for: it can lose a cancel (orchestrator.notified)
+                    record = await self.evaluation.run(server.client, version, step, f"{self.tag}-eval{step}",
+                                                       self.pool.delivery.adapter(version))
             finally:
                 self.pins.remove(pin)
         except asyncio.CancelledError:

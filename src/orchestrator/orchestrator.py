@@ -59,6 +59,19 @@ HEARTBEAT_S = 15.0  # how often a wait says what it still waits for
 MAX_ATTEMPTS = 3  # a prompt whose group fails (rewards, teacher) this often is dropped
 
 
+async def notified(changed: asyncio.Condition, timeout_s: float, predicate=None) -> None:
+    """changed.wait() (changed.wait_for(predicate) with one), the lock held, for at most
+    timeout_s. Through asyncio.timeout, never asyncio.wait_for: Python 3.11's wait_for returns
+    the inner result when the inner wait ended in the same loop turn as a cancel of the caller,
+    and the cancel is lost. A SIGTERM is such a cancel (orchestrator/main.py): once, a run told
+    to stop went on waiting for its final version for minutes."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await (changed.wait() if predicate is None else changed.wait_for(predicate))
+    except TimeoutError:
+        pass
+
+
 @dataclass
 class InFlight:
     prompt: Prompt
@@ -141,10 +154,7 @@ class Orchestrator:
                 if now - last_beat > HEARTBEAT_S:
                     log.info("still waiting for %s (%.0f s)", what, now - start)
                     last_beat = now
-                try:
-                    await asyncio.wait_for(self.changed.wait(), timeout=1.0)
-                except TimeoutError:
-                    pass
+                await notified(self.changed, 1.0)
         return time.monotonic() - start
 
     # --- weights ---------------------------------------------------------------------------
@@ -180,10 +190,7 @@ class Orchestrator:
             await asyncio.sleep(self.weights_poll.next())
             return
         async with self.changed:
-            try:
-                await asyncio.wait_for(self.changed.wait_for(self.weights_due), 10 * self.o.poll_interval_s)
-            except TimeoutError:
-                pass
+            await notified(self.changed, 10 * self.o.poll_interval_s, self.weights_due)
 
     # --- groups ----------------------------------------------------------------------------
 

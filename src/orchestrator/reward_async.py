@@ -14,7 +14,8 @@ class AsyncReward(FunctionReward):
 
     async def one(self, prompt: str, completion: str, row: dict) -> Score | None:
         try:
-            return as_score(await asyncio.wait_for(self.fn(prompt, completion, row), self.timeout_s))
+            async with asyncio.timeout(self.timeout_s):  # not wait_for: it can lose a cancel (orchestrator.notified)
+                return as_score(await self.fn(prompt, completion, row))
         except TimeoutError:
             self.timed_out()
         except Exception as e:

@@ -129,12 +129,11 @@ class Tool:
         if why is not None:
             raise ToolError(f"{self.name}: {why}")
         try:
-            if inspect.iscoroutinefunction(self.fn):
-                result = await asyncio.wait_for(self.fn(**arguments), timeout_s)
-            else:
-                loop = asyncio.get_running_loop()
-                call = loop.run_in_executor(_pool, lambda: self.fn(**arguments))
-                result = await asyncio.wait_for(call, timeout_s)
+            async with asyncio.timeout(timeout_s):  # not wait_for: it can lose a cancel (orchestrator.notified)
+                if inspect.iscoroutinefunction(self.fn):
+                    result = await self.fn(**arguments)
+                else:
+                    result = await asyncio.get_running_loop().run_in_executor(_pool, lambda: self.fn(**arguments))
         except TimeoutError:
             raise ToolError(f"{self.name}: no result within {timeout_s:g} s") from None
         except Exception as e:
