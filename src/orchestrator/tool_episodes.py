@@ -27,16 +27,8 @@ class ToolEpisodes(EnvironmentKind):
     def __init__(self, cfg: RunConfig, toolkit: Toolkit, renderer, sources, env):
         super().__init__(cfg, toolkit, renderer, sources, env)
         self.stop_token_ids = renderer.stop_token_ids
-        key = f"orchestrator.environment = {self.o.environment!r}"
-        if renderer.template is None:
-            raise ConfigError(f"{key} has tools, which need a chat template: {cfg.model} has none "
-                              "(set orchestrator.chat_template)")
-        try:
-            tools = load_tools(env.tools, f"{key}: tools")
-        except TypeError as e:
-            raise ConfigError(str(e)) from None
         self.tool_episode = ToolEpisode(
-            env, tools, renderer.template, toolkit.fast, toolkit.encode, toolkit.decode,
+            env, env_tools(cfg, env), needed_template(cfg, renderer.template), toolkit.fast, toolkit.encode, toolkit.decode,
             tool_parser(self.o.tool_parser), self.o.tool_timeout_s, self.o.max_turns, cfg.seq_len)
 
     async def episode(self, row: dict, eid: str, generate: Generate) -> Trajectory | None:
@@ -84,18 +76,12 @@ def checked(cfg: RunConfig, env) -> tuple[ChatTemplate, list[dict]]:
     chat template renders a tool call and its result as a continuation (orchestrator/tool_episode.py).
     Returns the template and the tools' schemas, for measuring its prompts."""
     o, key = cfg.orchestrator, f"orchestrator.environment = {cfg.orchestrator.environment!r}"
-    try:
-        schemas = [t.schema for t in load_tools(env.tools, f"{key}: tools").values()]
-    except TypeError as e:
-        raise ConfigError(str(e)) from None
+    schemas = [t.schema for t in env_tools(cfg, env).values()]
     if not callable(getattr(env, "reward", None)):
         raise ConfigError(f"{key}: a tool environment needs a reward(messages, row) method")
     if o.tool_parser not in PARSERS:
         load_callable(o.tool_parser, "orchestrator.tool_parser")
-    template = ChatTemplate.configured(o, cfg.model)
-    if template is None:
-        raise ConfigError(f"{key} has tools, which need a chat template: {cfg.model} has none "
-                          "(set orchestrator.chat_template)")
+    template = needed_template(cfg, ChatTemplate.configured(o, cfg.model))
     name = schemas[0]["function"]["name"] if schemas else "tool"
     asked = [{"role": "user", "content": "probe"}]
     called = asked + [{"role": "assistant", "content": "", "tool_calls": [
@@ -111,3 +97,18 @@ def checked(cfg: RunConfig, env) -> tuple[ChatTemplate, list[dict]]:
                           "once a tool message follows it, so the ids trained on would not be those the model "
                           "saw; use a template that only appends")
     return template, schemas
+
+
+def env_tools(cfg: RunConfig, env) -> dict:
+    """The environment's tools, loaded (a ConfigError naming the one that cannot describe itself)."""
+    try:
+        return load_tools(env.tools, f"orchestrator.environment = {cfg.orchestrator.environment!r}: tools")
+    except TypeError as e:
+        raise ConfigError(str(e)) from None
+
+
+def needed_template(cfg: RunConfig, template: ChatTemplate | None) -> ChatTemplate:
+    if template is None:
+        raise ConfigError(f"orchestrator.environment = {cfg.orchestrator.environment!r} has tools, which need a "
+                          f"chat template: {cfg.model} has none (set orchestrator.chat_template)")
+    return template
