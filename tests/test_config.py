@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pytest
 
 from conftest import TINY_MODEL, free_port, rl_command
 from rl.config import ConfigError, load_config
+from rl.orchestrator_config import MOVED
 
 
 def run_rl(*args: str) -> subprocess.CompletedProcess:
@@ -51,6 +53,35 @@ def test_bad_values_raise_one_line_naming_the_key(write_toml, args, message):
         load_config(["@", str(write_toml('model = "m"\n')), *args])
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+# A value each moved key accepts, to load it at its new place.
+MOVED_VALUES = {"server_urls": ["http://h:1"], "discover_servers": False, "teacher_url": "http://h:1",
+                "tool_parser": "m:Parser"}
+
+
+@pytest.mark.parametrize("old, new", MOVED.items())
+def test_a_key_moved_into_an_orchestrator_table_is_refused_naming_its_new_place(write_toml, old, new):
+    """A config written before [orchestrator.servers/teacher/tools/overlong] existed: one line
+    saying where the key lives now, in the TOML file and as a flag; the new place loads."""
+    value = MOVED_VALUES.get(old, 3)
+    text = f'model = "m"\n[orchestrator]\n{old} = {json.dumps(value)}\n'
+    for argv in (["@", str(write_toml(text))], ["@", str(write_toml('model = "m"\n', "bare.toml")), f"--orchestrator.{old}", json.dumps(value)]):
+        with pytest.raises(ConfigError) as err:
+            load_config(argv)
+        table, _, key = new.partition(".")
+        assert str(err.value) == (f"orchestrator.{old} is now orchestrator.{new}: write it as `{key} = ...` under "
+                                  f"[orchestrator.{table}] (or --orchestrator.{new})")
+    cfg, _ = load_config(["@", str(write_toml(f'model = "m"\n[orchestrator]\n{new} = {json.dumps(value)}\n'))])
+    assert getattr(getattr(cfg.orchestrator, table), key) == value
+
+
+def test_overlong_as_a_string_is_refused_naming_its_table(write_toml):
+    with pytest.raises(ConfigError, match=r'^orchestrator.overlong is a table now: write `mode = "mask"` under '
+                                          r"\[orchestrator.overlong\] \(or --orchestrator.overlong.mode\)$"):
+        load_config(["@", str(write_toml('model = "m"\n[orchestrator]\noverlong = "mask"\n'))])
+    cfg, _ = load_config(["@", str(write_toml('model = "m"\n')), "--orchestrator.overlong.mode", "mask"])
+    assert cfg.orchestrator.overlong.mode == "mask"
 
 
 @pytest.mark.parametrize("text, args, message", [

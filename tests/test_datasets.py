@@ -207,7 +207,7 @@ def test_completions_cut_at_max_tokens(overlong):
     """Samples would stop after 2, 5, 11, 30 tokens: with max_tokens 10 the last two are cut."""
     cfg = run_config([{"function": "orchestrator.tasks.reverse:dataset", "reward": "test_datasets:components_reward",
                        "reward_weights": {"has_a": 0.0}, "max_tokens": 10, "temperature": 0.7, "top_k": 5}],
-                     group_size=4, overlong=overlong, overlong_buffer=5, overlong_penalty=0.5)
+                     group_size=4, overlong={"mode": overlong, "buffer": 5, "penalty": 0.5})
     lengths = iter([2, 5, 11, 30])
     server = FakeServer(lengths=lambda: next(lengths))
 

@@ -5,7 +5,7 @@ ends with one line naming the culprit, why and the fix, instead of drawing rows 
   refused by `rl orchestrator` / `rl run`, exit 2, before any engine starts.
 - At run time (orchestrator/streaks.py): rows skipped, groups filtered or failed
   orchestrator.max_futile_streak times in a row, or no server in rotation for
-  server_wait_timeout_s, stop `rl orchestrator` with one ERROR line and exit 1; the last
+  servers.wait_timeout_s, stop `rl orchestrator` with one ERROR line and exit 1; the last
   checkpoint accounts for every row drawn (batched, pending, or skipped for being too long).
 
 The run-time stops run the real `rl orchestrator` against the stand-in server of
@@ -84,7 +84,7 @@ def orchestrator_config(tmp: Path, url: str, async_level: int = 1, **orchestrato
     """`async_level`: max_async_level (no trainer runs: batches 1..async_level+1 go out, then the
     orchestrator waits for version 1)."""
     (tmp / "spin_rows.py").write_text(ROWS)
-    keys = {"server_urls": [url], "discover_servers": False, "dataset": "spin_rows:rows",
+    keys = {"servers.urls": [url], "servers.discover": False, "dataset": "spin_rows:rows",
             "reward": "fake_inference:reward", "prompts_per_step": 4, "group_size": 2, "max_in_flight_groups": 8,
             "max_tokens": 6, "max_futile_streak": STREAK, "trainer_timeout_s": 300, **orchestrator}
     lines = [f"{k} = {json.dumps(v)}" for k, v in keys.items()]
@@ -363,9 +363,10 @@ def test_the_orchestrator_derives_the_failed_span_from_its_timeouts():
 
     from orchestrator.orchestrator import MAX_ATTEMPTS, Orchestrator
 
-    o = SimpleNamespace(reward_timeout_s=60.0, request_timeout_s=300.0, teacher_url=None)
+    o = SimpleNamespace(reward_timeout_s=60.0, servers=SimpleNamespace(request_timeout_s=300.0),
+                        teacher=SimpleNamespace(url=None))
     assert Orchestrator.futile_spans(SimpleNamespace(o=o)) == {"failed": MAX_ATTEMPTS * 60.0}
-    o.teacher_url = "http://teacher:8000"
+    o.teacher.url = "http://teacher:8000"
     assert Orchestrator.futile_spans(SimpleNamespace(o=o)) == {"failed": max(MAX_ATTEMPTS * 60.0, 300.0)}
 
 
@@ -473,10 +474,10 @@ def test_a_reward_that_always_raises_stops_the_run_naming_it_and_its_error(tmp_p
     assert not RunDir(tmp_path / "run").rollout_steps()
 
 
-def test_no_server_in_rotation_for_server_wait_timeout_s_stops_the_run_naming_it(tmp_path, stand_in):
+def test_no_server_in_rotation_for_the_wait_timeout_stops_the_run_naming_it(tmp_path, stand_in):
     """The server dies after batch 2 (no trainer: batch 3 waits for version 1). Healing retries
-    it; with none in rotation for server_wait_timeout_s the run stops naming it and its error."""
-    cfg = orchestrator_config(tmp_path, stand_in.url, server_wait_timeout_s=6)
+    it; with none in rotation for servers.wait_timeout_s the run stops naming it and its error."""
+    cfg = orchestrator_config(tmp_path, stand_in.url, **{"servers.wait_timeout_s": 6})
     handed = threading.Event()
 
     def on_line(line: str) -> None:
@@ -487,7 +488,7 @@ def test_no_server_in_rotation_for_server_wait_timeout_s_stops_the_run_naming_it
     lines, code = run_orchestrator(cfg, tmp_path, on_line=on_line)
     assert handed.is_set() and code == 1, "\n".join(lines[-30:])
     error = the_error(lines)
-    assert f"no inference server in rotation for " in error and "(orchestrator.server_wait_timeout_s): " \
+    assert f"no inference server in rotation for " in error and "(orchestrator.servers.wait_timeout_s): " \
            f"{stand_in.url} (" in error and "stopping: restart or fix them" in error, error
     out = [line for line in lines if "out of rotation" in line]
     assert out and lines.index(out[0]) < lines.index(error)

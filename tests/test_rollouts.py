@@ -138,7 +138,7 @@ def test_a_reward_that_times_out_fails_its_rollouts(spec):
 def test_teacher_logprobs_become_per_token_advantages():
     """The fake policy samples every token at logprob -3.2 and the fake teacher scores every
     token at -0.5: each model token gains coef * (-0.5 - -3.2) on top of its reward advantage."""
-    cfg = config(group_size=2, max_tokens=4, reward="", teacher_url="http://unused", teacher_coef=0.5)
+    cfg = config(group_size=2, max_tokens=4, reward="", teacher={"url": "http://unused", "coef": 0.5})
     policy, teacher = FakeServer(), FakeServer()
 
     async def scenario():

@@ -78,12 +78,13 @@ async def fake_trainer(run: RunDir, steps: int, step_latency, first: int = 1) ->
 
 
 def make_config(root: Path, ports: list[int], **overrides) -> RunConfig:
+    extra = dict(overrides.pop("orchestrator", {}))
+    servers = {"urls": [f"http://127.0.0.1:{p}" for p in ports], "request_timeout_s": 30, **extra.pop("servers", {})}
     orchestrator = {
-        "server_urls": [f"http://127.0.0.1:{p}" for p in ports],
-        "dataset": "fake_inference:dataset", "reward": "fake_inference:reward",
+        "servers": servers, "dataset": "fake_inference:dataset", "reward": "fake_inference:reward",
         "prompts_per_step": 4, "group_size": 2, "max_in_flight_groups": 10, "max_tokens": 6,
-        "poll_interval_s": 0.005, "request_timeout_s": 30, "trainer_timeout_s": 30,
-        **overrides.pop("orchestrator", {}),
+        "poll_interval_s": 0.005, "trainer_timeout_s": 30,
+        **extra,
     }
     return RunConfig.model_validate({"model": str(TINY_MODEL), "output_dir": str(root), "seq_len": 64,
                                      "max_steps": 6, **overrides, "orchestrator": orchestrator})
@@ -261,7 +262,7 @@ def test_a_failing_server_leaves_rotation_and_comes_back(tmp_path):
     async def scenario():
         task = asyncio.create_task(outage())
         o = await run_scenario(tmp_path, [a, b], step_latency=lambda: 0.1, max_steps=30,
-                               orchestrator={"server_retry_max_s": 1})
+                               orchestrator={"servers": {"retry_max_s": 1}})
         await task
         return o
 
@@ -411,14 +412,14 @@ def test_groups_spread_over_servers(tmp_path, server_count):
 
 
 def test_a_server_that_never_answers_ends_in_a_clear_timeout(tmp_path):
-    """Every request times out (request_timeout_s), the server leaves rotation and is retried;
+    """Every request times out (servers.request_timeout_s), the server leaves rotation and is retried;
     with no batch possible the orchestrator gives up after trainer_timeout_s, saying what it
     waited for, rather than hanging."""
     stuck = FakeServer(lambda: 1000.0)
     # The orchestrator's own give-up, naming its trainer_timeout_s, not run_scenario's cap.
     with pytest.raises(TimeoutError, match="gave up after 3 s waiting for 4 groups for batch 1"):
         asyncio.run(run_scenario(tmp_path, [stuck], max_steps=2, timeout_s=60,
-                                 orchestrator={"request_timeout_s": 0.5, "trainer_timeout_s": 3}))
+                                 orchestrator={"servers": {"request_timeout_s": 0.5}, "trainer_timeout_s": 3}))
     assert len(stuck.requests) >= 2  # retried after the backoff
 
 
@@ -530,11 +531,11 @@ def test_a_server_announced_in_the_run_directory_joins_on_the_current_version_an
     assert left, "b never left the pool"
     late = [i for i in b.requests if int(i.rsplit("-", 1)[1]) > left["seq"]]
     assert not late, f"used after it left: {late}"
-    assert [s.url for s in o.orchestrator.pool.servers] == [o.cfg.orchestrator.server_urls[0]]
+    assert [s.url for s in o.orchestrator.pool.servers] == [o.cfg.orchestrator.servers.urls[0]]
 
 
 def test_a_restarted_server_is_asked_when_it_starts_and_again_when_its_heartbeat_says_serving(tmp_path):
-    """A server out of rotation is retried with a backoff that doubles up to server_retry_max_s;
+    """A server out of rotation is retried with a backoff that doubles up to servers.retry_max_s;
     vLLM takes ~20-30 s to get ready, so a restarted one would wait up to that backoff once
     ready. Its heartbeat says when it starts (a new instance) and when it serves: the pool asks
     it at once on each, and not in between (it is still starting: the backoff stands)."""

@@ -74,7 +74,7 @@ async def real_scenario(root: Path, urls: list[str], in_flight: bool) -> Outcome
     ports = [int(u.rsplit(":", 1)[1]) for u in urls]
     cfg = make_config(root, ports, max_steps=12, max_async_level=1, orchestrator={
         "max_tokens": 40, "in_flight_updates": in_flight, "temperature": 1.0, "max_off_policy_steps": 1,
-        "group_size": 2, "prompts_per_step": 4, "max_in_flight_groups": 10, "request_timeout_s": 60,
+        "group_size": 2, "prompts_per_step": 4, "max_in_flight_groups": 10, "servers": {"request_timeout_s": 60},
         "trainer_timeout_s": 120})
     run = RunDir(root)
     run.make()
@@ -170,7 +170,7 @@ def test_a_real_teacher_scores_the_students_real_tokens(servers):
     """On-policy distillation with both models on real engines: server 0 is the student (the
     tiny model), server 1 becomes the teacher by a real reload of a perturbed copy of it, whose
     logprobs differ per token and from the student's. Each model token's advantage is
-    teacher_coef * (the teacher's logprob of that token at that position - the student's
+    teacher.coef * (the teacher's logprob of that token at that position - the student's
     sampled logprob), the teacher's logprob as the teacher model itself computes it
     (transformers, float64, over the sample's own token ids) to within float32 rounding; the
     prompt's tokens get none. The comparison is sharp enough to see the teacher scored at a
@@ -188,7 +188,7 @@ def test_a_real_teacher_scores_the_students_real_tokens(servers):
     perturbed_copy(teacher_dir)
     coef = 0.5
     cfg = RunConfig.model_validate({"model": str(TINY_MODEL), "seq_len": 64, "orchestrator": {
-        "group_size": 4, "max_tokens": 12, "reward": "", "teacher_url": teacher_url, "teacher_coef": coef}})
+        "group_size": 4, "max_tokens": 12, "reward": "", "teacher": {"url": teacher_url, "coef": coef}}})
 
     async def scenario():
         async with aiohttp.ClientSession(connector=connector()) as session:

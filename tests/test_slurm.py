@@ -219,7 +219,7 @@ def test_job_places_servers_trainer_and_orchestrator_on_their_nodes(cluster, wri
                         "--master-port", "29555", "-m", "trainer", "@", config_file, "--transport.bind", "tcp://*:5557",
                         "--transport.address", "tcp://n3:5557", "--weight_sync.address", "n3:29710"]
     (orchestrator,) = [a for a in by_node["n3"] if "orchestrator" in a]
-    i = orchestrator.index("--orchestrator.server_urls")
+    i = orchestrator.index("--orchestrator.servers.urls")
     assert orchestrator[:i] == ["python", "-m", "rl", "orchestrator", "@", config_file]
     assert orchestrator[i + 2:] == ["--transport.address", "tcp://n3:5557", "--weight_sync.address", "n3:29710"]
     urls = tomllib.loads(f"v = {orchestrator[i + 1]}")["v"]
@@ -305,7 +305,7 @@ def test_missing_template_is_a_one_line_error(write_toml, tmp_path):
       "--weight_sync.kind", "filesystem"], "trainer.lora.multi_run"),
     (["--slurm.servers_per_node", "3"], "slurm.gpus_per_node (4) must be a multiple of slurm.servers_per_node (3)"),
     (["--inference.advertise_url", "http://lb:80"], "inference.advertise_url"),
-    (["--orchestrator.teacher_url", "http://127.0.0.1:9000"], "orchestrator.teacher_url"),
+    (["--orchestrator.teacher.url", "http://127.0.0.1:9000"], "orchestrator.teacher.url"),
     (["--slurm.rendezvous_port", "5557"], "both use port 5557"),
     (["--transport.address", "tcp://host"], "transport.address"),
 ])

@@ -69,7 +69,7 @@ TOOL_TIMEOUT_S = 2
 
 def config(env: str = "test_tool_episode:Tools", seq_len: int = 4096, **orchestrator) -> RunConfig:
     return RunConfig.model_validate({"model": str(CHAT_MODEL), "seq_len": seq_len, "orchestrator": {
-        "environment": env, "group_size": 2, "max_turns": 4, "tool_timeout_s": TOOL_TIMEOUT_S,
+        "environment": env, "group_size": 2, "max_turns": 4, "tools": {"timeout_s": TOOL_TIMEOUT_S},
         "max_tokens": 200, **orchestrator}})
 
 
@@ -218,8 +218,8 @@ def test_a_reward_that_raises_fails_only_its_rollouts():
 
 @pytest.mark.parametrize("env, orchestrator, message", [
     ("test_tool_episode:NoReward", {}, "a tool environment needs a reward(messages, row) method"),
-    ("test_tool_episode:Tools", {"tool_parser": "test_tool_episode:Missing"},
-     "orchestrator.tool_parser = 'test_tool_episode:Missing': module 'test_tool_episode' has no 'Missing'"),
+    ("test_tool_episode:Tools", {"tools": {"parser": "test_tool_episode:Missing"}},
+     "orchestrator.tools.parser = 'test_tool_episode:Missing': module 'test_tool_episode' has no 'Missing'"),
     ("test_tool_episode:Tools", {"chat": "off"}, "has tools, which need a chat template"),
 ])
 def test_bad_tool_environments_are_named_before_start(env, orchestrator, message):

@@ -228,7 +228,7 @@ class BroadcastDelivery(FileDelivery):
     async def prepare(self) -> None:
         """Every server's workers join the trainer's broadcast group (after connect, before any
         load: the trainer's first broadcast needs every server in the group). Rank 0 is trainer
-        rank 0, then each server's workers in server_urls order; all servers are asked at once,
+        rank 0, then each server's workers in servers.urls order; all servers are asked at once,
         because the group forms only when every member has joined."""
         servers = self.pool.servers
         infos = await asyncio.gather(*(s.client.broadcaster() for s in servers), return_exceptions=True)

@@ -77,12 +77,12 @@ async def evaluate(cfg: RunConfig, url: str, proc: subprocess.Popen, steps: list
 
 
 async def _until_answering(cfg: RunConfig, client: InferenceClient, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + cfg.orchestrator.server_wait_timeout_s
+    deadline = time.monotonic() + cfg.orchestrator.servers.wait_timeout_s
     while not await _answers(client):
         if proc.poll() is not None:
             raise RuntimeError(f"the inference server exited with code {proc.returncode}")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the inference server did not answer within {cfg.orchestrator.server_wait_timeout_s:.0f} s")
+            raise TimeoutError(f"the inference server did not answer within {cfg.orchestrator.servers.wait_timeout_s:.0f} s")
         await asyncio.sleep(1.0)
 
 

@@ -9,7 +9,7 @@ Concurrent loops on one event loop:
   - `follow_weights`: loads each new STABLE weights version into every server;
   - `pool.heal`: retries servers taken out of rotation and lets joining ones in;
   - `pool.discover`: adds the servers that announce themselves in the run directory, drops those
-    whose heartbeat stops (orchestrator.discover_servers);
+    whose heartbeat stops (orchestrator.servers.discover);
   - `run` (the main loop), for n = 1..max_steps: waits until version >= n-1-k serves on every
     server in rotation, takes the oldest fresh finished groups, checkpoints batch n, hands it
     over, and cancels in-flight groups that batch n+1 could no longer accept (aborted on their server,
@@ -87,7 +87,7 @@ class Orchestrator:
     def __init__(self, cfg: RunConfig, session: aiohttp.ClientSession):
         self.cfg, self.o = cfg, cfg.orchestrator
         self.run_dir = RunDir(cfg.run_dir)
-        self.pool = ServerPool(cfg.urls, session, cfg.inference.api_token, self.o.server_retry_max_s,
+        self.pool = ServerPool(cfg.urls, session, cfg.inference.api_token, self.o.servers.retry_max_s,
                                lambda pool: weight_delivery(cfg, pool), on_fail=self.requeue_from)
         self.delivery = self.pool.delivery  # files, broadcast or LoRA adapters, chosen once
         # Request ids must not collide with a previous orchestrator's still running on a server.
@@ -122,8 +122,8 @@ class Orchestrator:
         as long as this run waits on a slow reward (each of a prompt's MAX_ATTEMPTS) or teacher before
         calling it down, so a reward endpoint or teacher restarting does not end the run."""
         span = MAX_ATTEMPTS * self.o.reward_timeout_s
-        if self.o.teacher_url:
-            span = max(span, self.o.request_timeout_s)
+        if self.o.teacher.url:
+            span = max(span, self.o.servers.request_timeout_s)
         return {"failed": span}
 
     # --- waiting, visibly -----------------------------------------------------------------
@@ -229,7 +229,7 @@ class Orchestrator:
             g.requests.add(request.request_id)
             self.pool.begin(g.server)
             try:
-                response = await g.server.client.generate(request, self.o.request_timeout_s)
+                response = await g.server.client.generate(request, self.o.servers.request_timeout_s)
                 self.pool.succeeded(g.server)
                 return response
             except InferenceError:
@@ -330,7 +330,7 @@ class Orchestrator:
 
     def requeue_from(self, server: Server) -> None:
         """A server stopped answering (health check, heartbeat: its host died or is cut off): its
-        groups would finish late or never (request_timeout_s), so their prompts go back to the
+        groups would finish late or never (servers.request_timeout_s), so their prompts go back to the
         queue now, for the servers still there. Aborts are best effort: it may be unreachable."""
         doomed = [(gid, g) for gid, g in self.in_flight.items() if g.server is server]
         for gid, g in doomed:
@@ -445,11 +445,11 @@ class Orchestrator:
         self.background = [asyncio.create_task(
             watch_trainer(self.cfg, self.run_dir, self.sender, lambda: self.next_step), name="watch_trainer")]
         fixed = self.delivery.fixed_members  # a broadcast group: every listed server, none discovered
-        if self.o.discover_servers and not fixed:
-            exclude = {self.o.teacher_url.rstrip("/")} if self.o.teacher_url else set()
+        if self.o.servers.discover and not fixed:
+            exclude = {self.o.teacher.url.rstrip("/")} if self.o.teacher.url else set()
             self.background.append(asyncio.create_task(
                 self.pool.discover(self.cfg.output_dir, exclude, self.cfg.heartbeat_timeout_s), name="discover"))
-        await self.pool.connect(self.o.server_wait_timeout_s, every=fixed)
+        await self.pool.connect(self.o.servers.wait_timeout_s, every=fixed)
         await self.delivery.prepare()  # before any load (a broadcast group forms here)
         version, path = self.latest_weights()
         await self.delivery.load(version, path)
@@ -462,7 +462,7 @@ class Orchestrator:
         if self.reporting.tracker is not None:
             self.background.append(asyncio.create_task(self.reporting.track(), name="track"))
         self.background += [asyncio.create_task(self.follow_weights(), name="follow_weights"),
-                             asyncio.create_task(self.pool.heal(self.o.server_wait_timeout_s), name="heal"),
+                             asyncio.create_task(self.pool.heal(self.o.servers.wait_timeout_s), name="heal"),
                              asyncio.create_task(self.produce(), name="produce")]
 
     async def run(self) -> None:

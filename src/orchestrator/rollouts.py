@@ -33,7 +33,7 @@ class Group:
     failed: int
     """Rollouts of this group that failed (reward or environment raised or timed out)."""
     truncated: int = 0
-    """Completions cut at max_tokens (orchestrator.overlong says what became of them)."""
+    """Completions cut at max_tokens (orchestrator.overlong.mode says what became of them)."""
     components: list[dict[str, float]] = dataclasses.field(default_factory=list)
     """Per sample: the named parts of its reward (empty for a plain float)."""
     episodes: list[dict[str, float]] = dataclasses.field(default_factory=list)
@@ -76,9 +76,9 @@ class Rollouts:
         env = load_callable(o.environment, "orchestrator.environment")(**o.environment_args) if o.environment else None
         sources = {} if env else {s.name: s for s in configured_sources(cfg, session)}
         teacher = None
-        if o.teacher_url:
-            teacher = Teacher(InferenceClient(o.teacher_url, session, cfg.inference.api_token),
-                              o.teacher_coef, o.request_timeout_s)
+        if o.teacher.url:
+            teacher = Teacher(InferenceClient(o.teacher.url, session, cfg.inference.api_token),
+                              o.teacher.coef, o.servers.request_timeout_s)
         return cls(cfg, load_tokenizer(cfg.model), sources, teacher, env)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -128,9 +128,9 @@ class Rollouts:
                      [t.episode for t in kept if t.episode])
 
     def trained_mask(self, t: Trajectory) -> list[int]:
-        # overlong = "mask": a cut completion still counts in its group's mean reward (the
+        # overlong.mode = "mask": a cut completion still counts in its group's mean reward (the
         # advantages above), but none of its tokens is trained on (DAPO's overlong filtering).
-        return [0] * len(t.loss_mask) if t.truncated and self.o.overlong == "mask" else t.loss_mask
+        return [0] * len(t.loss_mask) if t.truncated and self.o.overlong.mode == "mask" else t.loss_mask
 
     async def add_teacher_signal(self, samples: list[Sample], gid: str) -> None:
         teacher_lps = await gather_or_cancel(

@@ -30,7 +30,7 @@ class Server:
     idle_s: float = 0.0
     idle_since: float | None = field(default_factory=time.monotonic)
     listed: bool = True
-    """In orchestrator.server_urls: never forgotten, only taken out of rotation."""
+    """In orchestrator.servers.urls: never forgotten, only taken out of rotation."""
     joined: bool = False
     """Has served in this run (before that it is joining: probed every second, noted every
     30 s)."""

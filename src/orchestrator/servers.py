@@ -1,7 +1,7 @@
 """The inference servers as the orchestrator sees them: which version each serves, how many
 requests each has in flight, which are in rotation.
 
-Servers join and leave while the run goes on. A listed server (orchestrator.server_urls) or
+Servers join and leave while the run goes on. A listed server (orchestrator.servers.urls) or
 one that announces itself in the run directory (discover) joins once it answers /health, loaded
 with the pool's current version first. A server that fails a request or a health check is taken
 out of rotation at once (one that no longer answers at all: on_fail requeues its groups in
@@ -194,7 +194,7 @@ class ServerPool:
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"inference server(s) {', '.join(s.url for s in left)} not healthy "
-                                   f"after {timeout_s:.0f} s (orchestrator.server_wait_timeout_s)")
+                                   f"after {timeout_s:.0f} s (orchestrator.servers.wait_timeout_s)")
             if time.monotonic() - last_beat > 10:
                 log.info("waiting for inference server(s) %s to come up", ", ".join(s.url for s in left))
                 last_beat = time.monotonic()
@@ -266,9 +266,9 @@ class ServerPool:
 
     def none_in_rotation(self, for_s: float) -> str:
         servers = "; ".join(f"{s.url} ({s.last_error or 'no error recorded'})" for s in self.servers)
-        return (f"no inference server in rotation for {for_s:.0f} s (orchestrator.server_wait_timeout_s): "
+        return (f"no inference server in rotation for {for_s:.0f} s (orchestrator.servers.wait_timeout_s): "
                 f"{servers or 'none left in the pool'}; stopping: restart or fix them (rl inference), or "
-                "check orchestrator.server_urls")
+                "check orchestrator.servers.urls")
 
     async def discover(self, output_dir: Path, exclude: set[str], timeout_s: float,
                        every_s: float = DISCOVER_EVERY_S) -> None:
@@ -278,7 +278,7 @@ class ServerPool:
         watches: dict[str, PeerWatch] = {}
         # (instance, serving?) last seen per URL: a server is asked at once when it starts and
         # again when it declares itself ready, not after the backoff its predecessor's failures
-        # grew (up to server_retry_max_s: a restarted vLLM takes ~20-30 s to get ready).
+        # grew (up to servers.retry_max_s: a restarted vLLM takes ~20-30 s to get ready).
         instances: dict[str, tuple[str | None, bool]] = {}
         while True:
             # Only new files are read here: the watches read the known ones.

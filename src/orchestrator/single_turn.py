@@ -56,12 +56,12 @@ class SingleTurn(RolloutKind):
         return out
 
     def overlong_penalty(self, length: int, max_tokens: int, t: Trajectory) -> float:
-        """DAPO's soft overlong punishment: 0 up to max_tokens - overlong_buffer, then growing
-        linearly to overlong_penalty at max_tokens (logged as a reward component)."""
-        if self.o.overlong != "penalty":
+        """DAPO's soft overlong punishment: 0 up to max_tokens - overlong.buffer, then growing
+        linearly to overlong.penalty at max_tokens (logged as a reward component)."""
+        if self.o.overlong.mode != "penalty":
             return 0.0
-        buffer = min(self.o.overlong_buffer, max_tokens)
-        penalty = self.o.overlong_penalty * max(0, length - (max_tokens - buffer)) / buffer
+        buffer = min(self.o.overlong.buffer, max_tokens)
+        penalty = self.o.overlong.penalty * max(0, length - (max_tokens - buffer)) / buffer
         t.components = {**t.components, "overlong_penalty": -penalty}
         return penalty
 
@@ -74,5 +74,5 @@ class SingleTurn(RolloutKind):
 
     def failure_fix(self, prompt: Prompt) -> str:
         reward = self.source(prompt).ds.reward
-        teacher = f" or the teacher at {self.o.teacher_url}" if self.o.teacher_url else ""
+        teacher = f" or the teacher at {self.o.teacher.url}" if self.o.teacher.url else ""
         return f"fix its reward {reward!r}{teacher} (the error above), or orchestrator.reward_timeout_s if it is slow"

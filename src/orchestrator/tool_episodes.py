@@ -29,7 +29,7 @@ class ToolEpisodes(EnvironmentKind):
         self.stop_token_ids = renderer.stop_token_ids
         self.tool_episode = ToolEpisode(
             env, env_tools(cfg, env), needed_template(cfg, renderer.template), toolkit.fast, toolkit.encode, toolkit.decode,
-            tool_parser(self.o.tool_parser), self.o.tool_timeout_s, self.o.max_turns, cfg.seq_len)
+            tool_parser(self.o.tools.parser), self.o.tools.timeout_s, self.o.max_turns, cfg.seq_len)
 
     async def episode(self, row: dict, eid: str, generate: Generate) -> Trajectory | None:
         """One tool-calling episode; None if the template or the reward failed (a tool's failure
@@ -79,8 +79,8 @@ def checked(cfg: RunConfig, env) -> tuple[ChatTemplate, list[dict]]:
     schemas = [t.schema for t in env_tools(cfg, env).values()]
     if not callable(getattr(env, "reward", None)):
         raise ConfigError(f"{key}: a tool environment needs a reward(messages, row) method")
-    if o.tool_parser not in PARSERS:
-        load_callable(o.tool_parser, "orchestrator.tool_parser")
+    if o.tools.parser not in PARSERS:
+        load_callable(o.tools.parser, "orchestrator.tools.parser")
     template = needed_template(cfg, ChatTemplate.configured(o, cfg.model))
     name = schemas[0]["function"]["name"] if schemas else "tool"
     asked = [{"role": "user", "content": "probe"}]

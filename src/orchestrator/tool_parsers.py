@@ -1,5 +1,5 @@
 """How tool calls are read from a model's text: one parser per format, chosen once by
-`orchestrator.tool_parser` (a name below, or "module:Class" of your own with the same
+`orchestrator.tools.parser` (a name below, or "module:Class" of your own with the same
 `parse(text) -> list[ToolCall | BadCall]`).
 
 hermes: the form Qwen 2.5/3, Hermes and many fine-tunes are trained on,
@@ -70,7 +70,7 @@ PARSERS = {"hermes": HermesParser}
 
 
 def tool_parser(spec: str) -> ToolParser:
-    """The parser `orchestrator.tool_parser` names."""
+    """The parser `orchestrator.tools.parser` names."""
     if spec in PARSERS:
         return PARSERS[spec]()
-    return load_callable(spec, "orchestrator.tool_parser")()
+    return load_callable(spec, "orchestrator.tools.parser")()

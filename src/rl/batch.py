@@ -62,7 +62,7 @@ class Sample:
     @functools.cached_property
     def oldest_version(self) -> int:
         """Oldest version among the sampled tokens (a sample with none is as new as can be).
-        Sampled tokens are those with a version, trained on or not (orchestrator.overlong = "mask"
+        Sampled tokens are those with a version, trained on or not (orchestrator.overlong.mode = "mask"
         keeps a cut completion out of the loss, not out of the staleness bound)."""
         return min((v for v in self.versions if v >= 0), default=1 << 62)
 

@@ -7,7 +7,8 @@ documentation (`rl <program> --help` and `--dry-run` show them).
 
 It is longer than the project's other files on purpose: it is the schema, one class per table and
 a documented field per key, plus the checks that span tables (which need the whole config in one
-place). Datasets and evaluation, a schema of their own, live in rl/dataset_config.py.
+place). The orchestrator's table, the largest, lives in rl/orchestrator_config.py, and datasets
+and evaluation, a schema of their own, in rl/dataset_config.py.
 """
 
 from __future__ import annotations
@@ -17,18 +18,15 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, field_validator, model_validator
+from pydantic import Field, NonNegativeInt, ValidationError, field_validator, model_validator
 
-from rl.addresses import HostPort, HttpUrl, ZmqEndpoint, check_zmq_endpoint
-from rl.dataset_config import Dataset, DatasetConfig, EvalConfig, Sampling, check_reward_spec, is_module_attr
+from rl.addresses import HostPort, ZmqEndpoint, check_zmq_endpoint
+from rl.config_section import Section
+from rl.orchestrator_config import OrchestratorConfig, moved_key
 
 
 class ConfigError(Exception):
     """A config problem, with a one-line message naming the key or file at fault."""
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
 
 
 class InferenceConfig(Section):
@@ -41,7 +39,7 @@ class InferenceConfig(Section):
 
     advertise_url: str = Field("", pattern=r"^$|^https?://[^/\s]+$")
     """URL at which the orchestrator reaches this server, announced in the run directory
-    (heartbeats/) so that an orchestrator with orchestrator.discover_servers finds it. Empty:
+    (heartbeats/) so that an orchestrator with orchestrator.servers.discover finds it. Empty:
     http://<host>:<port>, with this machine's host name when host is 0.0.0.0 or ::."""
 
     cpus: list[NonNegativeInt] = []
@@ -103,274 +101,6 @@ class InferenceConfig(Section):
             return self.advertise_url
         host = socket.getfqdn() if self.host in ("0.0.0.0", "::", "") else self.host
         return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
-
-
-# What a config that names no dataset trains on: the tiny model's string reversal.
-REVERSE_DATASET, REVERSE_REWARD = "orchestrator.tasks.reverse:dataset", "orchestrator.tasks.reverse:reward"
-
-
-class OrchestratorConfig(Section):
-    cpus: list[NonNegativeInt] = []
-    """Cores this program and everything it starts may run on; empty: all (see inference.cpus)."""
-
-    server_urls: list[HttpUrl] = []
-    """Base URLs of the inference servers (http://host:port). Empty: the one `[inference]`
-    describes (unless discover_servers finds others). A listed server that is down is waited for
-    and joins when it answers; each group goes to the server with the fewest groups."""
-
-    discover_servers: bool = True
-    """Also use every server that announces itself in the run directory (heartbeats/inference-*,
-    written by `rl inference` with the same output_dir): a server started on another host
-    joins the run once healthy, loaded with the current weights, and leaves when it stops or its
-    heartbeat falls silent. Not with weight_sync.kind = "broadcast" (its group is fixed at
-    start)."""
-
-    dataset: str | None = None
-    """`module:function` taking the seed and returning an iterator of rows (JSON-able dicts with
-    "prompt"). It must yield the same rows for the same seed: resuming skips the rows used.
-    Not with `datasets`. Unset: the reversal task (orchestrator.tasks.reverse:dataset)."""
-
-    reward: str | None = None
-    """`module:function(prompt, completion, row)` (sync or async) returning a float or a dict of
-    named floats (components, weighted by a dataset's reward_weights); an http(s):// URL answering
-    POST {"prompt", "completion", "row"} with {"reward": float or {name: float}}; "math_verify"
-    or "reasoning_gym" (orchestrator/tasks/); or "" for none (a teacher alone drives learning).
-    The default of every dataset that names no reward of its own."""
-
-    datasets: list[DatasetConfig] = []
-    """Datasets mixed by weight (`[[orchestrator.datasets]]`, rl/dataset_config.py): jsonl,
-    parquet, HF datasets, reasoning-gym tasks or functions, each with its own fields, reward and
-    sampling. Empty: one dataset, orchestrator.dataset scored by orchestrator.reward."""
-
-    eval: EvalConfig = EvalConfig()
-    """Held-out evaluation (`[orchestrator.eval]`, rl/dataset_config.py)."""
-
-    chat: Literal["auto", "on", "off"] = "auto"
-    """Render prompts with the tokenizer's chat template (generation prompt added): "on", "off"
-    (raw completion: the prompt text as is, for base models), or "auto": on when the model has a
-    template (or chat_template is set)."""
-
-    chat_template: Path | None = None
-    """A Jinja chat template file used instead of the tokenizer's."""
-
-    chat_template_kwargs: dict[str, Any] = {}
-    """Extra variables for the template, e.g. {enable_thinking = false} for Qwen3."""
-
-    system_prompt: str = ""
-    """System message put before every chat prompt that has none (a dataset may set its own)."""
-
-    reward_timeout_s: float = Field(60, gt=0)
-    """Longest one reward may take; a reward that raises or times out fails that rollout only."""
-
-    reward_inline: bool = False
-    """Call a sync reward function on the event loop instead of a worker thread: ~35% more groups
-    per second when rewards are cheap (benchmarks/orchestrator_throughput.py), but a slow call
-    stalls all scheduling and reward_timeout_s can no longer cut it short."""
-
-    environment: str = ""
-    """`module:Class` of a multi-turn environment (see orchestrator/environment.py); it supplies
-    its own rows and rewards, so `dataset` and `reward` are then unused. Empty: single-turn."""
-
-    environment_args: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments the environment class is built with, e.g. {id = "my-taskset"} for
-    orchestrator.verifiers_taskset:VerifiersTaskset."""
-
-    max_turns: int = Field(8, ge=1)
-    """Most model calls in one multi-turn episode."""
-
-    tool_parser: str = "hermes"
-    """How a tool environment's calls are read from the model's text: "hermes" (<tool_call>{json}
-    </tool_call>, as Qwen and Hermes models write them) or `module:Class` of your own parser
-    (orchestrator/tool_parsers.py)."""
-
-    tool_timeout_s: float = Field(10, gt=0)
-    """Longest one tool call may take; past it the model is told the call timed out."""
-
-    teacher_url: HttpUrl | None = None
-    """Inference server holding a teacher model. Set: every model token's advantage gains
-    teacher_coef * (teacher logprob - sampled logprob), a per-token reverse-KL signal (on-policy
-    distillation)."""
-
-    teacher_coef: float = Field(1.0, gt=0)
-    """Weight of the teacher's per-token signal against the reward advantage."""
-
-    prompts_per_step: int = Field(16, ge=1)
-    """Groups (prompts) in each batch."""
-
-    group_size: int = Field(8, ge=2)
-    """Completions per prompt; advantages are relative to the group's mean reward."""
-
-    max_tokens: int = Field(16, ge=1)
-    """Longest completion (per model turn), tokens."""
-
-    temperature: float = Field(1.0, gt=0)
-    """Sampling temperature; the trainer scales its logits by the same value."""
-
-    top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling: the smallest set of tokens holding this much probability (1: off);
-    recorded with each sample (the trainer renormalises over the kept set: trainer.sampling_mask)."""
-
-    top_k: int = Field(-1, ge=-1)
-    """Sample among the k most likely tokens only (-1: off); recorded with each sample."""
-
-    min_p: float = Field(0.0, ge=0, le=1)
-    """Drop tokens less likely than min_p times the most likely one (0: off); recorded with each
-    sample."""
-
-    stop: list[str] = []
-    """Strings that end a completion (besides eos and the chat template's end-of-turn tokens)."""
-
-    overlong: Literal["keep", "mask", "penalty"] = "keep"
-    """Completions cut at max_tokens: "keep" them as they are; "mask" them out of the loss (they
-    still count in their group's mean reward); or "penalty": DAPO's soft overlong punishment, a
-    reward penalty growing linearly from 0 to overlong_penalty over the last overlong_buffer
-    tokens before max_tokens. Counted per step as `truncated`."""
-
-    overlong_buffer: int = Field(0, ge=0)
-    """overlong = "penalty": the length of the ramp, tokens (DAPO: L_cache)."""
-
-    overlong_penalty: float = Field(1.0, ge=0)
-    """overlong = "penalty": the penalty at max_tokens."""
-
-    max_in_flight_groups: int = Field(32, ge=1)
-    """Most groups generating or waiting to be batched at once. Above prompts_per_step it
-    oversamples: a batch takes the first groups to finish, so one long rollout never holds a batch
-    back, and the rest carry over to the next batch while they are fresh enough."""
-
-    max_off_policy_steps: int | None = Field(None, ge=0)
-    """m: batch n holds no token sampled by a version older than n-1-m. A group that can no longer
-    meet that is cancelled (aborted on its server, prompt requeued). Unset: max_async_level."""
-
-    in_flight_updates: bool = False
-    """Load new weights between two decode steps of running requests (samples then mix versions,
-    recorded per token). False: running requests finish on the old weights first, so every
-    sample comes from one version."""
-
-    filter_zero_variance: bool = False
-    """Drop groups whose rewards are all equal (no learning signal without a teacher); counted
-    as `filtered` in the metrics."""
-
-    normalize_advantages: bool = False
-    """Divide group-relative advantages by the group's reward std (GRPO) instead of only
-    centring them (Dr. GRPO)."""
-
-    request_timeout_s: float = Field(300, gt=0)
-    """Longest a single generation request may take before it is failed and its prompt requeued."""
-
-    server_wait_timeout_s: float = Field(600, gt=0)
-    """Longest to wait at start-up for a first server to become healthy (with weight_sync
-    broadcast: for every listed server) before giving up; and, mid-run, longest with no server in
-    rotation before the run stops (one line naming each server and its error, exit 1). Raise it if
-    your servers take longer than this to restart."""
-
-    server_retry_max_s: float = Field(30, gt=0)
-    """A server that fails is taken out of rotation and health-checked with exponential backoff
-    (1 s, 2 s, ...) up to this interval."""
-
-    trainer_timeout_s: float = Field(3600, gt=0)
-    """Longest to wait on the trainer for a new weights version (the async bound, the final
-    version) before giving up."""
-
-    poll_interval_s: float = Field(0.01, gt=0)
-    """How often the run directory is checked for new weights while a version is due (a batch
-    handed over, its weights not yet served), backing off to five times that while none comes;
-    otherwise every ten times that, or at once when a batch is handed over."""
-
-    keep_checkpoints: int = Field(2, ge=1)
-    """Orchestrator checkpoints (step, data cursor, pending prompts) kept under checkpoints/."""
-
-    max_futile_streak: int = Field(200, ge=0)
-    """Stop the run (one line naming the dataset, what was counted, the last reason and the fix;
-    exit 1) once this many in a row came to nothing for one cause: rows of a dataset that could
-    not be rendered within seq_len (ended by a row of it that makes a request), groups of a dataset
-    that all failed, its reward raising or timing out (ended by a group of it scored; the streak
-    must also have lasted 3 x reward_timeout_s, or request_timeout_s with a teacher, so a restart
-    passes), or groups all filtered for zero reward variance (filter_zero_variance: a run whose
-    groups all look mastered or unlearnable stops by design; ended by a group in a batch).
-    0: never stop (docs/reliability.md)."""
-
-    @field_validator("dataset", "environment")
-    @classmethod
-    def _module_attr(cls, spec: str) -> str:
-        if spec and not is_module_attr(spec):
-            raise ValueError("expected 'package.module:name'")
-        return spec
-
-    @field_validator("tool_parser")
-    @classmethod
-    def _parser_form(cls, spec: str) -> str:
-        if spec != "hermes" and not is_module_attr(spec):
-            raise ValueError("expected \"hermes\" or 'package.module:Class'")
-        return spec
-
-    @field_validator("reward")
-    @classmethod
-    def _reward_form(cls, spec: str | None) -> str | None:
-        return spec if spec is None else check_reward_spec(spec)
-
-    @model_validator(mode="after")
-    def _check_scoring(self) -> OrchestratorConfig:
-        if self.environment:
-            for key in ("dataset", "reward", "datasets"):
-                if getattr(self, key):
-                    raise ValueError(f"orchestrator.{key} is unused when orchestrator.environment is set "
-                                     "(the environment supplies rows and rewards); remove one of them")
-            return self
-        if self.datasets and self.dataset is not None:
-            raise ValueError("orchestrator.dataset is unused when orchestrator.datasets is given: "
-                             "list that dataset in orchestrator.datasets (function = ...) instead")
-        for evaluation in (False, True):
-            names = [d.name for d in self.resolved_datasets(evaluation)]
-            if len(set(names)) != len(names):
-                key = "orchestrator.eval.datasets" if evaluation else "orchestrator.datasets"
-                raise ValueError(f"{key}: names must differ (got {names}); set name = ...")
-        for d in self.resolved_datasets(evaluation=True):
-            if not d.reward:
-                raise ValueError(f"eval dataset {d.name}: no reward to score it (set its reward)")
-        for d in self.resolved_datasets():
-            if not d.reward and not self.teacher_url and not self.datasets:
-                raise ValueError("orchestrator.reward is empty and no orchestrator.teacher_url is set: "
-                                 "nothing would score the rollouts")
-            if not d.reward and not self.teacher_url:
-                raise ValueError(f"dataset {d.name}: no reward (orchestrator.reward or the dataset's reward) and "
-                                 "no orchestrator.teacher_url: nothing would score its rollouts")
-            if self.overlong == "penalty" and not 0 < self.overlong_buffer <= d.sampling.max_tokens:
-                raise ValueError(f"orchestrator.overlong = \"penalty\" needs 0 < overlong_buffer <= max_tokens "
-                                 f"(dataset {d.name}: max_tokens {d.sampling.max_tokens}, overlong_buffer "
-                                 f"{self.overlong_buffer})")
-        return self
-
-    def resolved_datasets(self, evaluation: bool = False) -> list[Dataset]:
-        """Every dataset with the orchestrator-level defaults applied (one from dataset/reward
-        when no `datasets` are listed); with `evaluation`, the eval datasets."""
-        if evaluation:
-            specs = self.eval.datasets
-        else:
-            specs = self.datasets or [DatasetConfig(name="data", function=self.dataset or REVERSE_DATASET)]
-        out = []
-        for spec in specs:
-            reward = spec.reward or self._default_reward(spec, listed=bool(evaluation or self.datasets))
-            system_prompt = self.system_prompt if spec.system_prompt is None else spec.system_prompt
-            out.append(Dataset(spec.label, spec, reward, dict(spec.reward_weights), system_prompt, self.sampling(spec)))
-        return out
-
-    def sampling(self, spec: DatasetConfig | None = None) -> Sampling:
-        """The orchestrator's sampling settings, with those a dataset sets instead."""
-        def pick(key: str):
-            value = None if spec is None else getattr(spec, key)
-            return getattr(self, key) if value is None else value
-
-        return Sampling(temperature=pick("temperature"), top_p=pick("top_p"), top_k=pick("top_k"),
-                        min_p=pick("min_p"), max_tokens=pick("max_tokens"), stop=tuple(pick("stop")))
-
-    def _default_reward(self, spec: DatasetConfig, listed: bool) -> str:
-        """A listed dataset naming no reward: orchestrator.reward if given explicitly (its default
-        scores the reversal task only), else a reasoning-gym task's own scorer, else none."""
-        if self.reward is not None:
-            return self.reward
-        if not listed:
-            return REVERSE_REWARD
-        return "reasoning_gym" if spec.reasoning_gym else ""
 
 
 class TransportConfig(Section):
@@ -777,7 +507,7 @@ class RunConfig(Section):
 
     @property
     def urls(self) -> list[str]:
-        return self.orchestrator.server_urls or [self.inference.url]
+        return self.orchestrator.servers.urls or [self.inference.url]
 
 
 # --- loading ---------------------------------------------------------------------------------
@@ -874,6 +604,9 @@ def _describe(err: ValidationError) -> str:
 
 def load_config(argv: list[str]) -> tuple[RunConfig, bool]:
     data, dry_run = parse_args(argv)
+    hint = moved_key(data.get("orchestrator"))
+    if hint:
+        raise ConfigError(hint)
     try:
         return RunConfig.model_validate(data), dry_run
     except ValidationError as e:

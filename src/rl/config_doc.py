@@ -17,7 +17,7 @@ import re
 import textwrap
 import types
 from pathlib import Path
-from typing import Literal, Union, get_args, get_origin
+from typing import Annotated, Literal, Union, get_args, get_origin
 
 import tomli_w
 from pydantic import BaseModel
@@ -158,6 +158,8 @@ def _type_name(annotation) -> str:
         return "LIST"
     if origin is dict:
         return "TABLE"
+    if origin is Annotated:  # a checked form (rl/addresses.py): the type it checks
+        return _type_name(args[0])
     return _TYPE_NAMES.get(annotation, getattr(annotation, "__name__", str(annotation)).upper())
 
 

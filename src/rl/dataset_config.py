@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rl.addresses import check_http_url
+from rl.config_section import Section
 
 # reward = "<name>" shorthands for the scorers shipped in orchestrator/tasks/.
 BUILTIN_REWARDS = {
@@ -52,9 +53,7 @@ class Sampling(BaseModel):
     stop: tuple[str, ...]
 
 
-class DatasetConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
-
+class DatasetConfig(Section):
     name: str = Field("", pattern=r"^[A-Za-z0-9_.-]{0,64}$")
     """Names the dataset in logs and metrics (reward_mean/<name>). Empty: the task name or file stem."""
 
@@ -165,14 +164,12 @@ class DatasetConfig(BaseModel):
         return self.function.rpartition(":")[0].rpartition(".")[2] or "data"
 
 
-class EvalConfig(BaseModel):
+class EvalConfig(Section):
     """Held-out evaluation: `samples` completions (greedy by default) of the first `rows` rows of
     each dataset, scored by its reward, of the version serving at step 0, every `every` steps, and
     the final one. It runs beside training on the same servers (at most `concurrency` requests at
     once), not in its way. Logged as program "eval" in metrics.jsonl (eval/<dataset>/reward,
     .../accuracy, .../pass@k)."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
 
     datasets: list[DatasetConfig] = []
     """Evaluation datasets, as in orchestrator.datasets (their max_tokens, stop and, when sampled,

@@ -7,7 +7,7 @@ the run directory's heartbeats/, rewritten every HEARTBEAT_EVERY_S by a daemon t
     line 2   a counter, then the phase the program's main loop last declared ("waiting for
              batch 7", "training step 7") and for how many seconds it has been in it
     line 3   inference servers only: "url <URL>", where the orchestrator reaches it, so that a
-             server started on any host announces itself (orchestrator.discover_servers)
+             server started on any host announces itself (orchestrator.servers.discover)
 
 A watcher (another program, or `rl run`) judges a peer by whether the file *changes*, timed by
 its own monotonic clock: no clock is compared across hosts, so unsynchronised clocks and a

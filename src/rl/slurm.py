@@ -62,7 +62,7 @@ def _check(cfg: RunConfig) -> tuple[int | None, int | None, list[str]]:
                          f"{s.servers_per_node} runs past port 65535")
     rewards = [(f"dataset {d.name}: reward", d.reward) for d in
                cfg.orchestrator.resolved_datasets() + cfg.orchestrator.resolved_datasets(evaluation=True)]
-    for key, url in (("orchestrator.teacher_url", cfg.orchestrator.teacher_url or ""), *rewards):
+    for key, url in (("orchestrator.teacher.url", cfg.orchestrator.teacher.url or ""), *rewards):
         if url.startswith(("http://", "https://")) and _is_loopback(url):
             raise SlurmError(f"{key} = {url!r} is loopback, i.e. the orchestrator's own node in the "
                              "job, where nothing serves it; give its host name")
@@ -84,8 +84,8 @@ def _check(cfg: RunConfig) -> tuple[int | None, int | None, list[str]]:
         for other, other_port in used[i + 1:]:
             if port == other_port:
                 raise SlurmError(f"{key} and {other} both use port {port} on the first trainer node")
-    if cfg.orchestrator.server_urls:
-        notes.append("orchestrator.server_urls is replaced by the job's own servers")
+    if cfg.orchestrator.servers.urls:
+        notes.append("orchestrator.servers.urls is replaced by the job's own servers")
     if cfg.inference.api_token:
         notes.append("inference.api_token is not written into the script: the job takes "
                      "ASYNCRL_API_TOKEN from the submitting shell, or makes a fresh one")

@@ -53,7 +53,7 @@ def rotation_spells(records, url: str) -> list[tuple[logging.LogRecord, logging.
 
 
 def assert_out_for_a_second(records, url: str) -> int:
-    """Every time out of rotation, `url` was due back after one second (server_retry_max_s 1
+    """Every time out of rotation, `url` was due back after one second (servers.retry_max_s 1
     caps the backoff), came back (unless the run ended first), and not before that second was
     over: heal() lets it in only once retry_at has passed. Returns how many times."""
     spells = rotation_spells(records, url)
@@ -147,7 +147,7 @@ def test_an_http_reward_that_hangs_fails_only_that_rollout():
 def test_a_server_answering_500_to_some_requests_keeps_its_place(tmp_path, caplog):
     """Server b answers 30% of its generate requests with HTTP 500: each fails its group (counted
     in failed_requests, prompt requeued) and takes b out of rotation for a second (the backoff,
-    capped by server_retry_max_s); b comes back each time and serves again. Stand-ins only: no
+    capped by servers.retry_max_s); b comes back each time and serves again. Stand-ins only: no
     request makes a healthy real engine answer 500 (docs/reliability.md says why); the same
     branch of the orchestrator (any non-200 answer, broken connection or timeout is an
     InferenceError) is shown on real engines by test_engine_stalls_vllm.py's request timeout and
@@ -155,7 +155,7 @@ def test_a_server_answering_500_to_some_requests_keeps_its_place(tmp_path, caplo
     a, b = FakeServer(lambda: 0.002), FakeServer(lambda: 0.002, error_rate=0.3)
     with caplog.at_level(logging.INFO, logger="orchestrator"):
         o = asyncio.run(run_scenario(tmp_path, [a, b], step_latency=lambda: 0.1, max_steps=30,
-                                     orchestrator={"server_retry_max_s": 1}))
+                                     orchestrator={"servers": {"retry_max_s": 1}}))
     check_rules(o)
     assert 0 < orchestrator_metrics(o, "failed_requests") <= len(b.errors)
     assert len(b.errors) >= 2  # an error after the first one: it was back in rotation
@@ -168,7 +168,7 @@ def test_a_server_answering_500_to_some_requests_keeps_its_place(tmp_path, caplo
 
 
 def test_requests_hanging_past_request_timeout_are_aborted_on_the_server(tmp_path, caplog):
-    """20% of server b's requests hang: after request_timeout_s the orchestrator gives up on them
+    """20% of server b's requests hang: after servers.request_timeout_s the orchestrator gives up on them
     (counted in failed_requests, b out of rotation for a second), aborts them on b (freeing its
     slots; under "wait" updates a hung request also holds b's next weight update back) and
     requeues their prompts. max_async_level 4 keeps a hung group fresh for longer than the
@@ -184,7 +184,7 @@ def test_requests_hanging_past_request_timeout_are_aborted_on_the_server(tmp_pat
     b.update_weights = recorded_update  # b.app() routes to it
     with caplog.at_level(logging.INFO, logger="orchestrator"):
         o = asyncio.run(run_scenario(tmp_path, [a, b], step_latency=lambda: 0.1, max_steps=15, max_async_level=4,
-                                     orchestrator={"request_timeout_s": 0.3, "server_retry_max_s": 1}))
+                                     orchestrator={"servers": {"request_timeout_s": 0.3, "retry_max_s": 1}}))
     check_rules(o)
     assert orchestrator_metrics(o, "failed_requests") > 0  # timeouts: b sends no error
     hung = [b.requests[i] for i in b.hung]
