@@ -361,13 +361,13 @@ def test_failed_groups_stop_the_run_only_once_their_streak_lasted_its_span():
 def test_the_orchestrator_derives_the_failed_span_from_its_timeouts():
     from types import SimpleNamespace
 
-    from orchestrator.orchestrator import MAX_ATTEMPTS, Orchestrator
+    from orchestrator.group_outcomes import MAX_ATTEMPTS, futile_spans
 
     o = SimpleNamespace(reward_timeout_s=60.0, servers=SimpleNamespace(request_timeout_s=300.0),
                         teacher=SimpleNamespace(url=None))
-    assert Orchestrator.futile_spans(SimpleNamespace(o=o)) == {"failed": MAX_ATTEMPTS * 60.0}
+    assert futile_spans(o) == {"failed": MAX_ATTEMPTS * 60.0}
     o.teacher.url = "http://teacher:8000"
-    assert Orchestrator.futile_spans(SimpleNamespace(o=o)) == {"failed": max(MAX_ATTEMPTS * 60.0, 300.0)}
+    assert futile_spans(o) == {"failed": max(MAX_ATTEMPTS * 60.0, 300.0)}
 
 
 def test_a_repeated_warning_is_said_at_most_every_quiet_s_with_a_count():
@@ -468,7 +468,7 @@ def test_a_reward_that_always_raises_stops_the_run_naming_it_and_its_error(tmp_p
     assert 1 <= len(requeued) <= 1 + took / QUIET_S, requeued
     error = the_error(lines)
     assert "dataset data: " in error and " groups in a row failed (none of its groups was scored between them) " \
-           f"over " in error and f" s (orchestrator.max_futile_streak = {STREAK}); " \
+           "over " in error and f" s (orchestrator.max_futile_streak = {STREAK}); " \
            "last: 2 of 2 rollouts failed, last: reward spin_rows:broken raised ValueError: no answer in this row; " \
            "stopping: fix its reward 'spin_rows:broken'" in error, error
     assert not RunDir(tmp_path / "run").rollout_steps()
@@ -488,7 +488,7 @@ def test_no_server_in_rotation_for_the_wait_timeout_stops_the_run_naming_it(tmp_
     lines, code = run_orchestrator(cfg, tmp_path, on_line=on_line)
     assert handed.is_set() and code == 1, "\n".join(lines[-30:])
     error = the_error(lines)
-    assert f"no inference server in rotation for " in error and "(orchestrator.servers.wait_timeout_s): " \
+    assert "no inference server in rotation for " in error and "(orchestrator.servers.wait_timeout_s): " \
            f"{stand_in.url} (" in error and "stopping: restart or fix them" in error, error
     out = [line for line in lines if "out of rotation" in line]
     assert out and lines.index(out[0]) < lines.index(error)

@@ -347,7 +347,7 @@ def test_orchestrator_keeps_many_servers_busy(tmp_path):
     windows: list[tuple[float, float, float]] = []  # (start, end, idle server-seconds) per record
 
     def on_start(orch: Orchestrator) -> None:
-        pool, o, m = orch.pool, orch.o, orch.cfg.off_policy_steps
+        pool, o, m = orch.pool, orch.settings, orch.cfg.off_policy_steps
         assign, may_start, take_idle_s = pool.assign, orch.may_start_group, pool.take_idle_s
         last = [time.monotonic()]
 
@@ -580,7 +580,7 @@ def test_a_cancel_that_meets_a_notify_is_not_lost():
     asyncio.wait_for returned the inner wait's result when that wait ended in the same loop turn
     as the cancel, and the cancel was lost: a run told to stop went on waiting for its final
     version (seen once in a suite run). The waits go through orchestrator.notified instead."""
-    from orchestrator.orchestrator import notified
+    from orchestrator.notified import notified
 
     async def scenario(wait) -> str:
         changed, ready = asyncio.Condition(), []

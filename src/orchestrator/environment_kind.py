@@ -26,8 +26,8 @@ class EnvironmentKind(RolloutKind):
     """What a refusal for prompts too long to leave max_tokens tells the user to change."""
 
     def __init__(self, cfg: RunConfig, toolkit: Toolkit, renderer, sources, env):
-        self.cfg, self.o, self.toolkit, self.env = cfg, cfg.orchestrator, toolkit, env
-        self.env_sampling = self.o.sampling()
+        self.cfg, self.settings, self.toolkit, self.env = cfg, cfg.orchestrator, toolkit, env
+        self.env_sampling = self.settings.sampling()
         self.error = ""  # the latest episode failure (Group.error)
         self.quiet = Quiet(log)  # an environment that always raises would say so per episode
 
@@ -52,19 +52,19 @@ class EnvironmentKind(RolloutKind):
 
     async def trajectories(self, prompt, gid: str, generate: Generate) -> list[Trajectory | None]:
         return await gather_or_cancel(self.episode(prompt.row, f"{gid}-e{i}", generate)
-                                      for i in range(self.o.group_size))
+                                      for i in range(self.settings.group_size))
 
     def failed(self, eid: str, e: Exception) -> None:
         """An episode that failed on its own: said (through Quiet), recorded, None for its slot."""
         self.error = f"{type(e).__name__}: {e}"
-        self.quiet.warn(self.error, f"episode {eid} failed in {self.o.environment}: {self.error}")
+        self.quiet.warn(self.error, f"episode {eid} failed in {self.settings.environment}: {self.error}")
         return None
 
     def last_error(self, prompt) -> str:
         return self.error
 
     def culprit(self, prompt) -> str:
-        return f"orchestrator.environment = {self.o.environment!r}"
+        return f"orchestrator.environment = {self.settings.environment!r}"
 
     def failure_fix(self, prompt) -> str:
         return "fix the environment's reward or episodes (the error above)"

@@ -33,8 +33,9 @@ import aiohttp
 from orchestrator.checkpoint import checkpointed_batch, resume_point, save_checkpoint
 from orchestrator.delivery import weight_delivery
 from orchestrator.evaluation import Evaluation, EvaluationRunner
+from orchestrator.group_outcomes import GroupOutcomes, futile_spans
+from orchestrator.notified import notified
 from orchestrator.prompts import Prompt, PromptQueue
-from orchestrator.quiet import Quiet
 from orchestrator.reporting import Counters, Reporting
 from orchestrator.rollout_kind import Aborted
 from orchestrator.rollouts import Group, Rollouts
@@ -56,20 +57,6 @@ from rl.transports import batch_sender
 log = logging.getLogger("orchestrator")
 
 HEARTBEAT_S = 15.0  # how often a wait says what it still waits for
-MAX_ATTEMPTS = 3  # a prompt whose group fails (rewards, teacher) this often is dropped
-
-
-async def notified(changed: asyncio.Condition, timeout_s: float, predicate=None) -> None:
-    """changed.wait() (changed.wait_for(predicate) with one), the lock held, for at most
-    timeout_s. Through asyncio.timeout, never asyncio.wait_for: Python 3.11's wait_for returns
-    the inner result when the inner wait ended in the same loop turn as a cancel of the caller,
-    and the cancel is lost. A SIGTERM is such a cancel (orchestrator/main.py): once, a run told
-    to stop went on waiting for its final version for minutes."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            await (changed.wait() if predicate is None else changed.wait_for(predicate))
-    except TimeoutError:
-        pass
 
 
 @dataclass
@@ -85,46 +72,35 @@ class InFlight:
 
 class Orchestrator:
     def __init__(self, cfg: RunConfig, session: aiohttp.ClientSession):
-        self.cfg, self.o = cfg, cfg.orchestrator
+        self.cfg, self.settings = cfg, cfg.orchestrator
         self.run_dir = RunDir(cfg.run_dir)
-        self.pool = ServerPool(cfg.urls, session, cfg.inference.api_token, self.o.servers.retry_max_s,
+        self.pool = ServerPool(cfg.urls, session, cfg.inference.api_token, self.settings.servers.retry_max_s,
                                lambda pool: weight_delivery(cfg, pool), on_fail=self.requeue_from)
         self.delivery = self.pool.delivery  # files, broadcast or LoRA adapters, chosen once
         # Request ids must not collide with a previous orchestrator's still running on a server.
         self.tag, self.seq = secrets.token_hex(3), 0
         self.rollouts = Rollouts.from_config(cfg, session)
         evals = configured_sources(cfg, session, evaluation=True)
-        self.evaluations = EvaluationRunner(Evaluation(self.rollouts, evals, self.o.eval) if evals else None,
+        self.evaluations = EvaluationRunner(Evaluation(self.rollouts, evals, self.settings.eval) if evals else None,
                                             self.pool, self.run_dir, self.wait_until, self.tag)
         self.sender = batch_sender(cfg.transport, self.run_dir)
         self.next_step, cursor, pending, self.unsent = resume_point(self.run_dir, self.sender)
         self.queue = PromptQueue(self.rollouts.kind.draws(cfg.seed), self.rollouts.kind.fetch, cursor, pending)
         self.in_flight: dict[str, InFlight] = {}
         self.finished: list[Group] = []
-        self.weights_poll = Backoff(self.o.poll_interval_s, 5 * self.o.poll_interval_s)
+        self.weights_poll = Backoff(self.settings.poll_interval_s, 5 * self.settings.poll_interval_s)
         self.changed = asyncio.Condition()  # a group finished, a batch left, a version serves
         self.counters = Counters()
         self.background: list[asyncio.Task] = []
         self.chores: set[asyncio.Task] = set()
-        self.attempts: dict[int, int] = {}  # prompt index -> failed groups so far
-        self.streaks = Streaks(self.o.max_futile_streak, self.futile_spans())  # what would make the run spin ends it
-        self.requeue_quiet = Quiet(log)  # a teacher that is down fails every group: not a line per group
-        self.best_reward = float("-inf")  # the highest reward any group got: is a filtered one mastered?
-        self.filtered_rewards: dict[float, None] = {}  # each reward of the groups filtered since one was batched
+        self.streaks = Streaks(self.settings.max_futile_streak, futile_spans(self.settings))  # what would make the run spin ends it
+        self.outcomes = GroupOutcomes(self.settings, self.rollouts.kind, self.queue, self.streaks,
+                                      has_teacher=self.rollouts.teacher is not None)
         self.reporting = Reporting(cfg, self.run_dir, self.pool, per_dataset=len(self.rollouts.kind.sources) > 1)
         if self.next_step > 1:  # resumed: its predecessor may have died between checkpoint and record
             last = self.next_step - 1
             self.reporting.recover(last, lambda: self.unsent if self.unsent is not None
                                    else checkpointed_batch(self.run_dir, last))
-
-    def futile_spans(self) -> dict[str, float]:
-        """How long a streak of failed groups must last before it stops the run (orchestrator/streaks.py):
-        as long as this run waits on a slow reward (each of a prompt's MAX_ATTEMPTS) or teacher before
-        calling it down, so a reward endpoint or teacher restarting does not end the run."""
-        span = MAX_ATTEMPTS * self.o.reward_timeout_s
-        if self.o.teacher.url:
-            span = max(span, self.o.servers.request_timeout_s)
-        return {"failed": span}
 
     # --- waiting, visibly -----------------------------------------------------------------
 
@@ -190,19 +166,19 @@ class Orchestrator:
             await asyncio.sleep(self.weights_poll.next())
             return
         async with self.changed:
-            await notified(self.changed, 10 * self.o.poll_interval_s, self.weights_due)
+            await notified(self.changed, 10 * self.settings.poll_interval_s, self.weights_due)
 
     # --- groups ----------------------------------------------------------------------------
 
     def may_start_group(self) -> bool:
         queued = len(self.in_flight) + len(self.finished)
         server = self.pool.pick()
-        if queued >= self.o.max_in_flight_groups or server is None:
+        if queued >= self.settings.max_in_flight_groups or server is None:
             return False
         # The batch this group would most likely land in: the ones queued ahead fill earlier
         # batches. If the server's version is already too old for it, the group would only be
         # thrown away: wait for newer weights instead.
-        target = self.next_step + queued // self.o.prompts_per_step
+        target = self.next_step + queued // self.settings.prompts_per_step
         return is_fresh(server.version, target, self.cfg.off_policy_steps)
 
     async def produce(self) -> None:
@@ -229,7 +205,7 @@ class Orchestrator:
             g.requests.add(request.request_id)
             self.pool.begin(g.server)
             try:
-                response = await g.server.client.generate(request, self.o.servers.request_timeout_s)
+                response = await g.server.client.generate(request, self.settings.servers.request_timeout_s)
                 self.pool.succeeded(g.server)
                 return response
             except InferenceError:
@@ -259,42 +235,14 @@ class Orchestrator:
             return
         self.counters.failed += group.failed
         if not group.samples:  # every rollout's reward or environment failed
-            self.retry_or_drop(gid, g.prompt, f"{group.failed} of {self.o.group_size} rollouts failed, "
-                               f"last: {group.error or 'no error recorded'}")
-            await self.notify()
-            return
-        self.streaks.scored(who)
-        self.best_reward = max(self.best_reward, *group.rewards)
-        if self.o.filter_zero_variance and self.rollouts.teacher is None and len(set(group.rewards)) == 1:
-            self.counters.filtered += 1
-            self.filtered(g.prompt, group.rewards[0])
-        else:
+            self.outcomes.retry_or_drop(gid, g.prompt, f"{group.failed} of {self.settings.group_size} rollouts "
+                                        f"failed, last: {group.error or 'no error recorded'}")
+        elif self.outcomes.keep(g.prompt, group):
             self.finished.append(group)
             self.counters.model_tokens += group.model_tokens
-            self.filtered_rewards.clear()
-            self.streaks.good(who)
-        await self.notify()
-
-    def filtered(self, prompt: Prompt, reward: float) -> None:
-        """A group filtered for zero reward variance: a futile event, said as either the task looking
-        mastered (every group since the last batched one got the highest reward seen, above 0: the
-        shipped scorers give 1 for a right answer) or unlearnable (one low reward for all)."""
-        self.filtered_rewards[reward] = None
-        who, rewards = self.rollouts.kind.culprit(prompt), list(self.filtered_rewards)
-        if rewards == [self.best_reward] and reward > 0:
-            why = f"every group got reward {reward:g}, the highest seen in this run: the task looks mastered"
-            fix = "harder rows, or end the run here; or set orchestrator.filter_zero_variance = false"
-        elif len(rewards) == 1:
-            sampling = self.rollouts.kind.sampling(prompt)
-            why = (f"every group got the same low reward {reward:g} (the highest seen: {self.best_reward:g}): "
-                   f"unlearnable at temperature {sampling.temperature:g}")
-            fix = ("make the task learnable at the model's level (easier rows, partial credit, a higher "
-                   "temperature), or set orchestrator.filter_zero_variance = false")
         else:
-            seen = ", ".join(f"{r:g}" for r in rewards)
-            why = f"each group got one reward for all its rollouts (last: {reward:g}; seen: {seen})"
-            fix = "set orchestrator.filter_zero_variance = false, or make rewards differ within a group"
-        self.streaks.hit("filtered", who, why, f"{fix} (or orchestrator.max_futile_streak = 0)")
+            self.counters.filtered += 1
+        await self.notify()
 
     def group_failed(self, gid: str, g: InFlight, e: Exception) -> None:
         if isinstance(e, (InferenceError, Aborted)):  # the server's fault, not the prompt's
@@ -305,22 +253,10 @@ class Orchestrator:
         elif isinstance(e, RowError):  # said once per batch, with the count (make_batch), not per row
             self.counters.skipped_rows += 1
             self.counters.first_skip = self.counters.first_skip or str(e)
-            self.streaks.hit("skipped", self.rollouts.kind.culprit(g.prompt), str(e), e.fix)
+            self.outcomes.skipped(g.prompt, e)
         else:  # a teacher that is down, a tokenizer that chokes
-            self.counters.failed += self.o.group_size
-            self.retry_or_drop(gid, g.prompt, f"{type(e).__name__}: {e}")
-
-    def retry_or_drop(self, gid: str, prompt: Prompt, why: str) -> None:
-        """Requeue a prompt whose group failed for a reason that may pass (a reward endpoint
-        down); after MAX_ATTEMPTS the prompt is dropped, loudly, rather than retried forever."""
-        n = self.attempts[prompt.index] = self.attempts.get(prompt.index, 0) + 1
-        self.streaks.hit("failed", self.rollouts.kind.culprit(prompt), why, self.rollouts.kind.failure_fix(prompt))
-        if n < MAX_ATTEMPTS:
-            self.requeue_quiet.warn(why.split(":", 1)[0], f"group {gid} failed ({why}); prompt {prompt.index} requeued")
-            self.queue.give_back(prompt)
-        else:
-            log.error("group %s failed (%s); prompt %d dropped after %d attempts", gid, why, prompt.index, n)
-            self.attempts.pop(prompt.index)
+            self.counters.failed += self.settings.group_size
+            self.outcomes.retry_or_drop(gid, g.prompt, f"{type(e).__name__}: {e}")
 
     def spawn(self, coro) -> None:
         """Fire and forget (best effort), but keep a reference so the task is not collected."""
@@ -328,15 +264,22 @@ class Orchestrator:
         self.chores.add(task)
         task.add_done_callback(lambda t: (self.chores.discard(t), t.cancelled() or t.exception()))
 
+    def withdraw(self, doomed) -> list[InFlight]:
+        """Take the groups in flight that `doomed(g)` picks out of flight, their prompts back to
+        the queue; whatever they raise while their tasks are cancelled requeues nothing again."""
+        out = [(gid, g) for gid, g in self.in_flight.items() if doomed(g)]
+        for gid, g in out:
+            g.cancelled = True
+            del self.in_flight[gid]
+            self.queue.give_back(g.prompt)
+        return [g for _, g in out]
+
     def requeue_from(self, server: Server) -> None:
         """A server stopped answering (health check, heartbeat: its host died or is cut off): its
         groups would finish late or never (servers.request_timeout_s), so their prompts go back to the
         queue now, for the servers still there. Aborts are best effort: it may be unreachable."""
-        doomed = [(gid, g) for gid, g in self.in_flight.items() if g.server is server]
-        for gid, g in doomed:
-            g.cancelled = True
-            del self.in_flight[gid]
-            self.queue.give_back(g.prompt)
+        doomed = self.withdraw(lambda g: g.server is server)
+        for g in doomed:
             if g.requests:
                 self.spawn(server.client.abort(sorted(g.requests), timeout=2.0))
             g.task.cancel()
@@ -350,14 +293,10 @@ class Orchestrator:
         is older than the off-policy bound allows. Their requests are aborted on the server
         (freeing its slots for useful work) and their prompts go back to the queue."""
         m = self.cfg.off_policy_steps
-        doomed = [(gid, g) for gid, g in self.in_flight.items() if not is_fresh(g.version, self.next_step, m)]
-        for gid, g in doomed:
-            g.cancelled = True
-            del self.in_flight[gid]
-            self.queue.give_back(g.prompt)
-            self.counters.cancelled += 1
-        await asyncio.gather(*(self.abort(g) for _, g in doomed))
-        for _, g in doomed:
+        doomed = self.withdraw(lambda g: not is_fresh(g.version, self.next_step, m))
+        self.counters.cancelled += len(doomed)
+        await asyncio.gather(*(self.abort(g) for g in doomed))
+        for g in doomed:
             g.task.cancel()
         if doomed:
             log.info("cancelled %d in-flight group(s) older than version %d (max_off_policy_steps=%d); "
@@ -385,7 +324,7 @@ class Orchestrator:
 
     def batch_ready(self, step: int) -> bool:
         self.drop_stale(step)
-        return len(self.finished) >= self.o.prompts_per_step
+        return len(self.finished) >= self.settings.prompts_per_step
 
     async def make_batch(self, step: int) -> None:
         k = self.cfg.max_async_level
@@ -396,14 +335,14 @@ class Orchestrator:
         set_phase(f"making batch {step}")
         trainer_wait = await self.wait_until(
             versions_ok, f"version {min_serving_version(step, k)} to serve on every server "
-            f"(max_async_level={k}) before batch {step}", self.o.trainer_timeout_s)
+            f"(max_async_level={k}) before batch {step}", self.settings.trainer_timeout_s)
         group_wait = await self.wait_until(
-            lambda: self.batch_ready(step), f"{self.o.prompts_per_step} groups for batch {step}",
-            self.o.trainer_timeout_s)
+            lambda: self.batch_ready(step), f"{self.settings.prompts_per_step} groups for batch {step}",
+            self.settings.trainer_timeout_s)
         while True:
             # Both again, at once: a server may have left or rejoined rotation meanwhile.
             await self.wait_until(lambda: versions_ok() and self.batch_ready(step), f"batch {step}",
-                                  self.o.trainer_timeout_s)
+                                  self.settings.trainer_timeout_s)
             # Ask the servers themselves: one restarted since its last request serves version 0
             # while still counted with the version it had (one /health per server per batch).
             await self.pool.check()
@@ -411,8 +350,8 @@ class Orchestrator:
                 break
         # Oldest first: they are the closest to going stale.
         self.finished.sort(key=lambda g: g.oldest_version)
-        groups = self.finished[: self.o.prompts_per_step]
-        self.finished = self.finished[self.o.prompts_per_step:]
+        groups = self.finished[: self.settings.prompts_per_step]
+        self.finished = self.finished[self.settings.prompts_per_step:]
         # From here on new groups are meant for the next batch (the send below yields to them).
         self.next_step = step + 1
         samples = [s for g in groups for s in g.samples]
@@ -423,7 +362,7 @@ class Orchestrator:
         self.checkpoint(step, encoded)
         crash_point("orchestrator.checkpointed", step)
         set_phase(f"handing over batch {step}")
-        await self.sender.send(batch, self.o.trainer_timeout_s, encoded)
+        await self.sender.send(batch, self.settings.trainer_timeout_s, encoded)
         crash_point("orchestrator.handed_over", step)
         await self.cancel_hopeless()
         await self.notify()
@@ -437,7 +376,7 @@ class Orchestrator:
         drawn but not in a batch yet go out again after a resume."""
         pending = [*self.queue.requeued, *(g.prompt for g in self.in_flight.values()),
                    *(g.prompt for g in self.finished)]
-        save_checkpoint(self.run_dir, step, encoded, self.queue.cursor, pending, self.o.keep_checkpoints)
+        save_checkpoint(self.run_dir, step, encoded, self.queue.cursor, pending, self.settings.keep_checkpoints)
 
     # --- the run ---------------------------------------------------------------------------
 
@@ -445,11 +384,11 @@ class Orchestrator:
         self.background = [asyncio.create_task(
             watch_trainer(self.cfg, self.run_dir, self.sender, lambda: self.next_step), name="watch_trainer")]
         fixed = self.delivery.fixed_members  # a broadcast group: every listed server, none discovered
-        if self.o.servers.discover and not fixed:
-            exclude = {self.o.teacher.url.rstrip("/")} if self.o.teacher.url else set()
+        if self.settings.servers.discover and not fixed:
+            exclude = {self.settings.teacher.url.rstrip("/")} if self.settings.teacher.url else set()
             self.background.append(asyncio.create_task(
                 self.pool.discover(self.cfg.output_dir, exclude, self.cfg.heartbeat_timeout_s), name="discover"))
-        await self.pool.connect(self.o.servers.wait_timeout_s, every=fixed)
+        await self.pool.connect(self.settings.servers.wait_timeout_s, every=fixed)
         await self.delivery.prepare()  # before any load (a broadcast group forms here)
         version, path = self.latest_weights()
         await self.delivery.load(version, path)
@@ -458,22 +397,22 @@ class Orchestrator:
         log.info("connected to %d server(s) (%s), serving version %d; first batch %d", len(self.pool.in_rotation),
                  ", ".join(s.url for s in self.pool.in_rotation), self.pool.serving_version, self.next_step)
         self.background.append(asyncio.create_task(
-            self.sender.redeliver(self.o.trainer_timeout_s), name="redeliver"))
+            self.sender.redeliver(self.settings.trainer_timeout_s), name="redeliver"))
         if self.reporting.tracker is not None:
             self.background.append(asyncio.create_task(self.reporting.track(), name="track"))
         self.background += [asyncio.create_task(self.follow_weights(), name="follow_weights"),
-                             asyncio.create_task(self.pool.heal(self.o.servers.wait_timeout_s), name="heal"),
+                             asyncio.create_task(self.pool.heal(self.settings.servers.wait_timeout_s), name="heal"),
                              asyncio.create_task(self.produce(), name="produce")]
 
     async def run(self) -> None:
         try:
             await self.start()
             if self.unsent is not None:  # checkpointed, maybe never delivered: the same bytes again
-                await self.sender.send(self.unsent, self.o.trainer_timeout_s)
+                await self.sender.send(self.unsent, self.settings.trainer_timeout_s)
                 self.unsent = None
             if self.next_step == 1:
                 self.evaluations.start(0)
-            every = self.o.eval.every
+            every = self.settings.eval.every
             for step in range(self.next_step, self.cfg.max_steps + 1):
                 await self.make_batch(step)
                 if every and step % every == 0 and step < self.cfg.max_steps:
@@ -481,7 +420,7 @@ class Orchestrator:
             # Serve the final policy before stopping, so the run ends with it loaded.
             final = self.cfg.max_steps
             await self.wait_until(lambda: self.pool.serving_version >= final,
-                                  f"final version {final} to serve", self.o.trainer_timeout_s)
+                                  f"final version {final} to serve", self.settings.trainer_timeout_s)
             await self.evaluations.finish(final)
             log.info("done: %d batches; version %d serving", final, self.pool.serving_version)
             if self.reporting.tracker is not None:

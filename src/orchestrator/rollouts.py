@@ -59,14 +59,14 @@ class Rollouts:
     the tokenizer's way in and out, and the generate request."""
 
     def __init__(self, cfg: RunConfig, tokenizer, sources: dict[str, Source], teacher: Teacher | None, env):
-        self.cfg, self.o = cfg, cfg.orchestrator
+        self.cfg, self.settings = cfg, cfg.orchestrator
         self.tokenizer, self.teacher = tokenizer, teacher
         # A Rust tokenizer (orchestrator/tokenizer.py), or the one behind a fast HF tokenizer,
         # called directly: the HF wrapper costs ~10x more per call, which shows at thousands of
         # groups per second.
         self.fast = tokenizer if isinstance(tokenizer, Tokenizer) else getattr(tokenizer, "backend_tokenizer", None)
         # Datasets and tool episodes render through it; evaluation's datasets too, whatever the kind.
-        self.renderer = Renderer(self.o, cfg.model, self.fast, self.encode)
+        self.renderer = Renderer(self.settings, cfg.model, self.fast, self.encode)
         self.kind: RolloutKind = kind_of(env)(cfg, self, self.renderer, sources, env)
 
     @classmethod
@@ -116,7 +116,7 @@ class Rollouts:
         failed = len(trajectories) - len(kept)
         if len(kept) < 2:  # no group-relative signal left
             return Group(prompt, [], failed + len(kept), error=self.kind.last_error(prompt))
-        advantages = group_advantages([t.reward for t in kept], self.o.normalize_advantages)
+        advantages = group_advantages([t.reward for t in kept], self.settings.normalize_advantages)
         sampling = self.kind.sampling(prompt)
         samples = [Sample(t.tokens, self.trained_mask(t), t.logprobs, [a * m for m in t.loss_mask], t.versions,
                           t.reward, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
@@ -130,7 +130,7 @@ class Rollouts:
     def trained_mask(self, t: Trajectory) -> list[int]:
         # overlong.mode = "mask": a cut completion still counts in its group's mean reward (the
         # advantages above), but none of its tokens is trained on (DAPO's overlong filtering).
-        return [0] * len(t.loss_mask) if t.truncated and self.o.overlong.mode == "mask" else t.loss_mask
+        return [0] * len(t.loss_mask) if t.truncated and self.settings.overlong.mode == "mask" else t.loss_mask
 
     async def add_teacher_signal(self, samples: list[Sample], gid: str) -> None:
         teacher_lps = await gather_or_cancel(

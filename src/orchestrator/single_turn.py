@@ -15,7 +15,7 @@ from rl.dataset_config import Sampling
 
 class SingleTurn(RolloutKind):
     def __init__(self, cfg: RunConfig, toolkit: Toolkit, renderer: Renderer, sources: dict[str, Source], env=None):
-        self.o, self.toolkit, self.renderer, self.sources = cfg.orchestrator, toolkit, renderer, sources
+        self.settings, self.toolkit, self.renderer, self.sources = cfg.orchestrator, toolkit, renderer, sources
         self.stop_token_ids = renderer.stop_token_ids
 
     def draws(self, seed: int) -> Iterator[tuple[str, object]]:
@@ -34,7 +34,7 @@ class SingleTurn(RolloutKind):
     async def trajectories(self, prompt: Prompt, gid: str, generate: Generate) -> list[Trajectory | None]:
         source = self.source(prompt)
         text, ids = self.renderer.render(source.ds, prompt.row, prompt.where or f"row {prompt.index}")
-        request = self.toolkit.request(gid, ids, self.o.group_size, source.ds.sampling,
+        request = self.toolkit.request(gid, ids, self.settings.group_size, source.ds.sampling,
                                        f"{prompt.where or source.name}, draw {prompt.index}")
         response = await generate(request)
         if any(s.finish_reason == "abort" for s in response.samples):
@@ -58,10 +58,10 @@ class SingleTurn(RolloutKind):
     def overlong_penalty(self, length: int, max_tokens: int, t: Trajectory) -> float:
         """DAPO's soft overlong punishment: 0 up to max_tokens - overlong.buffer, then growing
         linearly to overlong.penalty at max_tokens (logged as a reward component)."""
-        if self.o.overlong.mode != "penalty":
+        if self.settings.overlong.mode != "penalty":
             return 0.0
-        buffer = min(self.o.overlong.buffer, max_tokens)
-        penalty = self.o.overlong.penalty * max(0, length - (max_tokens - buffer)) / buffer
+        buffer = min(self.settings.overlong.buffer, max_tokens)
+        penalty = self.settings.overlong.penalty * max(0, length - (max_tokens - buffer)) / buffer
         t.components = {**t.components, "overlong_penalty": -penalty}
         return penalty
 
@@ -74,5 +74,5 @@ class SingleTurn(RolloutKind):
 
     def failure_fix(self, prompt: Prompt) -> str:
         reward = self.source(prompt).ds.reward
-        teacher = f" or the teacher at {self.o.teacher.url}" if self.o.teacher.url else ""
+        teacher = f" or the teacher at {self.settings.teacher.url}" if self.settings.teacher.url else ""
         return f"fix its reward {reward!r}{teacher} (the error above), or orchestrator.reward_timeout_s if it is slow"

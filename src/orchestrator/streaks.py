@@ -26,7 +26,7 @@ Minimum span: a count alone cannot tell a cause that passes from one that does n
 come fast. A reward endpoint or teacher refusing connections while it restarts fails each group
 in milliseconds: 32 groups in flight retried 3 times make 200 failures in under a second. So
 `failed` also needs its streak to have lasted as long as the run would wait for a slow reward
-or teacher before calling it down (Orchestrator's spans: MAX_ATTEMPTS x reward_timeout_s,
+or teacher before calling it down (group_outcomes.futile_spans: MAX_ATTEMPTS x reward_timeout_s,
 servers.request_timeout_s for a teacher). Skips and filtered groups are verdicts on the data, not on
 something that restarts: counts alone.
 

@@ -24,7 +24,7 @@ class TextEpisodes(EnvironmentKind):
         return lambda tokenizer: lambda row: opening_tokens(env, tokenizer, row)
 
     async def episode(self, row: dict, eid: str, generate: Generate) -> Trajectory | None:
-        o, encode = self.o, self.toolkit.encode
+        o, encode = self.settings, self.toolkit.encode
         try:
             episode = self.env.episode(row)
             t = Trajectory([], [], [], [], 0.0)

@@ -29,7 +29,7 @@ class ToolEpisodes(EnvironmentKind):
         self.stop_token_ids = renderer.stop_token_ids
         self.tool_episode = ToolEpisode(
             env, env_tools(cfg, env), needed_template(cfg, renderer.template), toolkit.fast, toolkit.encode, toolkit.decode,
-            tool_parser(self.o.tools.parser), self.o.tools.timeout_s, self.o.max_turns, cfg.seq_len)
+            tool_parser(self.settings.tools.parser), self.settings.tools.timeout_s, self.settings.max_turns, cfg.seq_len)
 
     async def episode(self, row: dict, eid: str, generate: Generate) -> Trajectory | None:
         """One tool-calling episode; None if the template or the reward failed (a tool's failure

@@ -8,15 +8,22 @@ import contextlib
 
 import torch
 
+from rl.config import RunConfig
 from trainer.lora import LoRA
 from trainer.policy import Policy
 from trainer.tuning import Tuning
 
 
 class AdapterTuning(Tuning):
-    def __init__(self, model: torch.nn.Module, lora: LoRA):
-        super().__init__(model)
+    def __init__(self, model: torch.nn.Module, lora: LoRA | None):
+        super().__init__(model, lora)
         self.lora = lora
+
+    @staticmethod
+    def slots(cfg: RunConfig) -> int:
+        """One adapter per run: a slot for each run the trainer may hold at once (multi-run), else one."""
+        lora = cfg.trainer.lora
+        return lora.slots if lora.multi_run else 1
 
     @property
     def first_slot(self) -> int | None:

@@ -59,11 +59,9 @@ class Trainer:
         self.vocab_size = hf_config.get_text_config().vocab_size
         pad_id = getattr(hf_config.get_text_config(), "pad_token_id", None)
         self.pad_id = 0 if pad_id is None else pad_id
-        lora_cfg = cfg.trainer.lora
-        kind = tuning_kind(cfg)
-        slots = (lora_cfg.slots if lora_cfg.multi_run else 1) if kind == "adapters" else 0
-        self.model, self.lora = load_model(cfg, self.device, trainable=True, lora_slots=slots)
-        self.tuning = TUNINGS[kind](self.model, self.lora)
+        tuning = TUNINGS[tuning_kind(cfg)]
+        self.model, self.lora = load_model(cfg, self.device, trainable=True, lora_slots=tuning.slots(cfg))
+        self.tuning = tuning(self.model, self.lora)
         self.flash = self.model.config._attn_implementation.startswith("flash")
         if self.rank == 0:
             log.info("attention: %s", self.model.config._attn_implementation)
@@ -72,7 +70,7 @@ class Trainer:
                           and loss.kl_target == "reference" and self.tuning.own_reference else None)
         self.publisher = make_publisher(cfg, self.run, self.rank, self.model, self.lora, self.tied)
         self.policy = None  # multi-run: one per run (trainer/runs.py)
-        if not lora_cfg.multi_run:
+        if not cfg.trainer.lora.multi_run:
             self.policy = self.new_policy(cfg, self.run, self.tuning.first_slot)
 
     def new_policy(self, cfg: RunConfig, run: RunDir, slot: int | None) -> Policy:

@@ -10,14 +10,21 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from rl.config import RunConfig
+from trainer.lora import LoRA
 from trainer.policy import Policy
 
 
 class Tuning(ABC):
     """`model`: the trained model, FSDP2-sharded (with its adapter slots for LoRA)."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, lora: LoRA | None):
         self.model = model
+
+    @staticmethod
+    def slots(cfg: RunConfig) -> int:
+        """Adapter slots the model is loaded with (trainer/model.py): none for the whole model."""
+        return 0
 
     @property
     def first_slot(self) -> int | None:

@@ -4,18 +4,13 @@ the whole model."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import torch
-
 from rl.config import RunConfig
 from trainer.adapter_tuning import AdapterTuning
 from trainer.full_tuning import FullTuning
-from trainer.lora import LoRA
 from trainer.tuning import Tuning
 
-TUNINGS: dict[str, Callable[[torch.nn.Module, LoRA | None], Tuning]] = {
-    "full": lambda model, lora: FullTuning(model),
+TUNINGS: dict[str, type[Tuning]] = {
+    "full": FullTuning,
     "adapters": AdapterTuning,
 }
 
