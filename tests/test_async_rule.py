@@ -3,7 +3,7 @@ holds no sample older than version n-1-m."""
 
 from __future__ import annotations
 
-from rl.async_rule import can_hand_over, is_fresh, min_serving_version
+from orchestrator.async_rule import can_hand_over, is_fresh, min_serving_version
 
 
 def test_synchronous_needs_the_previous_version():

@@ -30,7 +30,7 @@ from conftest import TINY_MODEL, free_port
 from fake_inference import FakeServer, row_name, start
 from orchestrator.orchestrator import Orchestrator
 from orchestrator.prompts import decode_state
-from rl.async_rule import is_fresh
+from orchestrator.async_rule import is_fresh
 from rl.batch import Batch
 from rl.config import RunConfig
 from rl.rundir import RunDir, mark_stable

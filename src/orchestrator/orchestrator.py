@@ -1,5 +1,5 @@
 """The orchestrator: keeps groups generating on the inference servers, scores them, and hands
-batches to the trainer under the async rule (rl/async_rule.py). `rl orchestrator` runs it
+batches to the trainer under the async rule (orchestrator/async_rule.py). `rl orchestrator` runs it
 (orchestrator/main.py).
 
 Concurrent loops on one event loop:
@@ -44,7 +44,7 @@ from orchestrator.servers import ServerPool
 from orchestrator.sources import RowError, configured_sources
 from orchestrator.streaks import Streaks
 from orchestrator.trainer_watch import watch_trainer
-from rl.async_rule import can_hand_over, is_fresh, min_serving_version, oldest_usable_version
+from orchestrator.async_rule import can_hand_over, is_fresh, min_serving_version, oldest_usable_version
 from rl.batch import Batch
 from rl.config import RunConfig
 from rl.inference_api import GenerateRequest, GenerateResponse, InferenceError

@@ -35,7 +35,7 @@ import jinja2
 
 from orchestrator.chat import ChatTemplate, row_messages
 from orchestrator.rollout_kind import Opening
-from rl.callables import load_callable
+from orchestrator.callables import load_callable
 from rl.config import ConfigError, RunConfig
 from rl.dataset_config import Dataset
 from orchestrator.tables import load_table, row_problem

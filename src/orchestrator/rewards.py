@@ -14,7 +14,7 @@ from orchestrator.reward_http import HttpReward
 from orchestrator.reward_inline import InlineReward
 from orchestrator.reward_threads import ThreadedReward
 from orchestrator.scoring import Reward
-from rl.callables import load_callable
+from orchestrator.callables import load_callable
 from rl.dataset_config import BUILTIN_REWARDS
 
 FUNCTION_REWARDS = {

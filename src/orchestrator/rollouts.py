@@ -20,7 +20,7 @@ from orchestrator.scoring import Teacher
 from orchestrator.sources import Renderer, RowError, Source, configured_sources
 from orchestrator.tokenizer import load_tokenizer
 from rl.batch import Sample
-from rl.callables import load_callable
+from orchestrator.callables import load_callable
 from rl.config import RunConfig
 from rl.dataset_config import Sampling
 from rl.inference_api import GenerateRequest, InferenceClient

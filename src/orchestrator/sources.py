@@ -20,7 +20,7 @@ import aiohttp
 import jinja2
 
 from orchestrator.rewards import make_reward
-from rl.callables import load_callable
+from orchestrator.callables import load_callable
 from orchestrator.chat import ChatTemplate, read_json, token_text
 from rl.config import OrchestratorConfig, RunConfig
 from rl.dataset_config import Dataset

@@ -15,7 +15,7 @@ from orchestrator.rollout_kind import Aborted, Generate, Opening, Toolkit, Traje
 from orchestrator.tool_episode import TemplateDrift, ToolEpisode, opening_messages
 from orchestrator.tool_parsers import PARSERS, tool_parser
 from orchestrator.tools import load_tools
-from rl.callables import load_callable
+from orchestrator.callables import load_callable
 from rl.config import ConfigError, RunConfig
 from rl.inference_api import GeneratedSample
 

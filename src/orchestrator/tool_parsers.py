@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rl.callables import load_callable
+from orchestrator.callables import load_callable
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """`package.module:name` specs (orchestrator.dataset, .reward, .environment): resolved in one
-place, so that the start-up check (rl/preflight.py) and the orchestrator that calls them agree.
+place, so that the start-up check (orchestrator/preflight.py) and the orchestrator that calls them agree.
 
 The current directory is importable, as it is under `python -m rl`: the `rl` console script
 would otherwise not find a user's `mytask.py` beside the config while `rl run`'s children

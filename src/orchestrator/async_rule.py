@@ -1,4 +1,5 @@
-"""The async rule (docs/architecture.md), as two functions every program and test shares.
+"""The async rule (docs/architecture.md), as the functions the orchestrator enforces it with (the
+only program that does: it decides when a batch goes out and which groups may be in it).
 
 Version v is the weights after v optimizer steps; trainer step n consumes batch n and turns
 version n-1 into version n.
