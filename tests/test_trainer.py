@@ -310,10 +310,13 @@ def test_learning_rate_schedules():
 def test_reference_kl_sequence_ratio_and_bfloat16_run_through_the_real_trainer(tmp_path, write_toml):
     """The options the loss tests check in isolation, wired through the program: a frozen
     reference model (KL is 0 at step 1, where trainer == reference, and > 0 after it moved),
-    sequence-level truncated IS, ratio masks, Dr. GRPO normalisation, padded micro-batches, bf16."""
+    sequence-level truncated IS, ratio masks, Dr. GRPO normalisation, padded micro-batches, bf16
+    compute; and, with servers holding bfloat16 (inference.dtype), each version published in
+    bfloat16: the float32 master weights rounded as a server would round them on load."""
     run = RunDir(tmp_path / "run")
     write_batches(run, [1, 2, 3])
-    extra = ("max_steps = 3\n[trainer]\npack = false\nmicro_batch_size = 3\ndtype = \"bfloat16\"\n"
+    extra = ("max_steps = 3\n[inference]\ndtype = \"bfloat16\"\n"
+             "[trainer]\npack = false\nmicro_batch_size = 3\ndtype = \"bfloat16\"\ncheckpoint_every = 3\n"
              "[trainer.optim]\nlr = 1e-3\n[trainer.loss]\nobjective = \"truncated_is\"\nratio_level = \"sequence\"\n"
              "mask_low = 0.1\nmask_high = 1.02\nkl_coef = 0.1\nkl_target = \"reference\"\nnormalization = \"constant\"\n")
     run_trainer(rl_command("trainer"), ["@", config(write_toml, run, "cfg.toml"),
@@ -325,6 +328,12 @@ def test_reference_kl_sequence_ratio_and_bfloat16_run_through_the_real_trainer(t
     assert 0 < m[0]["entropy"] < math.log(30)  # vocab of 30
     # Once the policy moved, some samples' sequence ratios leave [0.1, 1.02] and are masked whole.
     assert m[2]["masked_frac"] > 0 and all(r["masked_frac"] < 1 for r in m)
+    published = load_file(run.weights_dir(3) / "model.safetensors")
+    master = checkpoint_state(run, 3)
+    assert published.keys() <= master.keys() and len(published) >= len(master) - 1  # a tied lm_head is left out
+    for name, tensor in published.items():
+        assert tensor.dtype == torch.bfloat16 and master[name][0].dtype == torch.float32, name
+        assert torch.equal(tensor, master[name][0].to(torch.bfloat16)), name
 
 
 @pytest.mark.parametrize("pack", [True, False])

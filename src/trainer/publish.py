@@ -23,7 +23,7 @@ from rl.config import RunConfig
 from rl.rundir import STABLE, RunDir
 from trainer.lora import LoRA
 from trainer.policy import Policy
-from trainer.weights import gather_full_state_dict, prune_weights, write_adapter, write_weights
+from trainer.weights import gather_full_state_dict, prune_weights, served_dtype, write_adapter, write_weights
 
 log = logging.getLogger("trainer")
 
@@ -61,12 +61,13 @@ class Publisher:
 
 
 class FilePublisher(Publisher):
-    def __init__(self, rank: int, model: torch.nn.Module, source: Path, tied: bool):
+    def __init__(self, rank: int, model: torch.nn.Module, cfg: RunConfig, tied: bool):
         super().__init__(rank)
-        self.model, self.source, self.tied = model, source, tied
+        self.model, self.source, self.tied = model, cfg.model, tied
+        self.dtype = served_dtype(cfg)  # the servers' own: the bytes they hold, no more
 
     def gather(self, policy: Policy) -> dict[str, torch.Tensor]:
-        return gather_full_state_dict(self.model)
+        return gather_full_state_dict(self.model, self.dtype)
 
     def deliver(self, policy: Policy, step: int, tensors: dict[str, torch.Tensor]) -> float:
         t = policy.cfg.trainer
@@ -77,7 +78,7 @@ class FilePublisher(Publisher):
 
 class BroadcastPublisher(FilePublisher):
     def __init__(self, rank: int, model: torch.nn.Module, cfg: RunConfig, run: RunDir, tied: bool):
-        super().__init__(rank, model, cfg.model, tied)
+        super().__init__(rank, model, cfg, tied)
         self.broadcaster = None
         if rank == 0:
             from trainer.broadcast import WeightBroadcaster
@@ -115,7 +116,7 @@ def make_publisher(cfg: RunConfig, run: RunDir, rank: int, model: torch.nn.Modul
 
 
 PUBLISHERS: dict[str, Callable[..., Publisher]] = {
-    "files": lambda cfg, run, rank, model, lora, tied: FilePublisher(rank, model, cfg.model, tied),
+    "files": lambda cfg, run, rank, model, lora, tied: FilePublisher(rank, model, cfg, tied),
     "broadcast": lambda cfg, run, rank, model, lora, tied: BroadcastPublisher(rank, model, cfg, run, tied),
     "adapters": lambda cfg, run, rank, model, lora, tied: AdapterPublisher(rank, lora, cfg.model),
 }
