@@ -21,6 +21,7 @@ Request bodies with unknown fields are refused.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -201,10 +202,14 @@ class InferenceClient:
         """The route ROUTES[name]; its response model, else the JSON object it answered."""
         route = ROUTES[name]
         assert isinstance(body, route.request or type(None)), (name, body)
-        data = await self._request(route.method, route.path, timeout, None if body is None else body.model_dump())
-        return data if route.response is None else route.response.model_validate(data)
+        # A response model parses the bytes itself: a /generate answer of 64 x 8k tokens is 15 MB
+        # of JSON, 0.24 s of the orchestrator's CPU this way, 0.39 s through json.loads and then
+        # validation (docs/performance.md, "Real size").
+        parse = json.loads if route.response is None else route.response.model_validate_json
+        return await self._request(route.method, route.path, timeout,
+                                   None if body is None else body.model_dump(), parse)
 
-    async def _request(self, method: str, route: str, timeout: float, body: dict | None) -> dict:
+    async def _request(self, method: str, route: str, timeout: float, body: dict | None, parse):
         try:
             async with self.session.request(
                 method, f"{self.url}{route}", json=body, headers=self.headers,
@@ -213,7 +218,7 @@ class InferenceClient:
                 if r.status != 200:
                     text = await r.text()
                     raise InferenceError(f"{self.url}{route}: HTTP {r.status}: {text[:300]}")
-                return await r.json()
+                return parse(await r.read())
         except TimeoutError:
             raise InferenceError(f"{self.url}{route}: no answer in {timeout:g} s (server down or "
                                  "unreachable?)") from None
