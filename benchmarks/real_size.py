@@ -13,8 +13,8 @@ Scenarios (each a fresh run directory under runs/real_size/):
   tools         a tool environment whose system prompt carries several tools' JSON schemas
   eval          `rl eval` of the first scenario's published weights (one server start, reload)
 
-Per program (its process and everything it started): wall time of the run, peak RSS (sampled
-every 0.25 s, the sum over the program's processes: pages they share count twice), CPU seconds.
+Per program (its process and everything it started): wall time of the run, peak memory (PSS,
+sampled every 0.25 s, summed over the program's processes), CPU seconds.
 From metrics.jsonl: the trainer's step and weight-write times, the orchestrator's waits and
 tokens/s. From the run directory: bytes per step of batches, weights and checkpoints. Batch
 encode/decode timed in this process on the run's own last batch. Orchestrator CPU per sample is
@@ -83,7 +83,7 @@ def config(model: Path, scenario: str, args, seq_len: int) -> str:
     steps = args.steps
     lines = [f'model = "{model}"', f"max_steps = {steps}", f"seq_len = {seq_len}", "max_async_level = 1",
              "seed = 0", "", "[inference]", f"port = {args.port}", 'dtype = "bfloat16"', "cpus = [0]",
-             "cpu_kv_cache_gib = 4", "", "[orchestrator]", "cpus = [0]", f"prompts_per_step = {args.prompts}",
+             "cpu_kv_cache_gib = 2", "", "[orchestrator]", "cpus = [0]", f"prompts_per_step = {args.prompts}",
              "group_size = 2", f"max_in_flight_groups = {2 * args.prompts}", f"max_tokens = {args.max_tokens}",
              "temperature = 1.0",
              "servers.request_timeout_s = 3600", "trainer_timeout_s = 7200"]
@@ -186,12 +186,12 @@ class ManyTools:
 
 
 class Sampler(threading.Thread):
-    """Peak RSS and CPU seconds of each program's process tree, every `every_s`."""
+    """Peak PSS and CPU seconds of each program's process tree, every `every_s`."""
 
     def __init__(self, root_pid: int, every_s: float = 0.25):
         super().__init__(daemon=True)
         self.root_pid, self.every_s = root_pid, every_s
-        self.peak_rss = {p: 0 for p in PROGRAMS}
+        self.peak_pss = {p: 0 for p in PROGRAMS}
         self.cpu_s = {p: 0.0 for p in PROGRAMS}
         self.seen_cpu: dict[int, tuple[str, float]] = {}  # pid -> (program, its latest CPU seconds)
         self.stop = threading.Event()
@@ -203,7 +203,7 @@ class Sampler(threading.Thread):
 
     def sample(self) -> None:
         children = _children()
-        rss = {p: 0 for p in PROGRAMS}
+        pss = {p: 0 for p in PROGRAMS}
         for top in children.get(self.root_pid, []):
             program = _program_of(top)
             if program is None:
@@ -212,10 +212,10 @@ class Sampler(threading.Thread):
                 stat = _stat(pid)
                 if stat is None:
                     continue
-                rss[program] += stat[0]
+                pss[program] += stat[0]
                 self.seen_cpu[pid] = (program, stat[1])
         for p in PROGRAMS:
-            self.peak_rss[p] = max(self.peak_rss[p], rss[p])
+            self.peak_pss[p] = max(self.peak_pss[p], pss[p])
             self.cpu_s[p] = sum(cpu for prog, cpu in self.seen_cpu.values() if prog == p)
 
 
@@ -250,13 +250,15 @@ def _program_of(pid: int) -> str | None:
 
 
 def _stat(pid: int) -> tuple[int, float] | None:
-    """(RSS bytes, CPU seconds user + system) of one process."""
+    """(PSS bytes, CPU seconds user + system) of one process. PSS, not RSS: the engine core is
+    forked from the server and shares its pages (torch, vLLM), which RSS would count twice."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
     except OSError:
         return None
-    tick = os.sysconf("SC_CLK_TCK")
-    return int(fields[21]) * os.sysconf("SC_PAGE_SIZE"), (int(fields[11]) + int(fields[12])) / tick
+    pss_kb = next((int(line.split()[1]) for line in rollup.splitlines() if line.startswith("Pss:")), 0)
+    return pss_kb * 1024, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def dir_bytes(path: Path) -> int:
@@ -336,7 +338,7 @@ def run_scenario(name: str, model: Path, args) -> dict:
     if code != 0:
         raise RuntimeError(f"[{name}] rl run exited {code}: see {run / 'rl_run.log'}")
     records = [json.loads(x) for x in (run / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    result = {"scenario": name, "wall_s": wall, "peak_rss_bytes": sampler.peak_rss, "cpu_s": sampler.cpu_s,
+    result = {"scenario": name, "wall_s": wall, "peak_pss_bytes": sampler.peak_pss, "cpu_s": sampler.cpu_s,
               "prompt_tokens": [min(lengths), max(lengths)], **summarize(records),
               "bytes_per_step": per_step_bytes(run / "run"), "batch_codec": batch_codec_s(run / "run")}
     # Samples generated: the batches' (prompts x 2 completions a step) and eval's (one greedy
@@ -362,7 +364,7 @@ def run_eval(args) -> dict:
             time.sleep(0.25)
     if proc.returncode != 0:
         raise RuntimeError(f"[eval] rl eval exited {proc.returncode}: see {OUT / 'eval.log'}")
-    return {"scenario": "eval", "wall_s": time.perf_counter() - start, "peak_rss_bytes": {"eval": peak}}
+    return {"scenario": "eval", "wall_s": time.perf_counter() - start, "peak_pss_bytes": {"eval": peak}}
 
 
 def main() -> None:

