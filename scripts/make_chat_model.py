@@ -51,12 +51,10 @@ ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 CHAT_TEMPLATE = (Path(__file__).parent / "chat_template.jinja").read_text()
 
 
-def build_chat_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level BPE set up exactly as transformers' Qwen2Tokenizer (NFC, Qwen2's split regex,
-    byte-level), so AutoTokenizer gives the same ids whether it reads tokenizer.json or rebuilds
-    the tokenizer from the Qwen2 recipe. Its merges are learnt from the chat roles and the task's
-    instruction only: the instruction's words become one token each, while the words to spell
-    (new every row) stay mostly single letters, which a 0.8M model can learn to reverse."""
+def qwen2_bpe() -> Tokenizer:
+    """An untrained byte-level BPE set up exactly as transformers' Qwen2Tokenizer (NFC, Qwen2's split
+    regex, byte-level), so AutoTokenizer gives the same ids whether it reads tokenizer.json or
+    rebuilds the tokenizer from the Qwen2 recipe. The tool and real-size models train the same one."""
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -64,6 +62,14 @@ def build_chat_tokenizer() -> PreTrainedTokenizerFast:
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def build_chat_tokenizer() -> PreTrainedTokenizerFast:
+    """qwen2_bpe(), its merges are learnt from the chat roles and the task's
+    instruction only: the instruction's words become one token each, while the words to spell
+    (new every row) stay mostly single letters, which a 0.8M model can learn to reverse."""
+    tok = qwen2_bpe()
     instruction = task_dataset(EVAL_SEED, 1)[0]["question"].rsplit(" ", 1)[0]  # without the word
     trainer = trainers.BpeTrainer(
         vocab_size=1000,  # never reached: merging stops once each training word is one token

@@ -128,16 +128,10 @@ def read_corpus(files: list[tuple[Path, str, int]]):
 def train_tokenizer(files: list[tuple[Path, str, int]]):
     """Qwen2's byte-level BPE recipe (as transformers' Qwen2Tokenizer builds it), trained on the
     corpus for up to REGULAR_TOKENS tokens; returns the tokenizers.Tokenizer and its size."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+    from make_chat_model import qwen2_bpe
+    from tokenizers import pre_tokenizers, trainers
 
-    tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tok.decoder = decoders.ByteLevel()
+    tok = qwen2_bpe()
     trainer = trainers.BpeTrainer(
         vocab_size=REGULAR_TOKENS,
         special_tokens=[],  # added after training, at Qwen2.5's ids

@@ -50,11 +50,10 @@ from types import SimpleNamespace
 
 import torch
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from make_chat_model import CHAT_TEMPLATE, ENDOFTEXT, IM_END, IM_START, save
+from make_chat_model import CHAT_TEMPLATE, ENDOFTEXT, IM_END, IM_START, qwen2_bpe, save
 from make_tiny_model import add_sft_args, build_model, sft
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Tokenizer, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
-from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 from orchestrator.tasks.calculator import EVAL_SEED, SFT_SEED, Calculator, calculate, rows, task_dataset
 from orchestrator.tasks.calculator import row as make_row
@@ -106,13 +105,7 @@ def build_tool_tokenizer() -> PreTrainedTokenizerFast:
     """make_chat_model.py's recipe (a byte-level BPE set up as transformers' Qwen2Tokenizer), its
     merges learnt from `fixed_texts()`: each of their words becomes one token, while digits,
     operators and spaces stay one token each."""
-    tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tok.decoder = decoders.ByteLevel()
+    tok = qwen2_bpe()
     trainer = trainers.BpeTrainer(
         vocab_size=1000,  # never reached: merging stops once each training word is one token
         special_tokens=[ENDOFTEXT, IM_START, IM_END],
