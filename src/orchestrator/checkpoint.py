@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import logging
 
+from orchestrator.preflight import orchestrator_state_refusal
 from orchestrator.prompts import Prompt, decode_state, encode_state
 from rl.batch import Batch
-from orchestrator.preflight import orchestrator_state_refusal
 from rl.rundir import RunDir, mark_stable, write_file_atomic
 from rl.transport import BatchSender
 

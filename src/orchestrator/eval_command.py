@@ -82,7 +82,8 @@ async def _until_answering(cfg: RunConfig, client: InferenceClient, proc: subpro
         if proc.poll() is not None:
             raise RuntimeError(f"the inference server exited with code {proc.returncode}")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the inference server did not answer within {cfg.orchestrator.servers.wait_timeout_s:.0f} s")
+            raise TimeoutError("the inference server did not answer within "
+                               f"{cfg.orchestrator.servers.wait_timeout_s:.0f} s")
         await asyncio.sleep(1.0)
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from orchestrator.async_rule import can_hand_over, is_fresh, min_serving_version, oldest_usable_version
 from orchestrator.checkpoint import checkpointed_batch, resume_point, save_checkpoint
 from orchestrator.delivery import weight_delivery
 from orchestrator.evaluation import Evaluation, EvaluationRunner
@@ -44,12 +45,11 @@ from orchestrator.servers import ServerPool
 from orchestrator.sources import RowError, configured_sources
 from orchestrator.streaks import Streaks
 from orchestrator.trainer_watch import watch_trainer
-from orchestrator.async_rule import can_hand_over, is_fresh, min_serving_version, oldest_usable_version
 from rl.batch import Batch
 from rl.config import RunConfig
-from rl.inference_api import GenerateRequest, GenerateResponse, InferenceError
 from rl.faults import crash_point
 from rl.heartbeat import set_phase
+from rl.inference_api import GenerateRequest, GenerateResponse, InferenceError
 from rl.polling import Backoff
 from rl.rundir import RunDir
 from rl.transports import batch_sender
@@ -93,7 +93,8 @@ class Orchestrator:
         self.counters = Counters()
         self.background: list[asyncio.Task] = []
         self.chores: set[asyncio.Task] = set()
-        self.streaks = Streaks(self.settings.max_futile_streak, futile_spans(self.settings))  # what would make the run spin ends it
+        # What would make the run spin ends it.
+        self.streaks = Streaks(self.settings.max_futile_streak, futile_spans(self.settings))
         self.outcomes = GroupOutcomes(self.settings, self.rollouts.kind, self.queue, self.streaks,
                                       has_teacher=self.rollouts.teacher is not None)
         self.reporting = Reporting(cfg, self.run_dir, self.pool, per_dataset=len(self.rollouts.kind.sources) > 1)

@@ -10,10 +10,10 @@ from collections.abc import Callable
 
 import jinja2
 
+from orchestrator.callables import load_callable
 from orchestrator.chat import ChatTemplate
 from orchestrator.prompt_fit import dataset_fits, environment_fits, error_line, measure, sample, tokenizer_of
 from orchestrator.rollout_kinds import kind_of
-from orchestrator.callables import load_callable
 from rl.config import ConfigError, RunConfig
 from rl.dataset_config import BUILTIN_REWARDS, Dataset
 from rl.preflight import cores, model_config, output_dir, seq_len_fits, tokenizer_files

@@ -33,12 +33,12 @@ from pathlib import Path
 
 import jinja2
 
+from orchestrator.callables import load_callable
 from orchestrator.chat import ChatTemplate, row_messages
 from orchestrator.rollout_kind import Opening
-from orchestrator.callables import load_callable
+from orchestrator.tables import load_table, row_problem
 from rl.config import ConfigError, RunConfig
 from rl.dataset_config import Dataset
-from orchestrator.tables import load_table, row_problem
 
 log = logging.getLogger("rl")
 

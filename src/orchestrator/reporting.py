@@ -14,10 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from orchestrator.tracking import Tracker
 from rl.batch import Batch
 from rl.config import RunConfig
 from rl.rundir import RunDir
-from orchestrator.tracking import Tracker
 
 if TYPE_CHECKING:
     from orchestrator.rollouts import Group

@@ -9,12 +9,12 @@ import inspect
 
 import aiohttp
 
+from orchestrator.callables import load_callable
 from orchestrator.reward_async import AsyncReward
 from orchestrator.reward_http import HttpReward
 from orchestrator.reward_inline import InlineReward
 from orchestrator.reward_threads import ThreadedReward
 from orchestrator.scoring import Reward
-from orchestrator.callables import load_callable
 from rl.dataset_config import BUILTIN_REWARDS
 
 FUNCTION_REWARDS = {

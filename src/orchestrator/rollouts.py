@@ -13,6 +13,7 @@ import aiohttp
 from tokenizers import Tokenizer
 
 from orchestrator.advantages import group_advantages
+from orchestrator.callables import load_callable
 from orchestrator.prompts import Prompt
 from orchestrator.rollout_kind import Generate, RolloutKind, Trajectory, gather_or_cancel
 from orchestrator.rollout_kinds import kind_of
@@ -20,7 +21,6 @@ from orchestrator.scoring import Teacher
 from orchestrator.sources import Renderer, RowError, Source, configured_sources
 from orchestrator.tokenizer import load_tokenizer
 from rl.batch import Sample
-from orchestrator.callables import load_callable
 from rl.config import RunConfig
 from rl.dataset_config import Sampling
 from rl.inference_api import GenerateRequest, InferenceClient

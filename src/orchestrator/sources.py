@@ -19,13 +19,13 @@ from pathlib import Path
 import aiohttp
 import jinja2
 
-from orchestrator.rewards import make_reward
 from orchestrator.callables import load_callable
 from orchestrator.chat import ChatTemplate, read_json, token_text
+from orchestrator.prompt_fit import dataset_prompt, draw_order
+from orchestrator.rewards import make_reward
+from orchestrator.tables import Table, load_table, row_problem
 from rl.config import OrchestratorConfig, RunConfig
 from rl.dataset_config import Dataset
-from orchestrator.prompt_fit import dataset_prompt, draw_order
-from orchestrator.tables import Table, load_table, row_problem
 
 log = logging.getLogger("orchestrator")
 

@@ -21,9 +21,9 @@ import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from orchestrator.chat import ChatTemplate, row_messages
 from orchestrator.tool_parsers import BadCall, ToolCall, ToolParser
 from orchestrator.tools import Tool, ToolError
-from orchestrator.chat import ChatTemplate, row_messages
 from rl.inference_api import GeneratedSample
 
 SampleTurn = Callable[[str, list[int]], Awaitable[GeneratedSample]]

@@ -9,13 +9,13 @@ from collections.abc import Callable
 
 import jinja2
 
+from orchestrator.callables import load_callable
 from orchestrator.chat import ChatTemplate
 from orchestrator.environment_kind import EnvironmentKind
 from orchestrator.rollout_kind import Aborted, Generate, Opening, Toolkit, Trajectory
 from orchestrator.tool_episode import TemplateDrift, ToolEpisode, opening_messages
 from orchestrator.tool_parsers import PARSERS, tool_parser
 from orchestrator.tools import load_tools
-from orchestrator.callables import load_callable
 from rl.config import ConfigError, RunConfig
 from rl.inference_api import GeneratedSample
 
@@ -27,9 +27,10 @@ class ToolEpisodes(EnvironmentKind):
     def __init__(self, cfg: RunConfig, toolkit: Toolkit, renderer, sources, env):
         super().__init__(cfg, toolkit, renderer, sources, env)
         self.stop_token_ids = renderer.stop_token_ids
+        tools = self.settings.tools
         self.tool_episode = ToolEpisode(
-            env, env_tools(cfg, env), needed_template(cfg, renderer.template), toolkit.fast, toolkit.encode, toolkit.decode,
-            tool_parser(self.settings.tools.parser), self.settings.tools.timeout_s, self.settings.max_turns, cfg.seq_len)
+            env, env_tools(cfg, env), needed_template(cfg, renderer.template), toolkit.fast, toolkit.encode,
+            toolkit.decode, tool_parser(tools.parser), tools.timeout_s, self.settings.max_turns, cfg.seq_len)
 
     async def episode(self, row: dict, eid: str, generate: Generate) -> Trajectory | None:
         """One tool-calling episode; None if the template or the reward failed (a tool's failure
