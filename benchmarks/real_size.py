@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RL = Path(sys.executable).parent / "rl"
+RL = [sys.executable, "-m", "rl"]  # the venv's rl, wherever its console script lives
 OUT = ROOT / "runs" / "real_size"
 SCENARIOS = ["full-files", "full-broadcast", "lora", "tools", "eval"]
 PROGRAMS = ("inference", "orchestrator", "trainer")
@@ -323,17 +323,23 @@ def run_scenario(name: str, model: Path, args) -> dict:
     (run / "real_size_tools.py").write_text(TOOLS_ENV)
     seq_len = args.prompt_max + 64 + args.max_tokens  # the chat template's tokens besides the prompt
     (run / "cfg.toml").write_text(config(model, name, args, seq_len))
-    argv = [str(RL), "run", "@", "cfg.toml", "--output_dir", str(run / "run")]
-    print(f"[{name}] $ {' '.join(argv[1:])}  (prompts {min(lengths)}-{max(lengths)} tokens)", flush=True)
+    argv = [*RL, "run", "@", "cfg.toml", "--output_dir", str(run / "run")]
+    print(f"[{name}] $ {' '.join(argv[2:])}  (prompts {min(lengths)}-{max(lengths)} tokens)", flush=True)
     start = time.perf_counter()
     with open(run / "rl_run.log", "w") as log:
         proc = subprocess.Popen(argv, cwd=run, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
         sampler = Sampler(proc.pid)
         sampler.start()
-        code = proc.wait(timeout=args.timeout_s)
-        sampler.stop.set()
-        sampler.join()
+        try:
+            code = proc.wait(timeout=args.timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.terminate()  # rl run stops its three programs: the next scenario needs the port
+            proc.wait(timeout=60)
+            raise
+        finally:
+            sampler.stop.set()
+            sampler.join()
     wall = time.perf_counter() - start
     if code != 0:
         raise RuntimeError(f"[{name}] rl run exited {code}: see {run / 'rl_run.log'}")
@@ -351,9 +357,12 @@ def run_scenario(name: str, model: Path, args) -> dict:
 def run_eval(args) -> dict:
     """`rl eval` of the full-files run's last published weights: its own server, one reload."""
     run = OUT / "full-files"
-    argv = [str(RL), "eval", "@", "cfg.toml", "--output_dir", str(run / "run"), "--step", str(args.steps),
+    if not (run / "run" / "weights" / f"step_{args.steps}").exists():
+        raise SystemExit(f"[eval] evaluates the full-files scenario's weights/step_{args.steps}: run "
+                         f"--scenario full-files --steps {args.steps} first")
+    argv = [*RL, "eval", "@", "cfg.toml", "--output_dir", str(run / "run"), "--step", str(args.steps),
             "--inference.port", str(args.port)]
-    print(f"[eval] $ {' '.join(argv[1:])}", flush=True)
+    print(f"[eval] $ {' '.join(argv[2:])}", flush=True)
     start = time.perf_counter()
     with open(OUT / "eval.log", "w") as log:
         proc = subprocess.Popen(argv, cwd=run, stdout=log, stderr=subprocess.STDOUT)

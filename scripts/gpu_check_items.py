@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+
 @dataclass(frozen=True)
 class Scale:
     """The sizes an item runs at: a real model on a GPU, or a tiny one on a few cores."""

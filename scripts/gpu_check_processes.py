@@ -16,7 +16,6 @@ from pathlib import Path
 # --- the item's processes: memory and clean-up ------------------------------------------------
 
 
-
 def nvidia_smi(*query: str) -> list[list[str]] | None:
     """Rows of an nvidia-smi CSV query; None where nvidia-smi is missing or fails."""
     try:

@@ -218,12 +218,16 @@ class InferenceClient:
                 if r.status != 200:
                     text = await r.text()
                     raise InferenceError(f"{self.url}{route}: HTTP {r.status}: {text[:300]}")
-                return parse(await r.read())
+                answer = await r.read()
         except TimeoutError:
             raise InferenceError(f"{self.url}{route}: no answer in {timeout:g} s (server down or "
                                  "unreachable?)") from None
         except aiohttp.ClientError as e:
             raise InferenceError(f"{self.url}{route}: {type(e).__name__}: {e}") from None
+        try:
+            return parse(answer)
+        except ValueError as e:  # not JSON, or not the route's answer: the server's fault, like a cut connection
+            raise InferenceError(f"{self.url}{route}: a bad answer: {str(e).splitlines()[0][:200]}") from None
 
     async def health(self, timeout: float = 5.0) -> dict:
         return await self.call("health", timeout)
