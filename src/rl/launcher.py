@@ -27,6 +27,7 @@ from rl.config import RunConfig
 from rl.heartbeat import PeerWatch, heartbeat_path
 from rl.plots import write_plots
 from rl.rundir import RunDir
+from rl.stop_signal import raise_on_sigterm
 
 PROGRAMS = ("inference", "trainer", "orchestrator")
 STOP_GRACE_S = 15.0
@@ -185,10 +186,7 @@ def launch(cfg: RunConfig, argv: list[str]) -> int:
     run.make()
     console = Console(stderr=True)
 
-    def on_sigterm(*_):
-        raise KeyboardInterrupt  # stop the children as Ctrl-C would
-
-    signal.signal(signal.SIGTERM, on_sigterm)
+    raise_on_sigterm(KeyboardInterrupt)  # stop the children as Ctrl-C would
     children = [_start(name, argv, run, cfg) for name in PROGRAMS]
     console.print(f"started {', '.join(f'{c.name} (pid {c.proc.pid})' for c in children)}; logs in {run.logs}")
     follower = MetricsFollower(run.metrics)

@@ -12,6 +12,7 @@ import signal
 import torch.distributed as dist
 
 from rl.config import RunConfig
+from rl.stop_signal import raise_on_sigterm
 from trainer.runs import MultiRun
 from trainer.trainer import Trainer
 
@@ -19,12 +20,9 @@ log = logging.getLogger("trainer")
 
 
 def main(cfg: RunConfig) -> None:
-    def on_sigterm(*_):
-        # Unwind like an error: receivers close, the process group is destroyed, and the
-        # heartbeat file goes, so peers read "stopped" rather than wait out a silence.
-        raise SystemExit(128 + signal.SIGTERM)
-
-    signal.signal(signal.SIGTERM, on_sigterm)
+    # SIGTERM unwinds like an error: receivers close, the process group is destroyed, and the
+    # heartbeat file goes, so peers read "stopped" rather than wait out a silence.
+    raise_on_sigterm(lambda: SystemExit(128 + signal.SIGTERM))
     trainer = Trainer(cfg)
     try:
         if cfg.trainer.lora.multi_run:
