@@ -358,8 +358,9 @@ def run_eval(args) -> dict:
     """`rl eval` of the full-files run's last published weights: its own server, one reload."""
     run = OUT / "full-files"
     if not (run / "run" / "weights" / f"step_{args.steps}").exists():
-        raise SystemExit(f"[eval] evaluates the full-files scenario's weights/step_{args.steps}: run "
-                         f"--scenario full-files --steps {args.steps} first")
+        print(f"real_size.py: --scenario eval evaluates the full-files scenario's weights/step_{args.steps}: "
+              f"run --scenario full-files --steps {args.steps} first", file=sys.stderr)
+        raise SystemExit(2)
     argv = [*RL, "eval", "@", "cfg.toml", "--output_dir", str(run / "run"), "--step", str(args.steps),
             "--inference.port", str(args.port)]
     print(f"[eval] $ {' '.join(argv[2:])}", flush=True)

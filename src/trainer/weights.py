@@ -25,14 +25,12 @@ from rl.rundir import STABLE, RunDir, publish_dir, remove_quietly
 _COPIED = ("*.json", "*.txt", "*.model", "*.jinja")
 
 
-_SERVED = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def served_dtype(cfg: RunConfig) -> torch.dtype | None:
     """The dtype the servers hold the weights in, when the config says it (inference.dtype). None
     under "auto": vLLM then picks by model and device (a bf16 model on a GPU without bf16 is served
     in fp16, an fp16 model whose type bans fp16 in bf16), so the trainer's dtype is published."""
-    return None if cfg.inference.dtype == "auto" else _SERVED[cfg.inference.dtype]
+    # inference.dtype's names are torch's own.
+    return None if cfg.inference.dtype == "auto" else getattr(torch, cfg.inference.dtype)
 
 
 def gather_full_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
