@@ -5,12 +5,14 @@ loses a record and keeps its wandb run, and a failing sink that costs only itsel
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.util.tensor_util import make_ndarray
 
 from rl.config import RunConfig
-from rl.rundir import RunDir
+from rl.rundir import RunDir, write_file_atomic
 from orchestrator.tracking import Tracker
 
 
@@ -88,3 +90,59 @@ def test_a_failing_sink_is_dropped_with_one_warning_and_the_others_go_on(tmp_pat
     tracker.close()
     assert broken.calls == 1 and caplog.text.count("broken failed (OSError: disk full)") == 1
     assert [s for s, _ in scalars(run.root / "tracking" / "tensorboard")["orchestrator/reward_mean"]] == [1, 2, 3]
+
+
+class Slow:
+    """A sink that takes its time, so that calls from two threads overlap inside forward()."""
+
+    def __init__(self):
+        self.steps = []
+
+    def log(self, step, values):
+        time.sleep(0.001)
+        self.steps.append(step)
+
+    def close(self):
+        pass
+
+
+def test_forward_and_close_from_several_threads_send_each_record_once(tmp_path):
+    # The orchestrator forwards from a worker thread every 2 s and closes from another at the end
+    # (a fresh clone's CI once lost the run to the two renaming the same offset file).
+    cfg = config(tmp_path, tensorboard=True)
+    run = RunDir(cfg.run_dir)
+    run.make()
+    tracker = Tracker(cfg)
+    slow = tracker.sinks["slow"] = Slow()
+    append(run, *({"program": "orchestrator", "step": s, "reward_mean": s / 10} for s in range(1, 41)))
+    start = threading.Barrier(4)
+
+    def call(method):
+        start.wait()
+        method()
+
+    threads = [threading.Thread(target=call, args=(m,)) for m in (tracker.forward,) * 3 + (tracker.close,)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(slow.steps) == list(range(1, 41))
+    assert int((run.root / "tracking" / "offset").read_text()) == run.metrics.stat().st_size
+
+
+def test_atomic_writes_of_one_file_from_several_threads_all_land(tmp_path):
+    path = tmp_path / "offset"
+    start = threading.Barrier(4)
+
+    def write(n):
+        start.wait()
+        for i in range(50):
+            write_file_atomic(path, f"{n}:{i}".encode())
+
+    threads = [threading.Thread(target=write, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert path.read_text() in {f"{n}:49" for n in range(4)}
+    assert [p.name for p in tmp_path.iterdir()] == ["offset"]  # no temporary left behind

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import secrets
+import threading
 from pathlib import Path
 from typing import Protocol
 
@@ -96,6 +97,9 @@ class Tracker:
         self.offset_file = self.directory / "offset"
         self.offset = int(self.offset_file.read_text()) if self.offset_file.exists() else 0
         self.sinks: dict[str, Sink] = {}
+        # forward() runs in a worker thread every 2 s and close() in another at the end: one at a
+        # time, or two would read from the same offset and send the same records twice.
+        self.lock = threading.Lock()
         t = cfg.tracking
         for name, wanted, make in (("wandb", t.wandb, lambda: WandbSink(cfg, self.directory)),
                                    ("tensorboard", t.tensorboard, lambda: TensorBoardSink(self.directory))):
@@ -108,6 +112,10 @@ class Tracker:
 
     def forward(self) -> int:
         """Send the records appended since the last call to every sink; returns how many."""
+        with self.lock:
+            return self._forward()
+
+    def _forward(self) -> int:
         if not self.sinks or not self.run.metrics.exists():
             return 0
         with open(self.run.metrics, "rb") as f:
@@ -132,10 +140,11 @@ class Tracker:
                 del self.sinks[name]
 
     def close(self) -> None:
-        self.forward()
-        for name, sink in self.sinks.items():
-            try:
-                sink.close()
-            except Exception as e:
-                log.warning("tracking: closing %s failed (%s: %s)", name, type(e).__name__, e)
-        self.sinks = {}
+        with self.lock:
+            self._forward()
+            for name, sink in self.sinks.items():
+                try:
+                    sink.close()
+                except Exception as e:
+                    log.warning("tracking: closing %s failed (%s: %s)", name, type(e).__name__, e)
+            self.sinks = {}

@@ -25,6 +25,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -160,7 +161,8 @@ def fsync_dir(path: Path) -> None:
 
 def write_file_atomic(path: Path, data: bytes) -> None:
     """Write to a temporary sibling, fsync, rename: readers see the old file or the whole new one."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    # Named per process and thread: two writers of one file must not rename each other's temporary.
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}-{threading.get_ident()}")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
