@@ -31,15 +31,15 @@ import random
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
+
+from process_tree import Sampler, process_stat, process_tree, children_of
 
 ROOT = Path(__file__).resolve().parents[1]
 RL = [sys.executable, "-m", "rl"]  # the venv's rl, wherever its console script lives
 OUT = ROOT / "runs" / "real_size"
 SCENARIOS = ["full-files", "full-broadcast", "lora", "tools", "eval"]
-PROGRAMS = ("inference", "orchestrator", "trainer")
 
 # A task module the orchestrator imports from the run's working directory: long chat prompts (a
 # document, then a question about it) and a cheap reward with some spread, so groups have
@@ -185,82 +185,6 @@ class ManyTools:
 '''
 
 
-class Sampler(threading.Thread):
-    """Peak PSS and CPU seconds of each program's process tree, every `every_s`."""
-
-    def __init__(self, root_pid: int, every_s: float = 0.25):
-        super().__init__(daemon=True)
-        self.root_pid, self.every_s = root_pid, every_s
-        self.peak_pss = {p: 0 for p in PROGRAMS}
-        self.cpu_s = {p: 0.0 for p in PROGRAMS}
-        self.seen_cpu: dict[int, tuple[str, float]] = {}  # pid -> (program, its latest CPU seconds)
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            self.sample()
-            self.stop.wait(self.every_s)
-
-    def sample(self) -> None:
-        children = _children()
-        pss = {p: 0 for p in PROGRAMS}
-        for top in children.get(self.root_pid, []):
-            program = _program_of(top)
-            if program is None:
-                continue
-            for pid in _tree(top, children):
-                stat = _stat(pid)
-                if stat is None:
-                    continue
-                pss[program] += stat[0]
-                self.seen_cpu[pid] = (program, stat[1])
-        for p in PROGRAMS:
-            self.peak_pss[p] = max(self.peak_pss[p], pss[p])
-            self.cpu_s[p] = sum(cpu for prog, cpu in self.seen_cpu.values() if prog == p)
-
-
-def _children() -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            out.setdefault(ppid, []).append(int(d.name))
-    return out
-
-
-def _tree(pid: int, children: dict[int, list[int]]) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
-
-
-def _program_of(pid: int) -> str | None:
-    try:
-        argv = (Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"))
-    except OSError:
-        return None
-    words = [a.decode(errors="replace") for a in argv]
-    return next((p for p in PROGRAMS if p in words), None)
-
-
-def _stat(pid: int) -> tuple[int, float] | None:
-    """(PSS bytes, CPU seconds user + system) of one process. PSS, not RSS: the engine core is
-    forked from the server and shares its pages (torch, vLLM), which RSS would count twice."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
-    except OSError:
-        return None
-    pss_kb = next((int(line.split()[1]) for line in rollup.splitlines() if line.startswith("Pss:")), 0)
-    return pss_kb * 1024, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
 
@@ -369,8 +293,8 @@ def run_eval(args) -> dict:
         proc = subprocess.Popen(argv, cwd=run, stdout=log, stderr=subprocess.STDOUT)
         peak = 0  # rl eval and the server it starts, one process tree
         while proc.poll() is None:
-            tree = _tree(proc.pid, _children())
-            peak = max(peak, sum((_stat(p) or (0, 0))[0] for p in tree))
+            tree = process_tree(proc.pid, children_of())
+            peak = max(peak, sum((process_stat(p) or (0, 0))[0] for p in tree))
             time.sleep(0.25)
     if proc.returncode != 0:
         raise RuntimeError(f"[eval] rl eval exited {proc.returncode}: see {OUT / 'eval.log'}")

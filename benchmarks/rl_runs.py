@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from process_tree import Sampler
+
 ROOT = Path(__file__).resolve().parents[1]
 RL = Path(sys.executable).parent / "rl"
 LONG_MODEL = ROOT / "models" / "long-count"
@@ -30,20 +32,39 @@ def ensure_long_model() -> Path:
     return LONG_MODEL
 
 
-def run_rl(config: str, output_dir: Path, overrides: list[str], timeout_s: float) -> tuple[float, list[dict]]:
-    """`rl run` from a clean output_dir; (wall seconds, metrics records). Raises on a failed run."""
+def run_rl(config: str, output_dir: Path, overrides: list[str], timeout_s: float,
+           cpu_s: dict[str, float] | None = None) -> tuple[float, list[dict]]:
+    """`rl run` from a clean output_dir; (wall seconds, metrics records, each with "since_launch"
+    seconds). Raises on a failed run. `cpu_s`, when given, is filled with each program's CPU
+    seconds (the inference server and its engine core apart: benchmarks/process_tree.py)."""
     shutil.rmtree(output_dir, ignore_errors=True)
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     argv = [str(RL), "run", "@", config, "--output_dir", str(output_dir), *overrides]
     print("$", " ".join(argv[1:]), flush=True)
-    start = time.perf_counter()
+    start, launched = time.perf_counter(), time.time()
     with open(output_dir.parent / f"{output_dir.name}.log", "w") as log:
-        proc = subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        sampler = Sampler(proc.pid, every_s=0.5, split_engine=True)
+        if cpu_s is not None:
+            sampler.start()
+        try:
+            returncode = proc.wait(timeout=timeout_s)
+        finally:
+            if proc.poll() is None:
+                proc.kill()  # its programs follow it (they die with their parent)
+                proc.wait()
+            sampler.stop.set()
     wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise RuntimeError(f"rl run exited {proc.returncode}: see {output_dir.parent / output_dir.name}.log")
-    return wall, read_metrics(output_dir)
+    if cpu_s is not None:
+        sampler.join()
+        cpu_s.update({k: round(v, 2) for k, v in sampler.cpu_s.items()})
+    if returncode != 0:
+        raise RuntimeError(f"rl run exited {returncode}: see {output_dir.parent / output_dir.name}.log")
+    records = read_metrics(output_dir)
+    for r in records:  # the records' wall clock, as seconds from launch
+        r["since_launch"] = r["time"] - launched
+    return wall, records
 
 
 def read_metrics(output_dir: Path) -> list[dict]:

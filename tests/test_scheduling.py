@@ -291,7 +291,12 @@ def test_zero_variance_groups_are_filtered_and_counted(tmp_path):
     o = asyncio.run(run_scenario(tmp_path, [server], max_steps=3, orchestrator={
         "reward": "fake_inference:coin_reward", "filter_zero_variance": True, "group_size": 2}))
     check_rules(o, every_prompt_batched_or_pending=False)
-    assert sum(r["filtered"] for r in o.metrics if r["program"] == "orchestrator") > 0
+    records = [r for r in o.metrics if r["program"] == "orchestrator"]
+    assert sum(r["filtered"] for r in records) > 0
+    # The policy's own reward counts the filtered groups too: every sample scored, batched or not.
+    batched = sum(b.num_samples for b in o.batches.values())
+    assert sum(r["samples_scored"] for r in records) >= batched + 2 * sum(r["filtered"] for r in records)
+    assert all(0 <= r["reward_sampled_mean"] <= 1 for r in records if r["samples_scored"])
     for b in o.batches.values():
         for lo in range(0, b.num_samples, 2):
             assert b.rewards[lo] != b.rewards[lo + 1]

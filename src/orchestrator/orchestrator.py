@@ -238,7 +238,10 @@ class Orchestrator:
         if not group.samples:  # every rollout's reward or environment failed
             self.outcomes.retry_or_drop(gid, g.prompt, f"{group.failed} of {self.settings.group_size} rollouts "
                                         f"failed, last: {group.error or 'no error recorded'}")
-        elif self.outcomes.keep(g.prompt, group):
+            await self.notify()
+            return
+        self.counters.sampled_rewards += group.rewards
+        if self.outcomes.keep(g.prompt, group):
             self.finished.append(group)
             self.counters.model_tokens += group.model_tokens
         else:

@@ -34,6 +34,9 @@ class Counters:
     failed: int = 0
     failed_requests: int = 0
     filtered: int = 0
+    sampled_rewards: list[float] = field(default_factory=list)
+    """Every scored sample's reward, its group batched or filtered: the policy's own mean reward,
+    where the batch's is only that of the groups kept (higher or lower with filter_zero_variance)."""
     dropped_stale: int = 0
     requeued: int = 0
     """Groups taken off a server that stopped answering, prompts requeued."""
@@ -68,6 +71,8 @@ class Reporting:
             "in_flight": in_flight, "buffered": buffered,
             "serving_version": self.pool.serving_version, "servers_in_rotation": len(self.pool.in_rotation),
             "truncated": sum(g.truncated for g in groups), "skipped_rows": c.skipped_rows,
+            "samples_scored": len(c.sampled_rewards),
+            **({"reward_sampled_mean": sum(c.sampled_rewards) / len(c.sampled_rewards)} if c.sampled_rewards else {}),
             **({} if (update_s := self.pool.delivery.take_update_s()) is None else {"weight_update_s": update_s}),
             **reward_details(groups, self.per_dataset),
         }
