@@ -10,13 +10,14 @@ policy's own reward (`reward_sampled_mean`: every scored sample, filtered groups
 trailing-20 mean at --budget-s from launch and at the end, seconds from launch until that mean
 first reaches --target, and the held-out greedy accuracy before and after (the recipe's eval).
 The summary gives each variant's median and range over its seeds. Results:
-benchmarks/results/ablations_<recipe>.json and docs/performance.md.
+benchmarks/results/ablations_<recipe>[_<tag>].json and docs/performance.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 
 from rl_runs import ROOT, run_rl
@@ -27,8 +28,11 @@ RECIPES = {
     "demo": ("configs/demo.toml", ["--orchestrator.eval.every", "0"]),
 }
 
+PAIR = re.compile(r"\[\s+([-\d.e]+),\s+([-\d.e]+)\s+\]")  # a curve's [seconds, reward] on one line
+
 VARIANTS = {
     "default": [],
+    "async1": ["--max_async_level", "1"],
     "nofilter": ["--orchestrator.filter_zero_variance", "false"],
     "sync": ["--max_async_level", "0"],
     "async2": ["--max_async_level", "2"],
@@ -37,6 +41,10 @@ VARIANTS = {
     "tis": ["--trainer.loss.objective", "truncated_is"],
     "lr2x": ["--trainer.optim.lr", "2e-4"],
     "orch_core1": ["--orchestrator.cpus", "[1]"],
+    "async3": ["--max_async_level", "3"],
+    "async2_tis": ["--max_async_level", "2", "--trainer.loss.objective", "truncated_is"],
+    "async2_lr2x": ["--max_async_level", "2", "--trainer.optim.lr", "2e-4"],
+    "async2_nonorm": ["--max_async_level", "2", "--orchestrator.normalize_advantages", "false"],
 }
 
 
@@ -63,7 +71,8 @@ def summarize_run(records: list[dict], budget_s: float, target: float) -> dict:
         "time_to_target_s": round(reached, 1) if reached is not None else None,
         "accuracy": {str(k): round(v, 3) for k, v in sorted(accuracy.items())},
         "end_s": round(orch[-1]["since_launch"], 1),
-        "curve": [[round(r["since_launch"], 2), round(s, 4)] for r, s in zip(orch, smooth)],
+        # Every 5th step of the trailing mean: enough for a plot, a results file a person can read.
+        "curve": [[round(r["since_launch"], 1), round(s, 3)] for r, s in list(zip(orch, smooth))[::5]],
     }
 
 
@@ -81,22 +90,28 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--budget-s", type=float, default=90.0, help="wall seconds from launch at which to compare")
+    ap.add_argument("--tag", default="", help="results go to ablations_<recipe>_<tag>.json (a round of its own)")
+    ap.add_argument("--stop-after-s", type=float, default=None,
+                    help="stop each run this many seconds after launch (give --steps room): equal wall time")
     ap.add_argument("--target", type=float, default=0.25, help="trailing-20 reward_sampled_mean to time")
     args = ap.parse_args()
     config, base = RECIPES[args.recipe]
-    out = ROOT / "benchmarks" / "results" / f"ablations_{args.recipe}.json"
+    out = ROOT / "benchmarks" / "results" / f"ablations_{args.recipe}{'_' + args.tag if args.tag else ''}.json"
     results = json.loads(out.read_text()) if out.exists() else {}
-    for variant in args.variants:
-        for seed in args.seeds:
+    # Seeds outside, variants inside: a machine that slows down over the session (another job, heat)
+    # then weighs on every variant alike instead of on the last ones.
+    for seed in args.seeds:
+        for variant in args.variants:
             overrides = [*base, *VARIANTS[variant], "--seed", str(seed), "--max_steps", str(args.steps)]
             cpu: dict[str, float] = {}
             _, records = run_rl(config, ROOT / "runs" / "ablations" / f"{args.recipe}-{variant}-{seed}", overrides,
-                                timeout_s=60 + 3 * args.steps, cpu_s=cpu)
+                                timeout_s=60 + 3 * args.steps, cpu_s=cpu, stop_after_s=args.stop_after_s)
             run = summarize_run(records, args.budget_s, args.target)
-            run["cpu_s_per_step"] = {k: round(v / args.steps, 3) for k, v in cpu.items()}
+            steps = sum(r["program"] == "trainer" for r in records)
+            run["cpu_s_per_step"] = {k: round(v / max(steps, 1), 3) for k, v in cpu.items()}
             results.setdefault(variant, {})[str(seed)] = {"overrides": VARIANTS[variant], "steps": args.steps,
                                                           "budget_s": args.budget_s, "target": args.target, **run}
-            out.write_text(json.dumps(results, indent=1) + "\n")
+            out.write_text(PAIR.sub(r"[\1, \2]", json.dumps(results, indent=1)) + "\n")
             print(f"{variant} seed {seed}: " + ", ".join(f"{k} {v}" for k, v in run.items() if k != "curve"), flush=True)
     print(f"\n| variant | s/step | first step s | reward at {args.budget_s:g} s | reward at end | s to {args.target} | accuracy end |")
     print("|---|---|---|---|---|---|---|")

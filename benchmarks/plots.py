@@ -63,6 +63,22 @@ def reward_race(r: dict) -> None:
     fig.savefig(DOCS / "performance_vs_trl_reward.png", dpi=110)
 
 
+def race(recipe: str, r: dict) -> None:
+    """benchmarks/vs_trl.py race: both sides' trailing-10 reward against seconds from launch, per seed."""
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    for i, (seed, row) in enumerate(sorted(r["seeds"].items())):
+        style = ("-", "--", ":", "-.")[i % 4]
+        for key, label, color in (("ours", "asyncrl", "C0"), ("trl", "TRL GRPOTrainer", "C1")):
+            ax.plot(*trailing(row[key]["curve"]), style, color=color, label=f"{label}, seed {seed}")
+    ax.axvline(r["budget_s"], color="gray", linestyle=":", linewidth=0.8)
+    ax.set_xlabel("seconds from launch")
+    ax.set_ylabel("trailing-10 mean reward (all samples)")
+    ax.set_title(f"{recipe}: asyncrl against TRL, same model, task and batch")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(DOCS / f"performance_vs_trl_{recipe}.png", dpi=110)
+
+
 def weight_updates(results: dict[str, dict]) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.2))
     shapes = list(results)
@@ -85,6 +101,9 @@ def main() -> None:
         async_vs_sync(r)
     if r := load("vs_trl_reward"):
         reward_race(r)
+    for recipe in ("reverse", "demo", "count"):
+        if r := load(f"vs_trl_{recipe}"):
+            race(recipe, r)
     updates = {s: r for s in ("tiny", "0.5b") if (r := load(f"weight_update_{s}"))}
     if updates:
         weight_updates(updates)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -33,10 +34,12 @@ def ensure_long_model() -> Path:
 
 
 def run_rl(config: str, output_dir: Path, overrides: list[str], timeout_s: float,
-           cpu_s: dict[str, float] | None = None) -> tuple[float, list[dict]]:
+           cpu_s: dict[str, float] | None = None, stop_after_s: float | None = None) -> tuple[float, list[dict]]:
     """`rl run` from a clean output_dir; (wall seconds, metrics records, each with "since_launch"
     seconds). Raises on a failed run. `cpu_s`, when given, is filled with each program's CPU
-    seconds (the inference server and its engine core apart: benchmarks/process_tree.py)."""
+    seconds (the inference server and its engine core apart: benchmarks/process_tree.py).
+    `stop_after_s`: a wall budget; a run still going then is stopped as Ctrl-C stops it (its
+    records so far are the result)."""
     shutil.rmtree(output_dir, ignore_errors=True)
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     argv = [str(RL), "run", "@", config, "--output_dir", str(output_dir), *overrides]
@@ -49,6 +52,13 @@ def run_rl(config: str, output_dir: Path, overrides: list[str], timeout_s: float
         if cpu_s is not None:
             sampler.start()
         try:
+            if stop_after_s is not None:
+                try:
+                    proc.wait(timeout=stop_after_s)
+                except subprocess.TimeoutExpired:
+                    proc.send_signal(signal.SIGINT)
+                    proc.wait(timeout=60)
+                    proc.returncode = 0  # stopped on purpose
             returncode = proc.wait(timeout=timeout_s)
         finally:
             if proc.poll() is None:

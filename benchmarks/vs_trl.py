@@ -31,12 +31,12 @@ from dataclasses import asdict, dataclass
 from rl_runs import ROOT, ensure_long_model, run_rl, window
 
 TRL_VENV = ROOT / ".venv-trl"
-TRL_PACKAGES = ["torch==2.13.0", "transformers==5.19.0", "trl==1.16.0"]
+TRL_PACKAGES = ["torch==2.13.0", "transformers==5.19.0", "trl==1.16.0", "reasoning-gym==0.1.25"]  # gym: recipes
 
 
 def ensure_trl() -> None:
     python = TRL_VENV / "bin" / "python"
-    if not python.exists() or subprocess.run([str(python), "-c", "import trl"], capture_output=True).returncode:
+    if not python.exists() or subprocess.run([str(python), "-c", "import trl, reasoning_gym"], capture_output=True).returncode:
         print(f"building {TRL_VENV} ({', '.join(TRL_PACKAGES)})", flush=True)
         subprocess.run(["python3", "-m", "venv", str(TRL_VENV)], check=True)
         subprocess.run([str(python), "-m", "pip", "install", "-q", *TRL_PACKAGES], check=True)
@@ -114,7 +114,8 @@ def race(args) -> dict:
     result = json.loads(out.read_text()) if out.exists() else {"recipe": asdict(r), "seeds": {}}
     result["budget_s"] = budget
     for seed in args.seeds:
-        trl_wall, trl = trl_run(f"vs_trl_{args.recipe}_trl_{seed}", r, seed, 100000, budget)
+        # Rows for a step every 0.1 s, more than TRL reaches here: its dataset is built before it starts.
+        trl_wall, trl = trl_run(f"vs_trl_{args.recipe}_trl_{seed}", r, seed, int(budget / 0.1), budget)
         steps = int(budget / r.s_per_step * 1.3)
         _, records = run_rl(r.config, ROOT / "runs" / "bench" / f"vs_trl_{args.recipe}_ours_{seed}",
                             ["--seed", str(seed), "--max_steps", str(steps), "--trainer.checkpoint_every", "0",
