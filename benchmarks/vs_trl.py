@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import time
 from dataclasses import asdict, dataclass
@@ -31,6 +32,7 @@ from dataclasses import asdict, dataclass
 from rl_runs import ROOT, ensure_long_model, run_rl, window
 
 TRL_VENV = ROOT / ".venv-trl"
+POINT = re.compile(r'\{\s+"time": ([-\d.e]+),\s+"reward": ([-\d.e]+)\s+\}')  # a curve's point on one line
 TRL_PACKAGES = ["torch==2.13.0", "transformers==5.19.0", "trl==1.16.0", "reasoning-gym==0.1.25"]  # gym: recipes
 
 
@@ -131,7 +133,7 @@ def race(args) -> dict:
                   f"ratio {times.get('ratio')}", flush=True)
         print(f"seed {seed} at {budget:g} s: asyncrl {row['ours']['at_budget']}, TRL {row['trl']['at_budget']}")
         result["seeds"][str(seed)] = row
-        out.write_text(json.dumps(result, indent=1) + "\n")
+        out.write_text(POINT.sub(r'{"time": \1, "reward": \2}', json.dumps(result, indent=1)) + "\n")
     return result
 
 
