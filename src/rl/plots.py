@@ -1,7 +1,7 @@
 """`rl plot <output_dir>`: the PNGs a person reads a run by, drawn from metrics.jsonl (and, for a
 multi-run LoRA trainer's directory, each run's own). `rl run` writes them when a run ends.
 
-    reward_curve.png   batch mean reward (and its trailing mean), held-out evaluation points
+    reward_curve.png   batch mean reward (and its trailing mean), every sample's, held-out evaluation points
     staleness.png      mean and max staleness of each batch
     throughput.png     tokens/s of generation and training; idle share of the servers and the trainer
     weight_updates.png seconds from a version's discovery to serving it; the trainer's publish time
@@ -66,6 +66,11 @@ def reward_plot(records: list[dict], out: Path) -> Path:
     steps, rewards = series(records, "orchestrator", "reward_mean")
     ax.plot(steps, rewards, lw=0.8, alpha=0.6, label="batch mean reward")
     ax.plot(steps, trailing(rewards), label=f"trailing {WINDOW}-step mean")
+    # With zero-variance filtering the batch holds only the groups kept: the policy's own reward
+    # is the mean over every sample scored.
+    steps_all, sampled = series(records, "orchestrator", "reward_sampled_mean")
+    if sampled:
+        ax.plot(steps_all, trailing(sampled), label=f"all samples, trailing {WINDOW}-step mean")
     evals = [r for r in records if r.get("program") == "eval"]
     for key in sorted({k for r in evals for k in r if k.startswith("eval/") and not k.endswith("/rows")}):
         xs, ys = series(evals, "eval", key)
