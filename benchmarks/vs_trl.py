@@ -86,7 +86,8 @@ def trl_run(name: str, r: Recipe, seed: int, steps: int, budget_s: float | None)
         subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=7200)
     wall = time.time() - start
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    return wall, [{"time": r["time"] - start, "reward": r["reward"]} for r in records if "step" in r]
+    return wall, [{"time": r["time"] - start, "reward": r["reward"]} for r in records
+                  if "step" in r and r["time"] - start <= (budget_s or float("inf"))]
 
 
 def time_to(curve: list[dict], target: float) -> float | None:
@@ -121,8 +122,9 @@ def race(args) -> dict:
         steps = int(budget / r.s_per_step * 1.3)
         _, records = run_rl(r.config, ROOT / "runs" / "bench" / f"vs_trl_{args.recipe}_ours_{seed}",
                             ["--seed", str(seed), "--max_steps", str(steps), "--trainer.checkpoint_every", "0",
-                             "--orchestrator.eval.datasets", "[]", *args.ours], timeout_s=budget * 3 + 300)
-        ours = ours_curve(records)
+                             "--orchestrator.eval.datasets", "[]", *args.ours], timeout_s=budget * 3 + 300,
+                            stop_after_s=budget + 5)
+        ours = [p for p in ours_curve(records) if p["time"] <= budget]  # both sides judged on the budget alone
         row = {"ours": {"curve": ours, "at_budget": at(ours, budget), "steps": len(ours)},
                "trl": {"curve": trl, "at_budget": at(trl, budget), "steps": len(trl), "wall_s": trl_wall},
                "thresholds": {str(t): {"ours_s": time_to(ours, t), "trl_s": time_to(trl, t)} for t in r.thresholds}}
