@@ -48,8 +48,8 @@ def run_rl(config: str, output_dir: Path, overrides: list[str], timeout_s: float
     with open(output_dir.parent / f"{output_dir.name}.log", "w") as log:
         proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        sampler = Sampler(proc.pid, every_s=0.5, split_engine=True)
-        if cpu_s is not None:
+        sampler = Sampler(proc.pid, every_s=0.5, split_engine=True) if cpu_s is not None else None
+        if sampler is not None:
             sampler.start()
         try:
             if stop_after_s is not None:
@@ -64,9 +64,10 @@ def run_rl(config: str, output_dir: Path, overrides: list[str], timeout_s: float
             if proc.poll() is None:
                 proc.kill()  # its programs follow it (they die with their parent)
                 proc.wait()
-            sampler.stop.set()
+            if sampler is not None:
+                sampler.stop.set()
     wall = time.perf_counter() - start
-    if cpu_s is not None:
+    if sampler is not None:
         sampler.join()
         cpu_s.update({k: round(v, 2) for k, v in sampler.cpu_s.items()})
     if returncode != 0:
