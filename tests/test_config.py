@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import subprocess
+import typing
 
 import pytest
+from pydantic import BaseModel
 
 from conftest import TINY_MODEL, free_port, rl_command
 from rl.config import ConfigError, load_config
@@ -186,3 +188,39 @@ def test_program_help_lists_its_config_keys_with_their_docs():
     out = run_rl("orchestrator", "--help").stdout
     assert " ".join(OrchestratorConfig.model_fields["group_size"].description.split()) in " ".join(out.split())
     assert "--trainer.lora.rank" in out and "--trainer.optim.lr" not in out
+
+
+def _tables(model: type[BaseModel], prefix: str = ""):
+    """Every table of the schema, nested ones and those of [[lists]] of tables, with its path."""
+    yield prefix, model
+    for name, field in model.model_fields.items():
+        for arg in (field.annotation, *typing.get_args(field.annotation)):
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                yield from _tables(arg, f"{prefix}{name}.")
+
+
+def test_every_config_key_has_its_docstring():
+    """--help and --dry-run print each key's docstring: a key added without one would print
+    a bare name."""
+    from rl.config import RunConfig
+
+    tables = list(_tables(RunConfig))
+    table_names = {path.rstrip(".") for path, _ in tables}
+    # A table ([inference], [[orchestrator.datasets]]) is a heading, not a key.
+    undocumented = [f"{path}{name}" for path, model in tables for name, field in model.model_fields.items()
+                    if f"{path}{name}" not in table_names and not (field.description or "").strip()]
+    assert {"orchestrator.datasets", "trainer.optim", "orchestrator.eval.datasets"} <= table_names
+    assert undocumented == []
+
+
+def test_dry_run_shows_unset_keys_with_their_docs(write_toml, tmp_path):
+    """A key whose value is unset (None) is listed as a comment with its docs, not left out."""
+    from rl.orchestrator_config import TeacherConfig
+
+    cfg = write_toml(f'model = "{TINY_MODEL}"\noutput_dir = "{tmp_path / "run"}"\n')
+    out = run_rl("run", "@", str(cfg), "--dry-run").stdout
+    teacher = out[out.index("[orchestrator.teacher]"):]
+    assert "# url = (unset)" in teacher.split("\n\n")[0]
+    doc_line = TeacherConfig.model_fields["url"].description.splitlines()[0].strip()
+    assert f"# {doc_line}" in teacher
+    assert "# max_off_policy_steps = (unset)" in out

@@ -25,7 +25,6 @@ import asyncio
 import itertools
 import logging
 import secrets
-import time
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -35,7 +34,7 @@ from orchestrator.checkpoint import checkpointed_batch, resume_point, save_check
 from orchestrator.delivery import weight_delivery
 from orchestrator.evaluation import Evaluation, EvaluationRunner
 from orchestrator.group_outcomes import GroupOutcomes, futile_spans
-from orchestrator.notified import notified
+from orchestrator.notified import notified, wait_visibly
 from orchestrator.prompts import Prompt, PromptQueue
 from orchestrator.reporting import Counters, Reporting
 from orchestrator.rollout_kind import Aborted
@@ -55,9 +54,6 @@ from rl.rundir import RunDir
 from rl.transports import batch_sender
 
 log = logging.getLogger("orchestrator")
-
-HEARTBEAT_S = 15.0  # how often a wait says what it still waits for
-
 
 @dataclass
 class InFlight:
@@ -110,29 +106,21 @@ class Orchestrator:
             self.changed.notify_all()
 
     async def wait_until(self, predicate, what: str, timeout_s: float) -> float:
-        """Wait for `predicate()`, logging what it waits for; returns seconds waited. Raises the
-        verdict of a run that can only spin (orchestrator/streaks.py), even while others progress."""
+        """Wait for `predicate()`, saying what it waits for; returns seconds waited."""
         if self.streaks.verdict is not None:
             raise self.streaks.verdict
-        if predicate():
-            return 0.0
-        start = last_beat = time.monotonic()
-        async with self.changed:
-            while not predicate():
-                if self.streaks.verdict is not None:  # the run cannot progress: nothing to wait for
-                    raise self.streaks.verdict
-                for task in self.background:
-                    if task.done():  # a background loop died: surface its error, do not wait on
-                        task.result()
-                        raise RuntimeError(f"background task {task.get_name()} stopped")
-                now = time.monotonic()
-                if now - start > timeout_s:
-                    raise TimeoutError(f"gave up after {timeout_s:.0f} s waiting for {what}")
-                if now - last_beat > HEARTBEAT_S:
-                    log.info("still waiting for %s (%.0f s)", what, now - start)
-                    last_beat = now
-                await notified(self.changed, 1.0)
-        return time.monotonic() - start
+        return await wait_visibly(self.changed, predicate, what, timeout_s, self.why_not_wait)
+
+    def why_not_wait(self) -> None:
+        """Raises what makes a wait pointless: the verdict of a run that can only spin
+        (orchestrator/streaks.py), even while others progress, or a background loop that died
+        (its error surfaced, not waited on)."""
+        if self.streaks.verdict is not None:
+            raise self.streaks.verdict
+        for task in self.background:
+            if task.done():
+                task.result()
+                raise RuntimeError(f"background task {task.get_name()} stopped")
 
     # --- weights ---------------------------------------------------------------------------
 
@@ -231,14 +219,16 @@ class Orchestrator:
             self.pool.release(g.server)
             if not g.cancelled:
                 self.in_flight.pop(gid, None)
-        if g.cancelled or group is None:
-            await self.notify()
-            return
+        if not g.cancelled and group is not None:
+            self.settle(gid, g, group)
+        await self.notify()
+
+    def settle(self, gid: str, g: InFlight, group: Group) -> None:
+        """A finished group: batched, filtered, or (every rollout failed) retried or dropped."""
         self.counters.failed += group.failed
-        if not group.samples:  # every rollout's reward or environment failed
+        if not group.samples:
             self.outcomes.retry_or_drop(gid, g.prompt, f"{group.failed} of {self.settings.group_size} rollouts "
                                         f"failed, last: {group.error or 'no error recorded'}")
-            await self.notify()
             return
         self.counters.sampled_rewards += group.rewards
         if self.outcomes.keep(g.prompt, group):
@@ -246,7 +236,6 @@ class Orchestrator:
             self.counters.model_tokens += group.model_tokens
         else:
             self.counters.filtered += 1
-        await self.notify()
 
     def group_failed(self, gid: str, g: InFlight, e: Exception) -> None:
         if isinstance(e, (InferenceError, Aborted)):  # the server's fault, not the prompt's
