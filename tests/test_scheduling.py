@@ -302,6 +302,28 @@ def test_zero_variance_groups_are_filtered_and_counted(tmp_path):
             assert b.rewards[lo] != b.rewards[lo + 1]
 
 
+def test_the_starting_weights_are_evaluated_after_the_first_batch_and_alone(tmp_path):
+    """Step 0's evaluation starts once batch 1 is handed over (it no longer shares the engine
+    with the first batch), and no server loads version 1 until it ends: every token it scores is
+    version 0's, though the trainer publishes version 1 meanwhile. Later evaluations do not hold
+    the weights back."""
+    server = FakeServer(lambda: 0.002)
+    evaluation = {"rows": 12, "every": 2, "concurrency": 2, "datasets": [
+        {"name": "held", "function": "fake_inference:dataset", "reward": "fake_inference:reward"}]}
+    o = asyncio.run(run_scenario(tmp_path, [server], max_steps=4, max_async_level=2,
+                                 orchestrator={"eval": evaluation}))
+    check_rules(o)
+    tag = o.orchestrator.tag
+    baseline = [r for rid, r in server.requests.items() if rid.startswith(f"{tag}-eval0")]
+    assert len(baseline) == 12
+    assert min(r.started for r in baseline) >= o.handed_over_at[1]
+    first_update = next(t for t, v in server.versions if v >= 1)
+    assert max(r.finished for r in baseline) <= first_update
+    evals = {r["step"]: r for r in o.metrics if r["program"] == "eval"}
+    assert (evals[0]["version"], evals[0]["version_end"]) == (0, 0)
+    assert sorted(evals) == [0, 2, 4]
+
+
 def test_a_raising_reward_fails_only_that_rollout(tmp_path):
     """30% of reward calls raise: those rollouts are counted as failed and left out, their
     groups go on with the rest (a group needs two scored rollouts), and the run completes."""

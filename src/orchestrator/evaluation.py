@@ -114,11 +114,22 @@ class EvaluationRunner:
         # (server, version) of each evaluation running: LoRA keeps that adapter loaded until it ends
         # (between its requests no group may hold it, and unload_unused would take it away).
         self.pins: list[tuple[Server, int]] = []
+        # Set once the starting weights' evaluation (step 0) ended, or when there is none. It runs
+        # after the first batch, so as not to share the engine with it (the first step comes
+        # seconds sooner), and the servers keep version 0 until it ends (follow_weights), so the
+        # baseline is version 0's alone: batches 2..1+max_async_level may still use version 0.
+        self.baseline_done = asyncio.Event()
 
     def start(self, step: int) -> None:
         """Evaluate the version `step` published, beside training."""
-        if self.evaluation is not None:
-            self.tasks.append(asyncio.create_task(self.evaluate(step), name=f"evaluate-{step}"))
+        if self.evaluation is None:
+            self.baseline_done.set()
+            return
+        self.tasks.append(asyncio.create_task(self.evaluate(step), name=f"evaluate-{step}"))
+
+    def no_baseline(self) -> None:
+        """A resumed run: its starting weights were evaluated by the run it resumes."""
+        self.baseline_done.set()
 
     async def finish(self, final: int) -> None:
         """Once the final version serves: the evaluations still running end, then it is evaluated."""
@@ -129,6 +140,13 @@ class EvaluationRunner:
     async def evaluate(self, step: int) -> None:
         """One evaluation of version `step` (or the newest serving once it does); a failure is
         logged and the run goes on."""
+        try:
+            await self.evaluate_once(step)
+        finally:
+            if step == 0:
+                self.baseline_done.set()
+
+    async def evaluate_once(self, step: int) -> None:
         timeout_s = self.evaluation.cfg.timeout_s
         try:
             await self.wait_until(lambda: self.pool.serving_version >= step and self.pool.pick() is not None,

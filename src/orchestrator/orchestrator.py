@@ -131,6 +131,10 @@ class Orchestrator:
     async def follow_weights(self) -> None:
         while True:
             version, path = self.latest_weights()
+            if version > 0 and not self.evaluations.baseline_done.is_set():
+                # Version 0 serves until its evaluation ends (bounded by eval.timeout_s).
+                await self.evaluations.baseline_done.wait()
+                continue
             if version > self.pool.version or any(s.version != version for s in self.pool.in_rotation):
                 await self.delivery.load(version, path)
                 self.weights_poll.reset()
@@ -403,11 +407,13 @@ class Orchestrator:
             if self.unsent is not None:  # checkpointed, maybe never delivered: the same bytes again
                 await self.sender.send(self.unsent, self.settings.trainer_timeout_s)
                 self.unsent = None
-            if self.next_step == 1:
-                self.evaluations.start(0)
+            if self.next_step > 1:
+                self.evaluations.no_baseline()
             every = self.settings.eval.every
             for step in range(self.next_step, self.cfg.max_steps + 1):
                 await self.make_batch(step)
+                if step == 1:
+                    self.evaluations.start(0)  # after the first batch, not beside it (evaluation.py)
                 if every and step % every == 0 and step < self.cfg.max_steps:
                     self.evaluations.start(step)
             # Serve the final policy before stopping, so the run ends with it loaded.
