@@ -15,6 +15,10 @@ End of turn: the template marks where an assistant message ends, often with a to
 the tokenizer's eos (ChatML's <|im_end|> in a base model, Llama 3's <|eot_id|>). `end_of_turn`
 renders a conversation ending in a probe assistant message and takes the special token right
 after it, so generation stops there without naming model families.
+
+`{% generation %}...{% endgeneration %}`: transformers' marker of what the assistant generates
+(its `return_assistant_tokens_mask`). It renders its body as is; `render_spans` also returns the
+character span of each marked block (orchestrator/assistant_mask.py turns them into a loss mask).
 """
 
 from __future__ import annotations
@@ -24,7 +28,11 @@ from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 
+import re
+
 import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from rl.config import ConfigError, OrchestratorConfig
@@ -85,15 +93,51 @@ def row_messages(row: dict, prompt_key: str, messages_key: str, system_prompt: s
     return messages
 
 
+GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
+
+
+class Spans:
+    """One rendering's output so far and the spans of its generation blocks."""
+
+    def __init__(self):
+        self.chunks: list[str] = []
+        self.spans: list[tuple[int, int]] = []
+
+
+class GenerationBlocks(Extension):
+    """`{% generation %}body{% endgeneration %}` renders body; given a `Spans` as the render
+    variable `_spans`, it also notes where body landed. The offset is the length of what the
+    render yielded before the block: jinja yields a template's top-level output in order, so a
+    consumer that collects each chunk as it comes (render_spans) holds exactly that. A block
+    inside a macro or a {% set %} buffer would be mis-placed (as in transformers)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        call = self.call_method("_block", [nodes.Name("_spans", "load")])
+        return nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+    @staticmethod
+    def _block(spans, caller) -> str:
+        text = caller()
+        if isinstance(spans, Spans):
+            start = sum(len(c) for c in spans.chunks)
+            spans.spans.append((start, start + len(text)))
+        return text
+
+
 class ChatTemplate:
     def __init__(self, source: str, origin: str, special_tokens: dict[str, str], kwargs: dict):
         self.origin, self.kwargs = origin, kwargs
         self.special_tokens = special_tokens
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
+                                            extensions=["jinja2.ext.loopcontrols", GenerationBlocks])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self.marks_generation = bool(GENERATION_TAG.search(source))
         try:
             self.template = env.from_string(source)
         except jinja2.TemplateSyntaxError as e:
@@ -134,6 +178,21 @@ class ChatTemplate:
             raise
         except Exception as e:  # a template's own bug (a missing key, a type error) reads the same
             raise jinja2.TemplateError(f"{type(e).__name__}: {e}") from None
+
+    def render_spans(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, list[tuple[int, int]]]:
+        """The whole conversation's text (no generation prompt) and the character spans of its
+        {% generation %} blocks (none on a template without them)."""
+        spans = Spans()
+        try:
+            for chunk in self.template.generate(messages=messages, tools=tools, documents=None,
+                                                add_generation_prompt=False, _spans=spans,
+                                                **self.special_tokens, **self.kwargs):
+                spans.chunks.append(chunk)
+        except jinja2.TemplateError:
+            raise
+        except Exception as e:
+            raise jinja2.TemplateError(f"{type(e).__name__}: {e}") from None
+        return "".join(spans.chunks), spans.spans
 
     @cached_property
     def probe_text(self) -> str | None:

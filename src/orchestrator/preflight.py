@@ -14,6 +14,7 @@ from orchestrator.callables import load_callable
 from orchestrator.chat import ChatTemplate
 from orchestrator.prompt_fit import dataset_fits, environment_fits, error_line, measure, sample, tokenizer_of
 from orchestrator.rollout_kinds import kind_of
+from orchestrator.sft_data import sft_setup
 from rl.config import ConfigError, RunConfig
 from rl.dataset_config import BUILTIN_REWARDS, Dataset
 from rl.preflight import cores, model_config, output_dir, seq_len_fits, tokenizer_files
@@ -155,3 +156,5 @@ CHECKS = (cores("orchestrator"), output_dir, model_for_scoring, orchestrator_cod
           orchestrator_run_state)
 # `rl eval`: its own server's checks (inference/preflight.py SERVING), then these.
 EVAL_CHECKS = (orchestrator_code, eval_data)
+# `rl sft`: its data step's, beside the trainer's own (rl/cli.py).
+SFT_CHECKS = (sft_setup,)

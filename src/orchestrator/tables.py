@@ -51,8 +51,9 @@ def row_problem(row, spec: DatasetConfig) -> str | None:
     messages = row.get(spec.messages_key)
     if messages is not None:
         if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
+                isinstance(m, dict) and isinstance(m.get("role"), str) and (
+                    isinstance(m.get("content"), str) or m.get("tool_calls") and m.get("content") is None)
+                for m in messages):  # an assistant turn that calls tools may have no content (OpenAI's form)
             return f"field {spec.messages_key!r} is not a list of {{role, content}} messages"
         return None
     if not isinstance(row.get(spec.prompt_key), str):

@@ -47,6 +47,7 @@ SECTIONS = {
     "run": _ALL,
     "slurm": (*_ALL, "slurm"),
     "eval": ("orchestrator", "inference", "trainer.lora"),
+    "sft": ("sft", "trainer"),
 }
 
 
@@ -78,6 +79,11 @@ def preflight_checks(program: str) -> tuple:
 
     if program == "slurm":
         return (slurm_template,)
+    if program == "sft":  # the data step's, then the trainer's
+        from orchestrator.preflight import SFT_CHECKS
+        from trainer.preflight import CHECKS
+
+        return SFT_CHECKS + CHECKS
     if program == "eval":  # a server of its own, then the orchestrator's evaluation
         from inference.preflight import SERVING
         from orchestrator.preflight import EVAL_CHECKS
@@ -109,11 +115,13 @@ def resolve(argv: list[str], program: str) -> RunConfig:
     return cfg
 
 
-def _program(program: str, argv: list[str], main: Callable[[RunConfig], object]) -> None:
+def _program(program: str, argv: list[str], main: Callable[[RunConfig], object], cores: str = "") -> None:
+    """`cores`: the table whose `cpus` pin the program (default: its own)."""
     cfg = resolve(argv, program)
     from rl.placement import pin
 
-    pin(f"{program}.cpus", getattr(cfg, program).cpus)  # checked by resolve
+    table = cores or program
+    pin(f"{table}.cpus", getattr(cfg, table).cpus)  # checked by resolve
     setup_logging(program)
     from rl.config_doc import save_resolved
     from rl.heartbeat import Heartbeat, heartbeat_path
@@ -168,6 +176,29 @@ def trainer(ctx: typer.Context) -> None:
         run(cfg)
 
     _program("trainer", ctx.args, main)
+
+
+@app.command(cls=ProgramCommand, context_settings=_ARGS)
+def sft(ctx: typer.Context) -> None:
+    """Supervised fine-tuning on the assistant turns of sft.datasets, with the trainer's FSDP2 loop;
+    weights/step_N is a model `rl run` starts from (torchrun --nproc-per-node N -m rl sft: N ranks)."""
+
+    def main(cfg: RunConfig) -> None:
+        from rl.preflight import is_rank0
+
+        if is_rank0():  # the other ranks wait for it in the process group's rendezvous
+            from orchestrator.sft_data import prepare
+
+            try:
+                prepare(cfg)
+            except ConfigError as e:
+                typer.echo(f"rl sft: {e}", err=True)
+                raise typer.Exit(2) from None
+        from trainer.sft import main as train
+
+        train(cfg)
+
+    _program("sft", ctx.args, main, cores="trainer")
 
 
 @app.command(cls=ProgramCommand, context_settings=_ARGS)

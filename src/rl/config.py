@@ -23,6 +23,7 @@ from pydantic import Field, NonNegativeInt, ValidationError, field_validator, mo
 from rl.addresses import HostPort, ZmqEndpoint, check_zmq_endpoint
 from rl.config_section import Section
 from rl.orchestrator_config import OrchestratorConfig, moved_key
+from rl.sft_config import SftConfig
 
 
 class ConfigError(Exception):
@@ -439,6 +440,7 @@ class RunConfig(Section):
     trainer: TrainerConfig = TrainerConfig()
     slurm: SlurmConfig = SlurmConfig()
     tracking: TrackingConfig = TrackingConfig()
+    sft: SftConfig = SftConfig()
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:

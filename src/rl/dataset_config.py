@@ -91,6 +91,9 @@ class DatasetConfig(Section):
     messages_key: str = "messages"
     """Field holding the prompt as chat messages ([{role, content}, ...]); used when present."""
 
+    completion_key: str = "completion"
+    """rl sft: field holding the assistant's answer to the prompt, for rows without messages
+    (reasoning_gym rows: set it to "answer")."""
     answer_key: str = "answer"
     """Field holding the reference answer, which rewards read as row["answer"]."""
 
@@ -166,8 +169,9 @@ class DatasetConfig(Section):
 
 class EvalConfig(Section):
     """Held-out evaluation: `samples` completions (greedy by default) of the first `rows` rows of
-    each dataset, scored by its reward, of the version serving at step 0, every `every` steps, and
-    the final one. It runs beside training on the same servers (at most `concurrency` requests at
+    each dataset, scored by its reward, of the starting weights (version 0, once the first batch
+    is handed over, the servers keeping version 0 until it ends), every `every` steps, and the
+    final one. It runs beside training on the same servers (at most `concurrency` requests at
     once), not in its way. Logged as program "eval" in metrics.jsonl (eval/<dataset>/reward,
     .../accuracy, .../pass@k)."""
 
@@ -188,7 +192,7 @@ class EvalConfig(Section):
     """Rows evaluated per dataset."""
 
     every: int = Field(0, ge=0)
-    """Evaluate every this many steps too; 0: only before the first batch and after the last."""
+    """Evaluate every this many steps too; 0: only the starting weights and the last version."""
 
     timeout_s: float = Field(600, gt=0)
     """Longest one evaluation may take before it is given up (logged) and the run goes on."""

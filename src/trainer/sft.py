@@ -1,0 +1,160 @@
+"""Supervised fine-tuning on the trainer's own machinery: `rl sft` (rl/cli.py) runs the data step
+(orchestrator/sft_data.py), then this loop on every rank.
+
+The same model loading, FSDP2 sharding, LoRA or full tuning (trainer/tuning.py), packing and rank
+balance (trainer/data.py), optimizer and schedule, checkpoints and exact --resume, and
+step-versioned HF weights (trainer/publish.py: weights/step_N, a `model` for `rl run`) as the RL
+trainer; only the loss differs: the mean negative log-likelihood of the assistant's tokens
+(trainer.loss.normalization decides the mean: per token by default). Batch n's conversations are
+a function of the data, the seed and n (rl/sft_data.py batch_rows): a resumed run replays the
+same batches from its checkpoint on.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rl.batch import Batch, Sample
+from rl.config import RunConfig
+from rl.faults import crash_point
+from rl.heartbeat import set_phase
+from rl.stop_signal import raise_on_sigterm
+from rl.sft_data import SftData, batch_rows, sft_data_dir
+from trainer.data import MicroBatch
+from trainer.policy import Policy
+from trainer.trainer import Trainer
+
+log = logging.getLogger("trainer")
+
+
+def as_batch(data: SftData, rows: list[int], step: int) -> Batch:
+    """Conversations in the batch format the RL trainer takes (advantages and logprobs unused)."""
+    samples = []
+    for i in rows:
+        tokens, mask = data.row(i)
+        n = len(tokens)
+        samples.append(Sample(tokens.tolist(), mask.tolist(), [0.0] * n, [1.0] * n, [0] * n, reward=0.0))
+    return Batch.from_samples(step, samples)
+
+
+class SftTrainer(Trainer):
+    def __init__(self, cfg: RunConfig):
+        super().__init__(cfg)
+        folder = sft_data_dir(self.run)
+        self.data = SftData.read(folder / "train.safetensors")
+        eval_file = folder / "eval.safetensors"
+        self.eval_data = SftData.read(eval_file) if eval_file.exists() else None
+
+    def train(self) -> None:
+        policy = self.policy
+        first = self.start_step(policy, self.cfg.resume)
+        try:
+            if first == 1 and self.eval_data is not None:
+                self.log_eval(policy, 0)
+            for step in range(first, self.cfg.max_steps + 1):
+                self.sft_one(policy, step)
+        finally:
+            self.publisher.close()
+        log.info("done: %d steps", self.cfg.max_steps)
+
+    def sft_one(self, policy: Policy, step: int) -> None:
+        cfg, s = self.cfg, self.cfg.sft
+        set_phase(f"training step {step}")
+        batch = as_batch(self.data, batch_rows(self.data, cfg.seed, s.batch_size, step), step)
+        start = time.perf_counter()
+        lr = policy.scheduler.get_last_lr()[0]
+        stats = self.sft_step(self.micro_batches(batch, policy), policy)
+        step_s = time.perf_counter() - start
+        last = step == cfg.max_steps
+        write_s = 0.0
+        if last or (s.save_every and step % s.save_every == 0):
+            set_phase(f"publishing version {step}")
+            write_s = self.publisher.publish(policy, step)
+        tokens = int(batch.lengths.sum())
+        record = {"program": "trainer", "step": step, "step_s": step_s, "write_s": write_s, "lr": lr,
+                  "tokens": tokens, "loss_tokens": int(batch.loss_mask.sum()),
+                  "epoch": step * s.batch_size / self.data.num_rows,
+                  "trainer_tokens_per_s": tokens / step_s if step_s > 0 else 0.0, **stats}
+        every = cfg.trainer.checkpoint_every
+        ckpt_s = self.save_checkpoint(policy, step, record) if every and (step % every == 0 or last) else 0.0
+        if self.rank == 0:
+            record["checkpoint_s"] = ckpt_s
+            self.append_record(policy, record)
+            log.info("step %d loss %.4f grad_norm %.3f lr %.2e epoch %.2f | step %.2fs (%.0f tok/s)%s%s", step,
+                     stats["loss"], stats["grad_norm"], lr, record["epoch"], step_s, record["trainer_tokens_per_s"],
+                     f" write {write_s:.2f}s" if write_s else "", f" checkpoint {ckpt_s:.2f}s" if ckpt_s else "")
+        if self.eval_data is not None and (last or (s.eval_every and step % s.eval_every == 0)):
+            self.log_eval(policy, step)
+        crash_point("trainer.after_step", step)
+
+    def nll(self, policy: Policy, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(weighted loss, summed NLL, trained tokens) of a micro-batch."""
+        with self.tuning.active(policy.slot):
+            logprobs, _ = self.forward_logprobs(self.model, mb)
+        mask = mb.loss_mask.to(self.device)
+        loss = -(logprobs * mb.loss_weight.to(self.device)).sum()
+        return loss, -(logprobs.detach() * mask).sum(), mask.sum()
+
+    def sft_step(self, micro_batches: list[MicroBatch], policy: Policy) -> dict:
+        # As in the RL step (trainer/trainer.py): loss_weight divides by the whole batch's
+        # normaliser, so micro-batches and ranks add up; FSDP2 averages over ranks, hence * world.
+        sums = torch.zeros(3, dtype=torch.float64)
+        for mb in micro_batches:
+            loss, nll, tokens = self.nll(policy, mb)
+            with self.tuning.active(policy.slot):
+                (loss * self.world).backward()
+            sums += torch.tensor([loss.item(), nll.item(), tokens.item()], dtype=torch.float64)
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.params, self.cfg.trainer.optim.max_grad_norm)
+        policy.optimizer.step()
+        policy.optimizer.zero_grad(set_to_none=True)
+        policy.scheduler.step()
+        sums = sums.to(self.device)
+        dist.all_reduce(sums)
+        loss, nll, tokens = sums.cpu().tolist()
+        return {"loss": loss, "nll": nll / max(tokens, 1.0),
+                "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)}
+
+    @torch.no_grad()
+    def eval_loss(self, policy: Policy) -> dict[str, float]:
+        """Mean NLL per assistant token of each eval dataset, and over all of them."""
+        data = self.eval_data
+        out, total = {}, np.zeros(2)
+        for d, name in enumerate(data.names):
+            batch = as_batch(data, data.rows_of(d).tolist(), 0)
+            sums = torch.zeros(2, dtype=torch.float64)
+            for mb in self.micro_batches(batch, policy):
+                _, nll, tokens = self.nll(policy, mb)
+                sums += torch.tensor([nll.item(), tokens.item()], dtype=torch.float64)
+            sums = sums.to(self.device)
+            dist.all_reduce(sums)
+            nll, tokens = sums.cpu().tolist()
+            out[f"eval_loss/{name}"] = nll / max(tokens, 1.0)
+            total += (nll, tokens)
+        out["eval_loss"] = total[0] / max(total[1], 1.0)
+        return out
+
+    def log_eval(self, policy: Policy, step: int) -> None:
+        set_phase(f"held-out loss at step {step}")
+        self.model.eval()
+        try:
+            losses = self.eval_loss(policy)
+        finally:
+            self.model.train()
+        if self.rank == 0:
+            policy.run.append_metrics({"program": "eval", "step": step, **losses})
+            log.info("held-out loss at step %d: %s", step, ", ".join(f"{k} {v:.4f}" for k, v in losses.items()))
+
+
+def main(cfg: RunConfig) -> None:
+    raise_on_sigterm(lambda: SystemExit(128 + signal.SIGTERM))  # as the RL trainer (trainer/main.py)
+    trainer = SftTrainer(cfg)
+    try:
+        trainer.train()
+    finally:
+        dist.destroy_process_group()

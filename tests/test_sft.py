@@ -1,0 +1,129 @@
+"""`rl sft` with real parts: the data step on real files and tokenizers, the trainer's FSDP2 loop
+in a real process, weights a transformers model loads, exact --resume after a SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file
+
+from conftest import TINY_MODEL, rl_command
+from rl.sft_data import SftData, batch_rows
+
+CHAT_MODEL = TINY_MODEL.parent / "tiny-chat"
+
+
+def sft(cfg: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(rl_command("sft", "@", str(cfg), *args), capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **(env or {})})
+
+
+def config(tmp_path: Path, body: str, model: Path = TINY_MODEL, steps: int = 20) -> Path:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "sft.toml"
+    path.write_text(f'model = "{model}"\noutput_dir = "{tmp_path / "run"}"\nmax_steps = {steps}\nseq_len = 64\n'
+                    "[trainer]\ntorch_threads = 1\n" + body)
+    return path
+
+
+def records(run: Path, program: str) -> list[dict]:
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["program"] == program]
+
+
+REVERSE = """[trainer.optim]
+lr = 1e-4  # 1e-3 overshoots: this model is trained already (held-out loss 2.14 -> 2.32 in 20 steps)
+[sft]
+batch_size = 16
+eval_every = 10
+[[sft.datasets]]
+function = "orchestrator.tasks.reverse:dataset"
+size = 400
+completion_key = "answer"
+[[sft.eval_datasets]]
+name = "heldout"
+function = "orchestrator.tasks.reverse:dataset"
+seed = 7
+completion_key = "answer"
+"""
+
+
+def test_sft_learns_and_publishes_a_model_transformers_loads(tmp_path):
+    """Raw prompt/completion rows (the char-level model has no chat template): the held-out loss
+    falls, and weights/step_N is an HF model directory whose tokens are the trained ones."""
+    result = sft(config(tmp_path, REVERSE))
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = tmp_path / "run"
+    evals = records(run, "eval")
+    assert [r["step"] for r in evals] == [0, 10, 20]
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    steps = records(run, "trainer")
+    assert [r["step"] for r in steps] == list(range(1, 21))
+    assert all(r["loss_tokens"] > 0 for r in steps)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(run / "weights" / "step_20")
+    assert model.config.vocab_size > 0
+    # Trained on the answer and its end of sequence only: the prompt's tokens are masked.
+    data = SftData.read(run / "sft_data" / "train.safetensors")
+    tokens, mask = data.row(0)
+    prompt_len = int(np.argmax(mask))
+    assert prompt_len > 1 and mask[prompt_len:].all() and not mask[:prompt_len].any()
+
+
+def test_bad_rows_are_counted_one_line_per_kind_and_a_dataset_without_usable_rows_exits_2(tmp_path):
+    good = {"messages": [{"role": "user", "content": "Spell cat backward"}, {"role": "assistant", "content": "tac"}]}
+    rows = [good] * 5 + [{"messages": [{"role": "user", "content": "no answer"}]}] * 3 \
+        + [{"messages": [{"role": "user", "content": "x " * 80}, {"role": "assistant", "content": "y"}]}] * 2 \
+        + [{"text": "neither"}] * 4
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    body = f'[sft]\nbatch_size = 4\n[[sft.datasets]]\npath = "{data}"\n'
+    result = sft(config(tmp_path, body, model=CHAT_MODEL, steps=1))
+    assert result.returncode == 0, result.stderr[-3000:]
+    skipped = [line for line in result.stderr.splitlines() if "row(s) skipped" in line]
+    assert len(skipped) == 3, skipped  # once each, though the start-up check read the file too
+    assert any("3 row(s) skipped: no assistant turn (first: row 5)" in line for line in skipped)
+    assert any("2 row(s) skipped: longer than seq_len 64 (first: row 8" in line for line in skipped)
+    assert any("4 unusable row(s) skipped (row 10: has neither a 'prompt'" in line for line in skipped)
+    assert SftData.read(tmp_path / "run" / "sft_data" / "train.safetensors").num_rows == 5
+
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows[5:]))
+    (tmp_path / "run2").mkdir()
+    result = sft(config(tmp_path, body, model=CHAT_MODEL, steps=1), "--output_dir", str(tmp_path / "run2"))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rl sft: sft.datasets chats: none of its first rows is usable")
+
+
+def test_a_run_killed_after_a_step_resumes_to_the_same_weights(tmp_path):
+    """Checkpoint at step 3, SIGKILL after step 4, --resume: step 6's weights equal, bit for bit,
+    those of a run never interrupted (the batches are a function of seed and step)."""
+    body = "checkpoint_every = 3\n" + REVERSE.replace("eval_every = 10", "eval_every = 0")
+    whole, killed = (config(tmp_path / name, body, steps=6) for name in ("whole", "killed"))
+    assert sft(whole).returncode == 0
+    crashed = sft(killed, env={"ASYNCRL_CRASH_AT": "trainer.after_step:4"})
+    assert crashed.returncode == -9, crashed.stderr[-2000:]
+    resumed = sft(killed, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from checkpoints/step_3" in resumed.stderr
+    a = load_file(tmp_path / "whole" / "run" / "weights" / "step_6" / "model.safetensors")
+    b = load_file(tmp_path / "killed" / "run" / "weights" / "step_6" / "model.safetensors")
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    steps = [r["step"] for r in records(tmp_path / "killed" / "run", "trainer")]
+    assert steps == [1, 2, 3, 4, 5, 6]  # step 4, trained twice, recorded once
+
+
+def test_batches_are_a_function_of_seed_and_step_and_each_pass_sees_every_row_once():
+    lengths = np.full(10, 3)
+    data = SftData(np.zeros(30, dtype=np.int64), np.ones(30, dtype=np.uint8), lengths,
+                   np.asarray([0] * 7 + [1] * 3), ["a", "b"], [1.0, 1.0])
+    stream = batch_rows(data, 5, 40, 1)
+    assert [r for n in range(1, 11) for r in batch_rows(data, 5, 4, n)] == stream
+    assert batch_rows(data, 6, 40, 1) != stream
+    a_rows = [r for r in stream if r < 7]
+    for start in range(0, len(a_rows) - 6, 7):  # each pass over dataset a: all 7 rows, once each
+        assert sorted(a_rows[start:start + 7]) == list(range(7))
