@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -127,3 +128,21 @@ def test_batches_are_a_function_of_seed_and_step_and_each_pass_sees_every_row_on
     a_rows = [r for r in stream if r < 7]
     for start in range(0, len(a_rows) - 6, 7):  # each pass over dataset a: all 7 rows, once each
         assert sorted(a_rows[start:start + 7]) == list(range(7))
+
+
+def test_two_ranks_take_the_same_step_as_one(tmp_path):
+    """One SFT step on two ranks (rank 0 prepares the data while rank 1 waits for it in the
+    rendezvous) equals the one-rank step within what summing in another order allows
+    (tests/test_trainer.py assert_same_step derives the bounds)."""
+    from conftest import free_port
+    from rl.rundir import RunDir
+    from test_trainer import ENV, assert_same_step
+
+    body = "checkpoint_every = 1\n" + REVERSE.replace("eval_every = 10", "eval_every = 0")
+    one, two = config(tmp_path / "one", body, steps=1), config(tmp_path / "two", body, steps=1)
+    two_ranks = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                 "--master-port", str(free_port()), "-m", "rl", "sft", "@", str(two)]
+    for cmd in (rl_command("sft", "@", str(one)), two_ranks):
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_step(RunDir(tmp_path / "two" / "run"), RunDir(tmp_path / "one" / "run"), 1)
