@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from safetensors.numpy import load_file
 
 from conftest import TINY_MODEL, rl_command
@@ -66,13 +67,55 @@ def test_sft_learns_and_publishes_a_model_transformers_loads(tmp_path):
     assert all(r["loss_tokens"] > 0 for r in steps)
     from transformers import AutoModelForCausalLM
 
+    # The published model is the one trained: transformers computes the held-out loss the
+    # trainer recorded after its last step (packed rows there, one row at a time here: float32
+    # reordering only, far below the 1e-4 relative asked).
     model = AutoModelForCausalLM.from_pretrained(run / "weights" / "step_20")
-    assert model.config.vocab_size > 0
+    heldout = SftData.read(run / "sft_data" / "eval.safetensors")
+    assert heldout_nll(model, heldout) == pytest.approx(evals[-1]["eval_loss"], rel=1e-4)
     # Trained on the answer and its end of sequence only: the prompt's tokens are masked.
     data = SftData.read(run / "sft_data" / "train.safetensors")
     tokens, mask = data.row(0)
     prompt_len = int(np.argmax(mask))
     assert prompt_len > 1 and mask[prompt_len:].all() and not mask[:prompt_len].any()
+
+
+def heldout_nll(model, data: SftData) -> float:
+    """Mean negative log-likelihood per trained token of every conversation in `data`."""
+    import torch
+
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(data.num_rows):
+            tokens, mask = data.row(i)
+            ids = torch.tensor(tokens[None], dtype=torch.long)
+            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+            picked = logp.gather(-1, ids[0, 1:, None])[:, 0]
+            keep = torch.tensor(mask[1:], dtype=torch.bool)
+            total -= float(picked[keep].double().sum())
+            count += int(keep.sum())
+    return total / count
+
+
+def test_a_lora_sft_adapter_loads_in_peft_as_trained(tmp_path):
+    """trainer.lora.rank > 0: weights/step_N is a peft adapter directory; the base model with it
+    (peft) computes the held-out loss the trainer recorded."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    body = "[trainer.lora]\nrank = 8\n" + REVERSE.replace("lr = 1e-4", "lr = 3e-3").replace("eval_every = 10", "eval_every = 0")
+    result = sft(config(tmp_path, body, steps=4))
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = tmp_path / "run"
+    evals = records(run, "eval")
+    assert (run / "weights" / "step_4" / "adapter_config.json").exists()
+    base = AutoModelForCausalLM.from_pretrained(TINY_MODEL)
+    heldout = SftData.read(run / "sft_data" / "eval.safetensors")
+    assert heldout_nll(base, heldout) == pytest.approx(evals[0]["eval_loss"], rel=1e-4)
+    tuned = PeftModel.from_pretrained(base, run / "weights" / "step_4")
+    assert heldout_nll(tuned, heldout) == pytest.approx(evals[-1]["eval_loss"], rel=1e-4)
+    # The adapter matters: it moved the loss by 10x more than the comparisons above allow.
+    assert abs(evals[-1]["eval_loss"] - evals[0]["eval_loss"]) > 10 * 1e-4 * evals[0]["eval_loss"]
 
 
 def test_bad_rows_are_counted_one_line_per_kind_and_a_dataset_without_usable_rows_exits_2(tmp_path):

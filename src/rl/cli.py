@@ -6,6 +6,7 @@
     rl trainer @ configs/demo.toml              # torchrun --nproc-per-node 2 -m trainer @ ...
     rl trainer @ configs/demo.toml --trainer.optim.lr 1e-4 --dry-run
     rl slurm @ configs/demo.toml > job.sbatch   # the same run as a SLURM job (docs/slurm.md)
+    rl sft @ configs/sft_demo.toml              # supervised fine-tuning (docs/sft.md)
     rl plot runs/demo                           # the run's PNGs from its metrics.jsonl
 
 Programs are imported only after the config parsed, so `--help` and config errors are instant.
