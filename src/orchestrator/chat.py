@@ -24,11 +24,10 @@ character span of each marked block (orchestrator/assistant_mask.py turns them i
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
-
-import re
 
 import jinja2
 from jinja2 import nodes

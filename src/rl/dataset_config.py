@@ -94,6 +94,7 @@ class DatasetConfig(Section):
     completion_key: str = "completion"
     """rl sft: field holding the assistant's answer to the prompt, for rows without messages
     (reasoning_gym rows: set it to "answer")."""
+
     answer_key: str = "answer"
     """Field holding the reference answer, which rewards read as row["answer"]."""
 
