@@ -56,15 +56,22 @@ completion_key = "answer"
 def test_sft_learns_and_publishes_a_model_transformers_loads(tmp_path):
     """Raw prompt/completion rows (the char-level model has no chat template): the held-out loss
     falls, and weights/step_N is an HF model directory whose tokens are the trained ones."""
-    result = sft(config(tmp_path, REVERSE))
+    result = sft(config(tmp_path, REVERSE), "--tracking.tensorboard", "true")
     assert result.returncode == 0, result.stderr[-3000:]
     run = tmp_path / "run"
     evals = records(run, "eval")
     assert [r["step"] for r in evals] == [0, 10, 20]
-    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    assert evals[-1]["eval/loss"] < evals[0]["eval/loss"]
     steps = records(run, "trainer")
     assert [r["step"] for r in steps] == list(range(1, 21))
     assert all(r["loss_tokens"] > 0 for r in steps)
+    # Every record reached TensorBoard (through the tracker RL runs use), and the plot was drawn.
+    from test_tracking import scalars
+
+    seen = scalars(run / "tracking" / "tensorboard")
+    assert [step for step, _ in seen["trainer/nll"]] == list(range(1, 21))
+    assert [step for step, _ in seen["eval/heldout/loss"]] == [0, 10, 20]
+    assert (run / "loss_curve.png").stat().st_size > 0
     from transformers import AutoModelForCausalLM
 
     # The published model is the one trained: transformers computes the held-out loss the
@@ -72,7 +79,7 @@ def test_sft_learns_and_publishes_a_model_transformers_loads(tmp_path):
     # reordering only, far below the 1e-4 relative asked).
     model = AutoModelForCausalLM.from_pretrained(run / "weights" / "step_20")
     heldout = SftData.read(run / "sft_data" / "eval.safetensors")
-    assert heldout_nll(model, heldout) == pytest.approx(evals[-1]["eval_loss"], rel=1e-4)
+    assert heldout_nll(model, heldout) == pytest.approx(evals[-1]["eval/loss"], rel=1e-4)
     # Trained on the answer and its end of sequence only: the prompt's tokens are masked.
     data = SftData.read(run / "sft_data" / "train.safetensors")
     tokens, mask = data.row(0)
@@ -111,11 +118,11 @@ def test_a_lora_sft_adapter_loads_in_peft_as_trained(tmp_path):
     assert (run / "weights" / "step_4" / "adapter_config.json").exists()
     base = AutoModelForCausalLM.from_pretrained(TINY_MODEL)
     heldout = SftData.read(run / "sft_data" / "eval.safetensors")
-    assert heldout_nll(base, heldout) == pytest.approx(evals[0]["eval_loss"], rel=1e-4)
+    assert heldout_nll(base, heldout) == pytest.approx(evals[0]["eval/loss"], rel=1e-4)
     tuned = PeftModel.from_pretrained(base, run / "weights" / "step_4")
-    assert heldout_nll(tuned, heldout) == pytest.approx(evals[-1]["eval_loss"], rel=1e-4)
+    assert heldout_nll(tuned, heldout) == pytest.approx(evals[-1]["eval/loss"], rel=1e-4)
     # The adapter matters: it moved the loss by 10x more than the comparisons above allow.
-    assert abs(evals[-1]["eval_loss"] - evals[0]["eval_loss"]) > 10 * 1e-4 * evals[0]["eval_loss"]
+    assert abs(evals[-1]["eval/loss"] - evals[0]["eval/loss"]) > 10 * 1e-4 * evals[0]["eval/loss"]
 
 
 def test_bad_rows_are_counted_one_line_per_kind_and_a_dataset_without_usable_rows_exits_2(tmp_path):

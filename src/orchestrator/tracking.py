@@ -2,7 +2,7 @@
 the source of truth. One code path: `Tracker.forward()` reads the records appended since its last
 call (the orchestrator's, the trainer's, evaluations) and hands each to every sink. The
 orchestrator runs it, so tracking works the same under `rl run` and with the programs started by
-hand; where it got to in metrics.jsonl is kept in tracking/offset, so a restarted orchestrator
+hand (`rl sft`, which has no orchestrator, runs it beside its trainer: `following`); where it got to in metrics.jsonl is kept in tracking/offset, so a restarted orchestrator
 neither loses nor repeats records, and wandb resumes the same run (tracking/wandb_id).
 
 A sink that fails logs one warning and is dropped; the run goes on.
@@ -15,6 +15,7 @@ order.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -148,3 +149,26 @@ class Tracker:
                 except Exception as e:
                     log.warning("tracking: closing %s failed (%s: %s)", name, type(e).__name__, e)
             self.sinks = {}
+
+
+@contextlib.contextmanager
+def following(cfg: RunConfig, every_s: float = 2.0):
+    """With wandb or TensorBoard on: forward metrics.jsonl every `every_s` from a daemon thread
+    while the body runs, then the rest and close. Off: nothing."""
+    if not (cfg.tracking.wandb or cfg.tracking.tensorboard):
+        yield
+        return
+    tracker, done = Tracker(cfg), threading.Event()
+
+    def loop() -> None:
+        while not done.wait(every_s):
+            tracker.forward()
+
+    thread = threading.Thread(target=loop, name="tracking", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        tracker.close()

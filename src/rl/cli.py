@@ -185,19 +185,28 @@ def sft(ctx: typer.Context) -> None:
     weights/step_N is a model `rl run` starts from (torchrun --nproc-per-node N -m rl sft: N ranks)."""
 
     def main(cfg: RunConfig) -> None:
+        import contextlib
+
         from rl.preflight import is_rank0
 
+        tracking = contextlib.nullcontext()
         if is_rank0():  # the other ranks wait for it in the process group's rendezvous
             from orchestrator.sft_data import prepare
+            from orchestrator.tracking import following
 
             try:
                 prepare(cfg)
             except ConfigError as e:
                 typer.echo(f"rl sft: {e}", err=True)
                 raise typer.Exit(2) from None
+            tracking = following(cfg)  # wandb / TensorBoard, as the orchestrator feeds them in RL
+        from rl.plots import write_plots
         from trainer.sft import main as train
 
-        train(cfg)
+        with tracking:
+            train(cfg)
+        if is_rank0():
+            write_plots(cfg.output_dir)
 
     _program("sft", ctx.args, main, cores="trainer")
 

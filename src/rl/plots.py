@@ -6,6 +6,7 @@ multi-run LoRA trainer's directory, each run's own). `rl run` writes them when a
     throughput.png     tokens/s of generation and training; idle share of the servers and the trainer
     weight_updates.png seconds from a version's discovery to serving it; the trainer's publish time
     runs.png           multi-run: one reward curve per run
+    loss_curve.png     rl sft: training loss (and its trailing mean), held-out loss per evaluation
 """
 
 from __future__ import annotations
@@ -111,6 +112,15 @@ def weight_update_plot(records: list[dict], out: Path) -> Path:
     return _save(plt, fig, ax, out / "weight_updates.png")
 
 
+def loss_plot(records: list[dict], out: Path) -> Path:
+    plt, fig, ax = _figure("supervised loss", "mean NLL per assistant token")
+    steps, nll = series(records, "trainer", "nll")
+    ax.plot(steps, nll, lw=0.8, alpha=0.6, label="batch")
+    ax.plot(steps, trailing(nll), label=f"trailing {WINDOW}-step mean")
+    ax.plot(*series(records, "eval", "eval/loss"), "o-", label="held-out")
+    return _save(plt, fig, ax, out / "loss_curve.png")
+
+
 def runs_plot(root: Path, out: Path) -> Path | None:
     runs = sorted(p for p in (root / "runs").glob("*/metrics.jsonl"))
     if not runs:
@@ -129,6 +139,8 @@ def write_plots(root: Path) -> list[Path]:
     if any(r.get("program") == "orchestrator" for r in records):
         written += [reward_plot(records, root), staleness_plot(records, root), throughput_plot(records, root),
                     weight_update_plot(records, root)]
+    if any(r.get("program") == "trainer" and "nll" in r for r in records):
+        written.append(loss_plot(records, root))
     if (multi := runs_plot(root, root)) is not None:
         written.append(multi)
     return written

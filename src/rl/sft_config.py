@@ -28,7 +28,8 @@ class SftConfig(Section):
     `size` rows."""
     eval_datasets: list[DatasetConfig] = []
     """Held-out rows: their loss (mean negative log-likelihood per assistant token) is logged as
-    eval_loss every eval_every steps and after the last. Empty: none."""
+    eval/loss (and eval/<name>/loss) before the first step, every eval_every steps and after the
+    last. Empty: none."""
     batch_size: int = Field(32, ge=1)
     """Conversations per optimizer step (all ranks together)."""
     eval_every: int = Field(0, ge=0)

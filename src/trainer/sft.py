@@ -122,7 +122,8 @@ class SftTrainer(Trainer):
 
     @torch.no_grad()
     def eval_loss(self, policy: Policy) -> dict[str, float]:
-        """Mean NLL per assistant token of each eval dataset, and over all of them."""
+        """Mean NLL per assistant token of each eval dataset (eval/<name>/loss, as RL's
+        eval/<name>/<metric>) and over all of them (eval/loss)."""
         data = self.eval_data
         out, total = {}, np.zeros(2)
         for d, name in enumerate(data.names):
@@ -134,9 +135,9 @@ class SftTrainer(Trainer):
             sums = sums.to(self.device)
             dist.all_reduce(sums)
             nll, tokens = sums.cpu().tolist()
-            out[f"eval_loss/{name}"] = nll / max(tokens, 1.0)
+            out[f"eval/{name}/loss"] = nll / max(tokens, 1.0)
             total += (nll, tokens)
-        out["eval_loss"] = total[0] / max(total[1], 1.0)
+        out["eval/loss"] = total[0] / max(total[1], 1.0)
         return out
 
     def log_eval(self, policy: Policy, step: int) -> None:
