@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import TINY_MODEL, rl_command
+from conftest import ROOT, TINY_MODEL, rl_command
 from rl.sft_data import SftData, batch_rows
 
 CHAT_MODEL = TINY_MODEL.parent / "tiny-chat"
@@ -80,6 +80,12 @@ def test_sft_learns_and_publishes_a_model_transformers_loads(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(run / "weights" / "step_20")
     heldout = SftData.read(run / "sft_data" / "eval.safetensors")
     assert heldout_nll(model, heldout) == pytest.approx(evals[-1]["eval/loss"], rel=1e-4)
+    # `rl run` takes it as its model: every start-up check passes (the engine itself is the
+    # end-to-end tests' part).
+    check = subprocess.run(rl_command("run", "@", str(ROOT / "configs" / "reverse_demo.toml"), "--model",
+                                      str(run / "weights" / "step_20"), "--output_dir", str(tmp_path / "rl"),
+                                      "--dry-run"), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert check.returncode == 0, check.stderr[-2000:]
     # Trained on the answer and its end of sequence only: the prompt's tokens are masked.
     data = SftData.read(run / "sft_data" / "train.safetensors")
     tokens, mask = data.row(0)
