@@ -82,20 +82,20 @@ def batch_rows(data: SftData, seed: int, batch_size: int, step: int) -> list[int
     weights = np.asarray(data.weights, dtype=np.float64)
     weights = weights / weights.sum()
     per_dataset = [data.rows_of(d) for d in range(len(data.names))]
-    taken = [0] * len(per_dataset)
-    orders: dict[tuple[int, int], np.ndarray] = {}
     first, last = (step - 1) * batch_size, step * batch_size
-    # Draws before this batch are replayed to know where each dataset's pass stands: O(step *
-    # batch_size) cheap integer work, and nothing to checkpoint.
+    # The draws before this batch only say where each dataset's pass stands (a count each): the
+    # stream is regenerated, not stored, so there is nothing to checkpoint. (A prefix of the
+    # draws is the same whatever `size` asks for: one uniform number per draw.) Numpy work in
+    # step * batch_size: 16 ms at step 10,000 of 32.
     picks = rng.choice(len(per_dataset), size=last, p=weights)
+    taken = np.bincount(picks[:first], minlength=len(per_dataset)).tolist()
+    orders: dict[tuple[int, int], np.ndarray] = {}
     rows = []
-    for draw, d in enumerate(picks):
+    for d in picks[first:]:
         n = len(per_dataset[d])
         pass_, at = divmod(taken[d], n)
         taken[d] += 1
-        if draw < first:
-            continue
         if (d, pass_) not in orders:
-            orders[d, pass_] = np.random.default_rng([seed, 1, d, pass_]).permutation(n)
+            orders[d, pass_] = np.random.default_rng([seed, 1, int(d), pass_]).permutation(n)
         rows.append(int(per_dataset[d][orders[d, pass_][at]]))
     return rows
