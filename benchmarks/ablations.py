@@ -26,6 +26,9 @@ RECIPES = {
     # The CPU demo (configs/demo.toml): reasoning-gym's spell_backward on models/tiny-chat,
     # 8 prompts x 8, exact-match reward; held-out greedy accuracy on 100 rows.
     "demo": ("configs/demo.toml", ["--orchestrator.eval.every", "0"]),
+    # The train-bound recipe (configs/reverse_demo.toml): the char-level model reverses strings,
+    # 8 prompts x 8, 12-token completions; the trainer's step is most of the machine's work.
+    "reverse": ("configs/reverse_demo.toml", []),
 }
 
 PAIR = re.compile(r"\[\s+([-\d.e]+),\s+([-\d.e]+)\s+\]")  # a curve's [seconds, reward] on one line
@@ -45,6 +48,9 @@ VARIANTS = {
     "async2_tis": ["--max_async_level", "2", "--trainer.loss.objective", "truncated_is"],
     "async2_lr2x": ["--max_async_level", "2", "--trainer.optim.lr", "2e-4"],
     "async2_nonorm": ["--max_async_level", "2", "--orchestrator.normalize_advantages", "false"],
+    # The trainer on both cores, two threads: the engine's core is idle part of a train-bound step.
+    "trainer2": ["--trainer.cpus", "[0, 1]", "--trainer.torch_threads", "2"],
+    "async2_trainer2": ["--max_async_level", "2", "--trainer.cpus", "[0, 1]", "--trainer.torch_threads", "2"],
 }
 
 
