@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, Gemma2Config, Qwen2Config
 from rl.batch import Batch
 from trainer.data import loss_weights, rank_micro_batches
 from trainer.logprob_head import LogprobHead, install
-from trainer.model import micro_batch_logprobs
+from trainer.model import forward_logits, micro_batch_logprobs
 from samples import single_turn
 
 VOCAB = 512
@@ -103,6 +103,26 @@ def test_the_chunked_head_gives_the_plain_values_and_gradients(tied, layout):
         n = sum(int(mb.loss_mask.sum()) for mb in mbs) * VOCAB
         err = float((got_grads[name] - g).norm())
         assert err <= n * EPS32 * float(g.norm()) + 1e-12, f"{name}: gradient differs by {err:.2e}"
+
+
+def test_label_smoothing_is_torchs_cross_entropy_through_either_head():
+    """rl sft's label smoothing: minus the smoothed logprob is torch's cross_entropy(...,
+    label_smoothing=0.1) of the same logits, through the plain and the chunked head alike, within
+    a logprob's float32 error bound (the smoothing term is a mean of logprobs: the same bound)."""
+    cpu = torch.device("cpu")
+    plain, chunked = random_model(True), random_model(True)
+    install(chunked, chunk_tokens=5)
+    bound = logit_error_bound(plain)
+    for mb in micro_batches(mixed_batch(), packed=True):
+        mask = mb.loss_mask > 0
+        logits = forward_logits(plain, mb, cpu, single_row=False)[:, :-1].float() / mb.temperature[..., None]
+        want = -torch.nn.functional.cross_entropy(logits[mask], mb.tokens[:, 1:][mask], label_smoothing=0.1,
+                                                  reduction="none")
+        for model in (plain, chunked):
+            got = micro_batch_logprobs(model, mb, cpu, single_row=False, smoothing=0.1)[0][mask]
+            torch.testing.assert_close(got.detach(), want.detach(), atol=bound, rtol=0)
+        unsmoothed = micro_batch_logprobs(plain, mb, cpu, single_row=False)[0][mask]
+        assert float((unsmoothed - want).abs().max()) > 10 * bound  # the smoothing is not lost
 
 
 class LargestTensor(TorchDispatchMode):

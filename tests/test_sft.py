@@ -112,14 +112,16 @@ def heldout_nll(model, data: SftData) -> float:
 
 def test_a_lora_sft_adapter_loads_in_peft_as_trained(tmp_path):
     """trainer.lora.rank > 0: weights/step_N is a peft adapter directory; the base model with it
-    (peft) computes the held-out loss the trainer recorded."""
+    (peft) computes the held-out loss the trainer recorded. Trained with label smoothing, which
+    the held-out loss is not."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     body = "[trainer.lora]\nrank = 8\n" + REVERSE.replace("lr = 1e-4", "lr = 3e-3").replace("eval_every = 10", "eval_every = 0")
-    result = sft(config(tmp_path, body, steps=4))
+    result = sft(config(tmp_path, body, steps=4), "--sft.label_smoothing", "0.1")
     assert result.returncode == 0, result.stderr[-3000:]
     run = tmp_path / "run"
+    assert all("smoothed_loss" in r and "nll" not in r for r in records(run, "trainer"))
     evals = records(run, "eval")
     assert (run / "weights" / "step_4" / "adapter_config.json").exists()
     base = AutoModelForCausalLM.from_pretrained(TINY_MODEL)

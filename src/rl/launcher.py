@@ -187,14 +187,20 @@ def launch(cfg: RunConfig, argv: list[str]) -> int:
     console = Console(stderr=True)
 
     raise_on_sigterm(KeyboardInterrupt)  # stop the children as Ctrl-C would
-    children = [_start(name, argv, run, cfg) for name in PROGRAMS]
-    console.print(f"started {', '.join(f'{c.name} (pid {c.proc.pid})' for c in children)}; logs in {run.logs}")
+    # A script that starts `rl run ... &` hands it SIGINT ignored (POSIX: background commands
+    # without job control), and Python then installs no handler: `kill -INT` did nothing (found
+    # when a benchmark's Ctrl-C left a run going). Ctrl-C always stops the run.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    children: list[Child] = []
     follower = MetricsFollower(run.metrics)
     eta = Eta(cfg.max_steps)
     latest: dict[str, dict] = {"orchestrator": {}, "trainer": {}}
     shown = 0
     code = 0
-    try:
+    try:  # from the first start on: a Ctrl-C at any moment stops what was started
+        for name in PROGRAMS:
+            children.append(_start(name, argv, run, cfg))
+        console.print(f"started {', '.join(f'{c.name} (pid {c.proc.pid})' for c in children)}; logs in {run.logs}")
         with console.status("waiting for the first batch (vLLM takes ~30 s to start)") as spinner:
             while True:
                 for rec in follower.new_records():

@@ -115,7 +115,10 @@ def weight_update_plot(records: list[dict], out: Path) -> Path:
 def loss_plot(records: list[dict], out: Path) -> Path:
     plt, fig, ax = _figure("supervised loss", "mean NLL per assistant token")
     steps, nll = series(records, "trainer", "nll")
-    ax.plot(steps, nll, lw=0.8, alpha=0.6, label="batch")
+    label = "batch"
+    if not nll:  # sft.label_smoothing: the training loss is the smoothed one
+        (steps, nll), label = series(records, "trainer", "smoothed_loss"), "batch (label-smoothed)"
+    ax.plot(steps, nll, lw=0.8, alpha=0.6, label=label)
     ax.plot(steps, trailing(nll), label=f"trailing {WINDOW}-step mean")
     ax.plot(*series(records, "eval", "eval/loss"), "o-", label="held-out")
     return _save(plt, fig, ax, out / "loss_curve.png")
@@ -139,7 +142,7 @@ def write_plots(root: Path) -> list[Path]:
     if any(r.get("program") == "orchestrator" for r in records):
         written += [reward_plot(records, root), staleness_plot(records, root), throughput_plot(records, root),
                     weight_update_plot(records, root)]
-    if any(r.get("program") == "trainer" and "nll" in r for r in records):
+    if any(r.get("program") == "trainer" and ("nll" in r or "smoothed_loss" in r) for r in records):
         written.append(loss_plot(records, root))
     if (multi := runs_plot(root, root)) is not None:
         written.append(multi)

@@ -36,6 +36,11 @@ class SftConfig(Section):
     """Held-out loss every this many steps too; 0: at the first step and after the last only."""
     eval_rows: int = Field(500, ge=1)
     """Conversations per eval dataset used for the held-out loss (its first rows)."""
+    label_smoothing: float = Field(0.0, ge=0, lt=1)
+    """Label smoothing of the training loss, as torch's cross_entropy(label_smoothing=): keeps the
+    model's sampling distribution broad, which leaves RL something to choose from. The step's
+    record then has smoothed_loss instead of nll; the held-out loss is never smoothed."""
+
     save_every: int = Field(0, ge=0)
     """Publish weights/step_N (HF format, a model `rl run` starts from) every this many steps too;
     0: only after the last step."""

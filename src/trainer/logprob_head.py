@@ -42,6 +42,7 @@ class TokenQuery:
     wanted: Tensor  # bool: positions whose logprob is needed
     temperature: Tensor  # float32: the logits are divided by it (the sampler's temperature)
     truncation: Truncation | None = None  # same layout; its `select` within `wanted`
+    smoothing: float = 0.0  # label smoothing (rl sft): trainer/loss.py token_logprobs_and_entropy
 
 
 class LogprobHead(nn.Module):
@@ -90,7 +91,7 @@ class LogprobHead(nn.Module):
         for i in range(0, h.shape[0], self.chunk_tokens):
             part = slice(i, i + self.chunk_tokens)
             args = (h[part], self.weight, self.bias, targets[part], temperature[part], select[part],
-                    *([x[part] for x in trunc] if trunc is not None else [None] * 3))
+                    *([x[part] for x in trunc] if trunc is not None else [None] * 3), q.smoothing)
             lp, ent, miss = checkpoint(_chunk, *args, use_reentrant=False) if rebuild else _chunk(*args)
             logprobs.append(lp)
             entropies.append(ent)
@@ -104,13 +105,15 @@ class LogprobHead(nn.Module):
 
 
 def _chunk(h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: Tensor,
-           select: Tensor, top_k: Tensor | None, top_p: Tensor | None, min_p: Tensor | None
-           ) -> tuple[Tensor, Tensor, Tensor]:
+           select: Tensor, top_k: Tensor | None, top_p: Tensor | None, min_p: Tensor | None,
+           smoothing: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     """(logprob, entropy, misses) of one chunk's positions: the same arithmetic as
     trainer/loss.py token_logprobs_and_entropy on the same rows (float32 after the matmul)."""
     scaled = F.linear(h, weight, bias).float() / temperature[:, None]
     logp_all = torch.log_softmax(scaled, dim=-1)
     logprobs = logp_all.gather(-1, targets[:, None]).squeeze(-1)
+    if smoothing:
+        logprobs = (1 - smoothing) * logprobs + smoothing * logp_all.mean(-1)
     with torch.no_grad():
         entropy = -(logp_all.exp() * logp_all).sum(-1)
     misses = torch.zeros((), device=h.device)

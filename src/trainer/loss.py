@@ -38,14 +38,16 @@ class LossOutput:
 
 
 def token_logprobs_and_entropy(logits: Tensor, tokens: Tensor, temperature: float | Tensor,
-                               truncation: Truncation | None = None) -> tuple[Tensor, Tensor]:
+                               truncation: Truncation | None = None, smoothing: float = 0.0) -> tuple[Tensor, Tensor]:
     """logits [R, T, V] (any float dtype), tokens [R, T] int64, temperature a number or one per
     predicted token ([R, T-1], as MicroBatch.temperature: samples of one batch may be sampled at
     different temperatures). Returns (logprobs, entropy), both float32 [R, T-1]: the logprob of
     tokens[:, t+1] under logits[:, t] / temperature[:, t] (the distribution the engine sampled
     from) and that distribution's entropy (detached, metrics only). With `truncation`, its
     selected positions are renormalised over the kept set instead (trainer/sampling_mask.py)
-    and truncation.misses counts sampled tokens the rebuilt set lacked."""
+    and truncation.misses counts sampled tokens the rebuilt set lacked. `smoothing` (rl sft's
+    label smoothing, never with truncation) returns (1 - s) * logprob + s * the mean logprob over
+    the vocabulary instead: minus it is torch's cross_entropy(..., label_smoothing=s)."""
     if isinstance(temperature, Tensor):
         if temperature.shape != tokens[:, 1:].shape:
             # [1, 1] or [R, 1] would broadcast silently and scale every token alike.
@@ -55,6 +57,8 @@ def token_logprobs_and_entropy(logits: Tensor, tokens: Tensor, temperature: floa
     scaled = logits[:, :-1].float() / temperature
     logp_all = torch.log_softmax(scaled, dim=-1)
     logprobs = logp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    if smoothing:
+        logprobs = (1 - smoothing) * logprobs + smoothing * logp_all.mean(-1)
     with torch.no_grad():
         entropy = -(logp_all.exp() * logp_all).sum(-1)
     if truncation is not None and bool(truncation.select.any()):

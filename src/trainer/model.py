@@ -76,23 +76,26 @@ def forward_logits(model: torch.nn.Module, mb: MicroBatch, device: torch.device,
 
 
 def micro_batch_logprobs(model: torch.nn.Module, mb: MicroBatch, device: torch.device, single_row: bool,
-                         truncation: Truncation | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         truncation: Truncation | None = None, smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs, entropy) [R, T-1] of a micro-batch's tokens, each under its own sample's
     temperature (mb.temperature): the distribution the engine sampled it from, which a batch
     mixing datasets with different sampling settings makes differ from sample to sample. With
-    `truncation` (mb.truncation(vocab)), over the kept set its top_k/top_p/min_p rebuild."""
+    `truncation` (mb.truncation(vocab)), over the kept set its top_k/top_p/min_p rebuild; with
+    `smoothing`, label-smoothed (trainer/loss.py token_logprobs_and_entropy)."""
     head = model.get_output_embeddings()
     if not isinstance(head, LogprobHead):
         logits = forward_logits(model, mb, device, single_row)
-        return token_logprobs_and_entropy(logits, mb.tokens.to(device), mb.temperature.to(device), truncation)
-    with head.asked(micro_batch_query(mb, device, truncation)):
+        return token_logprobs_and_entropy(logits, mb.tokens.to(device), mb.temperature.to(device), truncation,
+                                          smoothing)
+    with head.asked(micro_batch_query(mb, device, truncation, smoothing)):
         out = forward_logits(model, mb, device, single_row)  # [R, T, 2]: (logprob, entropy)
     if truncation is not None:
         truncation.misses = head.misses
     return out[:, :-1, 0], out[:, :-1, 1]
 
 
-def micro_batch_query(mb: MicroBatch, device: torch.device, truncation: Truncation | None) -> TokenQuery:
+def micro_batch_query(mb: MicroBatch, device: torch.device, truncation: Truncation | None,
+                      smoothing: float = 0.0) -> TokenQuery:
     """The head's query for a micro-batch: at [r, t] the token t+1 of row r, wanted where the
     loss uses it. Per-predicted-token fields ([R, T-1]) get a last column that is never wanted."""
     def widen(x: torch.Tensor, fill) -> torch.Tensor:
@@ -103,4 +106,4 @@ def micro_batch_query(mb: MicroBatch, device: torch.device, truncation: Truncati
         widen(truncation.top_k, -1), widen(truncation.top_p, 1.0), widen(truncation.min_p, 0.0),
         widen(truncation.select, False))
     return TokenQuery(targets=widen(tokens[:, 1:], 0), wanted=widen(mb.loss_mask > 0, False),
-                      temperature=widen(mb.temperature.float(), 1.0), truncation=trunc)
+                      temperature=widen(mb.temperature.float(), 1.0), truncation=trunc, smoothing=smoothing)

@@ -5,7 +5,8 @@ The same model loading, FSDP2 sharding, LoRA or full tuning (trainer/tuning.py),
 balance (trainer/data.py), optimizer and schedule, checkpoints and exact --resume, and
 step-versioned HF weights (trainer/publish.py: weights/step_N, a `model` for `rl run`) as the RL
 trainer; only the loss differs: the mean negative log-likelihood of the assistant's tokens
-(trainer.loss.normalization decides the mean: per token by default). Batch n's conversations are
+(trainer.loss.normalization decides the mean: per token by default), label-smoothed with
+sft.label_smoothing (the held-out loss never is). Batch n's conversations are
 a function of the data, the seed and n (rl/sft_data.py batch_rows): a resumed run replays the
 same batches from its checkpoint on.
 """
@@ -93,10 +94,12 @@ class SftTrainer(Trainer):
             self.log_eval(policy, step)
         crash_point("trainer.after_step", step)
 
-    def nll(self, policy: Policy, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(weighted loss, summed NLL, trained tokens) of a micro-batch."""
+    def nll(self, policy: Policy, mb: MicroBatch, smoothing: float = 0.0
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(weighted loss, summed NLL, trained tokens) of a micro-batch; with `smoothing`, the
+        label-smoothed loss and its sum instead of the NLL."""
         with self.tuning.active(policy.slot):
-            logprobs, _ = self.forward_logprobs(self.model, mb)
+            logprobs, _ = self.forward_logprobs(self.model, mb, smoothing=smoothing)
         mask = mb.loss_mask.to(self.device)
         loss = -(logprobs * mb.loss_weight.to(self.device)).sum()
         return loss, -(logprobs.detach() * mask).sum(), mask.sum()
@@ -105,8 +108,9 @@ class SftTrainer(Trainer):
         # As in the RL step (trainer/trainer.py): loss_weight divides by the whole batch's
         # normaliser, so micro-batches and ranks add up; FSDP2 averages over ranks, hence * world.
         sums = torch.zeros(3, dtype=torch.float64)
+        smoothing = self.cfg.sft.label_smoothing
         for mb in micro_batches:
-            loss, nll, tokens = self.nll(policy, mb)
+            loss, nll, tokens = self.nll(policy, mb, smoothing)
             with self.tuning.active(policy.slot):
                 (loss * self.world).backward()
             sums += torch.tensor([loss.item(), nll.item(), tokens.item()], dtype=torch.float64)
@@ -117,7 +121,8 @@ class SftTrainer(Trainer):
         sums = sums.to(self.device)
         dist.all_reduce(sums)
         loss, nll, tokens = sums.cpu().tolist()
-        return {"loss": loss, "nll": nll / max(tokens, 1.0),
+        # Smoothed, the per-token mean is the smoothed loss's, not an NLL: named for what it is.
+        return {"loss": loss, ("smoothed_loss" if smoothing else "nll"): nll / max(tokens, 1.0),
                 "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)}
 
     @torch.no_grad()

@@ -221,9 +221,10 @@ class Trainer:
             if old <= keep_from:
                 remove_quietly(policy.run.rollout_dir(old))
 
-    def forward_logprobs(self, model: torch.nn.Module, mb: MicroBatch, truncation: Truncation | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        return micro_batch_logprobs(model, mb, self.device, single_row=self.flash, truncation=truncation)
+    def forward_logprobs(self, model: torch.nn.Module, mb: MicroBatch, truncation: Truncation | None = None,
+                         smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+        return micro_batch_logprobs(model, mb, self.device, single_row=self.flash, truncation=truncation,
+                                    smoothing=smoothing)
 
     @torch.no_grad()
     def reference_logprobs(self, mb: MicroBatch, sampling_mask: bool) -> torch.Tensor:
