@@ -2,8 +2,9 @@
 the source of truth. One code path: `Tracker.forward()` reads the records appended since its last
 call (the orchestrator's, the trainer's, evaluations) and hands each to every sink. The
 orchestrator runs it, so tracking works the same under `rl run` and with the programs started by
-hand (`rl sft`, which has no orchestrator, runs it beside its trainer: `following`); where it got to in metrics.jsonl is kept in tracking/offset, so a restarted orchestrator
-neither loses nor repeats records, and wandb resumes the same run (tracking/wandb_id).
+hand (`rl sft`, which has no orchestrator, runs it beside its trainer: `following`); where it
+got to in metrics.jsonl is kept in tracking/offset, so a restarted orchestrator neither loses nor
+repeats records, and wandb resumes the same run (tracking/wandb_id).
 
 A sink that fails logs one warning and is dropped; the run goes on.
 
