@@ -55,6 +55,7 @@ from rl.transports import batch_sender
 
 log = logging.getLogger("orchestrator")
 
+
 @dataclass
 class InFlight:
     prompt: Prompt

@@ -11,6 +11,7 @@ Which conversations batch n trains on is a pure function of the data, the seed a
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,8 +48,9 @@ class SftData:
         end = start + int(self.lengths[i])
         return self.tokens[start:end], self.loss_mask[start:end]
 
-    @property
+    @functools.cached_property
     def starts(self) -> np.ndarray:
+        """Where each conversation begins in `tokens` (once: row() is on every step's path)."""
         return np.cumsum(self.lengths) - self.lengths
 
     def write(self, path: Path) -> None:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rl.batch import Batch, Sample
+from rl.batch import Batch
 from rl.config import RunConfig
 from rl.faults import crash_point
 from rl.heartbeat import set_phase
@@ -35,13 +35,17 @@ log = logging.getLogger("trainer")
 
 
 def as_batch(data: SftData, rows: list[int], step: int) -> Batch:
-    """Conversations in the batch format the RL trainer takes (advantages and logprobs unused)."""
-    samples = []
-    for i in rows:
-        tokens, mask = data.row(i)
-        n = len(tokens)
-        samples.append(Sample(tokens.tolist(), mask.tolist(), [0.0] * n, [1.0] * n, [0] * n, reward=0.0))
-    return Batch.from_samples(step, samples)
+    """Conversations in the batch format the RL trainer takes (advantages and logprobs unused),
+    sliced from the arrays as they are: no per-token Python lists on the step's path."""
+    pieces = [data.row(i) for i in rows]
+    tokens = np.concatenate([t for t, _ in pieces])
+    n, k = len(tokens), len(rows)
+    return Batch(step=step, tokens=tokens.astype(np.int64), loss_mask=np.concatenate([m for _, m in pieces]),
+                 logprobs=np.zeros(n, np.float32), advantages=np.ones(n, np.float32),
+                 token_versions=np.zeros(n, np.int64), lengths=data.lengths[rows].astype(np.int64),
+                 rewards=np.zeros(k, np.float32), versions=np.zeros(k, np.int64),
+                 temperatures=np.ones(k, np.float32), top_p=np.ones(k, np.float32),
+                 top_k=np.full(k, -1, np.int64), min_p=np.zeros(k, np.float32))
 
 
 class SftTrainer(Trainer):
@@ -51,6 +55,10 @@ class SftTrainer(Trainer):
         self.data = SftData.read(folder / "train.safetensors")
         eval_file = folder / "eval.safetensors"
         self.eval_data = SftData.read(eval_file) if eval_file.exists() else None
+        # The held-out batches, one per eval dataset, built once: every evaluation reads the same rows.
+        self.eval_batches = [] if self.eval_data is None else [
+            (name, as_batch(self.eval_data, self.eval_data.rows_of(d).tolist(), 0))
+            for d, name in enumerate(self.eval_data.names)]
 
     def train(self) -> None:
         policy = self.policy
@@ -129,10 +137,8 @@ class SftTrainer(Trainer):
     def eval_loss(self, policy: Policy) -> dict[str, float]:
         """Mean NLL per assistant token of each eval dataset (eval/<name>/loss, as RL's
         eval/<name>/<metric>) and over all of them (eval/loss)."""
-        data = self.eval_data
         out, total = {}, np.zeros(2)
-        for d, name in enumerate(data.names):
-            batch = as_batch(data, data.rows_of(d).tolist(), 0)
+        for name, batch in self.eval_batches:
             sums = torch.zeros(2, dtype=torch.float64)
             for mb in self.micro_batches(batch, policy):
                 _, nll, tokens = self.nll(policy, mb)
