@@ -17,13 +17,15 @@ Items, each in a process of its own with a timeout, its logs under --out/<item>/
   lora         a 2-step `rl run` with LoRA: each version reaches the server as an adapter
   run          a 3-step `rl run` of the model (full fine-tuning, files delivery) on prompts and a
                reward the check writes itself
+  sft          `rl sft` of the model on rows the check writes: held-out loss falls, a SIGKILLed
+               run resumes to the uninterrupted run's weights, a LoRA run publishes an adapter
 
 Each is PASS, FAIL (one line why, and the log to read) or SKIP (why); exit code 1 when one
 FAILed. docs/performance.md ("The GPU check") describes the items and shows a CPU report.
 
 This file runs the items and reports; the items themselves are in gpu_check_items.py (environment,
-trainer, lora, run, and the context all share) and gpu_check_serving.py (broadcast, reload: a real
-server), the process trees and their memory in gpu_check_processes.py.
+trainer, lora, run, and the context all share), gpu_check_serving.py (broadcast, reload: a real
+server) and gpu_check_sft.py (sft), the process trees and their memory in gpu_check_processes.py.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from gpu_check_items import (CheckFailed, Context, check_environment, check_lora
                              first_line, last_line, package_version)
 from gpu_check_processes import PeakMemory, become_subreaper, clean_up, descendants, nvidia_smi
 from gpu_check_serving import check_broadcast, check_reload
+from gpu_check_sft import check_sft
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,6 +76,7 @@ ITEMS = [
     Item("reload", 2, 600, "file reload on a real server: outputs change, equal a fresh load"),
     Item("lora", 1, 900, "a 2-step `rl run` with LoRA adapters"),
     Item("run", 1, 900, "a 3-step `rl run` (full fine-tuning, files delivery)"),
+    Item("sft", 0, 900, "`rl sft`: held-out loss falls, SIGKILL and --resume, LoRA"),
 ]
 NAMES = [i.name for i in ITEMS]
 
@@ -313,6 +317,7 @@ CHECKS = {
     "reload": check_reload,
     "lora": check_lora,
     "run": check_run,
+    "sft": check_sft,
 }
 
 
