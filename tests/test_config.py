@@ -49,6 +49,9 @@ def test_off_policy_steps_default_to_async_level(write_toml):
     (["--run_name", "a", "--trainer.lora.rank", "8", "--transport.kind", "zmq"], 'needs transport.kind = "filesystem"'),
     (["--trainer.lora.rank", "8", "--weight_sync.kind", "broadcast"], 'weight_sync.kind must be "filesystem"'),
     (["--inference.cpus", "[-1]"], "config key inference.cpus.0"),
+    (["--trainer.profile_steps", "[3]"], "trainer.profile_steps: expected [first, last]"),
+    (["--trainer.profile_steps", "[4, 2]"], "trainer.profile_steps: expected [first, last]"),
+    (["--trainer.profile_steps", "[0, 2]"], "trainer.profile_steps: expected [first, last]"),
 ])
 def test_bad_values_raise_one_line_naming_the_key(write_toml, args, message):
     with pytest.raises(ConfigError) as err:

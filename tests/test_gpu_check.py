@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
 CHAT_MODEL = ROOT / "models" / "tiny-chat"
-ITEMS = ["environment", "trainer-1", "trainer-N", "broadcast", "reload", "lora", "run"]
+ITEMS = ["environment", "trainer-1", "trainer-N", "broadcast", "reload", "lora", "run", "sft"]
 PORTS = 7  # trainer-N 1, broadcast 2, reload 2, lora 1, run 1
 
 
@@ -64,6 +64,11 @@ def test_every_item_passes_on_cpu_and_the_report_lists_them(tmp_path):
         assert "bit-exact" in notes["broadcast"] and "bit-exact" in notes["reload"]
         assert items["lora"]["metrics"]["serving_version"] == 2
         assert items["run"]["metrics"]["s_per_step"] > 0
+        # CPU kernels are deterministic: a resumed SFT run ends bit for bit where an uninterrupted one does.
+        sft = items["sft"]["metrics"]
+        assert sft["resume_max_diff"] == 0.0 and "straight_max_diff" not in sft, sft
+        assert sft["heldout_loss"][1] < sft["heldout_loss"][0]
+        assert sft["lora_heldout_loss"][1] < sft["lora_heldout_loss"][0]
 
 
 def test_a_failing_item_says_why_and_names_its_log(tmp_path):

@@ -205,7 +205,8 @@ class MultiRun:
     def train(self, name: str) -> None:
         m = self.members[name]
         try:
-            self.t.train_one(m.policy, m.receiver, m.step)
+            with self.t.profiler.around(m.step):  # multi-run: the window's steps of whichever run
+                self.t.train_one(m.policy, m.receiver, m.step)
         except Exception as e:  # this run's batch or config: the other runs go on
             m.policy.optimizer.zero_grad(set_to_none=True)
             self.leave(name, f"step {m.step} failed: {type(e).__name__}: {e}", "failed")

@@ -67,7 +67,8 @@ class SftTrainer(Trainer):
             if first == 1 and self.eval_data is not None:
                 self.log_eval(policy, 0)
             for step in range(first, self.cfg.max_steps + 1):
-                self.sft_one(policy, step)
+                with self.profiler.around(step):
+                    self.sft_one(policy, step)
         finally:
             self.publisher.close()
         log.info("done: %d steps", self.cfg.max_steps)

@@ -30,6 +30,7 @@ from trainer.model import load_model, micro_batch_logprobs
 from trainer.optim import build_optimizer
 from trainer.parallel import init_distributed
 from trainer.policy import Policy
+from trainer.profiling import StepProfiler
 from trainer.publish import make_publisher
 from trainer.sampling_mask import Truncation
 from trainer.tunings import TUNINGS, tuning_kind
@@ -69,6 +70,8 @@ class Trainer:
         self.reference = (load_model(cfg, self.device, trainable=False)[0] if loss.kl_coef > 0
                           and loss.kl_target == "reference" and self.tuning.own_reference else None)
         self.publisher = make_publisher(cfg, self.run, self.rank, self.model, self.lora, self.tied)
+        self.profiler = StepProfiler(cfg.trainer.profile_steps, self.run.logs, self.run.root / "profile",
+                                     self.rank, self.device)
         self.policy = None  # multi-run: one per run (trainer/runs.py)
         if not cfg.trainer.lora.multi_run:
             self.policy = self.new_policy(cfg, self.run, self.tuning.first_slot)
@@ -114,7 +117,8 @@ class Trainer:
         receiver = self.receiver(policy)
         try:
             for step in range(first, self.cfg.max_steps + 1):
-                self.train_one(policy, receiver, step)
+                with self.profiler.around(step):
+                    self.train_one(policy, receiver, step)
         finally:
             if receiver is not None:
                 receiver.close()
