@@ -15,11 +15,17 @@ loads after starting must lie in its own run's weights/ (the only root a server 
 its model), so each step is linked there (hard links: no copy of the bytes where the filesystem
 allows). A LoRA run's step is an adapter: the server starts on the base model and loads each
 step's adapter by name; step 0 is the base model itself.
+
+`rl eval --follow` is the generation evaluation beside a run still training (`rl sft` with
+sft.eval_generate starts it): step 0, then each version the run publishes as it appears, until
+the last, each record appended to the run's metrics.jsonl (program "eval"), where the run's plots
+and trackers find it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -33,12 +39,14 @@ from pathlib import Path
 import aiohttp
 
 from orchestrator.evaluation import Evaluation
+from orchestrator.notified import HEARTBEAT_S
 from orchestrator.rollouts import Rollouts
 from orchestrator.sources import configured_sources
 from orchestrator.tokenizer import load_tokenizer
 from rl.config import RunConfig
 from rl.inference_api import InferenceClient, InferenceError
 from rl.rundir import STABLE, RunDir
+from rl.stop_signal import raise_on_sigterm
 
 log = logging.getLogger("orchestrator")
 
@@ -57,23 +65,81 @@ async def evaluate(cfg: RunConfig, url: str, proc: subprocess.Popen, steps: list
     """One record per step: the server already serves steps[0] (full fine-tuning) or the base
     model (LoRA); each next step is reloaded, or its adapter loaded, from `scratch`'s weights/."""
     async with aiohttp.ClientSession() as session:
-        client = InferenceClient(url, session, cfg.inference.api_token)
-        await _until_answering(cfg, client, proc)
-        sources = configured_sources(cfg, session, evaluation=True)
-        rollouts = Rollouts(cfg, load_tokenizer(str(cfg.model)), {}, None, None)
-        evaluation = Evaluation(rollouts, sources, cfg.orchestrator.eval)
-        records, timeout = [], cfg.inference.reload_timeout_s
-        for i, step in enumerate(steps):
-            name = None
-            if lora and step:
-                name = f"eval-v{step}"
-                await client.load_lora_adapter(name, str(scratch.weights_dir(step).absolute()), step, timeout)
-            elif i > 0:
-                await client.update_weights(str(scratch.weights_dir(step).absolute()), step, "wait", timeout)
-            records.append(await evaluation.run(client, step, step, f"eval-{step}", name))
-            if name is not None:
-                await client.unload_lora_adapter(name)
-        return records
+        client, evaluation = await _evaluator(cfg, url, proc, session)
+        return [await _one(cfg, client, evaluation, scratch, lora, step, reload=i > 0) for i, step in enumerate(steps)]
+
+
+async def follow(cfg: RunConfig, url: str, proc: subprocess.Popen, scratch: RunDir, lora: bool, parent: int) -> int:
+    """`--follow`: step 0 (the model the server started on), then every version the run in
+    cfg.run_dir publishes, in order, until weights/step_{max_steps}; each record appended to the
+    run's metrics.jsonl as soon as it is made. Each version is linked into `scratch` the moment it
+    is complete, before the trainer's keep_weights can prune it. 1 when `parent` (rl sft, which
+    started this process) is gone: PR_SET_PDEATHSIG says so first, this is the fallback."""
+    run = RunDir(cfg.run_dir)
+    linked: set[int] = set()
+    done, waited_since = None, time.monotonic()
+    async with aiohttp.ClientSession() as session:
+        client, evaluation = await _evaluator(cfg, url, proc, session)
+        while done is None or done < cfg.max_steps:
+            for step in run.stable_weight_steps():
+                if step not in linked and (done is None or step > done):
+                    with contextlib.suppress(FileNotFoundError):  # pruned already: nothing to evaluate
+                        shutil.copytree(run.weights_dir(step), scratch.weights_dir(step), copy_function=_link_or_copy)
+                        linked.add(step)
+            step = 0 if done is None else min((s for s in linked if s > done), default=None)
+            if step is None:
+                if os.getppid() != parent:
+                    log.error("rl eval --follow: the process that started it is gone; stopping")
+                    return 1
+                if time.monotonic() - waited_since > HEARTBEAT_S:
+                    log.info("waiting for weights after step %d (of %d) in %s", done, cfg.max_steps, run.weights)
+                    waited_since = time.monotonic()
+                await asyncio.sleep(0.5)
+                continue
+            record = {"time": time.time(), **await _one(cfg, client, evaluation, scratch, lora, step, reload=step > 0)}
+            with open(run.metrics, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            log.info("step %d: %s", step, _summary(record))
+            shutil.rmtree(scratch.weights_dir(step), ignore_errors=True)
+            done, waited_since = step, time.monotonic()
+    return 0
+
+
+async def _evaluator(cfg: RunConfig, url: str, proc: subprocess.Popen,
+                     session: aiohttp.ClientSession) -> tuple[InferenceClient, Evaluation]:
+    client = InferenceClient(url, session, cfg.inference.api_token)
+    await _until_answering(cfg, client, proc)
+    sources = configured_sources(cfg, session, evaluation=True)
+    rollouts = Rollouts(cfg, load_tokenizer(str(cfg.model)), {}, None, None)
+    return client, Evaluation(rollouts, sources, cfg.orchestrator.eval)
+
+
+async def _one(cfg: RunConfig, client: InferenceClient, evaluation: Evaluation, scratch: RunDir, lora: bool,
+               step: int, reload: bool) -> dict:
+    """Step `step` evaluated: full fine-tuning reloads its weights (unless the server started on
+    them, reload=False); LoRA loads its adapter by name (step 0: the base model itself)."""
+    name, timeout = None, cfg.inference.reload_timeout_s
+    if lora and step:
+        name = f"eval-v{step}"
+        await client.load_lora_adapter(name, str(scratch.weights_dir(step).absolute()), step, timeout)
+    elif reload:
+        await client.update_weights(str(scratch.weights_dir(step).absolute()), step, "wait", timeout)
+    record = await evaluation.run(client, step, step, f"eval-{step}", name)
+    if name is not None:
+        await client.unload_lora_adapter(name)
+    return record
+
+
+async def _stoppable(work):
+    """`work`, cancelled by SIGTERM through the loop's own handler: a stop inside an await unwinds
+    as a cancel, not as an exception raised between two bytecodes of whatever was running."""
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+    return await work
+
+
+def _summary(record: dict) -> str:
+    return ", ".join(f"{k.removeprefix('eval/')} {v:.4f}" if isinstance(v, float) else f"{k.removeprefix('eval/')} {v}"
+                     for k, v in record.items() if k.startswith("eval/"))
 
 
 async def _until_answering(cfg: RunConfig, client: InferenceClient, proc: subprocess.Popen) -> None:
@@ -95,14 +161,16 @@ async def _answers(client: InferenceClient) -> bool:
         return False
 
 
-def main(cfg: RunConfig, argv: list[str], steps: list[int]) -> int:
-    """`steps`: the steps to evaluate, 0 for the config's model ([0] without --step)."""
+def main(cfg: RunConfig, argv: list[str], steps: list[int], following: bool = False) -> int:
+    """`steps`: the steps to evaluate, 0 for the config's model ([0] without --step). `following`:
+    instead, every step the run publishes until its last (`follow`)."""
+    parent = os.getppid()  # at once: rl sft may die while the server starts
     if not cfg.orchestrator.eval.datasets:
         log.error("rl eval: no [[orchestrator.eval.datasets]] in the config: nothing to evaluate")
         return 2
     steps = sorted(set(steps))
     try:
-        weights = {step: weights_for(cfg, step or None) for step in steps}
+        weights = {} if following else {step: weights_for(cfg, step or None) for step in steps}
     except FileNotFoundError as e:
         log.error("rl eval: %s", e)
         return 2
@@ -110,21 +178,34 @@ def main(cfg: RunConfig, argv: list[str], steps: list[int]) -> int:
     scratch.root.mkdir(parents=True, exist_ok=True)
     lora = bool(cfg.trainer.lora.rank)
     for step in steps[0 if lora else 1:]:  # the first full step is served as the model itself
-        if step:
+        if step and not following:
             shutil.copytree(weights[step], scratch.weights_dir(step), copy_function=_link_or_copy)
-    served = Path(cfg.model) if lora else weights[steps[0]]
+    served = Path(cfg.model) if lora or following else weights[steps[0]]
     log_file = scratch.root / "inference.log"
-    with open(log_file, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "rl", "inference", *argv, "--model", str(served.absolute()),
-                                 "--output_dir", str(scratch.root)], stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+    # SIGTERM (rl sft stopping, or dying: its PR_SET_PDEATHSIG) unwinds to the finally below, which
+    # stops the server: it runs in a session of its own, which a signal to this group misses. In
+    # the event loop it cancels the evaluation instead (_stoppable).
+    raise_on_sigterm(lambda: KeyboardInterrupt())
+    proc = None
     try:
-        records = asyncio.run(evaluate(cfg, cfg.inference.url, proc, steps, scratch, lora))
+        with open(log_file, "ab") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "rl", "inference", *argv, "--model",
+                                     str(served.absolute()), "--output_dir", str(scratch.root)], stdout=out,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        if following:
+            code = asyncio.run(_stoppable(follow(cfg, cfg.inference.url, proc, scratch, lora, parent)))
+            shutil.rmtree(scratch.root, ignore_errors=True)
+            return code
+        records = asyncio.run(_stoppable(evaluate(cfg, cfg.inference.url, proc, steps, scratch, lora)))
     except (RuntimeError, TimeoutError, InferenceError) as e:
         log.error("rl eval: %s; last lines of %s:\n%s", e, log_file, log_file.read_text(errors="replace")[-2000:])
         return 1
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        log.error("rl eval: stopped")
+        return 1
     finally:
-        _stop(proc)
+        if proc is not None:
+            _stop(proc)
     with open(Path(cfg.output_dir) / "evals.jsonl", "a") as f:
         for step, record in zip(steps, records):
             f.write(json.dumps({**record, "weights": str(weights[step])}) + "\n")

@@ -48,7 +48,7 @@ SECTIONS = {
     "run": _ALL,
     "slurm": (*_ALL, "slurm"),
     "eval": ("orchestrator", "inference", "trainer.lora"),
-    "sft": ("sft", "trainer"),
+    "sft": ("sft", "trainer", "orchestrator.eval", "inference"),
 }
 
 
@@ -80,11 +80,12 @@ def preflight_checks(program: str) -> tuple:
 
     if program == "slurm":
         return (slurm_template,)
-    if program == "sft":  # the data step's, then the trainer's
-        from orchestrator.preflight import SFT_CHECKS
+    if program == "sft":  # the data step's, the trainer's, and with sft.eval_generate rl eval's
+        from inference.preflight import SERVING
+        from orchestrator.preflight import EVAL_CHECKS, SFT_CHECKS
         from trainer.preflight import CHECKS
 
-        return SFT_CHECKS + CHECKS
+        return SFT_CHECKS + CHECKS + tuple(_when_generating(c) for c in SERVING + EVAL_CHECKS)
     if program == "eval":  # a server of its own, then the orchestrator's evaluation
         from inference.preflight import SERVING
         from orchestrator.preflight import EVAL_CHECKS
@@ -94,6 +95,16 @@ def preflight_checks(program: str) -> tuple:
 
     programs = ("inference", "orchestrator", "trainer") if program == "run" else (program,)
     return tuple(dict.fromkeys(c for p in programs for c in importlib.import_module(f"{p}.preflight").CHECKS))
+
+
+def _when_generating(check: Callable[[RunConfig], None]) -> Callable[[RunConfig], None]:
+    """One of `rl eval`'s checks, for `rl sft` when it evaluates by generation too."""
+
+    def checked(cfg: RunConfig) -> None:
+        if cfg.sft.eval_generate:
+            check(cfg)
+
+    return checked
 
 
 def resolve(argv: list[str], program: str) -> RunConfig:
@@ -200,11 +211,20 @@ def sft(ctx: typer.Context) -> None:
                 typer.echo(f"rl sft: {e}", err=True)
                 raise typer.Exit(2) from None
             tracking = following(cfg)  # wandb / TensorBoard, as the orchestrator feeds them in RL
+        from rl.eval_follower import EvalFollower
         from rl.plots import write_plots
         from trainer.sft import main as train
 
+        follower = EvalFollower(cfg, ctx.args) if cfg.sft.eval_generate and is_rank0() else None
         with tracking:
-            train(cfg)
+            try:
+                train(cfg)
+            except BaseException:
+                if follower is not None:
+                    follower.stop()
+                raise
+            if follower is not None:
+                follower.finish()
         if is_rank0():
             write_plots(cfg.output_dir)
 
@@ -241,8 +261,12 @@ def evaluate(ctx: typer.Context) -> None:
     """Evaluate weights/step_N (--step N; several: --step 0,2,4, or --step all: the model and every
     published step) or the config's model on [orchestrator.eval] datasets, with a server of its
     own that reloads step after step; prints the numbers and appends one record per step to
-    <output_dir>/evals.jsonl."""
+    <output_dir>/evals.jsonl. --follow: step 0, then each step a run still training publishes,
+    until max_steps, into its metrics.jsonl (what rl sft's sft.eval_generate starts)."""
     argv, steps = list(ctx.args), "0"
+    following = "--follow" in argv
+    if following:
+        argv.remove("--follow")
     if "--step" in argv:
         i = argv.index("--step")
         steps = argv[i + 1] if i + 1 < len(argv) else ""
@@ -257,7 +281,7 @@ def evaluate(ctx: typer.Context) -> None:
 
     chosen = ([0, *RunDir(cfg.run_dir).stable_weight_steps()] if steps == "all"
               else [int(part) for part in steps.split(",")])
-    raise typer.Exit(run_eval(cfg, argv, chosen))
+    raise typer.Exit(run_eval(cfg, argv, chosen, following))
 
 
 @app.command()

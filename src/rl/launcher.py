@@ -47,8 +47,9 @@ class Child:
     heartbeat: PeerWatch
 
 
-def _die_with_parent() -> None:
-    """In the child: ask Linux to SIGTERM it when the launcher dies, even by SIGKILL."""
+def die_with_parent() -> None:
+    """In the child (Popen's preexec_fn): ask Linux to SIGTERM it when its parent (the launcher,
+    rl sft for its evaluator) dies, even by SIGKILL."""
     try:
         import ctypes
 
@@ -64,7 +65,7 @@ def _start(name: str, argv: list[str], run: RunDir, cfg: RunConfig) -> Child:
         proc = subprocess.Popen(
             [sys.executable, "-m", "rl", name, *argv],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=_die_with_parent, env={**os.environ, "PYTHONWARNINGS": warnings},
+            start_new_session=True, preexec_fn=die_with_parent, env={**os.environ, "PYTHONWARNINGS": warnings},
         )
     return Child(name, proc, log, PeerWatch(heartbeat_path(cfg, name), name, cfg.heartbeat_timeout_s))
 

@@ -6,7 +6,8 @@ multi-run LoRA trainer's directory, each run's own). `rl run` writes them when a
     throughput.png     tokens/s of generation and training; idle share of the servers and the trainer
     weight_updates.png seconds from a version's discovery to serving it; the trainer's publish time
     runs.png           multi-run: one reward curve per run
-    loss_curve.png     rl sft: training loss (and its trailing mean), held-out loss per evaluation
+    loss_curve.png     rl sft: training loss (and its trailing mean), held-out loss per evaluation, and
+                       with sft.eval_generate held-out accuracy by generation (right axis)
 """
 
 from __future__ import annotations
@@ -121,6 +122,14 @@ def loss_plot(records: list[dict], out: Path) -> Path:
     ax.plot(steps, nll, lw=0.8, alpha=0.6, label=label)
     ax.plot(steps, trailing(nll), label=f"trailing {WINDOW}-step mean")
     ax.plot(*series(records, "eval", "eval/loss"), "o-", label="held-out")
+    evals = [r for r in records if r.get("program") == "eval"]
+    accuracies = sorted({k for r in evals for k in r if k.startswith("eval/") and k.endswith("/accuracy")})
+    if accuracies:  # sft.eval_generate: accuracy by generation on its own axis, beside the loss
+        right = ax.twinx()
+        right.set_ylabel("held-out accuracy (generation)")
+        for key, colour in zip(accuracies, ("tab:red", "tab:purple", "tab:brown", "tab:pink")):
+            right.plot(*series(evals, "eval", key), "s--", color=colour, label=key.removeprefix("eval/"))
+        right.legend(fontsize=8, loc="center right")
     return _save(plt, fig, ax, out / "loss_curve.png")
 
 

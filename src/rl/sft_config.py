@@ -41,6 +41,14 @@ class SftConfig(Section):
     model's sampling distribution broad, which leaves RL something to choose from. The step's
     record then has smoothed_loss instead of nll; the held-out loss is never smoothed."""
 
+    eval_generate: bool = False
+    """Also evaluate by generation, the number that says when to stop SFT and start RL: at step 0,
+    every eval_every steps and after the last, the weights published at those steps go to a server
+    of rl sft's own (`rl eval --follow`, a child process; its log logs/eval.log) that runs
+    [orchestrator.eval] (the datasets, sampling and scoring `rl run` and `rl eval` use) and
+    appends eval/<dataset>/accuracy, reward and pass@k to metrics.jsonl. Training does not wait
+    for it, except for the last step's. Needs [[orchestrator.eval.datasets]]."""
+
     save_every: int = Field(0, ge=0)
     """Publish weights/step_N (HF format, a model `rl run` starts from) every this many steps too;
     0: only after the last step."""

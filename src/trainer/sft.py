@@ -82,8 +82,10 @@ class SftTrainer(Trainer):
         stats = self.sft_step(self.micro_batches(batch, policy), policy)
         step_s = time.perf_counter() - start
         last = step == cfg.max_steps
+        evaluated = last or bool(s.eval_every and step % s.eval_every == 0)
         write_s = 0.0
-        if last or (s.save_every and step % s.save_every == 0):
+        # sft.eval_generate: the generation evaluation (rl eval --follow) takes the published weights.
+        if last or (s.save_every and step % s.save_every == 0) or (s.eval_generate and evaluated):
             set_phase(f"publishing version {step}")
             write_s = self.publisher.publish(policy, step)
         tokens = int(batch.lengths.sum())
@@ -99,7 +101,7 @@ class SftTrainer(Trainer):
             log.info("step %d loss %.4f grad_norm %.3f lr %.2e epoch %.2f | step %.2fs (%.0f tok/s)%s%s", step,
                      stats["loss"], stats["grad_norm"], lr, record["epoch"], step_s, record["trainer_tokens_per_s"],
                      f" write {write_s:.2f}s" if write_s else "", f" checkpoint {ckpt_s:.2f}s" if ckpt_s else "")
-        if self.eval_data is not None and (last or (s.eval_every and step % s.eval_every == 0)):
+        if self.eval_data is not None and evaluated:
             self.log_eval(policy, step)
         crash_point("trainer.after_step", step)
 
