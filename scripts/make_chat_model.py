@@ -1,15 +1,18 @@
 """Build models/tiny-chat: a 0.8M-parameter Qwen2 with a ChatML chat template and a small BPE
 tokenizer, trained briefly with supervised learning on a reasoning-gym task rendered through that
-template, until it has partial skill (so RL has room to improve it).
+template, until it has partial skill (so RL has room to improve it). This script builds the
+tokenizer and the untrained model (models/tiny-chat-init); the training is `rl sft @
+configs/sft_tiny_chat.toml`, which it runs, and whose last weights it copies into --out.
 
     python scripts/make_chat_model.py                      # writes models/tiny-chat
     python scripts/make_chat_model.py --check-vllm         # then checks vLLM's greedy answers
+    python scripts/make_chat_model.py --max_steps 300      # unknown options go to rl sft
 
 The task, for the RL config to use the same held-out set:
     reasoning_gym.create_dataset(TASK, size=..., seed=..., **TASK_KWARGS)
     TASK = "spell_backward", TASK_KWARGS = {"min_word_len": 3, "max_word_len": 7}
     held-out eval: seed EVAL_SEED = 10_000, EVAL_ROWS = 100 rows
-    SFT rows: seed SFT_SEED = 1_000_000 (size max_steps * batch_size)
+    SFT rows: seed SFT_SEED = 1_000_000 (configs/sft_tiny_chat.toml)
 reasoning-gym's row idx of a dataset with seed s is drawn from Random(s + idx), so datasets with
 seeds s and s' overlap when their index ranges meet: RL runs (seed 0..10) stay clear of the
 held-out rows as long as seed + size <= 10_000. Rows are scored by the task's own
@@ -26,15 +29,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import reasoning_gym
 import torch
-from make_tiny_model import add_sft_args, build_model, generate, sft
+from make_tiny_model import build_model, generate
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+from rl.rundir import RunDir
 
 TASK = "spell_backward"
 TASK_KWARGS = {"min_word_len": 3, "max_word_len": 7}
@@ -92,22 +100,6 @@ def task_dataset(seed: int, size: int):
 def prompt_ids(tokenizer, entry: dict) -> list[int]:
     messages = [{"role": "user", "content": entry["question"]}]
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
-
-
-def encode_batch(tokenizer, entries: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pad chat prompt + answer + <|im_end|>; labels are -100 except on the answer and <|im_end|>."""
-    seqs, labels = [], []
-    for entry in entries:
-        p = prompt_ids(tokenizer, entry)
-        a = tokenizer.encode(entry["answer"] + IM_END, add_special_tokens=False)
-        seqs.append(p + a)
-        labels.append([-100] * len(p) + a)
-    width = max(map(len, seqs))
-    assert width <= 64, width  # the RL config's seq_len
-    pad = tokenizer.pad_token_id
-    ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])
-    lab = torch.tensor([s + [-100] * (width - len(s)) for s in labels])
-    return ids, lab
 
 
 def mean_reward(model, tokenizer, dataset, entries: list[dict], sample: bool = False) -> float:
@@ -177,42 +169,52 @@ def report(out: Path, tokenizer, entries: list[dict]) -> None:
               f"{tokenizer.tokenize(entry['answer'])}")
 
 
+def train_with_rl_sft(init: Path, out: Path, config: Path, run: Path, extra: list[str]) -> Path:
+    """`rl sft @ config` on the untrained model; its last weights plus the tokenizer into `out`."""
+    cmd = [sys.executable, "-m", "rl", "sft", "@", str(config), "--model", str(init), "--output_dir", str(run),
+           *extra]
+    print("$ " + " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    weights = RunDir(run).weights_dir(max(RunDir(run).stable_weight_steps()))
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy2(weights / name, out / name)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(init / name, out / name)
+    return weights
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("models/tiny-chat"))
+    ap.add_argument("--init", type=Path, default=Path("models/tiny-chat-init"), help="the untrained model")
+    ap.add_argument("--config", type=Path, default=Path("configs/sft_tiny_chat.toml"))
+    ap.add_argument("--run", type=Path, default=Path("runs/sft_tiny_chat"), help="rl sft's output_dir")
+    ap.add_argument("--seed", type=int, default=1234, help="the untrained model's weights")
     ap.add_argument("--check-vllm", action="store_true", help="also load the saved model in vLLM")
-    add_sft_args(ap)
-    # Less smoothing and a higher target than the char model's: with 308 tokens the smoothed mass
-    # spread over wrong tokens made samples at T=1 nearly random (sampled reward 0.11 at greedy
-    # 0.48), and RL from there collapsed; at 0.7 greedy (accuracy 0.30) samples at the demo's
-    # T=0.7 are right 12-20% of the time, which gives exact-match rewards a signal.
-    ap.set_defaults(label_smoothing=0.1, target=0.7)
-    args = ap.parse_args()
+    args, extra = ap.parse_known_args()  # the rest goes to rl sft (--max_steps 300, ...)
 
     torch.manual_seed(args.seed)
     tokenizer = build_chat_tokenizer()
     model = build_model(tokenizer, "tiny")
     model.config.bos_token_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)  # as Qwen2.5's config
     print(f"parameters: {sum(p.numel() for p in model.parameters()) / 1e6:.3f}M")
-    train = task_dataset(SFT_SEED, args.max_steps * args.batch_size)
-    held_out = task_dataset(EVAL_SEED, args.eval_rows)
+    held_out = task_dataset(EVAL_SEED, EVAL_ROWS)
     eval_rows = list(held_out)
-    batches = ([train[i + j] for j in range(args.batch_size)] for i in range(0, len(train), args.batch_size))
+    save(model, tokenizer, args.init)
+    check_tokenizer(args.init, tokenizer, eval_rows + list(task_dataset(SFT_SEED, 200)))
 
     start = time.perf_counter()
-    score = sft(model, lambda: encode_batch(tokenizer, next(batches)),
-                lambda: mean_reward(model, tokenizer, held_out, eval_rows), args)
-    print(f"SFT wall time {time.perf_counter() - start:.1f} s")
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    save(model, tokenizer, args.out)
+    weights = train_with_rl_sft(args.init, args.out, args.config, args.run, extra)
+    print(f"rl sft: {time.perf_counter() - start:.1f} s; {weights} -> {args.out}")
+    trained = AutoModelForCausalLM.from_pretrained(args.out)
     torch.manual_seed(args.seed)
-    sampled = mean_reward(model, tokenizer, held_out, eval_rows, sample=True)
-    print(f"saved {args.out}: held-out greedy reward {score:.3f}, sampled (T=1) {sampled:.3f}")
+    greedy = mean_reward(trained, tokenizer, held_out, eval_rows)
+    sampled = mean_reward(trained, tokenizer, held_out, eval_rows, sample=True)
+    print(f"saved {args.out}: held-out greedy reward {greedy:.3f}, sampled (T=1) {sampled:.3f}")
     report(args.out, tokenizer, eval_rows)
-    check_tokenizer(args.out, tokenizer, eval_rows + [train[i] for i in range(200)])
     if args.check_vllm:
-        hf_texts = generate(model, tokenizer, [prompt_ids(tokenizer, e) for e in eval_rows], MAX_NEW_TOKENS)
+        hf_texts = generate(trained, tokenizer, [prompt_ids(tokenizer, e) for e in eval_rows], MAX_NEW_TOKENS)
         check_vllm(args.out, tokenizer, held_out, eval_rows, hf_texts)
 
 
