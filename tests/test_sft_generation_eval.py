@@ -115,6 +115,24 @@ def test_a_killed_rl_sft_leaves_no_evaluator_or_server_behind(tmp_path):
     assert "rl eval: stopped" in log.read_text() or "the process that started it is gone" in log.read_text()
 
 
+def test_an_evaluator_that_dies_is_named_in_one_line_and_training_goes_on(tmp_path):
+    """The follower SIGKILLed after recording step 0 (a crash point): rl sft says so once, trains
+    to the end, exits 0; the follower's server dies with it (PR_SET_PDEATHSIG)."""
+    cfg = config(tmp_path, BODY.format(rows=20), model=CHAT_MODEL, steps=4)
+    result = sft(cfg, "--inference.port", str(free_port()), env={"ASYNCRL_CRASH_AT": "eval.recorded:0"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if "the generation evaluation exited" in line]
+    assert len(lines) == 1 and "exited with code -9" in lines[0] and "training goes on" in lines[0], lines
+    run = tmp_path / "run"
+    assert [r["step"] for r in records(run, "trainer")] == [1, 2, 3, 4]
+    assert [r["step"] for r in generation_records(run)] == [0]
+    follower = int(re.search(r"started \(pid (\d+)", result.stderr)[1])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and started_with(f"{run / 'eval'}/server-{follower}"):
+        time.sleep(1)
+    assert not started_with(f"{run / 'eval'}/server-{follower}"), "the dead follower's server is still running"
+
+
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]

@@ -45,8 +45,9 @@ from orchestrator.sources import configured_sources
 from orchestrator.tokenizer import load_tokenizer
 from rl.config import RunConfig
 from rl.inference_api import InferenceClient, InferenceError
+from rl.faults import crash_point
 from rl.rundir import STABLE, RunDir
-from rl.stop_signal import raise_on_sigterm
+from rl.stop_signal import die_with_parent, raise_on_sigterm
 
 log = logging.getLogger("orchestrator")
 
@@ -100,6 +101,7 @@ async def follow(cfg: RunConfig, url: str, proc: subprocess.Popen, scratch: RunD
             with open(run.metrics, "a") as f:
                 f.write(json.dumps(record) + "\n")
             log.info("step %d: %s", step, _summary(record))
+            crash_point("eval.recorded", step)
             shutil.rmtree(scratch.weights_dir(step), ignore_errors=True)
             done, waited_since = step, time.monotonic()
     return 0
@@ -189,9 +191,11 @@ def main(cfg: RunConfig, argv: list[str], steps: list[int], following: bool = Fa
     proc = None
     try:
         with open(log_file, "ab") as out:
+            # SIGTERMed if this process dies, even by SIGKILL: no engine outlives its evaluation.
             proc = subprocess.Popen([sys.executable, "-m", "rl", "inference", *argv, "--model",
                                      str(served.absolute()), "--output_dir", str(scratch.root)], stdout=out,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                    preexec_fn=die_with_parent)
         if following:
             code = asyncio.run(_stoppable(follow(cfg, cfg.inference.url, proc, scratch, lora, parent)))
             shutil.rmtree(scratch.root, ignore_errors=True)

@@ -16,8 +16,8 @@ import threading
 import time
 
 from rl.config import RunConfig
-from rl.launcher import die_with_parent
 from rl.rundir import RunDir
+from rl.stop_signal import die_with_parent
 
 log = logging.getLogger("sft")
 

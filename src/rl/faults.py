@@ -12,7 +12,7 @@ over), batch.staged (orchestrator: batch files written, not renamed into place),
 orchestrator.handed_over (batch handed over), weights.staged (trainer:
 version files written, not renamed into place), trainer.checkpointed (step trained, published and
 checkpointed, its metrics record not yet written), trainer.after_step (step trained, published and
-checkpointed, before the next batch).
+checkpointed, before the next batch), eval.recorded (`rl eval --follow`: a step's record written).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from rl.config import RunConfig
 from rl.heartbeat import PeerWatch, heartbeat_path
 from rl.plots import write_plots
 from rl.rundir import RunDir
-from rl.stop_signal import raise_on_sigterm
+from rl.stop_signal import die_with_parent, raise_on_sigterm
 
 PROGRAMS = ("inference", "trainer", "orchestrator")
 STOP_GRACE_S = 15.0
@@ -45,17 +45,6 @@ class Child:
     proc: subprocess.Popen
     log: Path
     heartbeat: PeerWatch
-
-
-def die_with_parent() -> None:
-    """In the child (Popen's preexec_fn): ask Linux to SIGTERM it when its parent (the launcher,
-    rl sft for its evaluator) dies, even by SIGKILL."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass  # not Linux: Ctrl-C and SIGTERM still stop the children through the launcher
 
 
 def _start(name: str, argv: list[str], run: RunDir, cfg: RunConfig) -> Child:

@@ -8,6 +8,8 @@ SIGKILLed `rl run`, told to stop by PR_SET_PDEATHSIG while a regex object was be
 waited for its next batch for ever. So a stop dropped that way is sent again from a thread a
 moment later, when the finalizer has returned. Used by the programs that stop by unwinding: the
 trainer and `rl run`'s launcher (the orchestrator cancels its asyncio task instead).
+
+die_with_parent: the other half, for a program's children: Linux SIGTERMs them when it dies.
 """
 
 from __future__ import annotations
@@ -38,3 +40,14 @@ def raise_on_sigterm(stop: Callable[[], BaseException]) -> None:
 
     sys.unraisablehook = on_unraisable
     signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def die_with_parent() -> None:
+    """In the child (Popen's preexec_fn): ask Linux to SIGTERM it when its parent dies, even by
+    SIGKILL (rl run's programs, rl sft's evaluator, rl eval's server)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: Ctrl-C and SIGTERM still stop the children through the launcher
