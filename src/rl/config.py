@@ -92,6 +92,13 @@ class InferenceConfig(Section):
     two versions resident (the newest, and the one its in-flight groups started on), so give
     at least 2 per concurrent run."""
 
+    tool_call_parser: str = "hermes"
+    """vLLM's tool-call parser for /v1/chat/completions requests that carry `tools=`
+    (`--enable-auto-tool-choice --tool-call-parser`): agents written against the OpenAI client
+    get their calls back as message.tool_calls. "hermes" is orchestrator.tools.parser's format
+    (<tool_call>{"name": ..., "arguments": ...}</tool_call>); any name vLLM registers works; ""
+    turns it off (vLLM then refuses tools= with 400)."""
+
     extra_args: list[str] = []
     """Further `vllm serve` flags, passed through verbatim (e.g. ["--max-num-seqs", "256"])."""
 
