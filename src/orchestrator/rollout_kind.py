@@ -60,6 +60,9 @@ class Trajectory:
     components: dict[str, float] = dataclasses.field(default_factory=dict)
     truncated: bool = False
     episode: dict[str, float] = dataclasses.field(default_factory=dict)
+    parts: list[Trajectory] = dataclasses.field(default_factory=list)
+    """More samples of the same episode, with its reward (an agent's requests that do not extend
+    one conversation: orchestrator/agent_episodes.py)."""
 
     def add(self, ids: list[int], model: GeneratedSample | None = None) -> None:
         self.tokens += ids

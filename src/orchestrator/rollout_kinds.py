@@ -1,10 +1,12 @@
 """The registry of rollout kinds (orchestrator/rollout_kind.py): a new kind is a file with its
 class and one line here. A run's kind follows from its config: without orchestrator.environment
-its datasets; with one, the class it names is a tool environment if it declares `tools`, else a
-text environment (the protocols in orchestrator/environment.py)."""
+its datasets; with one, the class it names is an external agent if it has `agent`, a tool
+environment if it declares `tools`, else a text environment (the protocols in
+orchestrator/environment.py)."""
 
 from __future__ import annotations
 
+from orchestrator.agent_episodes import AgentEpisodes
 from orchestrator.rollout_kind import RolloutKind
 from orchestrator.single_turn import SingleTurn
 from orchestrator.text_episodes import TextEpisodes
@@ -14,6 +16,7 @@ KINDS: dict[str, type[RolloutKind]] = {
     "datasets": SingleTurn,
     "text": TextEpisodes,
     "tools": ToolEpisodes,
+    "agent": AgentEpisodes,
 }
 
 
@@ -21,4 +24,4 @@ def kind_of(env) -> type[RolloutKind]:
     """The kind for a run's built environment (None: no orchestrator.environment)."""
     if env is None:
         return KINDS["datasets"]
-    return KINDS["tools" if hasattr(env, "tools") else "text"]
+    return KINDS["agent" if hasattr(env, "agent") else "tools" if hasattr(env, "tools") else "text"]

@@ -118,13 +118,15 @@ class Rollouts:
             return Group(prompt, [], failed + len(kept), error=self.kind.last_error(prompt))
         advantages = group_advantages([t.reward for t in kept], self.settings.normalize_advantages)
         sampling = self.kind.sampling(prompt)
+        # An episode of several samples (Trajectory.parts) gives each its advantage.
+        pieces = [(p, a) for t, a in zip(kept, advantages) for p in (t, *t.parts)]
         samples = [Sample(t.tokens, self.trained_mask(t), t.logprobs, [a * m for m in t.loss_mask], t.versions,
                           t.reward, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                           min_p=sampling.min_p)
-                   for t, a in zip(kept, advantages)]
+                   for t, a in pieces]
         if self.teacher is not None:
             await self.add_teacher_signal(samples, gid)
-        return Group(prompt, samples, failed, sum(t.truncated for t in kept), [t.components for t in kept],
+        return Group(prompt, samples, failed, sum(t.truncated for t, _ in pieces), [t.components for t, _ in pieces],
                      [t.episode for t in kept if t.episode])
 
     def trained_mask(self, t: Trajectory) -> list[int]:
