@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,6 +37,9 @@ from orchestrator.tool_episodes import needed_template
 from orchestrator.tool_parsers import PARSERS, tool_parser
 from rl.config import ConfigError, RunConfig
 from rl.inference_api import GeneratedSample
+
+# The official client's transport logs every request at INFO: thousands a step.
+logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 @dataclass(frozen=True)

@@ -167,8 +167,9 @@ def main(cfg: RunConfig, argv: list[str], steps: list[int], following: bool = Fa
     """`steps`: the steps to evaluate, 0 for the config's model ([0] without --step). `following`:
     instead, every step the run publishes until its last (`follow`)."""
     parent = os.getppid()  # at once: rl sft may die while the server starts
-    if not cfg.orchestrator.eval.datasets:
-        log.error("rl eval: no [[orchestrator.eval.datasets]] in the config: nothing to evaluate")
+    if not cfg.orchestrator.eval.datasets and not cfg.orchestrator.eval.environments:
+        log.error("rl eval: no [[orchestrator.eval.datasets]] or [[orchestrator.eval.environments]] in the config: "
+                  "nothing to evaluate")
         return 2
     steps = sorted(set(steps))
     try:

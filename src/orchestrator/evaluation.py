@@ -1,5 +1,6 @@
 """Held-out evaluation (`[orchestrator.eval]`): completions of the first rows of each eval
-dataset, through the same rendering, stop tokens and reward as training, on the run's servers.
+dataset, through the same rendering, stop tokens and reward as training, on the run's servers;
+and episodes of each eval environment (orchestrator/environment_eval.py).
 Training rewards are sampled at the training temperature from the training rows; this is the
 number a person judges a run by.
 
@@ -22,6 +23,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
+from orchestrator.environment_eval import EnvironmentEval
 from orchestrator.quiet import Quiet
 from orchestrator.rollouts import Rollouts
 from orchestrator.scoring import combine
@@ -48,6 +50,7 @@ class Evaluation:
         self.quiet = Quiet(log)  # rows that cannot be rendered: a line per row, each evaluation, otherwise
         # The same rows every time: a version's score is comparable with the one before.
         self.rows = {s.name: [s.fetch(d) for d in itertools.islice(s.draws(), cfg.rows)] for s in sources}
+        self.environments = [EnvironmentEval(rollouts, spec, cfg) for spec in cfg.environments]
 
     async def run(self, client: InferenceClient, version: int, step: int, tag: str, adapter: str | None) -> dict:
         """One record for metrics.jsonl: per dataset the mean reward, accuracy and pass@k of
@@ -60,6 +63,8 @@ class Evaluation:
             scores = await asyncio.gather(*(self.one(client, source, row, where, f"{tag}-{source.name}-{i}", gate,
                                                     adapter) for i, (row, where) in enumerate(rows)))
             record.update(self.summary(source.name, [s for s in scores if s is not None]))
+        for env in self.environments:
+            record.update(await env.run(client, f"{tag}-env", gate, adapter, self.cfg.timeout_s, self.summary))
         record["eval_s"] = time.monotonic() - start
         return record
 

@@ -78,7 +78,8 @@ class Orchestrator:
         self.tag, self.seq = secrets.token_hex(3), 0
         self.rollouts = Rollouts.from_config(cfg, session)
         evals = configured_sources(cfg, session, evaluation=True)
-        self.evaluations = EvaluationRunner(Evaluation(self.rollouts, evals, self.settings.eval) if evals else None,
+        evaluated = evals or self.settings.eval.environments
+        self.evaluations = EvaluationRunner(Evaluation(self.rollouts, evals, self.settings.eval) if evaluated else None,
                                             self.pool, self.run_dir, self.wait_until, self.tag)
         self.sender = batch_sender(cfg.transport, self.run_dir)
         self.next_step, cursor, pending, self.unsent = resume_point(self.run_dir, self.sender)

@@ -52,25 +52,10 @@ def _takes(fn: Callable, key: str, spec: str, args: tuple, expected: str) -> Non
 def orchestrator_code(cfg: RunConfig) -> None:
     o = cfg.orchestrator
     if o.environment:
-        env = load_callable(o.environment, "orchestrator.environment")
-        try:
-            inspect.signature(env).bind(**o.environment_args)
-        except TypeError as e:
-            raise ConfigError(f"orchestrator.environment = {o.environment!r}: it is built with "
-                              f"orchestrator.environment_args {o.environment_args}, which its signature "
-                              f"{inspect.signature(env)} does not accept ({e})") from None
-        except ValueError:
-            pass  # no signature to inspect: let the call tell
-        try:  # built here too: an environment that cannot be built (a taskset id not found) is bad input
-            instance = env(**o.environment_args)
-        except ConfigError:
-            raise
-        except Exception as e:
-            raise ConfigError(f"orchestrator.environment = {o.environment!r}: building it failed: "
-                              f"{error_line(e)}") from None
-        kind = kind_of(instance)
-        # Measured here: building it again could be costly (a verifiers taskset).
-        environment_fits(cfg, instance, kind.start_up(cfg, instance), kind.fit_keys)
+        built_environment(cfg, o.environment, o.environment_args, "orchestrator.environment")
+    for spec in o.eval.environments:
+        built_environment(cfg, spec.environment, spec.environment_args,
+                          f"orchestrator.eval.environments {spec.name}: environment", "its environment_args")
     for ds, listed, _ in _datasets(cfg):  # beside an environment: its eval datasets
         if ds.spec.function:
             key = _function_key(ds, listed)
@@ -96,6 +81,29 @@ def orchestrator_data(cfg: RunConfig) -> None:
     chat template (if any) renders the first row the run draws, and the first rows drawn leave
     room for max_tokens (orchestrator/prompt_fit.py). One table load and one pass per dataset."""
     _datasets_data(cfg, _datasets(cfg))
+
+
+def built_environment(cfg: RunConfig, spec: str, args: dict, key: str,
+                      args_key: str = "orchestrator.environment_args") -> None:
+    """An environment loads, is built with its arguments, passes its kind's checks, and its first
+    rows leave room for max_tokens."""
+    env = load_callable(spec, key)
+    try:
+        inspect.signature(env).bind(**args)
+    except TypeError as e:
+        raise ConfigError(f"{key} = {spec!r}: it is built with {args_key} {args}, which its signature "
+                          f"{inspect.signature(env)} does not accept ({e})") from None
+    except ValueError:
+        pass  # no signature to inspect: let the call tell
+    try:  # built here too: an environment that cannot be built (a taskset id not found) is bad input
+        instance = env(**args)
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"{key} = {spec!r}: building it failed: {error_line(e)}") from None
+    kind = kind_of(instance)
+    # Measured here: building it again could be costly (a verifiers taskset).
+    environment_fits(cfg, instance, kind.start_up(cfg, instance), kind.fit_keys)
 
 
 def eval_data(cfg: RunConfig) -> None:

@@ -158,9 +158,9 @@ def sft_setup(cfg: RunConfig) -> None:
         raise ConfigError("trainer.lora.multi_run = true: rl sft trains one run; set it false")
     if cfg.trainer.loss.kl_coef:
         raise ConfigError("trainer.loss.kl_coef > 0: rl sft has no KL penalty; set it to 0")
-    if cfg.sft.eval_generate and not cfg.orchestrator.eval.datasets:
+    if cfg.sft.eval_generate and not (cfg.orchestrator.eval.datasets or cfg.orchestrator.eval.environments):
         raise ConfigError("sft.eval_generate = true but [[orchestrator.eval.datasets]] is empty: list the rows "
-                          "to evaluate by generation there")
+                          "to evaluate by generation there (or [[orchestrator.eval.environments]])")
     tokenize = Tokenize(cfg)
     loader = logging.getLogger("orchestrator")
     for key, specs in (("sft.datasets", cfg.sft.datasets), ("sft.eval_datasets", cfg.sft.eval_datasets)):

@@ -168,6 +168,20 @@ class DatasetConfig(Section):
         return self.function.rpartition(":")[0].rpartition(".")[2] or "data"
 
 
+class EvalEnvironment(Section):
+    """An environment evaluated on held-out rows: `rows` episodes (x `samples`) of the rows its
+    dataset(seed) yields, scored by its reward; per episode also its turns, tool calls and errors."""
+
+    name: str = Field(min_length=1)
+    """eval/<name>/... in metrics.jsonl."""
+    environment: str = Field(min_length=1)
+    """"module:Class", as orchestrator.environment (a tool, text or agent environment)."""
+    environment_args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments it is built with."""
+    seed: int = 10000
+    """The seed of its held-out rows (dataset(seed)): keep it clear of the training run's."""
+
+
 class EvalConfig(Section):
     """Held-out evaluation: `samples` completions (greedy by default) of the first `rows` rows of
     each dataset, scored by its reward, of the starting weights (version 0, once the first batch
@@ -178,7 +192,12 @@ class EvalConfig(Section):
 
     datasets: list[DatasetConfig] = []
     """Evaluation datasets, as in orchestrator.datasets (their max_tokens, stop and, when sampled,
-    top_p/top_k/min_p apply; the temperature is eval.temperature). Empty: no evaluation."""
+    top_p/top_k/min_p apply; the temperature is eval.temperature). Empty, with no environments
+    either: no evaluation."""
+
+    environments: list[EvalEnvironment] = []
+    """Environments evaluated too ([[orchestrator.eval.environments]]): episodes of their held-out
+    rows, greedy or sampled as below, with the run's max_turns, tools and parser."""
 
     samples: int = Field(1, ge=1, le=1024)
     """Completions per row: pass@k is reported for k = 1 and k = samples (unbiased estimator)."""
