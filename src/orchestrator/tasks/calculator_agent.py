@@ -21,18 +21,18 @@ class CalculatorAgent(Calculator):
     max_turns = 3
 
     async def agent(self, row: dict, access) -> list[dict]:
-        client = access.client()
         messages = [{"role": "user", "content": row["prompt"]}]
-        for _ in range(self.max_turns):
-            answer = await client.chat.completions.create(model=access.model, messages=messages, tools=TOOLS)
-            message = answer.choices[0].message
-            messages.append(message.model_dump(exclude_none=True))
-            if not message.tool_calls:
-                break
-            for call in message.tool_calls:
-                try:
-                    result = calculate(**json.loads(call.function.arguments))
-                except Exception as e:  # the model's own mistake: it reads the error, as in the built-in loop
-                    result = f"error: {e}"
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+        async with access.client() as client:  # its connections closed with the episode
+            for _ in range(self.max_turns):
+                answer = await client.chat.completions.create(model=access.model, messages=messages, tools=TOOLS)
+                message = answer.choices[0].message
+                messages.append(message.model_dump(exclude_none=True))
+                if not message.tool_calls:
+                    break
+                for call in message.tool_calls:
+                    try:
+                        result = calculate(**json.loads(call.function.arguments))
+                    except Exception as e:  # the model's own mistake: it reads the error, as in the built-in loop
+                        result = f"error: {e}"
+                    messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
         return messages  # scored by Calculator.reward, the final answer against the row's
