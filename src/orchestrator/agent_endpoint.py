@@ -79,10 +79,8 @@ class AgentEndpoint:
         app.router.add_get("/v1/models", self.models)
         self.runner = web.AppRunner(app, access_log=None)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        self.base_url = f"http://127.0.0.1:{port}/v1"
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        self.base_url = f"http://127.0.0.1:{self.runner.addresses[0][1]}/v1"
 
     async def stop(self) -> None:
         if self.runner is not None:

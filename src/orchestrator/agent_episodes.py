@@ -30,6 +30,7 @@ import jinja2
 
 from orchestrator.agent_endpoint import AgentEndpoint
 from orchestrator.callables import load_callable
+from orchestrator.chat import ChatTemplate
 from orchestrator.environment_kind import EnvironmentKind
 from orchestrator.rollout_kind import Aborted, Generate, Opening, Toolkit, Trajectory
 from orchestrator.tool_episode import opening_messages
@@ -108,8 +109,6 @@ class AgentEpisodes(EnvironmentKind):
             raise ConfigError(f"{key}: an agent environment's agent(row, access) must be an async def")
         if cfg.orchestrator.tools.parser not in PARSERS:
             load_callable(cfg.orchestrator.tools.parser, "orchestrator.tools.parser")
-        from orchestrator.chat import ChatTemplate
-
         template = needed_template(cfg, ChatTemplate.configured(cfg.orchestrator, cfg.model))
 
         def opening(tokenizer) -> Opening:

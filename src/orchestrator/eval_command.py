@@ -97,9 +97,8 @@ async def follow(cfg: RunConfig, url: str, proc: subprocess.Popen, scratch: RunD
                     waited_since = time.monotonic()
                 await asyncio.sleep(0.5)
                 continue
-            record = {"time": time.time(), **await _one(cfg, client, evaluation, scratch, lora, step, reload=step > 0)}
-            with open(run.metrics, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            record = await _one(cfg, client, evaluation, scratch, lora, step, reload=step > 0)
+            run.append_metrics(record)
             log.info("step %d: %s", step, _summary(record))
             crash_point("eval.recorded", step)
             shutil.rmtree(scratch.weights_dir(step), ignore_errors=True)
