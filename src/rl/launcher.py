@@ -225,6 +225,10 @@ def launch(cfg: RunConfig, argv: list[str]) -> int:
                     break
                 time.sleep(0.5)
     except KeyboardInterrupt:
+        # Stopping is bounded (_stop's timeouts, then SIGKILL): a second SIGINT, or a SIGTERM the
+        # stop_signal resend sends again, must not cut it short and leave children running.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         console.print("interrupted: stopping all programs")
         code = 130
     finally:
