@@ -19,17 +19,15 @@ from process_tree import Sampler
 ROOT = Path(__file__).resolve().parents[1]
 RL = Path(sys.executable).parent / "rl"
 LONG_MODEL = ROOT / "models" / "long-count"
-# The recipe of the generation-heavy model; a copy is built once and kept (models/long-count).
-LONG_RECIPE = ["--task", "count", "--shape", "long", "--max-steps", "60", "--eval-every", "20",
-               "--eval-rows", "4", "--batch-size", "16", "--lr", "1e-3", "--label-smoothing", "0.0",
-               "--target", "0.6"]
+# The generation-heavy model, built once and kept (its recipe: configs/sft_long_count.toml).
+LONG_BUILD = ["--task", "count", "--out", str(LONG_MODEL), "--run", str(ROOT / "runs" / "sft_long_count")]
 
 
 def ensure_long_model() -> Path:
     if not (LONG_MODEL / "model.safetensors").exists():
         print(f"building {LONG_MODEL} (once, a few minutes)", flush=True)
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_model.py"), "--out",
-                        str(LONG_MODEL), *LONG_RECIPE], check=True, cwd=ROOT)
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_model.py"), *LONG_BUILD],
+                       check=True, cwd=ROOT)
     return LONG_MODEL
 
 

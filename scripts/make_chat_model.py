@@ -29,20 +29,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import reasoning_gym
 import torch
-from make_tiny_model import build_model, generate
+from make_tiny_model import build_model, generate, train_with_rl_sft
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-from rl.rundir import RunDir
 
 TASK = "spell_backward"
 TASK_KWARGS = {"min_word_len": 3, "max_word_len": 7}
@@ -167,21 +163,6 @@ def report(out: Path, tokenizer, entries: list[dict]) -> None:
         ids = prompt_ids(tokenizer, entry)
         print(f"{len(ids)} prompt tokens: {tokenizer.convert_ids_to_tokens(ids)} -> "
               f"{tokenizer.tokenize(entry['answer'])}")
-
-
-def train_with_rl_sft(init: Path, out: Path, config: Path, run: Path, extra: list[str]) -> Path:
-    """`rl sft @ config` on the untrained model; its last weights plus the tokenizer into `out`."""
-    cmd = [sys.executable, "-m", "rl", "sft", "@", str(config), "--model", str(init), "--output_dir", str(run),
-           *extra]
-    print("$ " + " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True)
-    weights = RunDir(run).weights_dir(max(RunDir(run).stable_weight_steps()))
-    out.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "generation_config.json", "model.safetensors"):
-        shutil.copy2(weights / name, out / name)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy2(init / name, out / name)
-    return weights
 
 
 def main() -> None:

@@ -1,19 +1,24 @@
-"""Build the embedded models: a Qwen2 with a character-level tokenizer, trained briefly with
-supervised learning on a task until it has partial skill.
+"""Build the character-level models: a Qwen2 with a character tokenizer (no chat template),
+trained briefly with supervised learning on a task until it has partial skill, so RL has room to
+improve it. This script builds the tokenizer and the untrained model (<out>-init); the training is
+`rl sft` on the task's config, which it runs, and whose last weights it copies into --out.
 
-    python scripts/make_tiny_model.py --out models/tiny-reverse          # the demo's 0.8M model
-    python scripts/make_tiny_model.py --task count --shape long ...       # 14M, 128-256-token answers
-                                  (the benchmarks' recipe: LONG_RECIPE in benchmarks/rl_runs.py)
+    python scripts/make_tiny_model.py                                  # models/tiny-reverse (0.8M)
+    python scripts/make_tiny_model.py --task count --out models/long-count   # 14M, 128-256-token answers
+    python scripts/make_tiny_model.py --max_steps 400                  # unknown options go to rl sft
 
-It stops as soon as the greedy mean reward on held-out prompts reaches --target (default 0.45), so
-RL has room to improve it. Everything is built offline and seeded: running it twice gives the same
-model on the same machine.
+configs/sft_tiny_reverse.toml and configs/sft_long_count.toml say how long each trains, and
+measure the held-out greedy reward by generation as they go (metrics.jsonl of their run).
+Everything is built offline and seeded: running it twice gives the same model on the same machine.
 """
 
 from __future__ import annotations
 
 import argparse
-import random
+import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -21,8 +26,11 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from orchestrator.tasks import count, reverse
+from rl.rundir import RunDir
 
-TASKS = {"reverse": reverse, "count": count}
+# task -> (its module, the model's shape, the rl sft config that trains it)
+TASKS = {"reverse": (reverse, "tiny", "configs/sft_tiny_reverse.toml"),
+         "count": (count, "long", "configs/sft_long_count.toml")}
 # name -> (hidden, intermediate, layers, attention heads, kv heads); head_dim 32 throughout, the
 # smallest vLLM's CPU attention supports.
 SHAPES = {"tiny": (128, 384, 4, 4, 2), "long": (384, 1152, 8, 12, 4)}
@@ -60,21 +68,6 @@ def build_model(tokenizer: PreTrainedTokenizerFast, shape: str = "tiny") -> Qwen
     return Qwen2ForCausalLM(config)
 
 
-def encode_batch(tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pad prompt+answer+eos; labels are -100 except on the answer and eos."""
-    seqs, labels = [], []
-    for row in rows:
-        p = tokenizer.encode(row["prompt"])
-        a = tokenizer.encode(row["answer"]) + [tokenizer.eos_token_id]
-        seqs.append(p + a)
-        labels.append([-100] * len(p) + a)
-    width = max(map(len, seqs))
-    pad = tokenizer.pad_token_id
-    ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])
-    lab = torch.tensor([s + [-100] * (width - len(s)) for s in labels])
-    return ids, lab
-
-
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, sample: bool = False) -> list[str]:
     """One completion per prompt (ids), decoded without special tokens; greedy unless `sample`
@@ -98,73 +91,51 @@ def mean_reward(model, tokenizer, task, rows: list[dict], sample: bool = False) 
     return sum(task.reward(row["prompt"], text, row) for row, text in zip(rows, texts)) / len(rows)
 
 
-def add_sft_args(ap: argparse.ArgumentParser) -> None:
-    """The supervised run's options, shared with make_chat_model.py (which changes some defaults)."""
-    ap.add_argument("--eval-rows", type=int, default=100)
-    ap.add_argument("--eval-every", type=int, default=10)
-    ap.add_argument("--target", type=float, default=0.45, help="stop at this greedy reward")
-    ap.add_argument("--max-steps", type=int, default=3000)
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=3e-4)
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--label-smoothing", type=float, default=0.3)
-
-
-def sft(model, next_batch, evaluate, args: argparse.Namespace) -> float:
-    """Train on `next_batch()`'s (ids, labels) until `evaluate()` (the greedy held-out reward,
-    run every --eval-every steps) reaches --target or --max-steps pass; returns the last score."""
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    score = 0.0
-    for step in range(1, args.max_steps + 1):
-        ids, labels = next_batch()
-        logits = model(input_ids=ids).logits[:, :-1]
-        # Label smoothing keeps the sampling distribution broad: the model's greedy answer has
-        # partial skill while its samples at T=1 are much worse, the regime where RL's gains
-        # show quickly (TRL's reference model: 0.50 greedy, 0.21 sampled).
-        loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
-            ignore_index=-100, label_smoothing=args.label_smoothing)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        if step % args.eval_every == 0:
-            score = evaluate()
-            print(f"step {step} loss {loss.item():.3f} greedy reward {score:.3f}", flush=True)
-            if score >= args.target:
-                break
-    return score
+def train_with_rl_sft(init: Path, out: Path, config: Path, run: Path, extra: list[str]) -> Path:
+    """`rl sft @ config` on the untrained model; its last weights plus the tokenizer into `out`."""
+    cmd = [sys.executable, "-m", "rl", "sft", "@", str(config), "--model", str(init), "--output_dir", str(run),
+           *extra]
+    print("$ " + " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    weights = RunDir(run).weights_dir(max(RunDir(run).stable_weight_steps()))
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy2(weights / name, out / name)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(init / name, out / name)
+    return weights
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=Path("models/tiny-reverse"))
     ap.add_argument("--task", choices=sorted(TASKS), default="reverse")
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
-    add_sft_args(ap)
-    args = ap.parse_args()
+    ap.add_argument("--out", type=Path, help="default: models/tiny-reverse, models/long-count")
+    ap.add_argument("--init", type=Path, help="the untrained model (default: <out>-init)")
+    ap.add_argument("--run", type=Path, help="rl sft's output_dir (default: the config's)")
+    ap.add_argument("--seed", type=int, default=1234, help="the untrained model's weights, the sampled answers")
+    args, extra = ap.parse_known_args()  # the rest goes to rl sft (--max_steps 400, ...)
 
-    task = TASKS[args.task]
+    task, shape, config = TASKS[args.task]
+    out = args.out or Path("models/tiny-reverse" if args.task == "reverse" else "models/long-count")
+    init = args.init or out.with_name(out.name + "-init")
+    run = args.run or Path("runs") / Path(config).stem
     torch.manual_seed(args.seed)
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer, args.shape)
+    model = build_model(tokenizer, shape)
     print(f"parameters: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M")
-    rng = random.Random(args.seed)
-    # Held-out prompts come from another seed than the RL runs' (which use the config's seed).
-    eval_rows = [task.make_row(random.Random(10_000 + i)) for i in range(args.eval_rows)]
+    init.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(init, safe_serialization=True)
+    tokenizer.save_pretrained(init)
 
-    score = sft(
-        model,
-        lambda: encode_batch(tokenizer, [task.make_row(rng) for _ in range(args.batch_size)]),
-        lambda: mean_reward(model, tokenizer, task, eval_rows),
-        args,
-    )
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(args.out, safe_serialization=True)
-    tokenizer.save_pretrained(args.out)
+    start = time.perf_counter()
+    weights = train_with_rl_sft(init, out, Path(config), run, extra)
+    print(f"rl sft: {time.perf_counter() - start:.1f} s; {weights} -> {out}")
+    trained = Qwen2ForCausalLM.from_pretrained(out)
+    rows = list(task.heldout(0))
+    greedy = mean_reward(trained, tokenizer, task, rows)
     torch.manual_seed(args.seed)
-    sampled = mean_reward(model, tokenizer, task, eval_rows, sample=True)
-    print(f"saved {args.out}: greedy reward {score:.3f}, sampled (T=1) {sampled:.3f}")
+    sampled = mean_reward(trained, tokenizer, task, rows, sample=True)
+    print(f"saved {out}: held-out ({len(rows)} rows) greedy reward {greedy:.3f}, sampled (T=1) {sampled:.3f}")
 
 
 if __name__ == "__main__":

@@ -2,30 +2,27 @@
 with Hermes-style tool calls of scripts/chat_template.jinja) trained briefly with supervised
 learning to answer reasoning-gym arithmetic questions by calling a calculator tool
 (orchestrator/tasks/calculator.py), until it has partial skill, so RL with the orchestrator's
-tool loop has room to improve it.
+tool loop has room to improve it. This script builds the tokenizer and the untrained model
+(models/tiny-tool-init); the training is `rl sft @ configs/sft_tiny_tool.toml`, which it runs
+(its held-out greedy episodes every 100 steps in runs/sft_tiny_tool/metrics.jsonl), and whose
+last weights it copies into --out. Then it plays the held-out episodes in HF, greedy and sampled.
 
     python scripts/make_tool_model.py                     # writes models/tiny-tool
     python scripts/make_tool_model.py --check-vllm        # then plays the episodes in vLLM too
+    python scripts/make_tool_model.py --max_steps 1500    # unknown options go to rl sft
 
-It stops after 1500 SFT steps (batch 16): about 4 minutes on two idle cores, 23 on two busy ones.
-The held-out result: greedy, right final answers 0.77 (well-formed calls 1.00, with the exact
-expression 0.84); sampled at T=1, 0.37-0.40 (calls 0.65-0.67, exact 0.47-0.48), in HF and vLLM,
-whose greedy episodes are token for token the same.
-
-An SFT conversation, rendered by the template with tools=[the calculate tool's schema]:
+An SFT conversation (calculator.sft_rows), rendered by the template with tools=[the calculate
+tool's schema]:
 
     user: "Calculate -9*-9-7."
     assistant: "" + tool call calculate(expression="-9*-9-7")
     tool: "74"
     assistant: "74"
 
-or, for --direct-fraction of the rows (0.4), the answer at once without calling the tool (right,
-but the model cannot work it out, so these mostly teach it wrong guesses): sampling at T=1 it
-then calls the tool only part of the time, and RL can teach it to always call it. The loss is on
-the assistant turns only (their content, the tool-call text and the <|im_end|> ending each turn).
-No label smoothing: its spread of probability over every token, sampled at each of a call's ~30
-tokens, broke nearly every sampled call (0.04 well-formed at T=1 with 0.1, greedy 0.98).
-SFT stops once the greedy share of right final answers on the held-out rows reaches --target.
+or, for 40% of the rows, the answer at once without calling the tool (right, but the model
+cannot work it out, so these mostly teach it wrong guesses): sampling at T=1 it then calls the
+tool only part of the time, and RL can teach it to always call it. rl sft's loss is on the
+assistant turns only (their content, the tool-call text and the <|im_end|> ending each turn).
 
 Skill is measured on episodes played as the orchestrator plays them (orchestrator/
 tool_episode.py): the model's turn is generated until <|im_end|>, its <tool_call>s parsed with
@@ -41,22 +38,20 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from make_chat_model import CHAT_TEMPLATE, ENDOFTEXT, IM_END, IM_START, qwen2_bpe, save
-from make_tiny_model import add_sft_args, build_model, sft
+from make_tiny_model import build_model, train_with_rl_sft
 from tokenizers import Tokenizer, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from orchestrator.tasks.calculator import EVAL_SEED, SFT_SEED, Calculator, calculate, rows, task_dataset
-from orchestrator.tasks.calculator import row as make_row
+from orchestrator.tasks.calculator import EVAL_SEED, EVAL_ROWS, SFT_SEED, Calculator, rows
+from orchestrator.tasks.calculator import sft_conversation as conversation
 from orchestrator.tool_parsers import HermesParser, ToolCall
 from orchestrator.tools import Tool, ToolError
 
@@ -72,18 +67,6 @@ SAMPLES = 4            # episodes sampled per held-out row when measuring at T=1
 
 # --- tokenizer -------------------------------------------------------------------------------
 
-def conversation(row: dict, direct: bool = False) -> list[dict]:
-    """The SFT conversation of a row: with a tool call, or (direct) the answer at once."""
-    user = {"role": "user", "content": row["prompt"]}
-    if direct:
-        return [user, {"role": "assistant", "content": row["answer"]}]
-    expression = row["metadata"]["expression"]
-    call = {"type": "function", "function": {"name": "calculate", "arguments": {"expression": expression}}}
-    return [user, {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "name": "calculate", "content": calculate(expression)},
-            {"role": "assistant", "content": row["answer"]}]
-
-
 def fixed_texts() -> list[str]:
     """The text every episode shares: a conversation of one-digit numbers rendered by the
     template, cut at its special tokens (and between two newlines). Qwen2's split regex puts
@@ -97,7 +80,7 @@ def fixed_texts() -> list[str]:
         messages=conversation(row), tools=SCHEMAS, add_generation_prompt=False)
     # Cut between the two "\n" of "assistant\n\n<tool_call>" too: a learnt "\n\n" token would
     # take the "\n" ending the generation prompt into the call's first token, so the ids trained
-    # on would not extend the prompt the model is given (check_labels checks that they do).
+    # on would not extend the prompt the model is given (check_tokenizer checks that they do).
     return [t for t in re.split("|".join(map(re.escape, (ENDOFTEXT, IM_START, IM_END))) + r"|(?<=\n)(?=\n)", text) if t]
 
 
@@ -127,82 +110,6 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
 
 def encode(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
-
-
-# --- SFT data --------------------------------------------------------------------------------
-
-def encode_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
-    """(ids of the rendered conversation, labels): -100 except on the assistant turns, from the
-    token after "<|im_start|>assistant\\n" through the <|im_end|> that ends the turn."""
-    ids = encode(tokenizer, render(tokenizer, messages, False))
-    im_start, im_end = tokenizer.convert_tokens_to_ids([IM_START, IM_END])
-    head = [im_start] + encode(tokenizer, "assistant\n")
-    labels, i = [-100] * len(ids), 0
-    while i < len(ids):
-        if ids[i:i + len(head)] == head:
-            end = ids.index(im_end, i + len(head))
-            labels[i + len(head):end + 1] = ids[i + len(head):end + 1]
-            i = end
-        i += 1
-    return ids, labels
-
-
-def check_labels(tokenizer, messages: list[dict]) -> None:
-    """encode_conversation's ids are what apply_chat_template gives, and its labelled spans are
-    what the model generates after each generation prompt (the conversation so far rendered with
-    add_generation_prompt is a prefix of the ids, token for token)."""
-    ids, labels = encode_conversation(tokenizer, messages)
-    assert tokenizer.apply_chat_template(messages, tools=SCHEMAS, return_dict=False) == ids, messages
-    im_end = tokenizer.convert_tokens_to_ids(IM_END)
-    expected = [-100] * len(ids)
-    for k, message in enumerate(messages):
-        if message["role"] == "assistant":
-            start = len(prompt := encode(tokenizer, render(tokenizer, messages[:k], True)))
-            assert ids[:start] == prompt, (messages, k)
-            end = ids.index(im_end, start)
-            expected[start:end + 1] = ids[start:end + 1]
-    assert labels == expected, messages
-
-
-def sft_batches(tokenizer, batch_size: int, direct_fraction: float, seed: int):
-    """Endless padded (ids, labels) batches of the SFT rows (seed SFT_SEED) in order; which rows
-    answer at once is drawn from Random(seed)."""
-    data = task_dataset(SFT_SEED, 10_000_000)  # rows are made on demand
-    rng = random.Random(seed)
-    pad = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
-    idx = 0
-    while True:
-        seqs = []
-        for _ in range(batch_size):
-            direct = rng.random() < direct_fraction
-            seqs.append(encode_conversation(tokenizer, conversation(make_row(data[idx]), direct)))
-            idx += 1
-        width = max(len(s) for s, _ in seqs)
-        assert width <= SEQ_LEN, width
-        ids = torch.tensor([s + [pad] * (width - len(s)) for s, _ in seqs])
-        lab = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in seqs])
-        yield ids, lab
-
-
-class SharedPrefix(torch.nn.Module):
-    """The model on a batch whose rows start alike (the tools header, "Calculate"): the common
-    prefix is run once and its keys and values are shared by the rows, which halves the work of
-    an SFT step and gives the same logits (and gradients) as running each row in full."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: torch.Tensor) -> SimpleNamespace:
-        rows = input_ids.shape[0]
-        same = (input_ids == input_ids[:1]).all(dim=0).tolist() + [False]
-        n = min(same.index(False), input_ids.shape[1] - 1)
-        head = self.model(input_ids=input_ids[:1, :n], use_cache=True)
-        cache = head.past_key_values
-        for layer in cache.layers:
-            layer.keys, layer.values = layer.keys.expand(rows, -1, -1, -1), layer.values.expand(rows, -1, -1, -1)
-        tail = self.model(input_ids=input_ids[:, n:], past_key_values=cache).logits
-        return SimpleNamespace(logits=torch.cat([head.logits.expand(rows, -1, -1), tail], dim=1))
 
 
 # --- episodes --------------------------------------------------------------------------------
@@ -337,22 +244,25 @@ def show(name: str, s: dict[str, float]) -> str:
 
 # --- checks ----------------------------------------------------------------------------------
 
-def check_tokenizer(out: Path, trained_with, data: list[dict]) -> None:
-    """The saved tokenizer, as AutoTokenizer loads it, renders and encodes every SFT
-    conversation as trained, and tokenizer.json alone (what the orchestrator reads) encodes the
-    rendered text the same."""
+def check_tokenizer(out: Path, data: list[dict]) -> None:
+    """The saved tokenizer, as AutoTokenizer loads it (the trainer) and tokenizer.json alone (the
+    orchestrator), encodes every SFT conversation alike, and the ids of the conversation so far
+    with the generation prompt are a prefix of the whole one's at each assistant turn: what the
+    model is given to generate from is what it was trained on, token for token."""
     saved = AutoTokenizer.from_pretrained(out)
     rust = Tokenizer.from_file(str(out / "tokenizer.json"))
-    for i, row in enumerate(data):
+    for row in data:
         for messages in (conversation(row), conversation(row, direct=True)):
-            check_labels(trained_with, messages)
-            ids = encode_conversation(trained_with, messages)[0]
-            assert saved.apply_chat_template(messages, tools=SCHEMAS, return_dict=False) == ids, messages
+            ids = saved.apply_chat_template(messages, tools=SCHEMAS, return_dict=False)
             assert rust.encode(render(saved, messages, False), add_special_tokens=False).ids == ids, messages
+            for k, message in enumerate(messages):
+                if message["role"] == "assistant":
+                    prompt = encode(saved, render(saved, messages[:k], True))
+                    assert ids[:len(prompt)] == prompt, (messages, k)
     config = json.loads((out / "tokenizer_config.json").read_text())
     assert config["chat_template"] == CHAT_TEMPLATE and not (out / "chat_template.jinja").exists()
-    print(f"tokenizer: {type(saved).__name__} and tokenizer.json give the trained ids and labels on "
-          f"{2 * len(data)} conversations")
+    print(f"tokenizer: AutoTokenizer and tokenizer.json give the same ids, generation prompts their "
+          f"prefixes, on {2 * len(data)} conversations")
 
 
 def report(out: Path, tokenizer, data: list[dict]) -> None:
@@ -360,7 +270,7 @@ def report(out: Path, tokenizer, data: list[dict]) -> None:
         f"{t}={tokenizer.convert_tokens_to_ids(t)}" for t in (ENDOFTEXT, IM_START, IM_END)))
     print("files: " + ", ".join(f"{f.name} {f.stat().st_size}" for f in sorted(out.iterdir())))
     prompts = [len(encode(tokenizer, render(tokenizer, conversation(r)[:1], True))) for r in data]
-    whole = [len(encode_conversation(tokenizer, conversation(r))[0]) for r in data]
+    whole = [len(encode(tokenizer, render(tokenizer, conversation(r), False))) for r in data]
     calls = []
     for r in data:
         messages = conversation(r)
@@ -369,7 +279,7 @@ def report(out: Path, tokenizer, data: list[dict]) -> None:
     print(f"tokens over {len(data)} rows (max / mean): prompt {max(prompts)} / {sum(prompts) / len(data):.1f}; "
           f"call turn incl. <|im_end|> {max(calls)} / {sum(calls) / len(data):.1f}; "
           f"whole tool episode {max(whole)} / {sum(whole) / len(data):.1f}")
-    ids = encode_conversation(tokenizer, conversation(data[0]))[0]
+    ids = encode(tokenizer, render(tokenizer, conversation(data[0]), False))
     print(f"e.g. {len(ids)} tokens: {tokenizer.convert_ids_to_tokens(ids)}")
 
 
@@ -401,17 +311,12 @@ def check_vllm(out: Path, tokenizer, data: list[dict], hf: list[Episode]) -> Non
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("models/tiny-tool"))
+    ap.add_argument("--init", type=Path, default=Path("models/tiny-tool-init"), help="the untrained model")
+    ap.add_argument("--config", type=Path, default=Path("configs/sft_tiny_tool.toml"))
+    ap.add_argument("--run", type=Path, default=Path("runs/sft_tiny_tool"), help="rl sft's output_dir")
+    ap.add_argument("--seed", type=int, default=1234, help="the untrained model's weights, the sampled episodes")
     ap.add_argument("--check-vllm", action="store_true", help="also play the held-out episodes in vLLM")
-    ap.add_argument("--direct-fraction", type=float, default=0.4,
-                    help="share of SFT rows answered at once, without the tool")
-    add_sft_args(ap)
-    # target: the greedy share of held-out episodes with the right final answer.
-    # Copying the expression into the call is learnt suddenly, after ~1000 steps (greedy right
-    # 0.06 at step 1000, 0.53 at 1300, 0.77 at 1500). At 0.6 greedy, samples at T=1 were right
-    # only 0.13 of the time (0.38 well-formed calls); at 0.75, 0.39 (0.65 calls). models/tiny-tool
-    # is the 0.6 stop (step 1400): RL at T=1 has the more room (configs/tools_demo.toml's run).
-    ap.set_defaults(label_smoothing=0.0, target=0.6, eval_every=100, max_steps=2500, batch_size=16, lr=1e-3)
-    args = ap.parse_args()
+    args, extra = ap.parse_known_args()  # the rest goes to rl sft (--max_steps 1500, ...)
 
     start = time.perf_counter()
     torch.manual_seed(args.seed)
@@ -420,26 +325,18 @@ def main() -> None:
     model.config.bos_token_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)  # as Qwen2.5's config
     model.config.max_position_embeddings = MAX_MODEL_LEN  # default RoPE: no weights depend on it
     print(f"parameters: {sum(p.numel() for p in model.parameters()) / 1e6:.3f}M, vocab {len(tokenizer)}")
-    held_out = rows(EVAL_SEED, args.eval_rows)
-    for row in held_out[:50]:
-        check_labels(tokenizer, conversation(row))
-        check_labels(tokenizer, conversation(row, direct=True))
+    held_out = rows(EVAL_SEED, EVAL_ROWS)
+    save(model, tokenizer, args.init)
+    check_tokenizer(args.init, held_out + rows(SFT_SEED, 200))
+
+    sft_start = time.perf_counter()
+    weights = train_with_rl_sft(args.init, args.out, args.config, args.run, extra)
+    print(f"rl sft: {time.perf_counter() - sft_start:.1f} s; {weights} -> {args.out}")
+    trained = AutoModelForCausalLM.from_pretrained(args.out)
 
     def gen(prompts, max_new_tokens, sample):
-        return hf_generate(model, tokenizer, prompts, max_new_tokens, sample)
+        return hf_generate(trained, tokenizer, prompts, max_new_tokens, sample)
 
-    def evaluate() -> float:
-        s = summary(play(gen, tokenizer, held_out, sample=False))
-        print("  " + show("greedy", s), flush=True)
-        return s["right"]
-
-    data = sft_batches(tokenizer, args.batch_size, args.direct_fraction, args.seed)
-    sft_start = time.perf_counter()
-    sft(SharedPrefix(model), lambda: next(data), evaluate, args)
-    print(f"SFT wall time {time.perf_counter() - sft_start:.1f} s")
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    save(model, tokenizer, args.out)
     greedy = play(gen, tokenizer, held_out, sample=False)
     print(f"saved {args.out}; held-out episodes ({len(held_out)} rows):")
     print(show("  greedy", summary(greedy)))
@@ -450,7 +347,6 @@ def main() -> None:
         print(f"  e.g. {tokenizer.decode(e.ids[len(encode(tokenizer, render(tokenizer, e.messages[:1], True))):])!r} "
               f"(answer {e.row['answer']}, reward {e.reward})")
     report(args.out, tokenizer, held_out + rows(0, 2000))  # + RL rows, for the longest
-    check_tokenizer(args.out, tokenizer, held_out + rows(SFT_SEED, 200))
     print(f"built in {time.perf_counter() - start:.0f} s")
     if args.check_vllm:
         check_vllm(args.out, tokenizer, held_out, greedy)

@@ -23,6 +23,7 @@ import ast
 import functools
 import math
 import operator
+import random
 from collections.abc import Iterator
 from fractions import Fraction
 
@@ -37,6 +38,8 @@ TASK_KWARGS = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2,
 RL_ROWS = 9_000
 EVAL_SEED, EVAL_ROWS = 10_000, 100
 SFT_SEED = 1_000_000
+SFT_ROWS = 100_000   # made on demand: configs/sft_tiny_tool.toml reads 30000
+DIRECT_FRACTION = 0.4
 
 MAX_EXPRESSION = 200  # characters; also bounds the size of the numbers a product can reach
 BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
@@ -114,3 +117,39 @@ class Calculator:
     def reward(self, messages: list[dict], row: dict) -> float:
         entry = {"question": row["prompt"], "answer": row["answer"], "metadata": row["metadata"]}
         return float(task_dataset(EVAL_SEED, 1).score_answer(final_answer(messages), entry))
+
+
+def sft_conversation(row: dict, direct: bool = False) -> list[dict]:
+    """A row as a supervised conversation: the call, the tool's result, the answer; or (direct)
+    the answer at once, without the tool."""
+    user = {"role": "user", "content": row["prompt"]}
+    if direct:
+        return [user, {"role": "assistant", "content": row["answer"]}]
+    expression = row["metadata"]["expression"]
+    call = {"type": "function", "function": {"name": "calculate", "arguments": {"expression": expression}}}
+    return [user, {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "calculate", "content": calculate(expression)},
+            {"role": "assistant", "content": row["answer"]}]
+
+
+def sft_rows(seed: int) -> Iterator[dict]:
+    """models/tiny-tool's SFT rows (configs/sft_tiny_tool.toml): seed SFT_SEED's questions, each
+    a conversation with the tool's schema. DIRECT_FRACTION of them (drawn from Random(seed)) answer
+    at once, without the tool: the model cannot work the answer out, so these mostly teach it wrong
+    guesses; sampling at T=1 it then calls the tool only part of the time, which RL can teach it to
+    do always."""
+    rng = random.Random(seed)
+    for entry in task_dataset(SFT_SEED, SFT_ROWS):
+        yield {"messages": sft_conversation(row(entry), direct=rng.random() < DIRECT_FRACTION), "tools": _schemas()}
+
+
+def heldout_sft_rows(seed: int) -> Iterator[dict]:
+    """The held-out rows (EVAL_SEED) as tool conversations: rl sft's held-out loss."""
+    for entry in task_dataset(EVAL_SEED, EVAL_ROWS):
+        yield {"messages": sft_conversation(row(entry)), "tools": _schemas()}
+
+
+def _schemas() -> list[dict]:
+    from orchestrator.tools import Tool
+
+    return [Tool.from_function(f).schema for f in Calculator.tools]

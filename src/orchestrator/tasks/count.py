@@ -18,11 +18,12 @@ import difflib
 import random
 from collections.abc import Iterator
 
-from orchestrator.tasks.reverse import ALPHABET, SEPARATOR
+from orchestrator.tasks.reverse import ALPHABET, HELDOUT_SEED, SEPARATOR
 
 MIN_LEN, MAX_LEN = 8, 16
 TIMES = 16
 MAX_ANSWER = MAX_LEN * TIMES
+HELDOUT_ROWS = 4   # 256-character answers: 4 greedy ones tell the skill
 
 
 def make_row(rng: random.Random) -> dict:
@@ -37,6 +38,13 @@ def dataset(seed: int) -> Iterator[dict]:
     rng = random.Random(seed)
     while True:
         yield make_row(rng)
+
+
+def heldout(seed: int) -> Iterator[dict]:
+    """The held-out rows the model's SFT is measured on (configs/sft_long_count.toml): row i from
+    Random(HELDOUT_SEED + i), whatever the seed (the rows its builder has always measured it on)."""
+    for i in range(HELDOUT_ROWS):
+        yield make_row(random.Random(HELDOUT_SEED + i))
 
 
 def reward(prompt: str, completion: str, row: dict) -> float:

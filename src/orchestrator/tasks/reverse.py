@@ -19,6 +19,7 @@ ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 SEPARATOR = "="
 MIN_LEN, MAX_LEN = 3, 8
 MAX_ANSWER = MAX_LEN
+HELDOUT_SEED, HELDOUT_ROWS = 10_000, 100
 
 
 def make_row(rng: random.Random) -> dict:
@@ -31,6 +32,13 @@ def dataset(seed: int) -> Iterator[dict]:
     rng = random.Random(seed)
     while True:
         yield make_row(rng)
+
+
+def heldout(seed: int) -> Iterator[dict]:
+    """The held-out rows the model's SFT is measured on (configs/sft_tiny_reverse.toml): row i from
+    Random(HELDOUT_SEED + i), whatever the seed (the rows its builder has always measured it on)."""
+    for i in range(HELDOUT_ROWS):
+        yield make_row(random.Random(HELDOUT_SEED + i))
 
 
 def reward(prompt: str, completion: str, row: dict) -> float:
