@@ -77,7 +77,8 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, sa
     for prompt in prompts:
         ids = torch.tensor([prompt])
         out = model.generate(
-            ids, max_new_tokens=max_new_tokens, do_sample=sample, temperature=1.0, top_k=0,
+            ids, max_new_tokens=max_new_tokens,
+            **({"do_sample": True, "temperature": 1.0, "top_k": 0} if sample else {"do_sample": False}),
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         )
         texts.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
