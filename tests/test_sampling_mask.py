@@ -348,3 +348,72 @@ def test_the_trainer_program_masks_truncated_samples_and_warns_without(server, m
     assert ("above trainer.mismatch_kl_warn" in log) == (m["mismatch_kl"] > warn), (m, log[-2000:])
     if not mask and m["mismatch_kl"] > warn:
         assert "trainer.sampling_mask = false" in log, log[-2000:]
+
+
+# --- replayed kept sets (orchestrator.record_kept_sets) ---------------------------------------
+
+
+def replayed_batch(url: str) -> Batch:
+    """Samples from /generate with kept_sets: each token's kept set as the sampler had it."""
+    samples = []
+    for i, prompt in enumerate(prompt_ids()):
+        r = httpx.post(f"{url}/generate", timeout=120, json={
+            "request_id": f"kept-{i}", "prompt_token_ids": prompt, "n": 16, "max_tokens": 24,
+            "temperature": TEMPERATURE, "top_p": TOP_P, "top_k": TOP_K, "kept_sets": True})
+        r.raise_for_status()
+        for s in r.json()["samples"]:
+            assert len(s["kept"]) == len(s["token_ids"])
+            samples.append(single_turn(prompt, s["token_ids"], s["logprobs"], s["versions"], 0.0, 1.0,
+                                       temperature=TEMPERATURE, top_p=TOP_P, top_k=TOP_K, kept=s["kept"]))
+    return Batch.from_samples(1, samples)
+
+
+@pytest.mark.slow
+def test_replayed_kept_sets_are_the_samplers_and_stay_when_the_weights_move(server, model):
+    """Every recorded set holds the sampled token and lies between the tokens surely and possibly
+    kept under float32 rounding (kept_bounds, from the same weights' logits); the trainer replays
+    each, misses none, and its logprobs are the engine's to within the logits' own rounding (no
+    set ambiguity left). With other weights (a stale sample: the logits moved), the replayed sets
+    are still exactly the recorded ones, where a rebuild would follow the new logits."""
+    from trainer.sampling_mask import kept_sets
+
+    batch = replayed_batch(server)
+    vocab = model.config.vocab_size
+    mbs = rank_micro_batches(batch, 0, 1, row_len=None, per_micro_batch=8, pad_id=0,
+                             weights=loss_weights(batch, "token", 0))
+    torch.manual_seed(0)
+    checked = moved = 0
+    for mb in mbs:
+        logits, gap = logits_and_gap(model, input_ids=mb.tokens, attention_mask=mb.attention_mask)
+        trunc = mb.truncation(vocab)
+        with torch.no_grad():
+            logprobs, _ = token_logprobs_and_entropy(logits, mb.tokens, mb.temperature, trunc)
+        assert trunc.replayed == float(trunc.select.sum()) and trunc.misses == 0.0
+        for r, t in (mb.loss_mask > 0).nonzero().tolist():
+            recorded = {x for x in mb.kept[r, t].tolist() if x >= 0}
+            token = int(mb.tokens[r, t + 1])
+            scaled, g = logits[r, t].double() / TEMPERATURE, float(gap[r, t]) / TEMPERATURE
+            surely, possibly = (set(m.nonzero().flatten().tolist()) for m in kept_bounds(scaled, g, TOP_K, TOP_P))
+            assert token in recorded and len(recorded) <= TOP_K and surely <= recorded <= possibly, (recorded, surely)
+            assert abs(float(logprobs[r, t]) - float(mb.inference_logprobs[r, t])) <= 2 * g
+            checked += 1
+        # Other weights: noise on the logits, large enough to reorder the top tokens.
+        sel = trunc.select
+        stale = (logits[:, :-1] + 3 * torch.randn_like(logits[:, :-1]))[sel] / TEMPERATURE
+        at = Truncation(trunc.top_k[sel], trunc.top_p[sel], trunc.min_p[sel], sel, kept=mb.kept[sel])
+        replayed, _ = kept_sets(stale, at)
+        recorded = torch.zeros_like(replayed).scatter_(1, mb.kept[sel].clamp(min=0).long(), mb.kept[sel] >= 0)
+        assert torch.equal(replayed, recorded)
+        moved += int((kept_mask(stale, at.top_k, at.top_p, at.min_p) != recorded).any(-1).sum())
+    assert checked >= 100 and moved > 0, (checked, moved)
+    print(f"\n{checked} tokens replayed; with moved logits a rebuild would have changed {moved} of their sets")
+
+
+def test_kept_sets_that_may_exceed_max_logprobs_are_refused_naming_the_field(server):
+    """top_p alone over 308 tokens: a set may hold the whole vocabulary, past the 20 logprobs
+    the server reports per token (inference.max_logprobs' default)."""
+    r = httpx.post(f"{server}/generate", timeout=60, json={
+        "request_id": "kept-too-big", "prompt_token_ids": prompt_ids()[0], "max_tokens": 4,
+        "top_p": TOP_P, "kept_sets": True})
+    message = r.json()["error"]["message"]  # vLLM's error shape, which our HTTPExceptions take
+    assert r.status_code == 400 and message.startswith("kept_sets:") and "inference.max_logprobs 20" in message, message

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from fastapi import HTTPException
 
 from inference.adapters import Adapter, Adapters
+from inference.kept_sets import kept_sets, logprobs_needed
 from rl.inference_api import AbortRequest, GeneratedSample, GenerateRequest, GenerateResponse
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -107,6 +108,10 @@ class Generations:
             raise HTTPException(400, f"max_tokens: prompt ({prompt_len} tokens) + max_tokens "
                                      f"({body.max_tokens}) exceeds seq_len {limit}")
         vocab = self.engine.model_config.get_vocab_size()
+        if body.kept_sets and (need := logprobs_needed(body, vocab)) > (most := self.engine.model_config.max_logprobs):
+            raise HTTPException(400, f"kept_sets: a kept set of this sampling may hold {need} tokens (top_k "
+                                     f"{body.top_k}, vocabulary {vocab}), more than the server reports per token "
+                                     f"(inference.max_logprobs {most}): set top_k below it, or raise it")
         for field in ("prompt_token_ids", "stop_token_ids"):
             bad = [t for t in getattr(body, field) if not 0 <= t < vocab]
             if bad:
@@ -157,7 +162,9 @@ class Generations:
                                    finish_reason="abort"), None
         params = SamplingParams(
             n=1, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-            max_tokens=body.max_tokens, stop=body.stop or None, stop_token_ids=body.stop_token_ids, logprobs=0,
+            max_tokens=body.max_tokens, stop=body.stop or None, stop_token_ids=body.stop_token_ids,
+            # The sampled token's logprob; with kept_sets, enough of the top ones to hold its kept set.
+            logprobs=logprobs_needed(body, self.engine.model_config.get_vocab_size()) if body.kept_sets else 0,
             # One sample scores the prompt: the samples share it, and asking on all n would
             # compute it n times instead of sharing the prefix cache.
             prompt_logprobs=0 if body.prompt_logprobs and i == 0 else None,
@@ -173,11 +180,11 @@ class Generations:
                 final = out
         finally:
             del self.switches[engine_id]
-        return self.tagged(engine_id, final, switches, body, params)
+        return self.tagged(engine_id, final, switches, body, params, self.engine.model_config.get_vocab_size())
 
     @staticmethod
     def tagged(engine_id: str, final, switches: list[tuple[int, int]], body: GenerateRequest,
-               params) -> tuple[GeneratedSample, list[float | None] | None]:
+               params, vocab: int) -> tuple[GeneratedSample, list[float | None] | None]:
         """The engine's final output as a sample, each token tagged with its version."""
         c = final.outputs[0]
         if c.finish_reason not in FINISH_REASONS:
@@ -189,6 +196,7 @@ class Generations:
         sample = GeneratedSample(
             token_ids=tokens, logprobs=[c.logprobs[j][t].logprob for j, t in enumerate(tokens)],
             versions=versions, finish_reason=c.finish_reason,
+            kept=kept_sets(c.logprobs, params.logprobs, vocab) if body.kept_sets else None,
         )
         prompt_logprobs = None
         if params.prompt_logprobs is not None and final.prompt_logprobs is not None:

@@ -67,6 +67,7 @@ def vllm_args(cfg: RunConfig) -> list[str]:
         # scheduling (a GPU default) the count can lag one placeholder token behind.
         "--no-async-scheduling",
     ]
+    args += ["--max-logprobs", str(inf.max_logprobs)]  # bounds kept sets (inference/kept_sets.py)
     if inf.enforce_eager:
         args.append("--enforce-eager")
     if inf.tool_call_parser:  # tools= on the chat route (checked at start-up: inference/preflight.py)

@@ -17,6 +17,7 @@ from orchestrator.rollout_kinds import kind_of
 from orchestrator.sft_data import sft_setup
 from rl.config import ConfigError, RunConfig
 from rl.dataset_config import BUILTIN_REWARDS, Dataset
+from rl.inference_api import kept_set_bound
 from rl.preflight import cores, model_config, output_dir, seq_len_fits, tokenizer_files
 from rl.rundir import RunDir
 
@@ -65,6 +66,24 @@ def orchestrator_code(cfg: RunConfig) -> None:
             key = f"dataset {ds.name}: reward" if listed and ds.spec.reward else "orchestrator.reward"
             reward = load_callable(BUILTIN_REWARDS.get(ds.reward, ds.reward), key)
             _takes(reward, key, ds.reward, ("", "", {}), "function(prompt, completion, row)")
+
+
+def kept_sets_fit(cfg: RunConfig) -> None:
+    """orchestrator.record_kept_sets: each truncated sampling's kept sets fit in the logprobs the
+    server reports per token (inference.max_logprobs), or the server would refuse every request."""
+    o = cfg.orchestrator
+    if not o.record_kept_sets:
+        return
+    config = model_config(cfg)
+    vocab = int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size") or 0)
+    samplings = ([("orchestrator", o)] if o.environment else
+                 [(f"dataset {ds.name}" if o.datasets else "orchestrator", ds.sampling) for ds in o.resolved_datasets()])
+    for where, s in samplings:
+        truncated = s.top_k > 0 or s.top_p < 1 or s.min_p > 0
+        if truncated and vocab and (need := kept_set_bound(s.top_k, vocab)) > cfg.inference.max_logprobs:
+            raise ConfigError(f"orchestrator.record_kept_sets: {where} samples with top_k {s.top_k} over a vocabulary "
+                              f"of {vocab}, so a kept set may hold {need} tokens, more than inference.max_logprobs "
+                              f"{cfg.inference.max_logprobs}: set top_k below it, or raise inference.max_logprobs")
 
 
 def trackers(cfg: RunConfig) -> None:
@@ -160,8 +179,8 @@ def _sample(cfg: RunConfig, ds: Dataset, listed: bool) -> list[tuple[object, str
     return rows
 
 
-CHECKS = (cores("orchestrator"), output_dir, model_for_scoring, orchestrator_code, orchestrator_data, trackers,
-          orchestrator_run_state)
+CHECKS = (cores("orchestrator"), output_dir, model_for_scoring, orchestrator_code, orchestrator_data, kept_sets_fit,
+          trackers, orchestrator_run_state)
 # `rl eval`: its own server's checks (inference/preflight.py SERVING), then these.
 EVAL_CHECKS = (orchestrator_code, eval_data)
 # `rl sft`: its data step's, beside the trainer's own (rl/cli.py).

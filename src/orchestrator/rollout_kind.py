@@ -63,12 +63,18 @@ class Trajectory:
     parts: list[Trajectory] = dataclasses.field(default_factory=list)
     """More samples of the same episode, with its reward (an agent's requests that do not extend
     one conversation: orchestrator/agent_episodes.py)."""
+    # The sampler's kept set per token, as rl/batch.py carries it (0 / nothing where none).
+    kept_counts: list[int] = dataclasses.field(default_factory=list)
+    kept_ids: list[int] = dataclasses.field(default_factory=list)
 
     def add(self, ids: list[int], model: GeneratedSample | None = None) -> None:
         self.tokens += ids
         self.loss_mask += [1 if model else 0] * len(ids)
         self.logprobs += model.logprobs if model else [0.0] * len(ids)
         self.versions += model.versions if model else [-1] * len(ids)
+        kept = model.kept if model and model.kept is not None else [[]] * len(ids)
+        self.kept_counts += [len(k) for k in kept]
+        self.kept_ids += [t for k in kept for t in k]
 
 
 class Toolkit(Protocol):

@@ -107,8 +107,13 @@ class Rollouts:
         return GenerateRequest(request_id=request_id, prompt_token_ids=tokens, n=n,
                                max_tokens=min(sampling.max_tokens, room), temperature=sampling.temperature,
                                top_p=sampling.top_p, top_k=sampling.top_k, min_p=sampling.min_p,
-                               stop=list(sampling.stop),
+                               stop=list(sampling.stop), kept_sets=self.records_kept_sets(sampling),
                                stop_token_ids=self.kind.stop_token_ids if stop_token_ids is None else stop_token_ids)
+
+    def records_kept_sets(self, sampling: Sampling) -> bool:
+        """orchestrator.record_kept_sets, where sampling truncates (else the set is the vocabulary)."""
+        return (self.cfg.orchestrator.record_kept_sets and sampling.temperature > 0
+                and (sampling.top_k > 0 or sampling.top_p < 1 or sampling.min_p > 0))
 
     async def group(self, prompt: Prompt, gid: str, generate: Generate) -> Group:
         trajectories = await self.kind.trajectories(prompt, gid, generate)
@@ -122,7 +127,7 @@ class Rollouts:
         pieces = [(p, a) for t, a in zip(kept, advantages) for p in (t, *t.parts)]
         samples = [Sample(t.tokens, self.trained_mask(t), t.logprobs, [a * m for m in t.loss_mask], t.versions,
                           t.reward, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                          min_p=sampling.min_p)
+                          min_p=sampling.min_p, kept_counts=t.kept_counts, kept_ids=t.kept_ids)
                    for t, a in pieces]
         if self.teacher is not None:
             await self.add_teacher_signal(samples, gid)

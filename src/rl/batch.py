@@ -18,10 +18,15 @@ top_k and min_p are what rebuilds the sampler's kept set (trainer/sampling_mask.
 truncation replayed on the trainer's logits, checked against the sampler's own sets in
 tests/test_sampling_mask.py), so the sampling mask costs no bytes beyond these 16 per sample.
 top_k -1 (or 0, as vLLM accepts too) is off.
+
+Replayed kept sets (orchestrator.record_kept_sets): `kept_counts` per token (how many ids the
+sampler kept when it drew that token, 0 where none was recorded: prompt and environment tokens,
+or a set too large to record) and `kept_ids`, those ids back to back (sum(kept_counts) of them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -36,7 +41,7 @@ from safetensors.numpy import save as st_save
 from rl.faults import crash_point
 from rl.rundir import publish_dir
 
-FORMAT = "asyncrl.batch.v3"
+FORMAT = "asyncrl.batch.v4"
 
 
 class BatchError(Exception):
@@ -58,6 +63,9 @@ class Sample:
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
+    # The sampler's kept set per token (rl/batch.py module docstring); empty: none recorded.
+    kept_counts: list[int] = dataclasses.field(default_factory=list)
+    kept_ids: list[int] = dataclasses.field(default_factory=list)
 
     @functools.cached_property
     def oldest_version(self) -> int:
@@ -86,6 +94,8 @@ class Batch:
     top_p: np.ndarray  # float32 [num_samples]
     top_k: np.ndarray  # int64 [num_samples]
     min_p: np.ndarray  # float32 [num_samples]
+    kept_counts: np.ndarray  # int32 [total_tokens]
+    kept_ids: np.ndarray  # int32 [sum(kept_counts)]
 
     @property
     def num_samples(self) -> int:
@@ -97,6 +107,9 @@ class Batch:
             n = len(s.tokens)
             if not len(s.loss_mask) == len(s.logprobs) == len(s.advantages) == len(s.versions) == n:
                 raise ValueError(f"sample {i}: per-token fields differ in length from its {n} tokens")
+            if s.kept_counts and (len(s.kept_counts) != n or sum(s.kept_counts) != len(s.kept_ids)):
+                raise ValueError(f"sample {i}: kept_counts ({len(s.kept_counts)} values, sum {sum(s.kept_counts)}) "
+                                 f"do not match its {n} tokens and {len(s.kept_ids)} kept ids")
 
         def cat(field: str, dtype) -> np.ndarray:
             return np.asarray([x for s in samples for x in getattr(s, field)], dtype=dtype)
@@ -118,6 +131,9 @@ class Batch:
             top_p=each("top_p", np.float32),
             top_k=each("top_k", np.int64),
             min_p=each("min_p", np.float32),
+            kept_counts=np.asarray([c for s in samples for c in (s.kept_counts or [0] * len(s.tokens))],
+                                   dtype=np.int32),
+            kept_ids=cat("kept_ids", np.int32),
         )
         # Refused here, where the culprit is known, rather than by the trainer that decodes it.
         if problem := batch.sampling_problem():
@@ -133,7 +149,7 @@ class Batch:
                "advantages": (np.float32, "token"), "token_versions": (np.int64, "token"),
                "lengths": (np.int64, "sample"), "rewards": (np.float32, "sample"), "versions": (np.int64, "sample"),
                "temperatures": (np.float32, "sample"), "top_p": (np.float32, "sample"), "top_k": (np.int64, "sample"),
-               "min_p": (np.float32, "sample")}
+               "min_p": (np.float32, "sample"), "kept_counts": (np.int32, "token"), "kept_ids": (np.int32, "kept")}
     _TENSORS = tuple(_SCHEMA)
 
     # --- encoding: the same two blobs on disk and on the wire ---------------------------------
@@ -189,13 +205,15 @@ class Batch:
         if n == 0:
             raise BatchError(f"{source}: no samples")
         for name, (_, per) in self._SCHEMA.items():
-            want = t if per == "token" else n
+            want = {"token": t, "sample": n, "kept": int(self.kept_counts.sum(dtype=np.int64))}[per]
             if len(getattr(self, name)) != want:
                 raise BatchError(f"{source}: tensor {name!r} has {len(getattr(self, name))} values, expected {want}")
         if (self.lengths < 1).any() or int(self.lengths.sum()) != t:
             raise BatchError(f"{source}: lengths do not add up to the token count")
         if (self.tokens < 0).any():
             raise BatchError(f"{source}: negative token ids")
+        if (self.kept_counts < 0).any() or (self.kept_ids < 0).any():
+            raise BatchError(f"{source}: negative kept_counts or kept_ids")
         if not set(np.unique(self.loss_mask).tolist()) <= {0, 1}:
             raise BatchError(f"{source}: loss_mask holds values other than 0 and 1")
         for name in ("logprobs", "advantages", "rewards"):

@@ -99,6 +99,11 @@ class InferenceConfig(Section):
     (<tool_call>{"name": ..., "arguments": ...}</tool_call>); any name vLLM registers works; ""
     turns it off (vLLM then refuses tools= with 400)."""
 
+    max_logprobs: int = Field(20, ge=0)
+    """Most logprobs one sampled token may report (vLLM's --max-logprobs): bounds the kept sets
+    orchestrator.record_kept_sets reads off them (a set of up to top_k + 1, or the vocabulary
+    when top_k is off)."""
+
     extra_args: list[str] = []
     """Further `vllm serve` flags, passed through verbatim (e.g. ["--max-num-seqs", "256"])."""
 
@@ -264,7 +269,9 @@ class TrainerConfig(Section):
     trainer's logprobs over the tokens the sampler kept (rebuilt from the sample's settings,
     vLLM's steps in vLLM's order) before the ratio, the clipping and the KL. The engine reports
     the truncated distribution's logprobs; without this the ratio compares it with the full
-    one. Untruncated samples are never touched; false turns it off for all."""
+    one. Untruncated samples are never touched; false turns it off for all. Where the batch
+    carries the sampler's own kept set (orchestrator.record_kept_sets), that set is used instead
+    of the rebuilt one."""
 
     mismatch_kl_warn: float = Field(1e-2, ge=0)
     """Log a warning when a step's mismatch_kl (k3 KL(pi_inference || pi_trainer) on the sampled

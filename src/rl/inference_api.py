@@ -63,6 +63,16 @@ class GenerateRequest(Body):
     """Also return the logprob of every prompt token (a teacher scoring a student's tokens)."""
     lora: str | None = None
     """Name of a loaded adapter (POST /load_lora_adapter) to sample with; None: base weights."""
+    kept_sets: bool = False
+    """Also return each sampled token's kept set: the ids the sampler kept after min_p, top_k
+    and top_p (inference/kept_sets.py); refused when it may exceed the server's max_logprobs."""
+
+
+def kept_set_bound(top_k: int, vocab: int) -> int:
+    """How many processed logprobs per token hold a whole kept set (inference/kept_sets.py): top_k
+    + 1 when top_k is on (the extra one shows where the set ends), else the whole vocabulary.
+    Checked by the server per request and by the orchestrator at start-up."""
+    return min(vocab, top_k + 1) if 0 < top_k < vocab else vocab
 
 
 class GeneratedSample(BaseModel):
@@ -72,6 +82,9 @@ class GeneratedSample(BaseModel):
     versions: list[int]
     """Policy version that sampled each token."""
     finish_reason: Literal["stop", "length", "abort"]
+    kept: list[list[int]] | None = None
+    """With kept_sets: per sampled token, the ids the sampler kept (ascending); [] where the set
+    could not be read whole (ties past top_k)."""
 
 
 class GenerateResponse(BaseModel):

@@ -234,6 +234,13 @@ class OrchestratorConfig(Section):
     """Drop groups whose rewards are all equal (no learning signal without a teacher); counted
     as `filtered` in the metrics."""
 
+    record_kept_sets: bool = False
+    """Record each sampled token's kept set as the engine had it (the ids min_p, top_k and top_p
+    left, read off its processed logprobs: inference/kept_sets.py) in the batch: the trainer then
+    renormalises over exactly the sampler's set, not one rebuilt from its own, possibly newer,
+    logits (trainer/sampling_mask.py). Needs top_k below inference.max_logprobs, or a vocabulary
+    within it; costs that many logprobs per token on the server."""
+
     normalize_advantages: bool = False
     """Divide group-relative advantages by the group's reward std (GRPO) instead of only
     centring them (Dr. GRPO)."""

@@ -80,6 +80,9 @@ class MicroBatch:
     top_k: torch.Tensor  # int64
     top_p: torch.Tensor
     min_p: torch.Tensor
+    # [R, T-1, K] int32: the sampler's kept ids for the predicted token, -1 padded (all -1: none
+    # recorded, rebuild); None when the batch recorded none.
+    kept: torch.Tensor | None = None
 
     def truncation(self, vocab: int) -> Truncation | None:
         """The loss tokens of samples drawn from a truncated distribution, with their settings;
@@ -87,7 +90,7 @@ class MicroBatch:
         select = is_truncated(self.top_k, self.top_p, self.min_p, vocab) & (self.loss_mask > 0)
         if not bool(select.any()):
             return None
-        return Truncation(self.top_k, self.top_p, self.min_p, select)
+        return Truncation(self.top_k, self.top_p, self.min_p, select, kept=self.kept)
 
 
 def assign_ranks(lengths: list[int], world: int) -> list[list[int]]:
@@ -161,9 +164,43 @@ def rank_micro_batches(batch: Batch, rank: int, world: int, *, row_len: int | No
     slices = batch.sample_slices()
     make = _packed if row_len is not None else _padded
     out = [make(batch, slices, group, pad_id, weights) for group in groups[rank]]
+    if (table := kept_table(batch)) is not None:
+        for mb, group in zip(out, groups[rank]):
+            mb.kept = _kept_rows(table, slices, group, mb, packed=row_len is not None)
     # A rank with fewer micro-batches than its peers still joins every collective: padding rows,
     # attended (an all-masked row would give NaN), with nothing to learn from.
     out += [_padding(pad_id, packed=row_len is not None) for _ in range(count - len(out))]
+    return out
+
+
+def kept_table(batch: Batch) -> np.ndarray | None:
+    """int32 [tokens, K]: each token's recorded kept ids (rl/batch.py), -1 padded to the largest
+    set; None when the batch recorded none."""
+    counts = batch.kept_counts.astype(np.int64)
+    if not counts.any():
+        return None
+    table = np.full((len(counts), int(counts.max())), -1, np.int32)
+    starts = np.cumsum(counts) - counts
+    table[np.repeat(np.arange(len(counts)), counts), np.arange(len(batch.kept_ids)) - np.repeat(starts, counts)] = \
+        batch.kept_ids
+    return table
+
+
+def _kept_rows(table: np.ndarray, slices: list[slice], rows: list[list[int]], mb: MicroBatch,
+               packed: bool) -> torch.Tensor:
+    """The micro-batch's [R, T-1, K] kept ids, laid out as _packed / _padded lay out its tokens
+    (a packed row's samples back to back, then padding) and shifted to the predicted token."""
+    width, k = mb.tokens.shape[1], table.shape[1]
+    out = torch.full((len(rows), width, k), -1, dtype=torch.int32)
+    for r, row in enumerate(rows):
+        at = 0
+        for i in row:
+            n = slices[i].stop - slices[i].start
+            out[r, at:at + n] = torch.from_numpy(table[slices[i]])
+            at += n
+    out = out[:, 1:]
+    if packed:  # the prediction across a sample boundary belongs to no sample
+        out = out.masked_fill((mb.position_ids[:, 1:] == 0)[..., None], -1)
     return out
 
 

@@ -56,7 +56,8 @@ class LogprobHead(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.chunk_tokens = chunk_tokens
         self.query: TokenQuery | None = None
-        self.misses = 0.0  # sampled tokens the rebuilt kept sets lacked, in the last query
+        self.misses = 0.0  # sampled tokens the kept sets lacked, in the last query
+        self.replayed = 0.0  # positions renormalised over the sampler's recorded set, in the last query
 
     @contextmanager
     def asked(self, query: TokenQuery):
@@ -82,21 +83,23 @@ class LogprobHead(nn.Module):
             where = where.new_zeros(1)
         select = (q.truncation.select.reshape(-1)[where] if q.truncation is not None
                   else torch.zeros_like(where, dtype=torch.bool))
-        trunc = (None if q.truncation is None else
-                 [x.reshape(-1)[where] for x in (q.truncation.top_k, q.truncation.top_p, q.truncation.min_p)])
+        trunc = None if q.truncation is None else [
+            x.reshape(-1)[where] for x in (q.truncation.top_k, q.truncation.top_p, q.truncation.min_p)] + [
+            None if q.truncation.kept is None else q.truncation.kept.reshape(-1, q.truncation.kept.shape[-1])[where]]
         h, targets, temperature = flat[where], q.targets.reshape(-1)[where], q.temperature.reshape(-1)[where]
         # Rebuild each chunk in the backward only when something needs its gradient.
         rebuild = torch.is_grad_enabled() and (h.requires_grad or self.weight.requires_grad)
-        logprobs, entropies, misses = [], [], torch.zeros((), device=flat.device)
+        logprobs, entropies, counts = [], [], torch.zeros(2, device=flat.device)  # misses, replayed
         for i in range(0, h.shape[0], self.chunk_tokens):
             part = slice(i, i + self.chunk_tokens)
             args = (h[part], self.weight, self.bias, targets[part], temperature[part], select[part],
-                    *([x[part] for x in trunc] if trunc is not None else [None] * 3), q.smoothing)
-            lp, ent, miss = checkpoint(_chunk, *args, use_reentrant=False) if rebuild else _chunk(*args)
+                    *([None if x is None else x[part] for x in trunc] if trunc is not None else [None] * 4),
+                    q.smoothing)
+            lp, ent, count = checkpoint(_chunk, *args, use_reentrant=False) if rebuild else _chunk(*args)
             logprobs.append(lp)
             entropies.append(ent)
-            misses = misses + miss
-        self.misses = float(misses)  # one device sync per query
+            counts = counts + count
+        self.misses, self.replayed = counts.tolist()  # one device sync per query
         values = torch.stack([torch.cat(logprobs), torch.cat(entropies)], -1)
         out = flat.new_zeros(flat.shape[0], 2, dtype=torch.float32).index_put((where,), values * 0 if empty else values)
         # A copy, not a view: FSDP2 warns that an in-place op on a view its root returns would
@@ -106,8 +109,8 @@ class LogprobHead(nn.Module):
 
 def _chunk(h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: Tensor,
            select: Tensor, top_k: Tensor | None, top_p: Tensor | None, min_p: Tensor | None,
-           smoothing: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
-    """(logprob, entropy, misses) of one chunk's positions: the same arithmetic as
+           kept: Tensor | None, smoothing: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    """(logprob, entropy, [misses, replayed]) of one chunk's positions: the same arithmetic as
     trainer/loss.py token_logprobs_and_entropy on the same rows (float32 after the matmul)."""
     scaled = F.linear(h, weight, bias).float() / temperature[:, None]
     logp_all = torch.log_softmax(scaled, dim=-1)
@@ -116,14 +119,16 @@ def _chunk(h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temp
         logprobs = (1 - smoothing) * logprobs + smoothing * logp_all.mean(-1)
     with torch.no_grad():
         entropy = -(logp_all.exp() * logp_all).sum(-1)
-    misses = torch.zeros((), device=h.device)
+    counts = torch.zeros(2, device=h.device)
     if top_k is not None and bool(select.any()):
-        lp, ent, misses = renormalised(scaled[select], targets[select],
-                                       Truncation(top_k[select], top_p[select], min_p[select], select))
+        lp, ent, misses, replayed = renormalised(
+            scaled[select], targets[select],
+            Truncation(top_k[select], top_p[select], min_p[select], select, None if kept is None else kept[select]))
         where = select.nonzero(as_tuple=True)
         logprobs = logprobs.index_put(where, lp)
         entropy = entropy.index_put(where, ent)
-    return logprobs, entropy, misses.float().to(h.device)
+        counts = torch.stack([misses, replayed]).float().to(h.device)
+    return logprobs, entropy, counts
 
 
 def install(model: nn.Module, chunk_tokens: int) -> LogprobHead | None:

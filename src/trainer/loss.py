@@ -44,8 +44,9 @@ def token_logprobs_and_entropy(logits: Tensor, tokens: Tensor, temperature: floa
     different temperatures). Returns (logprobs, entropy), both float32 [R, T-1]: the logprob of
     tokens[:, t+1] under logits[:, t] / temperature[:, t] (the distribution the engine sampled
     from) and that distribution's entropy (detached, metrics only). With `truncation`, its
-    selected positions are renormalised over the kept set instead (trainer/sampling_mask.py)
-    and truncation.misses counts sampled tokens the rebuilt set lacked. `smoothing` (rl sft's
+    selected positions are renormalised over the kept set instead (trainer/sampling_mask.py:
+    the sampler's own where truncation.kept has it), truncation.misses counts sampled tokens the
+    set lacked and truncation.replayed the positions with a replayed set. `smoothing` (rl sft's
     label smoothing, never with truncation) returns (1 - s) * logprob + s * the mean logprob over
     the vocabulary instead: minus it is torch's cross_entropy(..., label_smoothing=s)."""
     if isinstance(temperature, Tensor):
@@ -64,13 +65,14 @@ def token_logprobs_and_entropy(logits: Tensor, tokens: Tensor, temperature: floa
     if truncation is not None and bool(truncation.select.any()):
         sel = truncation.select.to(logits.device)
         at = [x.to(logits.device)[sel] for x in (truncation.top_k, truncation.top_p, truncation.min_p)]
-        lp, ent, misses = renormalised(scaled[sel], tokens[:, 1:][sel],
-                                       Truncation(*at, select=sel))
+        kept = None if truncation.kept is None else truncation.kept.to(logits.device)[sel]
+        lp, ent, misses, replayed = renormalised(scaled[sel], tokens[:, 1:][sel],
+                                                 Truncation(*at, select=sel, kept=kept))
         # Out-of-place index_put: the full-vocabulary values elsewhere keep their gradient.
         where = sel.nonzero(as_tuple=True)
         logprobs = logprobs.index_put(where, lp)
         entropy = entropy.index_put(where, ent)
-        truncation.misses = float(misses)
+        truncation.misses, truncation.replayed = float(misses), float(replayed)
     return logprobs, entropy
 
 

@@ -80,7 +80,8 @@ def micro_batch_logprobs(model: torch.nn.Module, mb: MicroBatch, device: torch.d
     """(logprobs, entropy) [R, T-1] of a micro-batch's tokens, each under its own sample's
     temperature (mb.temperature): the distribution the engine sampled it from, which a batch
     mixing datasets with different sampling settings makes differ from sample to sample. With
-    `truncation` (mb.truncation(vocab)), over the kept set its top_k/top_p/min_p rebuild; with
+    `truncation` (mb.truncation(vocab)), over the kept set (the sampler's recorded one, else rebuilt
+    from top_k/top_p/min_p); with
     `smoothing`, label-smoothed (trainer/loss.py token_logprobs_and_entropy)."""
     head = model.get_output_embeddings()
     if not isinstance(head, LogprobHead):
@@ -90,7 +91,7 @@ def micro_batch_logprobs(model: torch.nn.Module, mb: MicroBatch, device: torch.d
     with head.asked(micro_batch_query(mb, device, truncation, smoothing)):
         out = forward_logits(model, mb, device, single_row)  # [R, T, 2]: (logprob, entropy)
     if truncation is not None:
-        truncation.misses = head.misses
+        truncation.misses, truncation.replayed = head.misses, head.replayed
     return out[:, :-1, 0], out[:, :-1, 1]
 
 
@@ -104,6 +105,6 @@ def micro_batch_query(mb: MicroBatch, device: torch.device, truncation: Truncati
     tokens = mb.tokens.to(device)
     trunc = None if truncation is None else Truncation(
         widen(truncation.top_k, -1), widen(truncation.top_p, 1.0), widen(truncation.min_p, 0.0),
-        widen(truncation.select, False))
+        widen(truncation.select, False), None if truncation.kept is None else widen(truncation.kept, -1))
     return TokenQuery(targets=widen(tokens[:, 1:], 0), wanted=widen(mb.loss_mask > 0, False),
                       temperature=widen(mb.temperature.float(), 1.0), truncation=trunc, smoothing=smoothing)

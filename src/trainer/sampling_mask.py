@@ -14,6 +14,11 @@ policy the two logit vectors agree to float32 rounding, so the sets agree except
 sits on a boundary within rounding; off policy the set is the current policy's. The sampled
 token is always kept (the sampler drew it, so it was in its set): a token the rebuilt set left
 out is added back and counted (`sampling_mask_miss_frac`).
+
+Replay (`orchestrator.record_kept_sets`): the engine reports each token's kept set itself, read
+off its processed logprobs (inference/generation.py), and the batch carries it (rl/batch.py
+`kept_counts`, `kept_ids`). Where a token has one, the trainer renormalises over exactly it, the
+sampler's own set, however stale the sample; the rebuild stays for tokens without one.
 """
 
 from __future__ import annotations
@@ -38,7 +43,9 @@ class Truncation:
     top_p: Tensor  # float32; 1: off
     min_p: Tensor  # float32; 0: off
     select: Tensor  # bool
+    kept: Tensor | None = None  # int64 [..., K]: the sampler's kept ids, -1 padded; none: rebuild
     misses: float = 0.0
+    replayed: float = 0.0  # selected positions renormalised over a replayed set
 
 
 def is_truncated(top_k: Tensor, top_p: Tensor, min_p: Tensor, vocab: int) -> Tensor:
@@ -94,11 +101,28 @@ def _top_p(probs: Tensor, top_p: Tensor, on_p: Tensor) -> Tensor:
     return torch.zeros_like(probs, dtype=torch.bool).scatter_(1, index, kept)
 
 
-def renormalised(scaled: Tensor, tokens: Tensor, trunc: Truncation) -> tuple[Tensor, Tensor, Tensor]:
-    """(logprobs, entropy, misses) of the selected positions: scaled [n, V] (differentiable),
+def kept_sets(scaled: Tensor, trunc: Truncation) -> tuple[Tensor, Tensor]:
+    """(bool [n, V] kept sets, how many were replayed) for the selected positions' scaled logits:
+    the sampler's recorded set where there is one, else rebuilt from the settings."""
+    if trunc.kept is None:
+        return kept_mask(scaled, trunc.top_k, trunc.top_p, trunc.min_p), scaled.new_zeros((), dtype=torch.long)
+    n, vocab = scaled.shape
+    has = (trunc.kept >= 0).any(-1)
+    # Padding (-1) goes to a column past the vocabulary, dropped after: scattering it onto a real
+    # id would race with that id's own True (scatter's order among duplicates is undefined).
+    ids = torch.where((trunc.kept >= 0) & (trunc.kept < vocab), trunc.kept, vocab).long()
+    keep = torch.zeros(n, vocab + 1, dtype=torch.bool, device=scaled.device).scatter_(1, ids, True)[:, :vocab]
+    if not bool(has.all()):
+        rest = ~has
+        keep[rest] = kept_mask(scaled[rest], trunc.top_k[rest], trunc.top_p[rest], trunc.min_p[rest])
+    return keep, has.sum()
+
+
+def renormalised(scaled: Tensor, tokens: Tensor, trunc: Truncation) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(logprobs, entropy, misses, replayed) of the selected positions: scaled [n, V] (differentiable),
     tokens [n]; settings already gathered to [n]. Logits outside the kept set become -inf, so
     they get no gradient and no probability."""
-    keep = kept_mask(scaled.detach(), trunc.top_k, trunc.top_p, trunc.min_p)
+    keep, replayed = kept_sets(scaled.detach(), trunc)
     sampled = torch.zeros_like(keep).scatter_(1, tokens[:, None], True)
     misses = (sampled & ~keep).sum()
     keep |= sampled
@@ -106,4 +130,4 @@ def renormalised(scaled: Tensor, tokens: Tensor, trunc: Truncation) -> tuple[Ten
     with torch.no_grad():
         # where(): 0 * -inf would be NaN off the kept set.
         entropy = -torch.where(keep, logp.exp() * logp, 0.0).sum(-1)
-    return logp.gather(-1, tokens[:, None]).squeeze(-1), entropy, misses
+    return logp.gather(-1, tokens[:, None]).squeeze(-1), entropy, misses, replayed

@@ -45,7 +45,8 @@ def as_batch(data: SftData, rows: list[int], step: int) -> Batch:
                  token_versions=np.zeros(n, np.int64), lengths=data.lengths[rows].astype(np.int64),
                  rewards=np.zeros(k, np.float32), versions=np.zeros(k, np.int64),
                  temperatures=np.ones(k, np.float32), top_p=np.ones(k, np.float32),
-                 top_k=np.full(k, -1, np.int64), min_p=np.zeros(k, np.float32))
+                 top_k=np.full(k, -1, np.int64), min_p=np.zeros(k, np.float32),
+                 kept_counts=np.zeros(n, np.int32), kept_ids=np.zeros(0, np.int32))
 
 
 class SftTrainer(Trainer):

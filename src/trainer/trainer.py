@@ -39,7 +39,7 @@ log = logging.getLogger("trainer")
 
 _SUMS = ("tokens", "masked_tokens", "clipped_tokens", "ratio_sum", "mismatch_kl_sum", "entropy_sum", "kl_sum")
 # Per micro-batch counts from the Keep Sampling Mask (trainer/sampling_mask.py), summed with _SUMS.
-_MASK_SUMS = ("truncated_tokens", "mask_misses")
+_MASK_SUMS = ("truncated_tokens", "mask_misses", "mask_replayed")
 
 
 class Trainer:
@@ -264,8 +264,8 @@ class Trainer:
             with self.tuning.active(policy.slot):
                 (out.loss * self.world).backward()
             truncated = float(truncation.select.sum()) if truncation is not None else 0.0
-            misses = truncation.misses if truncation is not None else 0.0
-            sums += torch.tensor([out.loss.item()] + [getattr(out, k) for k in _SUMS] + [truncated, misses],
+            misses, replayed = (truncation.misses, truncation.replayed) if truncation is not None else (0.0, 0.0)
+            sums += torch.tensor([out.loss.item()] + [getattr(out, k) for k in _SUMS] + [truncated, misses, replayed],
                                  dtype=torch.float64)
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.params, policy.cfg.trainer.optim.max_grad_norm)
         policy.optimizer.step()
@@ -273,9 +273,10 @@ class Trainer:
         policy.scheduler.step()
         sums = sums.to(self.device)  # NCCL reduces only device tensors
         dist.all_reduce(sums)
-        loss, tokens, masked, clipped, ratio, kl, entropy, ref_kl, truncated, misses = sums.cpu().tolist()
+        loss, tokens, masked, clipped, ratio, kl, entropy, ref_kl, truncated, misses, replayed = sums.cpu().tolist()
         n = max(tokens, 1.0)
         return {"loss": loss, "clipped_frac": clipped / n, "masked_frac": masked / n, "ratio_mean": ratio / n,
                 "mismatch_kl": kl / n, "entropy": entropy / n, "kl": ref_kl / n,
                 "truncated_frac": truncated / n, "sampling_mask_miss_frac": misses / max(truncated, 1.0),
+                "sampling_mask_replayed_frac": replayed / max(truncated, 1.0),
                 "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)}
