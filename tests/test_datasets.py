@@ -114,7 +114,7 @@ def test_resume_from_the_checkpointed_cursor_neither_skips_nor_repeats(tmp_path)
     whole = queue(cfg)
     first = [whole.take() for _ in range(40)]
     pending = [first[3], first[17]]  # drawn but never batched (in flight when the run stopped)
-    step, cursor, back = decode_state(encode_state(5, whole.cursor, pending))
+    step, cursor, back, _ = decode_state(encode_state(5, whole.cursor, pending))
     assert (step, cursor, back) == (5, 40, pending)
     resumed = queue(cfg, cursor, back)
     assert [resumed.take() for _ in range(2)] == pending

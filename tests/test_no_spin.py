@@ -176,7 +176,7 @@ def drawn_rows(run: RunDir) -> tuple[list[int], list[int], int]:
     names = {row_name(i): i for i in range(5000)}
     tokenizer = Tokenizer.from_file(str(TINY_MODEL / "tokenizer.json"))
     last = run.checkpoint_steps("orchestrator")[-1]
-    step, cursor, pending = decode_state((run.checkpoint_dir(last) / "orchestrator" / "state.json").read_bytes())
+    step, cursor, pending, _ = decode_state((run.checkpoint_dir(last) / "orchestrator" / "state.json").read_bytes())
     batched = []
     for n in range(1, step + 1):
         batch = Batch.read(run.rollout_dir(n))

@@ -162,7 +162,7 @@ def check_rules(o: Outcome, every_prompt_batched_or_pending: bool = True) -> Non
     assert len(used) == len(set(used)), "a prompt went into two batches"
     last = o.run.checkpoint_steps("orchestrator")[-1]
     directory = o.run.checkpoint_dir(last) / "orchestrator"
-    step, cursor, pending = decode_state((directory / "state.json").read_bytes())
+    step, cursor, pending, _ = decode_state((directory / "state.json").read_bytes())
     pending_ids = [p.index for p in pending]
     assert step == o.cfg.max_steps
     # The last checkpoint holds the very batch it was written for.

@@ -24,34 +24,34 @@ from rl.transport import BatchSender
 log = logging.getLogger("orchestrator")
 
 
-def resume_point(run_dir: RunDir, sender: BatchSender) -> tuple[int, int, list[Prompt], Batch | None]:
-    """(next step, data cursor, pending prompts, the checkpointed batch to hand over again or
-    None): a fresh start, or where the last checkpoint left off."""
+def resume_point(run_dir: RunDir, sender: BatchSender) -> tuple[int, int, list[Prompt], dict | None, Batch | None]:
+    """(next step, data cursor, pending prompts, the curriculum's record, the checkpointed batch
+    to hand over again or None): a fresh start, or where the last checkpoint left off."""
     saved = run_dir.checkpoint_steps("orchestrator")
     sender.discard_partial()
     if not saved:
         if refusal := orchestrator_state_refusal(run_dir):  # rl.cli refused it already
             raise SystemExit(refusal)
-        return 1, 0, [], None
+        return 1, 0, [], None, None
     directory = run_dir.checkpoint_dir(saved[-1]) / "orchestrator"
-    step, cursor, pending = decode_state((directory / "state.json").read_bytes())
+    step, cursor, pending, curriculum = decode_state((directory / "state.json").read_bytes())
     delivered = max([0, *run_dir.rollout_steps(), run_dir.latest_stable_weights() or 0])
     again = None
     if delivered < step:  # batch `step` may never have reached the trainer: the same bytes again
         again = Batch.read(directory / "batch")
     log.info("resuming after batch %d from %s: %d rows drawn, %d pending prompts re-issued%s", step, directory,
              cursor, len(pending), f"; batch {step} handed over again" if again else "")
-    return step + 1, cursor, pending, again
+    return step + 1, cursor, pending, curriculum, again
 
 
 def save_checkpoint(run_dir: RunDir, step: int, encoded: tuple[bytes, bytes], cursor: int, pending: list[Prompt],
-                    keep: int) -> None:
+                    keep: int, curriculum: dict[str, float] | None = None) -> None:
     """Checkpoint batch `step` (`encoded`: its Batch.encode()) before it is handed over, keeping
     the newest `keep` checkpoints."""
     directory = run_dir.checkpoint_dir(step) / "orchestrator"
     directory.mkdir(parents=True, exist_ok=True)
     Batch.write_encoded(*encoded, directory / "batch")
-    write_file_atomic(directory / "state.json", encode_state(step, cursor, pending))
+    write_file_atomic(directory / "state.json", encode_state(step, cursor, pending, curriculum))
     mark_stable(directory)
     for old in run_dir.checkpoint_steps("orchestrator")[:-keep]:
         run_dir.remove_checkpoint(old, "orchestrator")

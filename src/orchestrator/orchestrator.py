@@ -31,6 +31,7 @@ import aiohttp
 
 from orchestrator.async_rule import can_hand_over, is_fresh, min_serving_version, oldest_usable_version
 from orchestrator.checkpoint import checkpointed_batch, resume_point, save_checkpoint
+from orchestrator.curriculum import Curriculum
 from orchestrator.delivery import weight_delivery
 from orchestrator.evaluation import Evaluation, EvaluationRunner
 from orchestrator.group_outcomes import GroupOutcomes, futile_spans
@@ -82,8 +83,11 @@ class Orchestrator:
         self.evaluations = EvaluationRunner(Evaluation(self.rollouts, evals, self.settings.eval) if evaluated else None,
                                             self.pool, self.run_dir, self.wait_until, self.tag)
         self.sender = batch_sender(cfg.transport, self.run_dir)
-        self.next_step, cursor, pending, self.unsent = resume_point(self.run_dir, self.sender)
-        self.queue = PromptQueue(self.rollouts.kind.draws(cfg.seed), self.rollouts.kind.fetch, cursor, pending)
+        self.next_step, cursor, pending, record, self.unsent = resume_point(self.run_dir, self.sender)
+        self.curriculum = (Curriculum(self.settings.curriculum, cfg.seed, record)
+                           if self.settings.curriculum.enabled else None)
+        self.queue = PromptQueue(self.rollouts.kind.draws(cfg.seed), self.rollouts.kind.fetch, cursor, pending,
+                                 admit=self.curriculum.admit if self.curriculum else None)
         self.in_flight: dict[str, InFlight] = {}
         self.finished: list[Group] = []
         self.weights_poll = Backoff(self.settings.poll_interval_s, 5 * self.settings.poll_interval_s)
@@ -237,6 +241,8 @@ class Orchestrator:
                                         f"failed, last: {group.error or 'no error recorded'}")
             return
         self.counters.sampled_rewards += group.rewards
+        if self.curriculum is not None:
+            self.curriculum.scored(g.prompt, group.rewards)
         if self.outcomes.keep(g.prompt, group):
             self.finished.append(group)
             self.counters.model_tokens += group.model_tokens
@@ -366,7 +372,8 @@ class Orchestrator:
         await self.cancel_hopeless()
         await self.notify()
         c, self.counters = self.counters, Counters()
-        self.reporting.report(batch, groups, c, trainer_wait, group_wait, len(self.in_flight), len(self.finished))
+        self.reporting.report(batch, groups, c, trainer_wait, group_wait, len(self.in_flight), len(self.finished),
+                              self.curriculum.report() if self.curriculum else {})
         if c.skipped_rows:
             log.warning("%d row(s) skipped since the previous batch (first: %s)", c.skipped_rows, c.first_skip)
 
@@ -375,7 +382,8 @@ class Orchestrator:
         drawn but not in a batch yet go out again after a resume."""
         pending = [*self.queue.requeued, *(g.prompt for g in self.in_flight.values()),
                    *(g.prompt for g in self.finished)]
-        save_checkpoint(self.run_dir, step, encoded, self.queue.cursor, pending, self.settings.keep_checkpoints)
+        save_checkpoint(self.run_dir, step, encoded, self.queue.cursor, pending, self.settings.keep_checkpoints,
+                        self.curriculum.state() if self.curriculum else None)
 
     # --- the run ---------------------------------------------------------------------------
 

@@ -30,16 +30,24 @@ Fetch = Callable[[str, object], tuple[dict, str]]
 
 class PromptQueue:
     def __init__(self, draws: Iterator[tuple[str, object]], fetch: Fetch, cursor: int = 0,
-                 pending: list[Prompt] = ()):
+                 pending: list[Prompt] = (), admit: Callable[[Prompt], bool] | None = None):
         # The stream is re-made from the seed, so skipping `cursor` draws lands where the run was.
         self.draws = itertools.islice(draws, cursor, None)
         self.fetch = fetch
         self.cursor = cursor
         self.requeued: collections.deque[Prompt] = collections.deque(pending)
+        # Whether a new draw is generated (orchestrator/curriculum.py); None: every one.
+        self.admit = admit
 
     def take(self) -> Prompt:
         if self.requeued:
             return self.requeued.popleft()
+        while True:
+            prompt = self.draw()
+            if self.admit is None or self.admit(prompt):
+                return prompt
+
+    def draw(self) -> Prompt:
         try:
             source, draw = next(self.draws)
         except StopIteration:
@@ -57,20 +65,22 @@ class PromptQueue:
         self.requeued.append(prompt)
 
 
-def encode_state(step: int, cursor: int, pending: list[Prompt]) -> bytes:
+def encode_state(step: int, cursor: int, pending: list[Prompt], curriculum: dict[str, float] | None = None) -> bytes:
     """The orchestrator's checkpoint: batches 1..step are made (batch `step` is checkpointed
     beside it, orchestrator/checkpoint.py); rows below `cursor` were drawn; `pending` were drawn
-    but are in no batch (queued, in flight or finished but unbatched)."""
+    but are in no batch (queued, in flight or finished but unbatched); `curriculum`: its record
+    of pass rates (orchestrator/curriculum.py), in order."""
     try:
         # default=str: a file's dates and the like come back as text, which no reward has relied on.
         return json.dumps({"step": step, "cursor": cursor,
                            "pending": [{"index": p.index, "row": p.row, "source": p.source, "where": p.where}
-                                       for p in pending]}, default=str).encode()
+                                       for p in pending],
+                           **({"curriculum": curriculum} if curriculum is not None else {})}, default=str).encode()
     except TypeError as e:
         raise TypeError(f"orchestrator.dataset rows must be JSON-able to checkpoint them: {e}") from None
 
 
-def decode_state(data: bytes) -> tuple[int, int, list[Prompt]]:
+def decode_state(data: bytes) -> tuple[int, int, list[Prompt], dict[str, float] | None]:
     state = json.loads(data)
     return state["step"], state["cursor"], [Prompt(p["index"], p["row"], p.get("source", ""), p.get("where", ""))
-                                            for p in state["pending"]]
+                                            for p in state["pending"]], state.get("curriculum")

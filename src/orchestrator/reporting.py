@@ -55,9 +55,10 @@ class Reporting:
         self.tracker = Tracker(cfg) if t.wandb or t.tensorboard else None
 
     def report(self, batch: Batch, groups: list[Group], c: Counters, trainer_wait: float, group_wait: float,
-               in_flight: int, buffered: int) -> None:
+               in_flight: int, buffered: int, extra: dict | None = None) -> None:
         """`c`: the counters since the previous batch; `in_flight`, `buffered`: groups
-        generating, and finished but not in a batch yet."""
+        generating, and finished but not in a batch yet; `extra`: more of the step's metrics
+        (the curriculum's)."""
         elapsed = max(time.monotonic() - c.started, 1e-9)
         step = batch.step
         servers = max(len(self.pool.in_rotation), 1)
@@ -75,6 +76,7 @@ class Reporting:
             **({"reward_sampled_mean": sum(c.sampled_rewards) / len(c.sampled_rewards)} if c.sampled_rewards else {}),
             **({} if (update_s := self.pool.delivery.take_update_s()) is None else {"weight_update_s": update_s}),
             **reward_details(groups, self.per_dataset),
+            **(extra or {}),
         }
         self.run_dir.append_metrics(record)
         log.info("batch %d reward %.3f staleness %.2f (max %d) %.0f tok/s | waited trainer %.2fs groups %.2fs "

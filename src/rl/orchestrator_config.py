@@ -90,6 +90,36 @@ class OverlongConfig(Section):
     """mode = "penalty": the penalty at max_tokens."""
 
 
+class CurriculumConfig(Section):
+    enabled: bool = False
+    """Generate only rows whose recorded pass rate is informative (orchestrator/curriculum.py):
+    a row drawn again is skipped when its latest group's pass rate lies outside `band`, unless
+    drawn for a revisit. Saves the generation zero-variance filtering would throw away, on
+    datasets whose rows come round again (several passes, or a function that repeats rows)."""
+
+    band: tuple[float, float] = (0.0, 1.0)
+    """(low, high): a pass rate strictly between them is informative; at or below low a row is
+    hard, at or above high easy. The default keeps every row some rollouts pass and some fail."""
+
+    revisit: float = Field(0.1, gt=0, le=1)
+    """Chance that an easy or hard row is generated anyway when drawn: its record stays current
+    (a hard row may have become learnable)."""
+
+    pass_threshold: float = 1.0
+    """A rollout passes when its reward is at least this (1.0: an exact answer under the shipped
+    scorers; lower for partial-credit rewards)."""
+
+    max_rows: int = Field(100_000, ge=1)
+    """Rows the record keeps (the least recently scored go first); it is saved in each
+    orchestrator checkpoint."""
+
+    @model_validator(mode="after")
+    def _band_order(self) -> CurriculumConfig:
+        if not 0 <= self.band[0] < self.band[1] <= 1:
+            raise ValueError(f"band {list(self.band)}: expected 0 <= low < high <= 1")
+        return self
+
+
 # Keys that became table keys: the old name and where it lives now (moved_key).
 MOVED = {
     "server_urls": "servers.urls", "discover_servers": "servers.discover",
@@ -215,6 +245,9 @@ class OrchestratorConfig(Section):
 
     overlong: OverlongConfig = OverlongConfig()
     """What becomes of completions cut at max_tokens (`[orchestrator.overlong]`)."""
+
+    curriculum: CurriculumConfig = CurriculumConfig()
+    """Which drawn rows are generated, by their recorded pass rate (`[orchestrator.curriculum]`)."""
 
     max_in_flight_groups: int = Field(32, ge=1)
     """Most groups generating or waiting to be batched at once. Above prompts_per_step it

@@ -153,7 +153,8 @@ class RealRun:
         assert set(samples.values()) == {GROUP_SIZE}, {p: n for p, n in samples.items() if n != GROUP_SIZE}
         used = sorted(index[p] for p in samples)
         last = self.run.checkpoint_steps("orchestrator")[-1]
-        step, cursor, pending = decode_state((self.run.checkpoint_dir(last) / "orchestrator" / "state.json").read_bytes())
+        state = self.run.checkpoint_dir(last) / "orchestrator" / "state.json"
+        step, cursor, pending, _ = decode_state(state.read_bytes())
         assert step == self.max_steps
         pending_ids = [p.index for p in pending]
         assert not set(pending_ids) & set(used), "a prompt both batched and pending"

@@ -1,0 +1,83 @@
+"""Curriculum by pass rate (`[orchestrator.curriculum]`): keep batches informative before
+generating, not after.
+
+Zero-variance filtering (orchestrator.filter_zero_variance) drops a group once it has been
+generated and every rollout got the same reward: the generation was spent for nothing. Here each
+row's pass rate in its latest group (the share of rollouts with reward >= pass_threshold) is
+recorded, and when the datasets' stream draws that row again it is admitted only if the rate
+lies strictly inside `band` (low, high) (a group that can still teach), or else with probability
+`revisit`, so that easy and hard rows are tried now and then and their record stays current.
+Rows never seen are always admitted. Nothing is reweighted: an admitted row is trained on as any
+other, the curriculum only decides which rows the generation is spent on.
+
+A row is known by a hash of its dataset and content, so it is recognised on every pass over the
+data. Whether a draw is admitted depends only on the record and the draw's position in the
+stream (its own seeded random number), and the record is saved in the orchestrator's checkpoint:
+a resumed run makes the same decisions from the same record.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import random
+
+from orchestrator.prompts import Prompt
+from rl.orchestrator_config import CurriculumConfig
+
+
+def row_key(prompt: Prompt) -> str:
+    """A row's identity across passes: its dataset's name and its content."""
+    text = json.dumps([prompt.source, prompt.row], sort_keys=True, default=str)
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+class Curriculum:
+    def __init__(self, cfg: CurriculumConfig, seed: int, record: dict[str, float] | None = None):
+        self.cfg, self.seed = cfg, seed
+        # Row key -> its latest group's pass rate, least recently scored first (evicted first).
+        self.rates: collections.OrderedDict[str, float] = collections.OrderedDict(record or {})
+        self.skipped = 0  # draws not admitted since the last report
+        self.scored_rates: list[float] = []  # pass rates of the groups scored since the last report
+
+    def category(self, rate: float) -> str:
+        low, high = self.cfg.band
+        return "hard" if rate <= low else "easy" if rate >= high else "informative"
+
+    def admit(self, prompt: Prompt) -> bool:
+        """Whether a freshly drawn row is generated (PromptQueue calls it on each new draw)."""
+        rate = self.rates.get(row_key(prompt))
+        if rate is None or self.category(rate) == "informative":
+            return True
+        # One number per stream position: the same decision on a resumed run.
+        if random.Random(f"{self.seed}-{prompt.index}").random() < self.cfg.revisit:
+            return True
+        self.skipped += 1
+        return False
+
+    def scored(self, prompt: Prompt, rewards: list[float]) -> None:
+        """A group's rewards: its row's pass rate, recorded (the oldest record goes past max_rows)."""
+        rate = sum(r >= self.cfg.pass_threshold for r in rewards) / len(rewards)
+        key = row_key(prompt)
+        self.rates.pop(key, None)
+        self.rates[key] = rate
+        while len(self.rates) > self.cfg.max_rows:
+            self.rates.popitem(last=False)
+        self.scored_rates.append(rate)
+
+    def report(self) -> dict[str, float]:
+        """The step's metrics: rows skipped, this step's groups by pass rate, the record's shares."""
+        groups = collections.Counter(self.category(r) for r in self.scored_rates)
+        record = collections.Counter(self.category(r) for r in self.rates.values())
+        n, m = max(len(self.scored_rates), 1), max(len(self.rates), 1)
+        out = {"curriculum/skipped": self.skipped, "curriculum/rows_recorded": len(self.rates),
+               "curriculum/pass_rate_mean": sum(self.scored_rates) / n,
+               **{f"curriculum/groups_{c}_frac": groups[c] / n for c in ("easy", "informative", "hard")},
+               **{f"curriculum/rows_{c}_frac": record[c] / m for c in ("easy", "informative", "hard")}}
+        self.skipped, self.scored_rates = 0, []
+        return out
+
+    def state(self) -> dict[str, float]:
+        """For the checkpoint: the record, in its order."""
+        return dict(self.rates)
