@@ -326,8 +326,9 @@ def test_reference_kl_sequence_ratio_and_bfloat16_run_through_the_real_trainer(t
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in m)
     assert m[0]["kl"] < 1e-4 < m[2]["kl"]
     assert 0 < m[0]["entropy"] < math.log(30)  # vocab of 30
-    # Once the policy moved, some samples' sequence ratios leave [0.1, 1.02] and are masked whole.
-    assert m[2]["masked_frac"] > 0 and all(r["masked_frac"] < 1 for r in m)
+    # Once the policy moved, some samples' sequence ratios leave [0.1, 1.02] and are masked whole
+    # (at step 2, 3 or both: which depends on the model's weights).
+    assert max(r["masked_frac"] for r in m[1:]) > 0 and all(r["masked_frac"] < 1 for r in m)
     published = load_file(run.weights_dir(3) / "model.safetensors")
     master = checkpoint_state(run, 3)
     assert published.keys() <= master.keys() and len(published) >= len(master) - 1  # a tied lm_head is left out
