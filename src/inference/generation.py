@@ -108,7 +108,8 @@ class Generations:
             raise HTTPException(400, f"max_tokens: prompt ({prompt_len} tokens) + max_tokens "
                                      f"({body.max_tokens}) exceeds seq_len {limit}")
         vocab = self.engine.model_config.get_vocab_size()
-        if body.kept_sets and (need := logprobs_needed(body, vocab)) > (most := self.engine.model_config.max_logprobs):
+        most = self.engine.model_config.max_logprobs  # -1: no limit
+        if body.kept_sets and most != -1 and (need := logprobs_needed(body, vocab)) > most:
             raise HTTPException(400, f"kept_sets: a kept set of this sampling may hold {need} tokens (top_k "
                                      f"{body.top_k}, vocabulary {vocab}), more than the server reports per token "
                                      f"(inference.max_logprobs {most}): set top_k below it, or raise it")
