@@ -79,3 +79,12 @@ def test_the_runs_plot_draws_one_curve_per_run_from_its_own_metrics(tmp_path, mo
 def test_rl_plot_refuses_a_directory_without_metrics(tmp_path):
     result = subprocess.run(rl_command("plot", str(tmp_path)), capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "holds no metrics.jsonl" in result.stderr
+
+
+def test_the_reward_plot_draws_an_environments_scores_not_its_counts():
+    """An environment's evaluation also logs tokens, turns and tool calls per episode (175 tokens
+    flattened every curve of the tools demo): the reward axis takes rewards, accuracies, pass@k."""
+    keys = ["eval/heldout/reward", "eval/heldout/accuracy", "eval/heldout/pass@4", "eval/heldout/tokens",
+            "eval/heldout/turns", "eval/heldout/tool_calls", "eval/heldout/tool_errors", "eval/heldout/failed",
+            "eval/heldout/rows"]
+    assert [k for k in keys if plots._is_score(k)] == keys[:3]

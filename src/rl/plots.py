@@ -74,10 +74,17 @@ def reward_plot(records: list[dict], out: Path) -> Path:
     if sampled:
         ax.plot(steps_all, trailing(sampled), label=f"all samples, trailing {WINDOW}-step mean")
     evals = [r for r in records if r.get("program") == "eval"]
-    for key in sorted({k for r in evals for k in r if k.startswith("eval/") and not k.endswith("/rows")}):
+    # Rewards and accuracies only: an environment's evaluation also counts tokens, turns and tool
+    # calls per episode, on scales of their own (175 tokens flattened every curve of the tools demo).
+    for key in sorted({k for r in evals for k in r if k.startswith("eval/") and _is_score(k)}):
         xs, ys = series(evals, "eval", key)
         ax.plot(xs, ys, "o-", label=f"held-out {key[5:]}")
     return _save(plt, fig, ax, out / "reward_curve.png")
+
+
+def _is_score(key: str) -> bool:
+    last = key.rsplit("/", 1)[-1]
+    return last in ("reward", "accuracy") or last.startswith("pass@")
 
 
 def staleness_plot(records: list[dict], out: Path) -> Path:
