@@ -5,9 +5,9 @@
 configs/demo.toml (models/tiny-chat, reasoning-gym spell_backward, exact-match reward, 8 prompts
 x 8, zero-variance filtering on) with its training rows cut to --rows, so that they come round
 every rows / 8 steps: words of 3 to 7 letters, a mix of rows the model always, never and
-sometimes spells right. Each seed runs uniform (every drawn row generated) and with
-[orchestrator.curriculum] (rows whose last pass rate was 0 or 1 skipped but for 10% revisits),
-one after the other. Per run: wall seconds, the groups generated and those filtered for zero
+sometimes spells right. Each seed runs, one after the other: uniform (every drawn row
+generated), curriculum (the defaults: rows whose last pass rate was 0 or 1 skipped but for 10%
+revisits) and easy_only (rows all of whose rollouts passed skipped, hard ones always generated). Per run: wall seconds, the groups generated and those filtered for zero
 variance (generation spent for nothing), rows skipped, the policy's own reward
 (`reward_sampled_mean`, over the rows each run chose to generate: not comparable between the two)
 as a trailing-20 mean at the end and its first time at --target, and greedy accuracy at steps 0,
@@ -48,6 +48,14 @@ def summary(wall: float, records: list[dict], target: float) -> dict:
             "heldout_accuracy": [r["eval/heldout/accuracy"] for r in evals], "pool_accuracy": pool}
 
 
+MODES = {
+    "uniform": ["--orchestrator.curriculum.enabled", "false"],
+    "curriculum": ["--orchestrator.curriculum.enabled", "true"],
+    # Easy rows skipped, hard ones always generated.
+    "easy_only": ["--orchestrator.curriculum.enabled", "true", "--orchestrator.curriculum.revisit_hard", "1.0"],
+}
+
+
 def arrows(values: list[float]) -> str:
     return " -> ".join(f"{v:.2f}" for v in values)
 
@@ -58,6 +66,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--target", type=float, default=0.45, help="trailing-20 reward_sampled_mean to time")
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     args = ap.parse_args()
 
     # The demo's config with its training rows cut to --rows (a list entry: no command-line key).
@@ -70,15 +79,15 @@ def main() -> None:
     config.write_text(demo.replace("size = 10000", f"size = {args.rows}") + POOL_EVAL.format(rows=args.rows))
     results = []
     for seed in args.seeds:
-        for mode in ("uniform", "curriculum"):
+        for mode in args.modes:
             out = ROOT / "runs" / "bench" / f"curriculum_{mode}_{seed}"
             overrides = ["--max_steps", str(args.steps), "--seed", str(seed), "--orchestrator.eval.rows", "200",
-                         "--orchestrator.curriculum.enabled", str(mode == "curriculum").lower()]
+                         *MODES[mode]]
             wall, records = run_rl(str(config), out, overrides, timeout_s=3600)
             row = {"seed": seed, "mode": mode, **summary(wall, records, args.target)}
             print(json.dumps(row), flush=True)
             results.append(row)
-    path = ROOT / "benchmarks" / "results" / "curriculum.json"
+    path = ROOT / "benchmarks" / "results" / f"curriculum_{'_'.join(args.modes)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"args": vars(args), "runs": results}, indent=1) + "\n")
     print(f"| seed | sampling | wall s | groups generated / filtered | rows skipped | reward (trailing 20) at the end "

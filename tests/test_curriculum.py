@@ -28,7 +28,7 @@ def fetch(source: str, draw: int) -> tuple[dict, str]:
 
 
 def test_rows_outside_the_band_are_drawn_again_only_at_the_revisit_rate():
-    cur = Curriculum(CurriculumConfig(enabled=True, band=(0.0, 1.0), revisit=0.2), seed=0)
+    cur = Curriculum(CurriculumConfig(enabled=True, band=(0.0, 1.0), revisit_easy=0.2, revisit_hard=0.5), seed=0)
     queue = PromptQueue(stream(10_000), fetch, admit=cur.admit)
     first = [queue.take() for _ in range(4)]  # never seen: all admitted
     assert [p.row for p in first] == ROWS
@@ -40,11 +40,11 @@ def test_rows_outside_the_band_are_drawn_again_only_at_the_revisit_rate():
     draws = queue.cursor - 4  # drawn after the first four: each row a quarter of them
     assert counts["xyz="] + counts["reverse="] + counts["abc="] + counts["hello="] == 2000
     assert abs(counts["xyz="] - draws / 4) <= 1 and abs(counts["reverse="] - draws / 4) <= 1
-    # Easy and hard ones: admitted with probability 0.2 each time they come round, a binomial
-    # over draws/4 trials: within 5 standard deviations of its mean.
+    # Easy and hard ones: admitted with probability 0.2 and 0.5 each time they come round, a
+    # binomial over draws/4 trials: within 5 standard deviations of its mean.
     trials = draws / 4
-    for name in ("abc=", "hello="):
-        assert abs(counts[name] - 0.2 * trials) <= 5 * (trials * 0.2 * 0.8) ** 0.5, counts
+    for name, chance in (("abc=", 0.2), ("hello=", 0.5)):
+        assert abs(counts[name] - chance * trials) <= 5 * (trials * chance * (1 - chance)) ** 0.5, counts
     report = cur.report()
     assert report["curriculum/skipped"] == draws - 2000
     assert report["curriculum/rows_recorded"] == 4 and report["curriculum/rows_easy_frac"] == 0.25
@@ -73,7 +73,7 @@ def test_the_record_is_bounded_least_recently_scored_first():
 def test_a_resumed_queue_makes_the_same_decisions_from_the_checkpointed_record():
     """The record goes through the checkpoint's state.json unchanged, and a queue resumed at the
     cursor with it takes exactly the prompts the uninterrupted one takes."""
-    cfg = CurriculumConfig(enabled=True, revisit=0.3)
+    cfg = CurriculumConfig(enabled=True, revisit_easy=0.3, revisit_hard=0.3)
     cur = Curriculum(cfg, seed=7)
     queue = PromptQueue(stream(10_000), fetch, admit=cur.admit)
     for p in [queue.take() for _ in range(4)]:
@@ -98,7 +98,7 @@ def test_a_run_records_pass_rates_skips_rows_and_checkpoints_the_record(write_to
         f'model = "{ROOT / "models" / "tiny-chat"}"\noutput_dir = "{run.root}"\nmax_steps = 16\nseq_len = 64\n'
         f'max_async_level = 1\n[inference]\nport = {free_port()}\ndtype = "float32"\n'
         "[orchestrator]\nprompts_per_step = 4\ngroup_size = 8\nmax_tokens = 10\ntemperature = 0.7\n"
-        "filter_zero_variance = true\n[orchestrator.curriculum]\nenabled = true\nrevisit = 0.1\n"
+        "filter_zero_variance = true\n[orchestrator.curriculum]\nenabled = true\n"
         '[[orchestrator.datasets]]\nreasoning_gym = "spell_backward"\nsize = 32\n'
         "task_config = { min_word_len = 3, max_word_len = 7 }\nreward_weights = { score = 0.0, correct = 1.0 }\n"
         "[trainer]\ntorch_threads = 1\n[trainer.optim]\nlr = 1e-4\n")  # the demo's: 3e-4 wrecks this model

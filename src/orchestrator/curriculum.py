@@ -6,7 +6,8 @@ generated and every rollout got the same reward: the generation was spent for no
 row's pass rate in its latest group (the share of rollouts with reward >= pass_threshold) is
 recorded, and when the datasets' stream draws that row again it is admitted only if the rate
 lies strictly inside `band` (low, high) (a group that can still teach), or else with probability
-`revisit`, so that easy and hard rows are tried now and then and their record stays current.
+`revisit_easy` / `revisit_hard`, so that easy and hard rows are tried now and then and their
+record stays current.
 Rows never seen are always admitted. Nothing is reweighted: an admitted row is trained on as any
 other, the curriculum only decides which rows the generation is spent on.
 
@@ -48,10 +49,11 @@ class Curriculum:
     def admit(self, prompt: Prompt) -> bool:
         """Whether a freshly drawn row is generated (PromptQueue calls it on each new draw)."""
         rate = self.rates.get(row_key(prompt))
-        if rate is None or self.category(rate) == "informative":
+        if rate is None or (kind := self.category(rate)) == "informative":
             return True
         # One number per stream position: the same decision on a resumed run.
-        if random.Random(f"{self.seed}-{prompt.index}").random() < self.cfg.revisit:
+        chance = self.cfg.revisit_easy if kind == "easy" else self.cfg.revisit_hard
+        if random.Random(f"{self.seed}-{prompt.index}").random() < chance:
             return True
         self.skipped += 1
         return False

@@ -94,16 +94,20 @@ class CurriculumConfig(Section):
     enabled: bool = False
     """Generate only rows whose recorded pass rate is informative (orchestrator/curriculum.py):
     a row drawn again is skipped when its latest group's pass rate lies outside `band`, unless
-    drawn for a revisit. Saves the generation zero-variance filtering would throw away, on
+    drawn for a revisit (revisit_easy, revisit_hard). Saves the generation zero-variance filtering would throw away, on
     datasets whose rows come round again (several passes, or a function that repeats rows)."""
 
     band: tuple[float, float] = (0.0, 1.0)
     """(low, high): a pass rate strictly between them is informative; at or below low a row is
     hard, at or above high easy. The default keeps every row some rollouts pass and some fail."""
 
-    revisit: float = Field(0.1, gt=0, le=1)
-    """Chance that an easy or hard row is generated anyway when drawn: its record stays current
-    (a hard row may have become learnable)."""
+    revisit_easy: float = Field(0.1, gt=0, le=1)
+    """Chance that an easy row is generated anyway when drawn: its record stays current."""
+
+    revisit_hard: float = Field(0.1, gt=0, le=1)
+    """The same for a hard row (1: hard rows are never skipped, only easy ones). With
+    exact-match rewards a row none of a group passed is often one the policy is about to
+    learn: skipping it saves generation but can slow learning (benchmarks/curriculum.py)."""
 
     pass_threshold: float = 1.0
     """A rollout passes when its reward is at least this (1.0: an exact answer under the shipped
