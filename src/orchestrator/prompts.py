@@ -1,5 +1,6 @@
 """The prompt queue: the datasets' seeded mix (orchestrator/sources.py) plus prompts given back
-(by cancelled, failed or stale groups), which go out again before any new row. Its state (how
+(by cancelled, failed or stale groups), which go out again before any new row; with a curriculum
+(orchestrator/curriculum.py) a new draw goes out only if it admits it. Its state (how
 many rows were drawn, which prompts are pending) is what the orchestrator checkpoints, so a
 resumed run neither skips nor repeats data.
 """
