@@ -16,7 +16,7 @@ token is always kept (the sampler drew it, so it was in its set): a token the re
 out is added back and counted (`sampling_mask_miss_frac`).
 
 Replay (`orchestrator.record_kept_sets`): the engine reports each token's kept set itself, read
-off its processed logprobs (inference/generation.py), and the batch carries it (rl/batch.py
+off its processed logprobs (inference/kept_sets.py), and the batch carries it (rl/batch.py
 `kept_counts`, `kept_ids`). Where a token has one, the trainer renormalises over exactly it, the
 sampler's own set, however stale the sample; the rebuild stays for tokens without one.
 """
@@ -43,7 +43,7 @@ class Truncation:
     top_p: Tensor  # float32; 1: off
     min_p: Tensor  # float32; 0: off
     select: Tensor  # bool
-    kept: Tensor | None = None  # int64 [..., K]: the sampler's kept ids, -1 padded; none: rebuild
+    kept: Tensor | None = None  # int [..., K]: the sampler's kept ids, -1 padded; none: rebuild
     misses: float = 0.0
     replayed: float = 0.0  # selected positions renormalised over a replayed set
 
