@@ -22,7 +22,7 @@ import argparse
 import json
 
 from ablations import trailing
-from rl_runs import ROOT, run_rl
+from rl_runs import ROOT, print_table, run_rl, save_results
 
 
 POOL_EVAL = """
@@ -87,17 +87,13 @@ def main() -> None:
             row = {"seed": seed, "mode": mode, **summary(wall, records, args.target)}
             print(json.dumps(row), flush=True)
             results.append(row)
-    path = ROOT / "benchmarks" / "results" / f"curriculum_{'_'.join(args.modes)}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"args": vars(args), "runs": results}, indent=1) + "\n")
-    print(f"| seed | sampling | wall s | groups generated / filtered | rows skipped | reward (trailing 20) at the end "
-          f"| s to {args.target} | training-pool accuracy | held-out accuracy |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        print(f"| {r['seed']} | {r['mode']} | {r['wall_s']} | {r['generated']} / {r['filtered']} | {r['skipped']} | "
-              f"{r['reward_trailing20_end']} | {r['target_s']} | {arrows(r['pool_accuracy'])} | "
-              f"{arrows(r['heldout_accuracy'])} |")
-
+    save_results(f"curriculum_{'_'.join(args.modes)}", args, results)
+    print_table(["seed", "sampling", "wall s", "groups generated / filtered", "rows skipped",
+                 "reward (trailing 20) at the end", f"s to {args.target}", "training-pool accuracy",
+                 "held-out accuracy"],
+                [[r["seed"], r["mode"], r["wall_s"], f"{r['generated']} / {r['filtered']}", r["skipped"],
+                  r["reward_trailing20_end"], r["target_s"], arrows(r["pool_accuracy"]), arrows(r["heldout_accuracy"])]
+                 for r in results])
 
 if __name__ == "__main__":
     main()

@@ -18,7 +18,7 @@ import argparse
 import json
 import statistics
 
-from rl_runs import ROOT, run_rl
+from rl_runs import ROOT, print_table, run_rl, save_results
 
 
 def summary(wall: float, records: list[dict], skip: int = 20) -> dict:
@@ -53,17 +53,12 @@ def main() -> None:
             row = {"max_async_level": level, "mode": mode, **summary(wall, records)}
             print(json.dumps(row), flush=True)
             results.append(row)
-    path = ROOT / "benchmarks" / "results" / "kept_set_replay.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"args": vars(args), "runs": results}, indent=1) + "\n")
-    print("| max_async_level | kept sets | mismatch_kl | sampled tokens missing from the set | replayed | "
-          "max staleness | reward, first / last 20 steps | s/step |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in results:
-        print(f"| {r['max_async_level']} | {r['mode']} | {r['mismatch_kl']:.2e} | {r['miss_frac']:.2e} | "
-              f"{r['replayed_frac']:.2f} | {r['max_staleness']} | "
-              f"{r['reward_first20']:.3f} / {r['reward_last20']:.3f} | {r['s_per_step']:.3f} |")
-
+    save_results("kept_set_replay", args, results)
+    print_table(["max_async_level", "kept sets", "mismatch_kl", "sampled tokens missing from the set", "replayed",
+                 "max staleness", "reward, first / last 20 steps", "s/step"],
+                [[r["max_async_level"], r["mode"], f"{r['mismatch_kl']:.2e}", f"{r['miss_frac']:.2e}",
+                  f"{r['replayed_frac']:.2f}", r["max_staleness"],
+                  f"{r['reward_first20']:.3f} / {r['reward_last20']:.3f}", f"{r['s_per_step']:.3f}"] for r in results])
 
 if __name__ == "__main__":
     main()

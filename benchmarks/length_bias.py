@@ -20,7 +20,7 @@ import argparse
 import json
 import statistics
 
-from rl_runs import ROOT, ensure_long_model, run_rl
+from rl_runs import ROOT, ensure_long_model, print_table, run_rl, save_results
 
 from rl.batch import Batch
 from rl.rundir import RunDir
@@ -73,16 +73,11 @@ def main() -> None:
                "staleness_mean": round(statistics.fmean(r["staleness_mean"] for r in orch), 2)}
         print(json.dumps(row), flush=True)
         results.append(row)
-    path = ROOT / "benchmarks" / "results" / f"length_bias_{'_'.join(args.variants)}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"args": vars(args), "runs": results}, indent=1) + "\n")
-    print("| variant | batched groups | asked length, mean | completion length, mean | asked <= 192 | "
-          "groups cancelled | dropped stale | staleness | wall s |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        print(f"| {r['variant']} | {r['groups']} | {r['asked_mean']} | {r['length_mean']} | {r['short_half']} | "
-              f"{r['cancelled']} | {r['dropped_stale']} | {r['staleness_mean']} | {r['wall_s']} |")
-
+    save_results(f"length_bias_{'_'.join(args.variants)}", args, results)
+    print_table(["variant", "batched groups", "asked length, mean", "completion length, mean", "asked <= 192",
+                 "groups cancelled", "dropped stale", "staleness", "wall s"],
+                [[r[k] for k in ("variant", "groups", "asked_mean", "length_mean", "short_half", "cancelled",
+                                 "dropped_stale", "staleness_mean", "wall_s")] for r in results])
 
 if __name__ == "__main__":
     main()

@@ -113,3 +113,19 @@ def window(records: list[dict], skip: int, samples_per_step: int) -> dict:
         "reward_first": orch[min(orch)]["reward_mean"], "reward_last": orch[max(orch)]["reward_mean"],
         "staleness_mean": sum(r["staleness_mean"] for r in steps) / len(steps) if steps else None,
     }
+
+
+def save_results(name: str, args, runs: list[dict]) -> Path:
+    """benchmarks/results/<name>.json: the arguments and each run's summary."""
+    path = ROOT / "benchmarks" / "results" / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1) + "\n")
+    return path
+
+
+def print_table(header: list[str], rows: list[list]) -> None:
+    """A markdown table, as docs/ quote it."""
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(str(x) for x in row) + " |")

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from fastapi import HTTPException
 
 from inference.adapters import Adapter, Adapters
-from inference.kept_sets import kept_sets, logprobs_needed
-from rl.inference_api import AbortRequest, GeneratedSample, GenerateRequest, GenerateResponse
+from inference.kept_sets import kept_sets
+from rl.inference_api import AbortRequest, GeneratedSample, GenerateRequest, GenerateResponse, kept_set_bound
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -109,7 +109,7 @@ class Generations:
                                      f"({body.max_tokens}) exceeds seq_len {limit}")
         vocab = self.engine.model_config.get_vocab_size()
         most = self.engine.model_config.max_logprobs  # -1: no limit
-        if body.kept_sets and most != -1 and (need := logprobs_needed(body, vocab)) > most:
+        if body.kept_sets and most != -1 and (need := kept_set_bound(body.top_k, vocab)) > most:
             raise HTTPException(400, f"kept_sets: a kept set of this sampling may hold {need} tokens (top_k "
                                      f"{body.top_k}, vocabulary {vocab}), more than the server reports per token "
                                      f"(inference.max_logprobs {most}): set top_k below it, or raise it")
@@ -156,6 +156,7 @@ class Generations:
         from vllm.sampling_params import RequestOutputKind
 
         engine_id = gen.engine_ids[i]
+        vocab = self.engine.model_config.get_vocab_size()
         # Checked right before engine.generate, which registers the request before its first
         # suspension: an /abort that ran earlier is seen here, a later one reaches the engine.
         if gen.aborted:
@@ -165,7 +166,7 @@ class Generations:
             n=1, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
             max_tokens=body.max_tokens, stop=body.stop or None, stop_token_ids=body.stop_token_ids,
             # The sampled token's logprob; with kept_sets, enough of the top ones to hold its kept set.
-            logprobs=logprobs_needed(body, self.engine.model_config.get_vocab_size()) if body.kept_sets else 0,
+            logprobs=kept_set_bound(body.top_k, vocab) if body.kept_sets else 0,
             # One sample scores the prompt: the samples share it, and asking on all n would
             # compute it n times instead of sharing the prefix cache.
             prompt_logprobs=0 if body.prompt_logprobs and i == 0 else None,
@@ -181,7 +182,7 @@ class Generations:
                 final = out
         finally:
             del self.switches[engine_id]
-        return self.tagged(engine_id, final, switches, body, params, self.engine.model_config.get_vocab_size())
+        return self.tagged(engine_id, final, switches, body, params, vocab)
 
     @staticmethod
     def tagged(engine_id: str, final, switches: list[tuple[int, int]], body: GenerateRequest,

@@ -19,13 +19,6 @@ from __future__ import annotations
 
 import math
 
-from rl.inference_api import GenerateRequest, kept_set_bound
-
-
-def logprobs_needed(body: GenerateRequest, vocab: int) -> int:
-    """How many processed logprobs per token hold the whole kept set of this request's sampling."""
-    return kept_set_bound(body.top_k, vocab)
-
 
 def kept_sets(logprobs: list[dict], asked: int, vocab: int) -> list[list[int]]:
     """Per sampled token (vLLM's CompletionOutput.logprobs: token id -> Logprob, the top `asked`
