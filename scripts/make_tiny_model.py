@@ -5,6 +5,7 @@ improve it. This script builds the tokenizer and the untrained model (<out>-init
 
     python scripts/make_tiny_model.py                                  # models/tiny-reverse (0.8M)
     python scripts/make_tiny_model.py --task count --out models/long-count   # 14M, 128-256-token answers
+    python scripts/make_tiny_model.py --task reverse-moe --out models/tiny-moe   # a 4-expert Qwen3-MoE
     python scripts/make_tiny_model.py --max_steps 400                  # unknown options go to rl sft
 
 configs/sft_tiny_reverse.toml and configs/sft_long_count.toml say how long each trains, and
@@ -23,17 +24,27 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig
 
 from orchestrator.tasks import count, reverse
 from rl.rundir import RunDir
 
 # task -> (its module, the model's shape, the rl sft config that trains it)
 TASKS = {"reverse": (reverse, "tiny", "configs/sft_tiny_reverse.toml"),
-         "count": (count, "long", "configs/sft_long_count.toml")}
+         "count": (count, "long", "configs/sft_long_count.toml"),
+         "reverse-moe": (reverse, "moe", "configs/sft_tiny_moe.toml")}
+DEFAULT_OUT = {"reverse": "models/tiny-reverse", "count": "models/long-count", "reverse-moe": "models/tiny-moe"}
 # name -> (hidden, intermediate, layers, attention heads, kv heads); head_dim 32 throughout, the
 # smallest vLLM's CPU attention supports.
-SHAPES = {"tiny": (128, 384, 4, 4, 2), "long": (384, 1152, 8, 12, 4)}
+SHAPES = {"tiny": (128, 384, 4, 4, 2), "long": (384, 1152, 8, 12, 4), "moe": (128, 384, 4, 4, 2)}
+# The MoE shape's experts: (experts, experts per token, each expert's intermediate size). vLLM's CPU
+# MoE kernel wants hidden and expert intermediate sizes that are multiples of 32 (it pads others at
+# load, and a padded layer breaks its reload).
+MOE = (4, 2, 128)
+# Router weights' init std: logits ~ N(0, 128 * 0.1^2) ~ +-1.1 apart, so each token's top 2 of 4
+# are clear from the start. HF's default (0.02) leaves them near ties, which float rounding flips
+# between vLLM and transformers: what routing replay is for, but not where a model should start.
+ROUTER_STD = 0.1
 
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
 
@@ -49,8 +60,10 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_model(tokenizer: PreTrainedTokenizerFast, shape: str = "tiny") -> Qwen2ForCausalLM:
+def build_model(tokenizer: PreTrainedTokenizerFast, shape: str = "tiny"):
     hidden, intermediate, layers, heads, kv_heads = SHAPES[shape]
+    if shape == "moe":
+        return build_moe_model(tokenizer)
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
@@ -66,6 +79,29 @@ def build_model(tokenizer: PreTrainedTokenizerFast, shape: str = "tiny") -> Qwen
         torch_dtype="float32",
     )
     return Qwen2ForCausalLM(config)
+
+
+def build_moe_model(tokenizer: PreTrainedTokenizerFast):
+    """A Qwen3-MoE (vLLM's Qwen3MoeForCausalLM) of the tiny shape, every layer's MLP a mixture of
+    MOE experts with softmax top-k routing, renormalised over the chosen ones (norm_topk_prob)."""
+    from transformers import Qwen3MoeForCausalLM
+
+    hidden, intermediate, layers, heads, kv_heads = SHAPES["moe"]
+    experts, per_token, expert_size = MOE
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        num_experts=experts, num_experts_per_tok=per_token, moe_intermediate_size=expert_size,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        max_position_embeddings=256, tie_word_embeddings=True,
+        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, dtype="float32",
+    )
+    model = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, ROUTER_STD)
+    return model
 
 
 @torch.no_grad()
@@ -117,7 +153,7 @@ def main() -> None:
     args, extra = ap.parse_known_args()  # the rest goes to rl sft (--max_steps 400, ...)
 
     task, shape, config = TASKS[args.task]
-    out = args.out or Path("models/tiny-reverse" if args.task == "reverse" else "models/long-count")
+    out = args.out or Path(DEFAULT_OUT[args.task])
     init = args.init or out.with_name(out.name + "-init")
     run = args.run or Path("runs") / Path(config).stem
     torch.manual_seed(args.seed)
@@ -131,7 +167,7 @@ def main() -> None:
     start = time.perf_counter()
     weights = train_with_rl_sft(init, out, Path(config), run, extra)
     print(f"rl sft: {time.perf_counter() - start:.1f} s; {weights} -> {out}")
-    trained = Qwen2ForCausalLM.from_pretrained(out)
+    trained = AutoModelForCausalLM.from_pretrained(out)
     rows = list(task.heldout(0))
     greedy = mean_reward(trained, tokenizer, task, rows)
     torch.manual_seed(args.seed)

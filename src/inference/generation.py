@@ -18,7 +18,8 @@ from fastapi import HTTPException
 
 from inference.adapters import Adapter, Adapters
 from inference.kept_sets import kept_sets
-from rl.inference_api import AbortRequest, GeneratedSample, GenerateRequest, GenerateResponse, kept_set_bound
+from rl.inference_api import (AbortRequest, GeneratedSample, GenerateRequest, GenerateResponse, RoutedExperts,
+                              kept_set_bound)
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -67,6 +68,8 @@ class Generations:
         self.generations: dict[str, Generation] = {}
         # Engine request id -> [(first token index, version that samples from there on), ...].
         self.switches: dict[str, list[tuple[int, int]] | None] = {}
+        # With inference.record_routing: the recorder's MoE layers, top_k and dtype (routes.py).
+        self.routing: dict | None = None
 
     async def generate(self, body: GenerateRequest) -> GenerateResponse:
         self.check(body)
@@ -113,6 +116,9 @@ class Generations:
             raise HTTPException(400, f"kept_sets: a kept set of this sampling may hold {need} tokens (top_k "
                                      f"{body.top_k}, vocabulary {vocab}), more than the server reports per token "
                                      f"(inference.max_logprobs {most}): set top_k below it, or raise it")
+        if body.routed_experts and self.routing is None:
+            raise HTTPException(400, "routed_experts: this server does not record routing "
+                                     "(start it with inference.record_routing = true, a mixture-of-experts model)")
         for field in ("prompt_token_ids", "stop_token_ids"):
             bad = [t for t in getattr(body, field) if not 0 <= t < vocab]
             if bad:
@@ -148,7 +154,19 @@ class Generations:
                 tasks = [group.create_task(self.sample(gen, i, body, prompt, weights)) for i in range(body.n)]
         except* Exception as failed:
             raise failed.exceptions[0] from None  # what the exception handlers understand
-        return [t.result() for t in tasks]
+        results = [t.result() for t in tasks]
+        if body.routed_experts:
+            await self.attach_routing(gen, results)
+        return results
+
+    async def attach_routing(self, gen: Generation, results: list[tuple[GeneratedSample, object]]) -> None:
+        """Each sample's routed experts, taken from the workers once its engine request ended (one
+        call for the n samples; worker 0's record: every worker runs the same routers)."""
+        taken = (await self.engine.collective_rpc("asyncrl_take_routing", args=(gen.engine_ids,)))[0]
+        for engine_id, (sample, _) in zip(gen.engine_ids, results):
+            rows = taken.get(engine_id)
+            if rows is not None:
+                sample.routed_experts = RoutedExperts(**self.routing, **rows)
 
     async def sample(self, gen: Generation, i: int, body: GenerateRequest, prompt,
                      weights: WeightsInUse) -> tuple[GeneratedSample, list[float | None] | None]:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from rl.config import ConfigError, RunConfig
 from rl.inference_api import resolve_token
-from rl.preflight import bindable, cores, model_config, output_dir, seq_len_fits, tokenizer_files, weight_files
+from rl.preflight import (bindable, cores, mixture_of_experts, model_config, output_dir, seq_len_fits, tokenizer_files,
+                          weight_files)
 
 
 def model_for_generation(cfg: RunConfig) -> None:
@@ -112,5 +113,6 @@ def _memory_gib() -> tuple[float, float] | None:
     return available / 2**30, total / 2**30
 
 
-SERVING = (output_dir, model_for_generation, tool_call_parser, inference_memory, inference_endpoint)
+SERVING = (output_dir, model_for_generation, mixture_of_experts("inference.record_routing"), tool_call_parser,
+           inference_memory, inference_endpoint)
 CHECKS = (cores("inference"), *SERVING)

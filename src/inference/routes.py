@@ -86,6 +86,13 @@ class Routes:
         self.weights = ServedWeights(cfg, self.roots, self.generations)
         self.adapters.workers_free = self.weights.check_not_overdue
         self.engine = None
+        self.record_routing = cfg.inference.record_routing
+
+    async def start_recording_routing(self) -> None:
+        """With inference.record_routing: bind the recorder in each worker (before any request)."""
+        if self.record_routing:
+            described = await self.engine.collective_rpc("asyncrl_record_routing")
+            self.generations.routing = described[0]
 
     def handlers(self) -> dict[str, Callable]:
         """Each route of ROUTES by name: the method that answers it."""

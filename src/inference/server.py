@@ -70,6 +70,9 @@ def vllm_args(cfg: RunConfig) -> list[str]:
     args += ["--max-logprobs", str(inf.max_logprobs)]  # bounds kept sets (inference/kept_sets.py)
     if inf.enforce_eager:
         args.append("--enforce-eager")
+    if inf.record_routing:
+        # Cached prompt blocks skip the forward, and with it the routers' record (routing_capture.py).
+        args.append("--no-enable-prefix-caching")
     if inf.tool_call_parser:  # tools= on the chat route (checked at start-up: inference/preflight.py)
         args += ["--enable-auto-tool-choice", "--tool-call-parser", inf.tool_call_parser]
     if inf.gpu_memory_utilization is not None:
@@ -199,6 +202,7 @@ async def _serve(args, routes: Routes, restore_logging: Callable[[], None], fork
             tasks = await engine.get_supported_tasks()
             app = build_app(args, tasks, engine.model_config)
             routes.attach(app, engine)
+            await routes.start_recording_routing()
             await init_app_state(engine, app.state, args, tasks)
             restore_logging()
             ready = asyncio.create_task(announce_when_ready(args))

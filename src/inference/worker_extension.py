@@ -35,6 +35,7 @@ class WeightReloadExtension:
         NothingToLoad.install(self.model_runner.get_model(), self._asyncrl_tied_lm_head())
         with self._asyncrl_refreshing_tied_lm_head(), self._asyncrl_cleared_on_failure(len(sampled)):
             self.reload_weights(weights_path=path)
+        repack_cpu_experts(self.model_runner.get_model())
         return sampled
 
     def _asyncrl_sampled(self) -> dict[str, int]:
@@ -105,6 +106,19 @@ class WeightReloadExtension:
             return
         lm_head.quant_method.process_weights_after_loading(lm_head)
 
+    # --- routed experts (inference/routing_capture.py) --------------------------------------
+
+    def asyncrl_record_routing(self) -> dict:
+        """Record every MoE layer's expert choice per token from now on; returns the MoE layers'
+        indices, top_k and the rows' dtype."""
+        from inference.routing_capture import bind
+
+        return bind(self)
+
+    def asyncrl_take_routing(self, external_ids: list[str]) -> dict[str, dict]:
+        """The recorded rows of the engine requests made from these ids, handed over once."""
+        return self._asyncrl_routing.take(external_ids)
+
     # --- weight sync by broadcast (rl/broadcast.py) ----------------------------------------
 
     def asyncrl_init_broadcaster(self, address: str, rank_offset: int, world_size: int, timeout_s: float,
@@ -143,6 +157,7 @@ class WeightReloadExtension:
         try:
             with self._asyncrl_refreshing_tied_lm_head(), self._asyncrl_cleared_on_failure(len(sampled)):
                 self.reload_weights(weights_iterator=incoming.tensors())
+            repack_cpu_experts(self.model_runner.get_model())
             ok = True
         finally:
             # Runs after a failed load too: the sender is told (its error names this worker)
@@ -155,6 +170,31 @@ class WeightReloadExtension:
         log.info("received version %d by broadcast (%d buckets, %.1f MB) in %.3f s", manifest.version,
                  len(manifest.buckets), manifest.total_bytes / 2**20, time.perf_counter() - start)
         return sampled
+
+
+def repack_cpu_experts(model) -> int:
+    """After a reload: re-pack every MoE layer's expert weights for vLLM's CPU MoE kernel; returns
+    how many layers. The kernel computes from weights packed into its micro-GEMM layout at load
+    (fused_moe/experts/cpu_moe.py process_weights_after_loading). A reload treats the second load
+    as a weight update: it copies the new weights, as loaded, into that packed storage and skips
+    the kernel's packing (unquantized_fused_moe_method.py _setup_kernel), so the experts computed
+    from scrambled weights (tests/test_routing_vllm.py reloads and compares). Packing again from
+    what was just copied in puts it right. GPU kernels read the weights as loaded: left alone."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+        from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+    except ImportError:  # another vLLM layout: no such kernel to fix
+        return 0
+    repacked = 0
+    for module in model.modules():
+        if not isinstance(module, MoERunner):
+            continue
+        layer = module.routed_experts
+        experts = getattr(getattr(layer.quant_method, "moe_kernel", None), "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):  # quantized CPU experts: not tried here
+            experts.process_weights_after_loading(layer)
+            repacked += 1
+    return repacked
 
 
 class NothingToLoad(logging.Filter):

@@ -19,6 +19,9 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
+
+from orchestrator.routing_record import RoutingRecord
 from rl.dataset_config import Sampling
 from rl.inference_api import GeneratedSample, GenerateRequest, GenerateResponse
 
@@ -66,6 +69,8 @@ class Trajectory:
     # The sampler's kept set per token, as rl/batch.py carries it (0 / nothing where none).
     kept_counts: list[int] = dataclasses.field(default_factory=list)
     kept_ids: list[int] = dataclasses.field(default_factory=list)
+    # The engine's routed experts (answers asked with routed_experts: inference.record_routing).
+    routing: RoutingRecord | None = None
 
     def add(self, ids: list[int], model: GeneratedSample | None = None) -> None:
         self.tokens += ids
@@ -75,6 +80,13 @@ class Trajectory:
         kept = model.kept if model and model.kept is not None else [[]] * len(ids)
         self.kept_counts += [len(k) for k in kept]
         self.kept_ids += [t for k in kept for t in k]
+        if model is not None and model.routed_experts is not None:
+            self.routing = self.routing or RoutingRecord()
+            self.routing.add(model.routed_experts)
+
+    def routed_experts(self) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """(experts, routed) per token for rl/batch.py's Sample; (None, None) with no record."""
+        return self.routing.padded(len(self.tokens)) if self.routing is not None else (None, None)
 
 
 class Toolkit(Protocol):

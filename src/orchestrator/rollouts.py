@@ -108,6 +108,7 @@ class Rollouts:
                                max_tokens=min(sampling.max_tokens, room), temperature=sampling.temperature,
                                top_p=sampling.top_p, top_k=sampling.top_k, min_p=sampling.min_p,
                                stop=list(sampling.stop), kept_sets=self.records_kept_sets(sampling),
+                               routed_experts=self.cfg.inference.record_routing,
                                stop_token_ids=self.kind.stop_token_ids if stop_token_ids is None else stop_token_ids)
 
     def records_kept_sets(self, sampling: Sampling) -> bool:
@@ -127,7 +128,8 @@ class Rollouts:
         pieces = [(p, a) for t, a in zip(kept, advantages) for p in (t, *t.parts)]
         samples = [Sample(t.tokens, self.trained_mask(t), t.logprobs, [a * m for m in t.loss_mask], t.versions,
                           t.reward, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                          min_p=sampling.min_p, kept_counts=t.kept_counts, kept_ids=t.kept_ids)
+                          min_p=sampling.min_p, kept_counts=t.kept_counts, kept_ids=t.kept_ids,
+                          **dict(zip(("routed_experts", "routed"), t.routed_experts())))
                    for t, a in pieces]
         if self.teacher is not None:
             await self.add_teacher_signal(samples, gid)

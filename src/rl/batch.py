@@ -22,6 +22,12 @@ top_k -1 (or 0, as vLLM accepts too) is off.
 Replayed kept sets (orchestrator.record_kept_sets): `kept_counts` per token (how many ids the
 sampler kept when it drew that token, 0 where none was recorded: prompt and environment tokens,
 or a set too large to record) and `kept_ids`, those ids back to back (sum(kept_counts) of them).
+
+Routed experts (inference.record_routing, for trainer.routing_replay): `routing_shape` (layers,
+top_k), empty when the batch carries none; then per token `routed` (1 where the engine's routing
+of that position was recorded) and `routed_experts`, each token's [layers, top_k] expert ids
+(uint8: vLLM's own record is uint8 up to 256 experts), zeros where not routed. Prompt tokens have
+rows too: routing replay needs every position the model attends over.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from safetensors.numpy import save as st_save
 from rl.faults import crash_point
 from rl.rundir import publish_dir
 
-FORMAT = "asyncrl.batch.v4"
+FORMAT = "asyncrl.batch.v5"
 
 
 class BatchError(Exception):
@@ -66,6 +72,10 @@ class Sample:
     # The sampler's kept set per token (rl/batch.py module docstring); empty: none recorded.
     kept_counts: list[int] = dataclasses.field(default_factory=list)
     kept_ids: list[int] = dataclasses.field(default_factory=list)
+    # The engine's routed experts per token, uint8 [tokens, layers, top_k], and which tokens have a
+    # record (1) (rl/batch.py module docstring); None: none recorded.
+    routed_experts: np.ndarray | None = None
+    routed: np.ndarray | None = None
 
     @functools.cached_property
     def oldest_version(self) -> int:
@@ -77,6 +87,32 @@ class Sample:
     @property
     def num_model_tokens(self) -> int:
         return sum(self.loss_mask)
+
+
+def routing_arrays(samples: list[Sample]) -> dict[str, np.ndarray]:
+    """Batch.routing_shape / routed / routed_experts from the samples' records: zeros and not
+    routed for a sample with none; all records of one batch have one [layers, top_k]."""
+    shapes = {s.routed_experts.shape[1:] for s in samples if s.routed_experts is not None}
+    if not shapes:
+        return {"routing_shape": np.zeros(0, np.int64), "routed": np.zeros(0, np.uint8),
+                "routed_experts": np.zeros(0, np.uint8)}
+    if len(shapes) > 1:
+        raise ValueError(f"samples' routed experts differ in [layers, top_k]: {sorted(shapes)}")
+    shape = shapes.pop()
+    experts, routed = [], []
+    for i, s in enumerate(samples):
+        n = len(s.tokens)
+        if s.routed_experts is None:
+            experts.append(np.zeros((n, *shape), np.uint8))
+            routed.append(np.zeros(n, np.uint8))
+        elif len(s.routed_experts) != n or s.routed is None or len(s.routed) != n:
+            raise ValueError(f"sample {i}: routed experts for {len(s.routed_experts)} positions, "
+                             f"it has {n} tokens")
+        else:
+            experts.append(s.routed_experts.astype(np.uint8, copy=False))
+            routed.append(np.asarray(s.routed, np.uint8))
+    return {"routing_shape": np.asarray(shape, np.int64), "routed": np.concatenate(routed),
+            "routed_experts": np.concatenate(experts).reshape(-1)}
 
 
 @dataclass
@@ -96,6 +132,11 @@ class Batch:
     min_p: np.ndarray  # float32 [num_samples]
     kept_counts: np.ndarray  # int32 [total_tokens]
     kept_ids: np.ndarray  # int32 [sum(kept_counts)]
+    # int64 [2]: (layers, top_k), [] when no routing is carried; then uint8 [total_tokens] and
+    # uint8 [total_tokens * layers * top_k] (flat), else both [].
+    routing_shape: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
+    routed: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.uint8))
+    routed_experts: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.uint8))
 
     @property
     def num_samples(self) -> int:
@@ -134,11 +175,18 @@ class Batch:
             kept_counts=np.asarray([c for s in samples for c in (s.kept_counts or [0] * len(s.tokens))],
                                    dtype=np.int32),
             kept_ids=cat("kept_ids", np.int32),
+            **routing_arrays(samples),
         )
         # Refused here, where the culprit is known, rather than by the trainer that decodes it.
         if problem := batch.sampling_problem():
             raise ValueError(problem)
         return batch
+
+    def routing(self) -> np.ndarray | None:
+        """The routed experts as uint8 [total_tokens, layers, top_k], or None when not carried."""
+        if not len(self.routing_shape):
+            return None
+        return self.routed_experts.reshape(len(self.tokens), *self.routing_shape.tolist())
 
     def sample_slices(self) -> list[slice]:
         ends = np.cumsum(self.lengths)
@@ -149,7 +197,9 @@ class Batch:
                "advantages": (np.float32, "token"), "token_versions": (np.int64, "token"),
                "lengths": (np.int64, "sample"), "rewards": (np.float32, "sample"), "versions": (np.int64, "sample"),
                "temperatures": (np.float32, "sample"), "top_p": (np.float32, "sample"), "top_k": (np.int64, "sample"),
-               "min_p": (np.float32, "sample"), "kept_counts": (np.int32, "token"), "kept_ids": (np.int32, "kept")}
+               "min_p": (np.float32, "sample"), "kept_counts": (np.int32, "token"), "kept_ids": (np.int32, "kept"),
+               "routing_shape": (np.int64, "routing_shape"), "routed": (np.uint8, "routed"),
+               "routed_experts": (np.uint8, "routing")}
     _TENSORS = tuple(_SCHEMA)
 
     # --- encoding: the same two blobs on disk and on the wire ---------------------------------
@@ -204,8 +254,14 @@ class Batch:
             raise BatchError(f"{source}: {n} samples, but meta.json says {num_samples}")
         if n == 0:
             raise BatchError(f"{source}: no samples")
+        if len(self.routing_shape) not in (0, 2) or (self.routing_shape < 1).any():
+            raise BatchError(f"{source}: tensor 'routing_shape' is {self.routing_shape.tolist()}, expected "
+                             f"[layers, top_k] or nothing")
+        width = int(np.prod(self.routing_shape)) if len(self.routing_shape) else 0
         for name, (_, per) in self._SCHEMA.items():
-            want = {"token": t, "sample": n, "kept": int(self.kept_counts.sum(dtype=np.int64))}[per]
+            want = {"token": t, "sample": n, "kept": int(self.kept_counts.sum(dtype=np.int64)),
+                    "routing_shape": len(self.routing_shape), "routed": t if width else 0,
+                    "routing": t * width}[per]
             if len(getattr(self, name)) != want:
                 raise BatchError(f"{source}: tensor {name!r} has {len(getattr(self, name))} values, expected {want}")
         if (self.lengths < 1).any() or int(self.lengths.sum()) != t:

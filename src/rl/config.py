@@ -104,6 +104,12 @@ class InferenceConfig(Section):
     orchestrator.record_kept_sets reads off them (a set of up to top_k + 1, or the vocabulary
     when top_k is off)."""
 
+    record_routing: bool = False
+    """Record which experts every MoE layer routes each token to, for /generate's routed_experts
+    and the trainer's routing replay (inference/routing_capture.py). Needs a mixture-of-experts
+    model (checked at start-up). Turns vLLM's prefix cache off: prompt tokens served from it run
+    through no router, so they would have no record; each prompt is then computed per sample."""
+
     extra_args: list[str] = []
     """Further `vllm serve` flags, passed through verbatim (e.g. ["--max-num-seqs", "256"])."""
 
@@ -272,6 +278,13 @@ class TrainerConfig(Section):
     one. Untruncated samples are never touched; false turns it off for all. Where the batch
     carries the sampler's own kept set (orchestrator.record_kept_sets), that set is used instead
     of the rebuilt one."""
+
+    routing_replay: bool = False
+    """Mixture-of-experts models: each MoE layer sends each token to the experts the inference
+    engine routed it to (recorded with the batch: needs inference.record_routing), the router's
+    softmax at those experts as the mixing weights, so the router still learns (the R3 recipe,
+    trainer/routing_replay.py). Off: the trainer routes by itself; routing_agreement still reports
+    how often it picks the engine's experts whenever batches carry a record."""
 
     mismatch_kl_warn: float = Field(1e-2, ge=0)
     """Log a warning when a step's mismatch_kl (k3 KL(pi_inference || pi_trainer) on the sampled

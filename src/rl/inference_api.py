@@ -66,6 +66,9 @@ class GenerateRequest(Body):
     kept_sets: bool = False
     """Also return each sampled token's kept set: the ids the sampler kept after min_p, top_k
     and top_p (inference/kept_sets.py); refused when it may exceed the server's max_logprobs."""
+    routed_experts: bool = False
+    """Also return the experts each MoE layer routed every token to (inference/routing_capture.py);
+    refused by a server that does not record them (inference.record_routing)."""
 
 
 def kept_set_bound(top_k: int, vocab: int) -> int:
@@ -73,6 +76,31 @@ def kept_set_bound(top_k: int, vocab: int) -> int:
     + 1 when top_k is on (the extra one shows where the set ends), else the whole vocabulary.
     Checked by the server per request and by the orchestrator at start-up."""
     return min(vocab, top_k + 1) if 0 < top_k < vocab else vocab
+
+
+class RoutedExperts(BaseModel):
+    """Which experts each MoE layer sent each position of prompt + completion to: `positions` rows
+    of [layers, top_k] expert ids (in the router's order, not sorted), row-major, base64."""
+
+    layers: list[int]
+    """The model's MoE layers (decoder layer indices), in the rows' order."""
+    top_k: int
+    dtype: Literal["uint8", "uint16"]
+    positions: int
+    """Rows: every position the engine ran a forward on, so prompt + completion less the last
+    sampled token (never fed forward)."""
+    data: str
+    missing: list[int] = []
+    """Positions with no row (a prompt token the engine did not recompute): replay falls back there."""
+
+    def array(self):
+        """The rows as a numpy array [positions, layers, top_k]."""
+        import base64
+
+        import numpy as np
+
+        flat = np.frombuffer(base64.b64decode(self.data), dtype=self.dtype)
+        return flat.reshape(self.positions, len(self.layers), self.top_k)
 
 
 class GeneratedSample(BaseModel):
@@ -85,6 +113,8 @@ class GeneratedSample(BaseModel):
     kept: list[list[int]] | None = None
     """With kept_sets: per sampled token, the ids the sampler kept (ascending); [] where the set
     could not be read whole (ties past top_k)."""
+    routed_experts: RoutedExperts | None = None
+    """With routed_experts: this sample's routing (None for a sample aborted before it ran)."""
 
 
 class GenerateResponse(BaseModel):

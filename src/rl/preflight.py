@@ -82,6 +82,30 @@ def weight_files(cfg: RunConfig) -> list[Path]:
     return files
 
 
+# config.json keys that count a model's routed experts (Qwen2/3-MoE, Mixtral, DeepSeek).
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def routed_experts(data: dict) -> int:
+    """How many routed experts a model's MoE layers have (its config.json); 0: a dense model."""
+    text = data.get("text_config") if isinstance(data.get("text_config"), dict) else data
+    return max([int(text.get(k) or 0) for k in EXPERT_KEYS])
+
+
+def mixture_of_experts(key: str):
+    """A check that, where the config key `key` is on, the model is a mixture of experts: routing
+    is recorded and replayed only there."""
+
+    def check(cfg: RunConfig) -> None:
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name) and not routed_experts(model_config(cfg)):
+            raise ConfigError(f"{key}: model = {cfg.model} is not a mixture-of-experts model "
+                              f"(its config.json has none of {', '.join(EXPERT_KEYS)})")
+
+    check.__name__ = f"mixture_of_experts({key})"
+    return check
+
+
 def positions(data: dict) -> int | None:
     text = data.get("text_config") if isinstance(data.get("text_config"), dict) else data
     n = text.get("max_position_embeddings")

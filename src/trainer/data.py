@@ -83,6 +83,10 @@ class MicroBatch:
     # [R, T-1, K] int32: the sampler's kept ids for the predicted token, -1 padded (all -1: none
     # recorded, rebuild); None when the batch recorded none.
     kept: torch.Tensor | None = None
+    # [R, T, layers, top_k] int64: the engine's routed experts at each input position, and [R, T]
+    # bool where there is one (trainer/routing_replay.py); None when the batch carries none.
+    routing: torch.Tensor | None = None
+    routed: torch.Tensor | None = None
 
     def truncation(self, vocab: int) -> Truncation | None:
         """The loss tokens of samples drawn from a truncated distribution, with their settings;
@@ -167,6 +171,11 @@ def rank_micro_batches(batch: Batch, rank: int, world: int, *, row_len: int | No
     if (table := kept_table(batch)) is not None:
         for mb, group in zip(out, groups[rank]):
             mb.kept = _kept_rows(table, slices, group, mb, packed=row_len is not None)
+    if (routing := batch.routing()) is not None:
+        for mb, group in zip(out, groups[rank]):
+            width = mb.tokens.shape[1]
+            mb.routing = _laid_out(routing.astype(np.int64), slices, group, width, 0)
+            mb.routed = _laid_out(batch.routed.astype(bool), slices, group, width, False)
     # A rank with fewer micro-batches than its peers still joins every collective: padding rows,
     # attended (an all-masked row would give NaN), with nothing to learn from.
     out += [_padding(pad_id, packed=row_len is not None) for _ in range(count - len(out))]
@@ -186,19 +195,24 @@ def kept_table(batch: Batch) -> np.ndarray | None:
     return table
 
 
-def _kept_rows(table: np.ndarray, slices: list[slice], rows: list[list[int]], mb: MicroBatch,
-               packed: bool) -> torch.Tensor:
-    """The micro-batch's [R, T-1, K] kept ids, laid out as _packed / _padded lay out its tokens
-    (a packed row's samples back to back, then padding) and shifted to the predicted token."""
-    width, k = mb.tokens.shape[1], table.shape[1]
-    out = torch.full((len(rows), width, k), -1, dtype=torch.int32)
+def _laid_out(table: np.ndarray, slices: list[slice], rows: list[list[int]], width: int, fill) -> torch.Tensor:
+    """A per-token table ([tokens, ...]) as the micro-batch's [R, width, ...], laid out as _packed /
+    _padded lay out its tokens (a packed row's samples back to back, then padding: `fill`)."""
+    out = torch.full((len(rows), width, *table.shape[1:]), fill, dtype=torch.from_numpy(table[:0]).dtype)
     for r, row in enumerate(rows):
         at = 0
         for i in row:
             n = slices[i].stop - slices[i].start
             out[r, at:at + n] = torch.from_numpy(table[slices[i]])
             at += n
-    out = out[:, 1:]
+    return out
+
+
+def _kept_rows(table: np.ndarray, slices: list[slice], rows: list[list[int]], mb: MicroBatch,
+               packed: bool) -> torch.Tensor:
+    """The micro-batch's [R, T-1, K] kept ids, laid out as its tokens and shifted to the
+    predicted token."""
+    out = _laid_out(table, slices, rows, mb.tokens.shape[1], -1)[:, 1:]
     if packed:  # the prediction across a sample boundary belongs to no sample
         out = out.masked_fill((mb.position_ids[:, 1:] == 0)[..., None], -1)
     return out

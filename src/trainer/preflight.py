@@ -9,7 +9,8 @@ import struct
 from pathlib import Path
 
 from rl.config import ConfigError, RunConfig
-from rl.preflight import bindable, cores, is_rank0, model_config, output_dir, seq_len_fits, weight_files
+from rl.preflight import (bindable, cores, is_rank0, mixture_of_experts, model_config, output_dir, seq_len_fits,
+                          weight_files)
 from rl.rundir import RunDir
 
 
@@ -98,4 +99,12 @@ def trainer_endpoints(cfg: RunConfig) -> None:
         bindable("weight_sync.address", "", int(cfg.weight_sync.address.rpartition(":")[2]))
 
 
-CHECKS = (cores("trainer"), output_dir, model_for_training, trainer_attention, trainer_run_state, trainer_endpoints)
+def routing_replay(cfg: RunConfig) -> None:
+    """trainer.routing_replay replays what the engine recorded: that needs the record."""
+    if cfg.trainer.routing_replay and not cfg.inference.record_routing:
+        raise ConfigError("trainer.routing_replay: the batches carry routing only with inference.record_routing = "
+                          "true (the engine's record is what replay replays)")
+
+
+CHECKS = (cores("trainer"), output_dir, model_for_training, mixture_of_experts("trainer.routing_replay"),
+          routing_replay, trainer_attention, trainer_run_state, trainer_endpoints)

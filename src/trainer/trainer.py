@@ -8,6 +8,7 @@ trainer/publish.py publishes, trainer/checkpoint.py saves every checkpoint_every
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -27,6 +28,7 @@ from trainer import checkpoint
 from trainer.data import MicroBatch, loss_weights, rank_micro_batches, receive_batch
 from trainer.loss import policy_loss
 from trainer.model import load_model, micro_batch_logprobs
+from trainer.routing_replay import RoutingReplay, routers
 from trainer.optim import build_optimizer
 from trainer.parallel import init_distributed
 from trainer.policy import Policy
@@ -70,6 +72,8 @@ class Trainer:
         self.reference = (load_model(cfg, self.device, trainable=False)[0] if loss.kl_coef > 0
                           and loss.kl_target == "reference" and self.tuning.own_reference else None)
         self.publisher = make_publisher(cfg, self.run, self.rank, self.model, self.lora, self.tied)
+        # MoE models only: replays the engine's routing (trainer.routing_replay) and reports agreement.
+        self.routing = RoutingReplay(self.model, cfg.trainer.routing_replay) if routers(self.model) else None
         self.profiler = StepProfiler(cfg.trainer.profile_steps, self.run.logs, self.run.root / "profile",
                                      self.rank, self.device)
         self.policy = None  # multi-run: one per run (trainer/runs.py)
@@ -239,6 +243,15 @@ class Trainer:
         return self.tuning.reference_logprobs(lambda model: self.forward_logprobs(model, mb, truncation),
                                               self.reference)[0]
 
+    def routing_recorded(self, mb: MicroBatch):
+        """Around a micro-batch's forward and backward: the engine's routing for the MoE layers'
+        hooks (trainer/routing_replay.py); a dense model needs none."""
+        if self.routing is None:
+            return contextlib.nullcontext()
+        trained = torch.zeros(mb.tokens.shape, dtype=torch.bool)
+        trained[:, :-1] = mb.loss_mask > 0  # position t predicts token t + 1
+        return self.routing.recorded(mb.routing, mb.routed, trained)
+
     def train_step(self, micro_batches: list[MicroBatch], policy: Policy) -> dict:
         # loss_weight already divides by the whole batch's normaliser (trainer/data.py), so the
         # summed loss does not depend on how samples fall into micro-batches and ranks. FSDP2
@@ -252,17 +265,21 @@ class Trainer:
             # Found whatever the setting: truncated_frac is reported (and named in the warning)
             # also when the mask is off.
             truncation = mb.truncation(self.vocab_size)
-            with self.tuning.active(policy.slot):
-                logprobs, entropy = self.forward_logprobs(
-                    self.model, mb, truncation if policy.cfg.trainer.sampling_mask else None)
-            d = {k: v.to(self.device) for k, v in (("inference_logprobs", mb.inference_logprobs),
-                                                   ("advantages", mb.advantages), ("loss_mask", mb.loss_mask),
-                                                   ("loss_weight", mb.loss_weight), ("sequence_ids", mb.sequence_ids))}
-            out = policy_loss(logprobs, cfg=loss_cfg, entropy=entropy, reference_logprobs=reference, **d)
-            # The adapter stays active through backward: activation checkpointing re-runs the
-            # forward hooks there.
-            with self.tuning.active(policy.slot):
-                (out.loss * self.world).backward()
+            with self.routing_recorded(mb):
+                with self.tuning.active(policy.slot):
+                    logprobs, entropy = self.forward_logprobs(
+                        self.model, mb, truncation if policy.cfg.trainer.sampling_mask else None)
+                if self.routing is not None:
+                    self.routing.end_forward()
+                d = {k: v.to(self.device) for k, v in (("inference_logprobs", mb.inference_logprobs),
+                                                       ("advantages", mb.advantages), ("loss_mask", mb.loss_mask),
+                                                       ("loss_weight", mb.loss_weight),
+                                                       ("sequence_ids", mb.sequence_ids))}
+                out = policy_loss(logprobs, cfg=loss_cfg, entropy=entropy, reference_logprobs=reference, **d)
+                # The adapter stays active through backward (and the replayed routing): activation
+                # checkpointing re-runs the forward hooks there.
+                with self.tuning.active(policy.slot):
+                    (out.loss * self.world).backward()
             truncated = float(truncation.select.sum()) if truncation is not None else 0.0
             misses, replayed = (truncation.misses, truncation.replayed) if truncation is not None else (0.0, 0.0)
             sums += torch.tensor([out.loss.item()] + [getattr(out, k) for k in _SUMS] + [truncated, misses, replayed],
@@ -271,11 +288,15 @@ class Trainer:
         policy.optimizer.step()
         policy.optimizer.zero_grad(set_to_none=True)
         policy.scheduler.step()
-        sums = sums.to(self.device)  # NCCL reduces only device tensors
+        routing = self.routing.take_sums() if self.routing is not None else torch.zeros(0, dtype=torch.float64)
+        ours = len(sums)
+        sums = torch.cat([sums, routing]).to(self.device)  # NCCL reduces only device tensors
         dist.all_reduce(sums)
-        loss, tokens, masked, clipped, ratio, kl, entropy, ref_kl, truncated, misses, replayed = sums.cpu().tolist()
+        sums = sums.cpu().tolist()
+        routing_sums = sums[ours:]
+        loss, tokens, masked, clipped, ratio, kl, entropy, ref_kl, truncated, misses, replayed = sums[:ours]
         n = max(tokens, 1.0)
-        return {"loss": loss, "clipped_frac": clipped / n, "masked_frac": masked / n, "ratio_mean": ratio / n,
+        return {**(self.routing.metrics(routing_sums) if self.routing is not None else {}),"loss": loss, "clipped_frac": clipped / n, "masked_frac": masked / n, "ratio_mean": ratio / n,
                 "mismatch_kl": kl / n, "entropy": entropy / n, "kl": ref_kl / n,
                 "truncated_frac": truncated / n, "sampling_mask_miss_frac": misses / max(truncated, 1.0),
                 "sampling_mask_replayed_frac": replayed / max(truncated, 1.0),

@@ -1,0 +1,140 @@
+"""Which experts each MoE layer routed each token to, recorded in the engine per request and
+position, for the trainer's routing replay (trainer.routing_replay; inference.record_routing).
+
+Why our own capture: vLLM's (enable_return_routed_experts) lives only in its V2 model runner,
+which needs Triton, and the CPU backend runs the V1 runner (docs/moe.md). What both runners share
+is the router: every MoE layer's router calls its `capture_fn` with the logical expert ids it
+chose for the forward's tokens (vllm 0.32 fused_moe/router/base_router.py, before any expert
+load-balancing remap). The recorder binds one to each MoE layer and, after each forward, files
+the rows under their requests and positions from the runner's layout of that forward (request
+order, query_start_loc, positions).
+
+Rows are kept per position, the first one seen: a preempted request recomputes positions it had
+already processed, and the row that counts is the one of the forward that sampled from it.
+Prompt tokens served from the prefix cache run through no router, so the server turns prefix
+caching off while it records (server.vllm_args). The last sampled token of a request is never fed
+forward: its position has no row (nothing the trainer scores is predicted from it).
+"""
+
+from __future__ import annotations
+
+import base64
+from collections import OrderedDict
+from functools import partial
+
+import numpy as np
+
+# Finished requests whose rows nobody took yet (their caller gone): dropped oldest first past this.
+KEEP_FINISHED = 4096
+
+
+class Rows:
+    """One request's rows: experts [positions, layers, top_k], and which positions have one."""
+
+    def __init__(self, layers: int, top_k: int, dtype):
+        self.experts = np.zeros((64, layers, top_k), dtype)
+        self.seen = np.zeros(64, bool)
+
+    def put(self, positions: np.ndarray, experts: np.ndarray) -> None:
+        need = int(positions.max()) + 1
+        if need > len(self.seen):
+            size = max(need, 2 * len(self.seen))
+            grown = np.zeros((size, *self.experts.shape[1:]), self.experts.dtype)
+            grown[:len(self.seen)] = self.experts
+            self.experts = grown
+            self.seen = np.concatenate([self.seen, np.zeros(size - len(self.seen), bool)])
+        new = ~self.seen[positions]  # the first row of a position stays
+        self.experts[positions[new]] = experts[new]
+        self.seen[positions[new]] = True
+
+    def encoded(self) -> dict:
+        """The rows up to the last position seen: base64 of the row-major array, and which
+        positions lack one (none unless a prompt came from a cache)."""
+        n = int(np.flatnonzero(self.seen)[-1]) + 1 if self.seen.any() else 0
+        return {"positions": n, "data": base64.b64encode(self.experts[:n].tobytes()).decode(),
+                "missing": np.flatnonzero(~self.seen[:n]).tolist()}
+
+
+class RoutingRecorder:
+    """Binds to a vLLM model's MoE layers; fed each forward's layout by the worker extension."""
+
+    def __init__(self, model):
+        from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+        runners = [m for m in model.modules() if isinstance(m, MoERunner)]
+        if not runners:
+            raise ValueError("inference.record_routing: the model has no mixture-of-experts layer")
+        self.layers = sorted({m.layer_id for m in runners})
+        self.top_k = runners[0].moe_config.experts_per_token
+        num_experts = runners[0].moe_config.num_logical_experts
+        self.dtype = np.uint8 if num_experts <= 256 else np.uint16
+        index = {layer: i for i, layer in enumerate(self.layers)}
+        self.forward: list[np.ndarray | None] = [None] * len(self.layers)
+        for m in runners:
+            m.router.set_capture_fn(partial(self.capture, index[m.layer_id]))
+        self.running: dict[str, Rows] = {}
+        self.finished: OrderedDict[str, Rows] = OrderedDict()
+
+    def describe(self) -> dict:
+        return {"layers": self.layers, "top_k": self.top_k, "dtype": np.dtype(self.dtype).name}
+
+    def capture(self, layer: int, topk_ids) -> None:
+        # Copied now: the router's output buffer is reused by the next layer's forward.
+        self.forward[layer] = topk_ids.to("cpu").numpy().astype(self.dtype, copy=True)
+
+    def after_forward(self, req_ids: list[str], query_start_loc: np.ndarray, positions: np.ndarray) -> None:
+        """File this forward's rows: request i's tokens are query_start_loc[i]:[i+1] of the
+        forward, at the sequence positions `positions` gives them."""
+        captured, self.forward = self.forward, [None] * len(self.layers)
+        if any(c is None for c in captured):
+            return  # a forward with no MoE layer run (none is expected; nothing half-filed)
+        tokens = int(query_start_loc[len(req_ids)])
+        experts = np.stack([c[:tokens] for c in captured], axis=1)  # [tokens, layers, top_k]
+        for i, rid in enumerate(req_ids):
+            start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
+            if end > start:
+                rows = self.running.get(rid)
+                if rows is None:
+                    rows = self.running[rid] = Rows(len(self.layers), self.top_k, self.dtype)
+                rows.put(positions[start:end], experts[start:end])
+
+    def finish(self, req_ids) -> None:
+        for rid in req_ids:
+            rows = self.running.pop(rid, None)
+            if rows is not None:
+                self.finished[rid] = rows
+        while len(self.finished) > KEEP_FINISHED:
+            self.finished.popitem(last=False)
+
+    def take(self, external_ids: list[str]) -> dict[str, dict]:
+        """The rows of the engine requests made from these ids (vLLM's internal id is the external
+        one plus "-" and 8 characters), removed from the recorder; ids with none are left out."""
+        wanted = set(external_ids)
+        out = {}
+        for table in (self.finished, self.running):
+            for rid in [r for r in table if r[:-9] in wanted]:
+                out[rid[:-9]] = table.pop(rid).encoded()
+        return out
+
+
+def bind(worker) -> dict:
+    """Start recording in this worker (the extension's asyncrl_record_routing): bind the routers
+    and wrap the model runner's execute_model, which runs one forward per call and leaves its
+    layout in the runner's buffers until the next."""
+    runner = worker.model_runner
+    recorder = RoutingRecorder(runner.get_model())
+    execute = runner.execute_model
+
+    def execute_and_record(scheduler_output, *args, **kwargs):
+        out = execute(scheduler_output, *args, **kwargs)
+        tokens = scheduler_output.total_num_scheduled_tokens
+        if tokens:
+            n = runner.input_batch.num_reqs
+            recorder.after_forward(list(runner.input_batch.req_ids[:n]), runner.query_start_loc.np[:n + 1].copy(),
+                                   runner.positions[:tokens].to("cpu").numpy().copy())
+        recorder.finish(scheduler_output.finished_req_ids)
+        return out
+
+    runner.execute_model = execute_and_record
+    worker._asyncrl_routing = recorder
+    return recorder.describe()

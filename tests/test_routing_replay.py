@@ -1,0 +1,171 @@
+"""Routing replay (trainer.routing_replay) on a transformers Qwen3-MoE: every MoE layer sends each
+recorded token to exactly the recorded experts, the router still gets a gradient, unrecorded
+positions keep the router's own choice, agreement is counted per layer; and the batch carries the
+record through packing and padding to the micro-batch positions it belongs to. The engine side
+(what vLLM routed, recorded and returned by /generate): tests/test_routing_vllm.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from rl.batch import Batch, Sample
+from trainer.data import loss_weights, rank_micro_batches
+from trainer.routing_replay import RoutingReplay, routers
+
+LAYERS, EXPERTS, TOP_K = 3, 4, 2
+
+
+def tiny_moe(seed: int = 0) -> Qwen3MoeForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(vocab_size=20, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+                            num_attention_heads=2, num_key_value_heads=1, num_experts=EXPERTS,
+                            num_experts_per_tok=TOP_K, moe_intermediate_size=32, norm_topk_prob=True,
+                            max_position_embeddings=64)
+    model = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, 0.5)
+    return model
+
+
+def experts_used(model) -> tuple[list[torch.Tensor], list]:
+    """The top-k index each layer's experts module is called with, recorded per forward."""
+    seen: list[torch.Tensor] = []
+    handles = [layer.mlp.experts.register_forward_pre_hook(lambda m, args: seen.append(args[1].clone()))
+               for layer in model.model.layers]
+    return seen, handles
+
+
+def other_experts(own: torch.Tensor) -> torch.Tensor:
+    """For each row of top-k ids, a different valid set (the next experts round the ring)."""
+    return (own + 1) % EXPERTS
+
+
+def own_routing(model, tokens: torch.Tensor) -> torch.Tensor:
+    """[R, T, layers, top_k]: the experts the model picks by itself."""
+    seen, handles = experts_used(model)
+    with torch.no_grad():
+        model(input_ids=tokens)
+    for h in handles:
+        h.remove()
+    return torch.stack([s.reshape(*tokens.shape, TOP_K) for s in seen], dim=2)
+
+
+def test_the_routers_of_every_moe_layer_are_found_in_layer_order():
+    model = tiny_moe()
+    assert [layer for layer, _ in routers(model)] == list(range(LAYERS))
+    assert all(r is model.model.layers[i].mlp.gate for i, r in routers(model))
+
+
+def test_replay_uses_exactly_the_recorded_experts_per_layer_and_the_router_still_learns():
+    model = tiny_moe()
+    tokens = torch.randint(0, 20, (2, 7))
+    own = own_routing(model, tokens)
+    recorded = other_experts(own)
+    routed = torch.ones(tokens.shape, dtype=torch.bool)
+    routed[1, 5:] = False  # no record there: the router's own choice stands
+    replay = RoutingReplay(model, replay=True)
+    seen, handles = experts_used(model)
+    trained = torch.ones(tokens.shape, dtype=torch.bool)
+    with replay.recorded(recorded, routed, trained):
+        logits = model(input_ids=tokens).logits
+        replay.end_forward()
+        logits.logsumexp(-1).sum().backward()
+    for h in handles:
+        h.remove()
+    for layer, used in enumerate(seen):
+        used = used.reshape(*tokens.shape, TOP_K)
+        want = torch.where(routed[..., None], recorded[:, :, layer], own[:, :, layer])
+        # Replay changes the input of later layers, so "own" is only the reference at layer 0's
+        # unrecorded positions; recorded positions must be the record at every layer.
+        assert torch.equal(used[routed], want[routed]), layer
+        if layer == 0:
+            assert torch.equal(used, want)
+    for _, router in routers(model):
+        assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+    # The record differs from the router's own choice at every recorded position: agreement 0.
+    metrics = replay.metrics(replay.take_sums().tolist())
+    assert metrics["routing_agreement"] == 0.0
+    assert all(metrics[f"routing_agreement/layer_{i}"] == 0.0 for i in range(LAYERS))
+    assert metrics["routing_replayed_frac"] == pytest.approx(float(routed.sum()) / routed.numel())
+
+
+def test_replaying_the_models_own_routing_changes_nothing_and_agreement_counts_per_layer():
+    model = tiny_moe()
+    tokens = torch.randint(0, 20, (2, 6))
+    own = own_routing(model, tokens)
+    with torch.no_grad():
+        plain = model(input_ids=tokens).logits
+    # The record as the engine returns it: each row's experts in some order of its own.
+    recorded = own.flip(-1)
+    # At layer 1, a third of the positions differ from the model's choice.
+    flipped = torch.zeros(tokens.shape, dtype=torch.bool)
+    flipped[:, ::3] = True
+    replay = RoutingReplay(model, replay=False)
+    recorded_off = recorded.clone()
+    recorded_off[:, :, 1][flipped] = other_experts(own[:, :, 1][flipped])
+    routed = torch.ones(tokens.shape, dtype=torch.bool)
+    with replay.recorded(recorded_off, routed, routed), torch.no_grad():
+        unreplayed = model(input_ids=tokens).logits
+    metrics = replay.metrics(replay.take_sums().tolist())
+    assert torch.equal(unreplayed, plain)  # replay off: the router routes
+    assert metrics["routing_agreement/layer_0"] == 1.0 and metrics["routing_agreement/layer_2"] == 1.0
+    assert metrics["routing_agreement/layer_1"] == pytest.approx(1 - float(flipped.float().mean()))
+    assert metrics["routing_replayed_frac"] == 0.0
+    on = RoutingReplay(model, replay=True)
+    replay.remove()
+    with on.recorded(recorded, routed, routed), torch.no_grad():
+        replayed = model(input_ids=tokens).logits
+    # The same experts with the router's own weights: the mixing weights agree to rounding (a
+    # softmax gathered at the record instead of top-k of the softmax).
+    torch.testing.assert_close(replayed, plain, rtol=0, atol=1e-5)
+
+
+def test_a_batch_that_records_more_moe_layers_than_the_model_has_is_refused():
+    model = tiny_moe()
+    replay = RoutingReplay(model, replay=True)
+    routing = torch.zeros(1, 4, LAYERS + 1, TOP_K, dtype=torch.long)
+    with pytest.raises(ValueError, match=f"routing for {LAYERS + 1} MoE layers, the model has {LAYERS}"):
+        with replay.recorded(routing, torch.ones(1, 4, dtype=torch.bool), torch.ones(1, 4, dtype=torch.bool)):
+            pass
+
+
+def sample(n: int, seed: int, routed: bool = True, first_token: int = 1) -> Sample:
+    """n tokens first_token, first_token + 1, ...: every token of a test batch unique."""
+    rng = np.random.default_rng(seed)
+    experts = rng.integers(0, EXPERTS, (n, LAYERS, TOP_K)).astype(np.uint8) if routed else None
+    mask = np.ones(n, np.uint8)
+    if routed:
+        mask[-1] = 0  # the last sampled token: never fed forward, no record
+    return Sample(tokens=list(range(first_token, first_token + n)), loss_mask=[0] + [1] * (n - 1), logprobs=[0.0] * n,
+                  advantages=[1.0] * n, versions=[-1] + [0] * (n - 1), reward=1.0, routed_experts=experts,
+                  routed=mask if routed else None)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_each_tokens_record_reaches_its_micro_batch_position(packed):
+    samples = [sample(5, 0), sample(3, 1, routed=False, first_token=6), sample(7, 2, first_token=9)]
+    meta, payload = Batch.from_samples(1, samples).encode()
+    batch = Batch.decode(meta, payload, "test")
+    weights = loss_weights(batch, "token", 16)
+    mbs = rank_micro_batches(batch, 0, 1, row_len=16 if packed else None, per_micro_batch=4, pad_id=0,
+                             weights=weights)
+    found = {int(mb.tokens[r, t]): mb.routing[r, t].numpy() for mb in mbs
+             for r in range(mb.tokens.shape[0]) for t in range(mb.tokens.shape[1]) if mb.routed[r, t]}
+    want = {tok: row for s in samples if s.routed_experts is not None
+            for tok, row, on in zip(s.tokens, s.routed_experts, s.routed) if on}
+    assert found.keys() == want.keys() and len(want) == 4 + 6  # none for the unrouted sample or last tokens
+    for tok, row in want.items():
+        assert np.array_equal(found[tok], row), tok
+
+
+def test_a_batch_without_routing_carries_none_and_decodes_so():
+    meta, payload = Batch.from_samples(1, [sample(4, 0, routed=False)]).encode()
+    batch = Batch.decode(meta, payload, "test")
+    assert batch.routing() is None
+    mbs = rank_micro_batches(batch, 0, 1, row_len=16, per_micro_batch=4, pad_id=0,
+                             weights=loss_weights(batch, "token", 16))
+    assert all(mb.routing is None for mb in mbs)
