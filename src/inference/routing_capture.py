@@ -24,8 +24,17 @@ from functools import partial
 
 import numpy as np
 
-# Finished requests whose rows nobody took yet (their caller gone): dropped oldest first past this.
+# Finished requests' rows are kept until /generate takes them (right after the request ends); rows
+# nobody takes (an aborted or abandoned request) are dropped oldest first past either bound: a
+# Qwen3-30B-A3B row is 384 bytes, so an 8k-token request holds 3 MB.
 KEEP_FINISHED = 4096
+KEEP_FINISHED_BYTES = 256 * 2**20
+
+
+def external_id(internal: str) -> str:
+    """The id a request was made with: vLLM's internal id is it plus "-" and 8 random characters
+    (v1/engine/input_processor.py assign_request_id). The recorder keys rows by it."""
+    return internal[:-9]
 
 
 class Rows:
@@ -58,22 +67,29 @@ class Rows:
 class RoutingRecorder:
     """Binds to a vLLM model's MoE layers; fed each forward's layout by the worker extension."""
 
-    def __init__(self, model):
+    def __init__(self, layers: list[int], top_k: int, num_experts: int):
+        self.layers = layers
+        self.top_k = top_k
+        self.dtype = np.uint8 if num_experts <= 256 else np.uint16
+        self.forward: list[np.ndarray | None] = [None] * len(layers)
+        self.running: dict[str, Rows] = {}
+        self.finished: OrderedDict[str, Rows] = OrderedDict()
+        self.finished_bytes = 0
+
+    @classmethod
+    def bound_to(cls, model) -> RoutingRecorder:
+        """A recorder fed by every MoE layer's router of a vLLM model."""
         from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
         runners = [m for m in model.modules() if isinstance(m, MoERunner)]
         if not runners:
             raise ValueError("inference.record_routing: the model has no mixture-of-experts layer")
-        self.layers = sorted({m.layer_id for m in runners})
-        self.top_k = runners[0].moe_config.experts_per_token
-        num_experts = runners[0].moe_config.num_logical_experts
-        self.dtype = np.uint8 if num_experts <= 256 else np.uint16
-        index = {layer: i for i, layer in enumerate(self.layers)}
-        self.forward: list[np.ndarray | None] = [None] * len(self.layers)
+        config = runners[0].moe_config
+        recorder = cls(sorted({m.layer_id for m in runners}), config.experts_per_token, config.num_logical_experts)
+        index = {layer: i for i, layer in enumerate(recorder.layers)}
         for m in runners:
-            m.router.set_capture_fn(partial(self.capture, index[m.layer_id]))
-        self.running: dict[str, Rows] = {}
-        self.finished: OrderedDict[str, Rows] = OrderedDict()
+            m.router.set_capture_fn(partial(recorder.capture, index[m.layer_id]))
+        return recorder
 
     def describe(self) -> dict:
         return {"layers": self.layers, "top_k": self.top_k, "dtype": np.dtype(self.dtype).name}
@@ -93,27 +109,31 @@ class RoutingRecorder:
         for i, rid in enumerate(req_ids):
             start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
             if end > start:
-                rows = self.running.get(rid)
+                rows = self.running.get(external_id(rid))
                 if rows is None:
-                    rows = self.running[rid] = Rows(len(self.layers), self.top_k, self.dtype)
+                    rows = self.running[external_id(rid)] = Rows(len(self.layers), self.top_k, self.dtype)
                 rows.put(positions[start:end], experts[start:end])
 
     def finish(self, req_ids) -> None:
         for rid in req_ids:
-            rows = self.running.pop(rid, None)
+            rows = self.running.pop(external_id(rid), None)
             if rows is not None:
-                self.finished[rid] = rows
-        while len(self.finished) > KEEP_FINISHED:
-            self.finished.popitem(last=False)
+                self.finished[external_id(rid)] = rows
+                self.finished_bytes += rows.experts.nbytes
+        while self.finished and (len(self.finished) > KEEP_FINISHED or self.finished_bytes > KEEP_FINISHED_BYTES):
+            self.finished_bytes -= self.finished.popitem(last=False)[1].experts.nbytes
 
     def take(self, external_ids: list[str]) -> dict[str, dict]:
-        """The rows of the engine requests made from these ids (vLLM's internal id is the external
-        one plus "-" and 8 characters), removed from the recorder; ids with none are left out."""
+        """The rows of the engine requests made from these ids, removed from the recorder; ids with
+        none are left out."""
         wanted = set(external_ids)
-        out = {}
-        for table in (self.finished, self.running):
-            for rid in [r for r in table if r[:-9] in wanted]:
-                out[rid[:-9]] = table.pop(rid).encoded()
+        out: dict[str, dict] = {}
+        for external in wanted:
+            rows = self.running.pop(external, None)
+            if rows is None and (rows := self.finished.pop(external, None)) is not None:
+                self.finished_bytes -= rows.experts.nbytes
+            if rows is not None:
+                out[external] = rows.encoded()
         return out
 
 
@@ -122,7 +142,11 @@ def bind(worker) -> dict:
     and wrap the model runner's execute_model, which runs one forward per call and leaves its
     layout in the runner's buffers until the next."""
     runner = worker.model_runner
-    recorder = RoutingRecorder(runner.get_model())
+    if not all(hasattr(runner, a) for a in ("input_batch", "query_start_loc", "positions")):
+        raise RuntimeError(f"inference.record_routing: vLLM runs {type(runner).__module__}.{type(runner).__name__}, "
+                           f"not the V1 model runner whose layout the recorder reads; unset "
+                           f"VLLM_USE_V2_MODEL_RUNNER (the server sets it to 0 when recording)")
+    recorder = RoutingRecorder.bound_to(runner.get_model())
     execute = runner.execute_model
 
     def execute_and_record(scheduler_output, *args, **kwargs):

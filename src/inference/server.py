@@ -266,6 +266,11 @@ def main(cfg: RunConfig) -> int:
     if os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true"):
         log.warning("VLLM_ALLOW_RUNTIME_LORA_UPDATING is ignored: use /load_lora_adapter")
     os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "0"
+    if cfg.inference.record_routing:
+        # The routing recorder reads the V1 model runner's layout of each forward
+        # (inference/routing_capture.py); vLLM 0.32 picks its V2 runner wherever Triton is
+        # installed (GPU builds). CPU builds run V1 anyway.
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     restore_logging = keep_root_logging()  # before vLLM's imports touch it
     import uvloop
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args

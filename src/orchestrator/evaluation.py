@@ -95,8 +95,9 @@ class Evaluation:
         except RowError as e:
             self.quiet.warn(e.fix, f"eval row skipped: {e}")  # the same fix: the same cause
             return None
-        if adapter is not None:
-            request = request.model_copy(update={"lora": adapter})
+        # Scores only: no kept sets or routing to carry into a batch.
+        request = request.model_copy(update={"kept_sets": False, "routed_experts": False,
+                                             **({"lora": adapter} if adapter is not None else {})})
         async with gate:
             response = await client.generate(request, self.cfg.timeout_s)
         completions = self.rollouts.decode_all([x.token_ids for x in response.samples])

@@ -130,6 +130,8 @@ def status_line(step: int, total: int, orch: dict, train: dict) -> str:
         f"| waits: trainer {train.get('wait_s', 0):.2f}s, orchestrator {orch.get('wait_s', 0):.2f}s "
         f"| inference idle {100 * orch.get('inference_idle_frac', 0):.0f}%"
     )
+    if "routing_agreement" in train:  # a mixture-of-experts model whose engine records its routing
+        line += f" | routing agreement {train['routing_agreement']:.3f}"
     # Only when something went wrong or was thrown away: the usual line stays short.
     extra = {k: orch.get(k, 0) for k in ("cancelled", "failed", "failed_requests", "requeued", "filtered",
                                           "dropped_stale")}

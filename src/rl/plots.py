@@ -6,6 +6,8 @@ multi-run LoRA trainer's directory, each run's own). `rl run` writes them when a
     throughput.png     tokens/s of generation and training; idle share of the servers and the trainer
     weight_updates.png seconds from a version's discovery to serving it; the trainer's publish time
     runs.png           multi-run: one reward curve per run
+    routing.png        mixture-of-experts models recording their routing: the trainer's agreement with
+                       the engine's experts per MoE layer, and the share of trained tokens replayed
     loss_curve.png     rl sft: training loss (and its trailing mean), held-out loss per evaluation, and
                        with sft.eval_generate held-out accuracy by generation (right axis)
 """
@@ -120,6 +122,18 @@ def weight_update_plot(records: list[dict], out: Path) -> Path:
     return _save(plt, fig, ax, out / "weight_updates.png")
 
 
+def routing_plot(records: list[dict], out: Path) -> Path:
+    plt, fig, ax = _figure("MoE routing: trainer vs engine", "share of positions")
+    layers = sorted({k for r in records if r.get("program") == "trainer" for k in r
+                     if k.startswith("routing_agreement/layer_")}, key=lambda k: int(k.rsplit("_", 1)[1]))
+    for key in layers:
+        steps, ys = series(records, "trainer", key)
+        ax.plot(steps, trailing(ys), lw=1, label=f"same experts, {key.rsplit('/', 1)[1].replace('_', ' ')}")
+    ax.plot(*series(records, "trainer", "routing_replayed_frac"), "--", color="black", lw=1,
+            label="trained tokens replayed")
+    return _save(plt, fig, ax, out / "routing.png", loc="lower right")
+
+
 def loss_plot(records: list[dict], out: Path) -> Path:
     plt, fig, ax = _figure("supervised loss", "mean NLL per assistant token")
     steps, nll = series(records, "trainer", "nll")
@@ -160,6 +174,8 @@ def write_plots(root: Path) -> list[Path]:
                     weight_update_plot(records, root)]
     if any(r.get("program") == "trainer" and ("nll" in r or "smoothed_loss" in r) for r in records):
         written.append(loss_plot(records, root))
+    if any(r.get("program") == "trainer" and "routing_agreement" in r for r in records):
+        written.append(routing_plot(records, root))
     if (multi := runs_plot(root, root)) is not None:
         written.append(multi)
     return written
