@@ -16,21 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
-from rl_runs import ROOT, print_table, run_rl, save_results
+from rl_runs import ROOT, print_table, run_rl, save_results, trainer_means
 
 
-def summary(wall: float, records: list[dict], skip: int = 20) -> dict:
-    trainer = [r for r in records if r["program"] == "trainer"][skip:]
-    orch = [r["reward_sampled_mean"] for r in records if r["program"] == "orchestrator" and "reward_sampled_mean" in r]
-    mean = lambda key: statistics.fmean(r[key] for r in trainer)  # noqa: E731
-    span = trainer[-1]["time"] - trainer[0]["time"]
-    return {"wall_s": round(wall, 1), "s_per_step": round(span / (len(trainer) - 1), 3),
-            "mismatch_kl": mean("mismatch_kl"), "miss_frac": mean("sampling_mask_miss_frac"),
-            "replayed_frac": mean("sampling_mask_replayed_frac"),
-            "max_staleness": max(r["max_staleness"] for r in trainer),
-            "reward_first20": statistics.fmean(orch[:20]), "reward_last20": statistics.fmean(orch[-20:])}
+def summary(wall: float, records: list[dict]) -> dict:
+    out = trainer_means(wall, records, ["mismatch_kl", "sampling_mask_miss_frac", "sampling_mask_replayed_frac"])
+    out["miss_frac"], out["replayed_frac"] = out.pop("sampling_mask_miss_frac"), out.pop("sampling_mask_replayed_frac")
+    out["max_staleness"] = max(r["max_staleness"] for r in records if r["program"] == "trainer")
+    return out
 
 
 def main() -> None:

@@ -6,6 +6,7 @@ need both of this machine's cores.
 from __future__ import annotations
 
 import json
+import statistics
 import os
 import shutil
 import signal
@@ -113,6 +114,18 @@ def window(records: list[dict], skip: int, samples_per_step: int) -> dict:
         "reward_first": orch[min(orch)]["reward_mean"], "reward_last": orch[max(orch)]["reward_mean"],
         "staleness_mean": sum(r["staleness_mean"] for r in steps) / len(steps) if steps else None,
     }
+
+
+def trainer_means(wall: float, records: list[dict], keys: list[str], skip: int = 20) -> dict:
+    """A run's wall seconds, s/step and the mean of each trainer metric in `keys` over trainer
+    steps `skip` on, with the policy's reward (`reward_sampled_mean`) over the first and last 20
+    orchestrator steps."""
+    trainer = [r for r in records if r["program"] == "trainer"][skip:]
+    orch = [r["reward_sampled_mean"] for r in records if r["program"] == "orchestrator" and "reward_sampled_mean" in r]
+    span = trainer[-1]["time"] - trainer[0]["time"]
+    return {"wall_s": round(wall, 1), "s_per_step": round(span / (len(trainer) - 1), 3),
+            **{k: statistics.fmean(r[k] for r in trainer) for k in keys},
+            "reward_first20": statistics.fmean(orch[:20]), "reward_last20": statistics.fmean(orch[-20:])}
 
 
 def save_results(name: str, args, runs: list[dict]) -> Path:

@@ -16,23 +16,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
-from rl_runs import ROOT, print_table, run_rl, save_results
+from rl_runs import ROOT, print_table, run_rl, save_results, trainer_means
 
 LAYERS = 4  # models/tiny-moe
 
 
-def summary(wall: float, records: list[dict], skip: int = 20) -> dict:
-    trainer = [r for r in records if r["program"] == "trainer"][skip:]
-    orch = [r["reward_sampled_mean"] for r in records if r["program"] == "orchestrator" and "reward_sampled_mean" in r]
-    mean = lambda key: statistics.fmean(r[key] for r in trainer)  # noqa: E731
-    span = trainer[-1]["time"] - trainer[0]["time"]
-    return {"wall_s": round(wall, 1), "s_per_step": round(span / (len(trainer) - 1), 3),
-            "mismatch_kl": mean("mismatch_kl"), "agreement": mean("routing_agreement"),
-            "agreement_per_layer": [round(mean(f"routing_agreement/layer_{i}"), 4) for i in range(LAYERS)],
-            "replayed_frac": mean("routing_replayed_frac"),
-            "reward_first20": statistics.fmean(orch[:20]), "reward_last20": statistics.fmean(orch[-20:])}
+def summary(wall: float, records: list[dict]) -> dict:
+    layers = [f"routing_agreement/layer_{i}" for i in range(LAYERS)]
+    out = trainer_means(wall, records, ["mismatch_kl", "routing_agreement", "routing_replayed_frac", *layers])
+    out["agreement"], out["replayed_frac"] = out.pop("routing_agreement"), out.pop("routing_replayed_frac")
+    out["agreement_per_layer"] = [round(out.pop(k), 4) for k in layers]
+    return out
 
 
 def main() -> None:
