@@ -300,16 +300,23 @@ Z, A, EQ = 28, 3, 29
 PROMPTS = [[A, 4, 5, 6, EQ], [Z, 7, 8, EQ], [10, 11, 12, 13, 14, EQ]]
 
 
-@pytest.fixture(scope="module")
-def vllm_server(tmp_path_factory):
+MOE_MODEL = TINY_MODEL.parent / "tiny-moe"  # the same tokenizer; every layer 4 experts, top 2
+
+
+# The MoE model: vLLM's CPU MoE kernel must re-pack its experts after a broadcast load as after a
+# file reload (inference/worker_extension.py repack_cpu_experts), or it computes from scrambled
+# weights; transformers' greedy tokens below would tell.
+@pytest.fixture(scope="module", params=[TINY_MODEL, MOE_MODEL], ids=["dense", "moe"])
+def vllm_server(tmp_path_factory, request):
     from test_end_to_end import Program
 
+    model = request.param
     tmp = tmp_path_factory.mktemp("broadcast")
     run = RunDir(tmp / "run")
     run.make()
     port, address = free_port(), f"127.0.0.1:{free_port()}"
     cfg = tmp / "server.toml"
-    cfg.write_text(f'model = "{TINY_MODEL}"\noutput_dir = "{run.root}"\nseq_len = 64\n'
+    cfg.write_text(f'model = "{model}"\noutput_dir = "{run.root}"\nseq_len = 64\n'
                    f'[inference]\nport = {port}\ndtype = "float32"\n'
                    f'[weight_sync]\nkind = "broadcast"\naddress = "{address}"\ntimeout_s = 60\n')
     server = Program("inference", cfg, tmp)
@@ -327,7 +334,7 @@ def vllm_server(tmp_path_factory):
         assert time.monotonic() < deadline, server.tail()
         time.sleep(0.5)
     try:
-        yield {"url": url, "run": run, "address": address, "cfg": cfg, "tmp": tmp, "server": server}
+        yield {"url": url, "run": run, "address": address, "cfg": cfg, "tmp": tmp, "server": server, "model": model}
     finally:
         server.stop()
 
@@ -370,15 +377,15 @@ def test_real_server_receives_a_version_by_broadcast(vllm_server):
     from orchestrator.servers import ServerPool
     from trainer.broadcast import WeightBroadcaster
 
-    url, run, address = vllm_server["url"], vllm_server["run"], vllm_server["address"]
-    cfg = RunConfig.model_validate({"model": str(TINY_MODEL), "output_dir": str(run.root),
+    url, run, address, model = vllm_server["url"], vllm_server["run"], vllm_server["address"], vllm_server["model"]
+    cfg = RunConfig.model_validate({"model": str(model), "output_dir": str(run.root),
                                     "weight_sync": {"kind": "broadcast", "address": address, "timeout_s": 60}})
-    base = load_file(TINY_MODEL / "model.safetensors")
+    base = load_file(model / "model.safetensors")
     g = torch.Generator().manual_seed(0)
     new = {k: v + 0.5 * v.std() * torch.randn(v.shape, generator=g) if v.numel() > 1 else v
            for k, v in base.items()}
     files = run.weights / "files"  # the same tensors as an HF directory, for the comparison
-    shutil.copytree(TINY_MODEL, files)
+    shutil.copytree(model, files)
     save_file(new, files / "model.safetensors")
     sender: dict = {}
 
