@@ -14,6 +14,13 @@ as a trailing-20 mean at the end and its first time at --target, and greedy accu
 100, 200, 300 on the training pool (what the curriculum should learn sooner) and on 200 held-out
 rows never trained on. Results:
 benchmarks/results/curriculum.json and docs/datasets.md.
+
+--beyond-rows N adds a second training dataset drawn as often as the first: N rows of 9-12 letter
+words whose answers (7-10 tokens) cannot fit the 6 tokens that dataset samples, so no rollout of
+them is ever right (rows beyond the model's reach, as real datasets have: unsolvable or
+mislabelled items). Uniform sampling generates and then filters every one of their groups; a
+curriculum skips them once judged hard. Mode curriculum3 judges a row hard only after 3 failed
+groups in a row (hard_after 3).
 """
 
 from __future__ import annotations
@@ -48,11 +55,22 @@ def summary(wall: float, records: list[dict], target: float) -> dict:
             "heldout_accuracy": [r["eval/heldout/accuracy"] for r in evals], "pool_accuracy": pool}
 
 
+BEYOND = """
+[[orchestrator.datasets]]
+name = "beyond"
+reasoning_gym = "spell_backward"
+task_config = {{ min_word_len = 9, max_word_len = 12 }}
+size = {rows}
+max_tokens = 6
+reward_weights = {{ score = 0.0, correct = 1.0 }}
+"""
+
 MODES = {
     "uniform": ["--orchestrator.curriculum.enabled", "false"],
     "curriculum": ["--orchestrator.curriculum.enabled", "true"],
     # Easy rows skipped, hard ones always generated.
     "easy_only": ["--orchestrator.curriculum.enabled", "true", "--orchestrator.curriculum.revisit_hard", "1.0"],
+    "curriculum3": ["--orchestrator.curriculum.enabled", "true", "--orchestrator.curriculum.hard_after", "3"],
 }
 
 
@@ -66,7 +84,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--target", type=float, default=0.45, help="trailing-20 reward_sampled_mean to time")
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--modes", nargs="+", default=["uniform", "curriculum", "easy_only"], choices=list(MODES))
+    ap.add_argument("--beyond-rows", type=int, default=0, help="rows beyond reach mixed in (see above)")
     args = ap.parse_args()
 
     # The demo's config with its training rows cut to --rows (a list entry: no command-line key).
@@ -76,18 +95,22 @@ def main() -> None:
     config.parent.mkdir(parents=True, exist_ok=True)
     # Evaluated on the training pool too (the rows the curriculum chooses among: what it should
     # learn faster) besides the held-out rows; the sampled reward is over the rows each run chose.
-    config.write_text(demo.replace("size = 10000", f"size = {args.rows}") + POOL_EVAL.format(rows=args.rows))
+    beyond = BEYOND.format(rows=args.beyond_rows) if args.beyond_rows else ""
+    # Before the eval tables: a [[...datasets]] entry after them would belong to orchestrator.eval.
+    demo = demo.replace("size = 10000", f"size = {args.rows}")
+    at = demo.index("[orchestrator.eval]")
+    config.write_text(demo[:at] + beyond.lstrip() + "\n" + demo[at:] + POOL_EVAL.format(rows=args.rows))
     results = []
     for seed in args.seeds:
         for mode in args.modes:
-            out = ROOT / "runs" / "bench" / f"curriculum_{mode}_{seed}"
+            out = ROOT / "runs" / "bench" / f"curriculum_{mode}_{seed}{'_beyond' if args.beyond_rows else ''}"
             overrides = ["--max_steps", str(args.steps), "--seed", str(seed), "--orchestrator.eval.rows", "200",
                          *MODES[mode]]
             wall, records = run_rl(str(config), out, overrides, timeout_s=3600)
             row = {"seed": seed, "mode": mode, **summary(wall, records, args.target)}
             print(json.dumps(row), flush=True)
             results.append(row)
-    save_results(f"curriculum_{'_'.join(args.modes)}", args, results)
+    save_results(f"curriculum_{'_'.join(args.modes)}{'_beyond' if args.beyond_rows else ''}", args, results)
     print_table(["seed", "sampling", "wall s", "groups generated / filtered", "rows skipped",
                  "reward (trailing 20) at the end", f"s to {args.target}", "training-pool accuracy",
                  "held-out accuracy"],

@@ -51,6 +51,26 @@ def test_rows_outside_the_band_are_drawn_again_only_at_the_revisit_rate():
     assert cur.report()["curriculum/skipped"] == 0  # per step: counted afresh
 
 
+def test_a_row_counts_as_hard_only_after_hard_after_failed_groups_in_a_row():
+    cfg = CurriculumConfig(enabled=True, hard_after=3, revisit_hard=0.01, revisit_easy=0.01)
+    cur = Curriculum(cfg, seed=0)
+    p = Prompt(0, ROWS[1])
+    admitted = []
+    for rewards in ([0.0] * 8, [0.0] * 8, [1.0] + [0.0] * 7, [0.0] * 8, [0.0] * 8, [0.0] * 8):
+        cur.scored(p, rewards)
+        # Always admitted while the failures in a row are fewer than 3 (at index 0 the draw's own
+        # number then decides: 0.01).
+        admitted.append(all(cur.admit(Prompt(i, ROWS[1])) for i in range(200)))
+    # Two failures, a pass (resets), then three failures: hard from the third on.
+    assert admitted == [True, True, True, True, True, False]
+    state = cur.state()
+    assert state[row_key(p)] == [0.0, 3]
+    # The record, checkpointed and resumed, keeps the count; an older record (rates only) reads as
+    # one failure for a rate at the band's low.
+    assert Curriculum(cfg, seed=0, record=state).failures[row_key(p)] == 3
+    assert Curriculum(cfg, seed=0, record={row_key(p): 0.0}).failures[row_key(p)] == 1
+
+
 def test_a_band_and_a_pass_threshold_classify_pass_rates():
     cur = Curriculum(CurriculumConfig(enabled=True, band=(0.25, 0.75), pass_threshold=0.5), seed=0)
     p = Prompt(0, ROWS[0])
@@ -110,4 +130,5 @@ def test_a_run_records_pass_rates_skips_rows_and_checkpoints_the_record(write_to
     assert sum(r["curriculum/skipped"] for r in orch) > 0  # rows came round, and some were out of the band
     last = run.checkpoint_steps("orchestrator")[-1]
     state = json.loads((run.checkpoint_dir(last) / "orchestrator" / "state.json").read_text())
-    assert 0 < len(state["curriculum"]) <= 32 and all(0.0 <= v <= 1.0 for v in state["curriculum"].values())
+    assert 0 < len(state["curriculum"]) <= 32
+    assert all(0.0 <= rate <= 1.0 and failures >= 0 for rate, failures in state["curriculum"].values())

@@ -117,7 +117,7 @@ def test_replaying_the_models_own_routing_changes_nothing_and_agreement_counts_p
     assert torch.equal(unreplayed, plain)  # replay off: the router routes
     assert metrics["routing_agreement/layer_0"] == 1.0 and metrics["routing_agreement/layer_2"] == 1.0
     assert metrics["routing_agreement/layer_1"] == pytest.approx(1 - float(flipped.float().mean()))
-    assert metrics["routing_replayed_frac"] == 0.0
+    assert "routing_replayed_frac" not in metrics  # replay off
     on = RoutingReplay(model, replay=True)
     replay.remove()
     with on.recorded(recorded, routed, routed), torch.no_grad():
@@ -125,6 +125,24 @@ def test_replaying_the_models_own_routing_changes_nothing_and_agreement_counts_p
     # The same experts with the router's own weights: the mixing weights agree to rounding (a
     # softmax gathered at the record instead of top-k of the softmax).
     torch.testing.assert_close(replayed, plain, rtol=0, atol=1e-5)
+
+
+def test_steps_without_a_record_report_no_agreement_and_unrecorded_tokens_are_warned_about(caplog):
+    model = tiny_moe()
+    replay = RoutingReplay(model, replay=True)
+    tokens = torch.randint(0, 20, (1, 5))
+    trained = torch.ones(tokens.shape, dtype=torch.bool)
+    with replay.recorded(None, None, trained), torch.no_grad():
+        model(input_ids=tokens)
+    metrics = replay.metrics(replay.take_sums().tolist())
+    assert metrics == {"routing_replayed_frac": 0.0}  # no agreement without a record to agree with
+    with caplog.at_level("WARNING", logger="trainer"):
+        for step in (5, 6, 104, 105):
+            replay.warn_unrecorded(step, {"routing_replayed_frac": 0.9})
+        replay.warn_unrecorded(300, {"routing_replayed_frac": 1.0})
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and said[0].startswith("step 5: 10.0% of the trained tokens had no recorded routing")
+    assert said[1].startswith("step 105:")
 
 
 def test_a_batch_that_records_more_moe_layers_than_the_model_has_is_refused():

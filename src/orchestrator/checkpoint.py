@@ -45,7 +45,7 @@ def resume_point(run_dir: RunDir, sender: BatchSender) -> tuple[int, int, list[P
 
 
 def save_checkpoint(run_dir: RunDir, step: int, encoded: tuple[bytes, bytes], cursor: int, pending: list[Prompt],
-                    keep: int, curriculum: dict[str, float] | None = None) -> None:
+                    keep: int, curriculum: dict[str, list] | None = None) -> None:
     """Checkpoint batch `step` (`encoded`: its Batch.encode()) before it is handed over, keeping
     the newest `keep` checkpoints."""
     directory = run_dir.checkpoint_dir(step) / "orchestrator"

@@ -7,7 +7,8 @@ row's pass rate in its latest group (the share of rollouts with reward >= pass_t
 recorded, and when the datasets' stream draws that row again it is admitted only if the rate
 lies strictly inside `band` (low, high) (a group that can still teach), or else with probability
 `revisit_easy` / `revisit_hard`, so that easy and hard rows are tried now and then and their
-record stays current.
+record stays current. A row counts as hard only after `hard_after` groups in a row at or below
+low: one group of 8 misjudges a row the policy passes 1 time in 10 as hopeless 43% of the time.
 Rows never seen are always admitted. Nothing is reweighted: an admitted row is trained on as any
 other, the curriculum only decides which rows the generation is spent on.
 
@@ -35,10 +36,15 @@ def row_key(prompt: Prompt) -> str:
 
 
 class Curriculum:
-    def __init__(self, cfg: CurriculumConfig, seed: int, record: dict[str, float] | None = None):
+    def __init__(self, cfg: CurriculumConfig, seed: int, record: dict[str, list] | None = None):
         self.cfg, self.seed = cfg, seed
-        # Row key -> its latest group's pass rate, least recently scored first (evicted first).
-        self.rates: collections.OrderedDict[str, float] = collections.OrderedDict(record or {})
+        # Row key -> its latest group's pass rate, least recently scored first (evicted first);
+        # and how many of its groups in a row were at or below band's low (hard_after).
+        self.rates: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self.failures: dict[str, int] = {}
+        for key, value in (record or {}).items():
+            rate, failures = value if isinstance(value, list) else (value, int(value <= cfg.band[0]))
+            self.rates[key], self.failures[key] = rate, failures
         self.skipped = 0  # draws not admitted since the last report
         self.scored_rates: list[float] = []  # pass rates of the groups scored since the last report
 
@@ -48,9 +54,12 @@ class Curriculum:
 
     def admit(self, prompt: Prompt) -> bool:
         """Whether a freshly drawn row is generated (PromptQueue calls it on each new draw)."""
-        rate = self.rates.get(row_key(prompt))
+        key = row_key(prompt)
+        rate = self.rates.get(key)
         if rate is None or (kind := self.category(rate)) == "informative":
             return True
+        if kind == "hard" and self.failures[key] < self.cfg.hard_after:
+            return True  # not yet judged hopeless: another group first
         # One number per stream position: the same decision on a resumed run.
         chance = self.cfg.revisit_easy if kind == "easy" else self.cfg.revisit_hard
         if random.Random(f"{self.seed}-{prompt.index}").random() < chance:
@@ -64,8 +73,9 @@ class Curriculum:
         key = row_key(prompt)
         self.rates.pop(key, None)
         self.rates[key] = rate
+        self.failures[key] = self.failures.get(key, 0) + 1 if rate <= self.cfg.band[0] else 0
         while len(self.rates) > self.cfg.max_rows:
-            self.rates.popitem(last=False)
+            self.failures.pop(self.rates.popitem(last=False)[0], None)
         self.scored_rates.append(rate)
 
     def report(self) -> dict[str, float]:
@@ -80,6 +90,6 @@ class Curriculum:
         self.skipped, self.scored_rates = 0, []
         return out
 
-    def state(self) -> dict[str, float]:
-        """For the checkpoint: the record, in its order."""
-        return dict(self.rates)
+    def state(self) -> dict[str, list]:
+        """For the checkpoint: the record, in its order: [pass rate, hard groups in a row] per row."""
+        return {key: [rate, self.failures[key]] for key, rate in self.rates.items()}

@@ -66,7 +66,7 @@ class PromptQueue:
         self.requeued.append(prompt)
 
 
-def encode_state(step: int, cursor: int, pending: list[Prompt], curriculum: dict[str, float] | None = None) -> bytes:
+def encode_state(step: int, cursor: int, pending: list[Prompt], curriculum: dict[str, list] | None = None) -> bytes:
     """The orchestrator's checkpoint: batches 1..step are made (batch `step` is checkpointed
     beside it, orchestrator/checkpoint.py); rows below `cursor` were drawn; `pending` were drawn
     but are in no batch (queued, in flight or finished but unbatched); `curriculum`: its record
@@ -81,7 +81,7 @@ def encode_state(step: int, cursor: int, pending: list[Prompt], curriculum: dict
         raise TypeError(f"orchestrator.dataset rows must be JSON-able to checkpoint them: {e}") from None
 
 
-def decode_state(data: bytes) -> tuple[int, int, list[Prompt], dict[str, float] | None]:
+def decode_state(data: bytes) -> tuple[int, int, list[Prompt], dict[str, list] | None]:
     state = json.loads(data)
     return state["step"], state["cursor"], [Prompt(p["index"], p["row"], p.get("source", ""), p.get("where", ""))
                                             for p in state["pending"]], state.get("curriculum")

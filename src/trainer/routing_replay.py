@@ -30,6 +30,7 @@ import torch
 log = logging.getLogger("trainer")
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+WARN_EVERY = 100  # steps between two warnings about tokens replay had no record for
 
 
 def routers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
@@ -54,6 +55,7 @@ class RoutingReplay:
         self.layers = [layer for layer, _ in self.routers]
         self.current: tuple[torch.Tensor, torch.Tensor] | None = None
         self.counting = False
+        self.warned_at = -WARN_EVERY
         # Per layer: positions where the router's own top-k is the recorded one; then positions
         # recorded, trained positions replayed, trained positions.
         self.sums = torch.zeros(len(self.routers) + 3, dtype=torch.float64)
@@ -120,9 +122,23 @@ class RoutingReplay:
         return out
 
     def metrics(self, sums: list[float]) -> dict:
-        """The step's metrics from the counts summed over ranks."""
+        """The step's metrics from the counts summed over ranks: none for a step whose batch
+        carried no routing (rl sft, a server not recording), but the replayed share when replay
+        was asked for."""
         *agree, counted, replayed, trained = sums
-        out = {f"routing_agreement/layer_{layer}": a / max(counted, 1.0) for layer, a in zip(self.layers, agree)}
-        out["routing_agreement"] = sum(agree) / max(counted * len(agree), 1.0)
-        out["routing_replayed_frac"] = replayed / max(trained, 1.0)
+        out = {"routing_replayed_frac": replayed / max(trained, 1.0)} if self.replay else {}
+        if counted:
+            out.update({f"routing_agreement/layer_{layer}": a / counted for layer, a in zip(self.layers, agree)})
+            out["routing_agreement"] = sum(agree) / (counted * len(agree))
         return out
+
+    def warn_unrecorded(self, step: int, record: dict) -> None:
+        """With replay on, a step some of whose trained tokens fell back to the router's own
+        choice (no record at their position) is said, at most once every WARN_EVERY steps."""
+        share = record.get("routing_replayed_frac", 1.0)
+        if self.replay and share < 1.0 and step >= self.warned_at + WARN_EVERY:
+            self.warned_at = step
+            log.warning("step %d: %.1f%% of the trained tokens had no recorded routing and were routed by the "
+                        "trainer itself (routing_replayed_frac %.3f): the engine records only what it computes "
+                        "(prefix caching must stay off; inference.record_routing on every server)",
+                        step, 100 * (1 - share), share)

@@ -28,12 +28,12 @@ from trainer import checkpoint
 from trainer.data import MicroBatch, loss_weights, rank_micro_batches, receive_batch
 from trainer.loss import policy_loss
 from trainer.model import load_model, micro_batch_logprobs
-from trainer.routing_replay import RoutingReplay, routers
 from trainer.optim import build_optimizer
 from trainer.parallel import init_distributed
 from trainer.policy import Policy
 from trainer.profiling import StepProfiler
 from trainer.publish import make_publisher
+from trainer.routing_replay import RoutingReplay, routers
 from trainer.sampling_mask import Truncation
 from trainer.tunings import TUNINGS, tuning_kind
 
@@ -189,6 +189,8 @@ class Trainer:
                 f" checkpoint {ckpt_s:.2f}s" if ckpt_s else "",
             )
             self.warn_mismatch(policy, step, record)
+            if self.routing is not None:
+                self.routing.warn_unrecorded(step, record)
             self.prune_rollouts(policy, step)
         crash_point("trainer.after_step", step)
 
@@ -296,7 +298,8 @@ class Trainer:
         routing_sums = sums[ours:]
         loss, tokens, masked, clipped, ratio, kl, entropy, ref_kl, truncated, misses, replayed = sums[:ours]
         n = max(tokens, 1.0)
-        return {**(self.routing.metrics(routing_sums) if self.routing is not None else {}),"loss": loss, "clipped_frac": clipped / n, "masked_frac": masked / n, "ratio_mean": ratio / n,
+        return {**(self.routing.metrics(routing_sums) if self.routing is not None else {}),
+                "loss": loss, "clipped_frac": clipped / n, "masked_frac": masked / n, "ratio_mean": ratio / n,
                 "mismatch_kl": kl / n, "entropy": entropy / n, "kl": ref_kl / n,
                 "truncated_frac": truncated / n, "sampling_mask_miss_frac": misses / max(truncated, 1.0),
                 "sampling_mask_replayed_frac": replayed / max(truncated, 1.0),
