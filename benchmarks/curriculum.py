@@ -20,7 +20,7 @@ words whose answers (7-10 tokens) cannot fit the 6 tokens that dataset samples, 
 them is ever right (rows beyond the model's reach, as real datasets have: unsolvable or
 mislabelled items). Uniform sampling generates and then filters every one of their groups; a
 curriculum skips them once judged hard. Mode curriculum3 judges a row hard only after 3 failed
-groups in a row (hard_after 3).
+groups in a row (hard_after 3), curriculum4 after 4.
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ MODES = {
     # Easy rows skipped, hard ones always generated.
     "easy_only": ["--orchestrator.curriculum.enabled", "true", "--orchestrator.curriculum.revisit_hard", "1.0"],
     "curriculum3": ["--orchestrator.curriculum.enabled", "true", "--orchestrator.curriculum.hard_after", "3"],
+    "curriculum4": ["--orchestrator.curriculum.enabled", "true", "--orchestrator.curriculum.hard_after", "4"],
 }
 
 
@@ -103,14 +104,15 @@ def main() -> None:
     results = []
     for seed in args.seeds:
         for mode in args.modes:
-            out = ROOT / "runs" / "bench" / f"curriculum_{mode}_{seed}{'_beyond' if args.beyond_rows else ''}"
+            tag = f"_beyond{args.rows}" if args.beyond_rows else ""
+            out = ROOT / "runs" / "bench" / f"curriculum_{mode}_{seed}{tag}"
             overrides = ["--max_steps", str(args.steps), "--seed", str(seed), "--orchestrator.eval.rows", "200",
                          *MODES[mode]]
             wall, records = run_rl(str(config), out, overrides, timeout_s=3600)
             row = {"seed": seed, "mode": mode, **summary(wall, records, args.target)}
             print(json.dumps(row), flush=True)
             results.append(row)
-    save_results(f"curriculum_{'_'.join(args.modes)}{'_beyond' if args.beyond_rows else ''}", args, results)
+    save_results(f"curriculum_{'_'.join(args.modes)}{f'_beyond{args.rows}' if args.beyond_rows else ''}", args, results)
     print_table(["seed", "sampling", "wall s", "groups generated / filtered", "rows skipped",
                  "reward (trailing 20) at the end", f"s to {args.target}", "training-pool accuracy",
                  "held-out accuracy"],
