@@ -61,9 +61,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def build_model(tokenizer: PreTrainedTokenizerFast, shape: str = "tiny"):
-    hidden, intermediate, layers, heads, kv_heads = SHAPES[shape]
     if shape == "moe":
         return build_moe_model(tokenizer)
+    hidden, intermediate, layers, heads, kv_heads = SHAPES[shape]
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden,

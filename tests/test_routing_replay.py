@@ -203,11 +203,11 @@ def test_a_multi_turn_record_keeps_each_positions_first_routing_and_adds_the_new
     recomputed all of them (other weights: other experts) and ran 4 more. Positions 0-4 keep turn
     1's rows (the forward that sampled from them), 5-8 are turn 2's; a gap turn 1 left (a cached
     prompt position) is filled by turn 2."""
-    from orchestrator.routing_record import RoutingRecord
+    from rl.routing_rows import RoutingRows
 
     first = np.full((5, LAYERS, TOP_K), 1)
     second = np.full((9, LAYERS, TOP_K), 2)
-    record = RoutingRecord()
+    record = RoutingRows(LAYERS, TOP_K, np.uint8)
     record.add(answer(first, missing=[1]))
     record.add(answer(second))
     experts, routed = record.padded(11)  # then 2 environment tokens no request ran

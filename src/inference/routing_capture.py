@@ -18,11 +18,12 @@ forward: its position has no row (nothing the trainer scores is predicted from i
 
 from __future__ import annotations
 
-import base64
 from collections import OrderedDict
 from functools import partial
 
 import numpy as np
+
+from rl.routing_rows import RoutingRows
 
 # Finished requests' rows are kept until /generate takes them (right after the request ends); rows
 # nobody takes (an aborted or abandoned request) are dropped oldest first past either bound: a
@@ -37,33 +38,6 @@ def external_id(internal: str) -> str:
     return internal[:-9]
 
 
-class Rows:
-    """One request's rows: experts [positions, layers, top_k], and which positions have one."""
-
-    def __init__(self, layers: int, top_k: int, dtype):
-        self.experts = np.zeros((64, layers, top_k), dtype)
-        self.seen = np.zeros(64, bool)
-
-    def put(self, positions: np.ndarray, experts: np.ndarray) -> None:
-        need = int(positions.max()) + 1
-        if need > len(self.seen):
-            size = max(need, 2 * len(self.seen))
-            grown = np.zeros((size, *self.experts.shape[1:]), self.experts.dtype)
-            grown[:len(self.seen)] = self.experts
-            self.experts = grown
-            self.seen = np.concatenate([self.seen, np.zeros(size - len(self.seen), bool)])
-        new = ~self.seen[positions]  # the first row of a position stays
-        self.experts[positions[new]] = experts[new]
-        self.seen[positions[new]] = True
-
-    def encoded(self) -> dict:
-        """The rows up to the last position seen: base64 of the row-major array, and which
-        positions lack one (none unless a prompt came from a cache)."""
-        n = int(np.flatnonzero(self.seen)[-1]) + 1 if self.seen.any() else 0
-        return {"positions": n, "data": base64.b64encode(self.experts[:n].tobytes()).decode(),
-                "missing": np.flatnonzero(~self.seen[:n]).tolist()}
-
-
 class RoutingRecorder:
     """Binds to a vLLM model's MoE layers; fed each forward's layout by the worker extension."""
 
@@ -72,8 +46,8 @@ class RoutingRecorder:
         self.top_k = top_k
         self.dtype = np.uint8 if num_experts <= 256 else np.uint16
         self.forward: list[np.ndarray | None] = [None] * len(layers)
-        self.running: dict[str, Rows] = {}
-        self.finished: OrderedDict[str, Rows] = OrderedDict()
+        self.running: dict[str, RoutingRows] = {}
+        self.finished: OrderedDict[str, RoutingRows] = OrderedDict()
         self.finished_bytes = 0
 
     @classmethod
@@ -111,7 +85,7 @@ class RoutingRecorder:
             if end > start:
                 rows = self.running.get(external_id(rid))
                 if rows is None:
-                    rows = self.running[external_id(rid)] = Rows(len(self.layers), self.top_k, self.dtype)
+                    rows = self.running[external_id(rid)] = RoutingRows(len(self.layers), self.top_k, self.dtype)
                 rows.put(positions[start:end], experts[start:end])
 
     def finish(self, req_ids) -> None:

@@ -19,11 +19,9 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-import numpy as np
-
-from orchestrator.routing_record import RoutingRecord
 from rl.dataset_config import Sampling
 from rl.inference_api import GeneratedSample, GenerateRequest, GenerateResponse
+from rl.routing_rows import RoutingRows
 
 if TYPE_CHECKING:
     from orchestrator.prompts import Prompt
@@ -69,8 +67,10 @@ class Trajectory:
     # The sampler's kept set per token, as rl/batch.py carries it (0 / nothing where none).
     kept_counts: list[int] = dataclasses.field(default_factory=list)
     kept_ids: list[int] = dataclasses.field(default_factory=list)
-    # The engine's routed experts (answers asked with routed_experts: inference.record_routing).
-    routing: RoutingRecord | None = None
+    # The engine's routed experts (answers asked with routed_experts: inference.record_routing),
+    # merged over the turns: positions no answer covers (the last sampled token, environment
+    # tokens after the last turn) stay unrecorded, and replay uses the trainer's own routing there.
+    routing: RoutingRows | None = None
 
     def add(self, ids: list[int], model: GeneratedSample | None = None) -> None:
         self.tokens += ids
@@ -81,12 +81,15 @@ class Trajectory:
         self.kept_counts += [len(k) for k in kept]
         self.kept_ids += [t for k in kept for t in k]
         if model is not None and model.routed_experts is not None:
-            self.routing = self.routing or RoutingRecord()
+            self.routing = self.routing or RoutingRows.like(model.routed_experts)
             self.routing.add(model.routed_experts)
 
-    def routed_experts(self) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """(experts, routed) per token for rl/batch.py's Sample; (None, None) with no record."""
-        return self.routing.padded(len(self.tokens)) if self.routing is not None else (None, None)
+    def routing_fields(self) -> dict:
+        """rl/batch.py Sample's routed_experts and routed; none without a record."""
+        if self.routing is None:
+            return {}
+        experts, routed = self.routing.padded(len(self.tokens))
+        return {"routed_experts": experts, "routed": routed}
 
 
 class Toolkit(Protocol):

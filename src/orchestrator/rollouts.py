@@ -129,7 +129,7 @@ class Rollouts:
         samples = [Sample(t.tokens, self.trained_mask(t), t.logprobs, [a * m for m in t.loss_mask], t.versions,
                           t.reward, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                           min_p=sampling.min_p, kept_counts=t.kept_counts, kept_ids=t.kept_ids,
-                          **dict(zip(("routed_experts", "routed"), t.routed_experts())))
+                          **t.routing_fields())
                    for t, a in pieces]
         if self.teacher is not None:
             await self.add_teacher_signal(samples, gid)
