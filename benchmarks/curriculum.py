@@ -20,13 +20,15 @@ words whose answers (7-10 tokens) cannot fit the 6 tokens that dataset samples, 
 them is ever right (rows beyond the model's reach, as real datasets have: unsolvable or
 mislabelled items). Uniform sampling generates and then filters every one of their groups; a
 curriculum skips them once judged hard. Mode curriculum3 judges a row hard only after 3 failed
-groups in a row (hard_after 3), curriculum4 after 4.
+groups in a row (hard_after 3), curriculum4 after 4; curriculum3_r3 also revisits hard rows at 0.3
+instead of 0.1.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from ablations import trailing
 from rl_runs import ROOT, print_table, run_rl, save_results
@@ -47,12 +49,16 @@ def summary(wall: float, records: list[dict], target: float) -> dict:
     reached = next((r["since_launch"] for r, v in zip(orch, curve) if v >= target), None)
     evals = [r for r in records if "eval/heldout/accuracy" in r]
     pool = [r["eval/pool/accuracy"] for r in records if "eval/pool/accuracy" in r]
+    # Seconds from the run's first record (its first batch, ~15 s after launch in every mode).
+    first = min(r["time"] for r in records)
+    pool_s = [round(r["time"] - first, 1) for r in records if "eval/pool/accuracy" in r]
     return {"wall_s": round(wall, 1), "filtered": sum(r["filtered"] for r in orch),
             "generated": sum(r["filtered"] for r in orch) + 8 * len(orch),
             "skipped": sum(r.get("curriculum/skipped", 0) for r in orch),
             "reward_trailing20_end": round(curve[-1], 3),
             "target_s": None if reached is None else round(reached, 1),
-            "heldout_accuracy": [r["eval/heldout/accuracy"] for r in evals], "pool_accuracy": pool}
+            "heldout_accuracy": [r["eval/heldout/accuracy"] for r in evals], "pool_accuracy": pool,
+            "pool_s": pool_s}
 
 
 BEYOND = """
@@ -72,7 +78,44 @@ MODES = {
     "easy_only": ["--orchestrator.curriculum.enabled", "true", "--orchestrator.curriculum.revisit_hard", "1.0"],
     "curriculum3": ["--orchestrator.curriculum.enabled", "true", "--orchestrator.curriculum.hard_after", "3"],
     "curriculum4": ["--orchestrator.curriculum.enabled", "true", "--orchestrator.curriculum.hard_after", "4"],
+    "curriculum3_r3": ["--orchestrator.curriculum.enabled", "true", "--orchestrator.curriculum.hard_after", "3",
+                       "--orchestrator.curriculum.revisit_hard", "0.3"],
 }
+
+
+def plot(results: list[dict], path: Path) -> None:
+    """Training-pool accuracy against wall time, a colour per mode, a line style per seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    colours = dict(zip(MODES, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    styles = ["-", "--", ":", "-."]
+    for r in results:
+        ax.plot(r["pool_s"], r["pool_accuracy"], styles[r["seed"] % len(styles)], marker="o", markersize=3,
+                color=colours[r["mode"]], label=f"{r['mode']}, seed {r['seed']}")
+    ax.set_xlabel("seconds from the first batch")
+    ax.set_ylabel("greedy accuracy on the training pool")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print("wrote", path)
+
+
+def replot(results_file: Path, path: Path) -> None:
+    """The plot again from a results file, with each run's times read from its metrics."""
+    data = json.loads(results_file.read_text())
+    tag = f"_beyond{data['args']['rows']}" if data["args"].get("beyond_rows") else ""
+    for r in data["runs"]:
+        metrics = ROOT / "runs" / "bench" / f"curriculum_{r['mode']}_{r['seed']}{tag}" / "metrics.jsonl"
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+        first = min(rec["time"] for rec in records)
+        r["pool_s"] = [round(rec["time"] - first, 1) for rec in records if "eval/pool/accuracy" in rec]
+    results_file.write_text(json.dumps(data, indent=1) + "\n")
+    plot(data["runs"], path)
 
 
 def arrows(values: list[float]) -> str:
@@ -87,7 +130,12 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=0.45, help="trailing-20 reward_sampled_mean to time")
     ap.add_argument("--modes", nargs="+", default=["uniform", "curriculum", "easy_only"], choices=list(MODES))
     ap.add_argument("--beyond-rows", type=int, default=0, help="rows beyond reach mixed in (see above)")
+    ap.add_argument("--eval-every", type=int, default=100, help="steps between evaluations")
+    ap.add_argument("--plot", type=Path, help="also plot pool accuracy against time to this file")
+    ap.add_argument("--replot", type=Path, help="only plot (to --plot) from this results file and its runs")
     args = ap.parse_args()
+    if args.replot:
+        return replot(args.replot, args.plot or ROOT / "docs" / "curriculum_wall_time.png")
 
     # The demo's config with its training rows cut to --rows (a list entry: no command-line key).
     demo = (ROOT / "configs" / "demo.toml").read_text()
@@ -107,6 +155,7 @@ def main() -> None:
             tag = f"_beyond{args.rows}" if args.beyond_rows else ""
             out = ROOT / "runs" / "bench" / f"curriculum_{mode}_{seed}{tag}"
             overrides = ["--max_steps", str(args.steps), "--seed", str(seed), "--orchestrator.eval.rows", "200",
+                         "--orchestrator.eval.every", str(args.eval_every),
                          *MODES[mode]]
             wall, records = run_rl(str(config), out, overrides, timeout_s=3600)
             row = {"seed": seed, "mode": mode, **summary(wall, records, args.target)}
@@ -119,6 +168,8 @@ def main() -> None:
                 [[r["seed"], r["mode"], r["wall_s"], f"{r['generated']} / {r['filtered']}", r["skipped"],
                   r["reward_trailing20_end"], r["target_s"], arrows(r["pool_accuracy"]), arrows(r["heldout_accuracy"])]
                  for r in results])
+    if args.plot:
+        plot(results, args.plot)
 
 if __name__ == "__main__":
     main()

@@ -51,24 +51,34 @@ def test_rows_outside_the_band_are_drawn_again_only_at_the_revisit_rate():
     assert cur.report()["curriculum/skipped"] == 0  # per step: counted afresh
 
 
-def test_a_row_counts_as_hard_only_after_hard_after_failed_groups_in_a_row():
+def test_a_row_counts_as_hard_only_after_hard_after_failed_groups_and_never_once_passed():
     cfg = CurriculumConfig(enabled=True, hard_after=3, revisit_hard=0.01, revisit_easy=0.01)
     cur = Curriculum(cfg, seed=0)
-    p = Prompt(0, ROWS[1])
-    admitted = []
-    for rewards in ([0.0] * 8, [0.0] * 8, [1.0] + [0.0] * 7, [0.0] * 8, [0.0] * 8, [0.0] * 8):
-        cur.scored(p, rewards)
-        # Always admitted while the failures in a row are fewer than 3 (at index 0 the draw's own
-        # number then decides: 0.01).
-        admitted.append(all(cur.admit(Prompt(i, ROWS[1])) for i in range(200)))
-    # Two failures, a pass (resets), then three failures: hard from the third on.
-    assert admitted == [True, True, True, True, True, False]
+    never, once = Prompt(0, ROWS[1]), Prompt(1, ROWS[2])
+
+    def admitted(p: Prompt) -> bool:
+        # Over 200 draws (at index 0 the draw's own number decides: 0.01).
+        return all(cur.admit(Prompt(i, p.row)) for i in range(200))
+
+    seen = {"never": [], "once": []}
+    for _ in range(4):
+        cur.scored(never, [0.0] * 8)
+        seen["never"].append(admitted(never))
+    for rewards in ([0.0] * 8, [1.0] + [0.0] * 7, [0.0] * 8, [0.0] * 8, [0.0] * 8, [0.0] * 8):
+        cur.scored(once, rewards)
+        seen["once"].append(admitted(once))
+    # Never passed: admitted while its failed groups are fewer than 3, hard from the third on. Passed
+    # once: four failed groups after that pass and it is still admitted (within reach).
+    assert seen == {"never": [True, True, False, False], "once": [True] * 6}
     state = cur.state()
-    assert state[row_key(p)] == [0.0, 3]
-    # The record, checkpointed and resumed, keeps the count; an older record (rates only) reads as
-    # one failure for a rate at the band's low.
-    assert Curriculum(cfg, seed=0, record=state).failures[row_key(p)] == 3
-    assert Curriculum(cfg, seed=0, record={row_key(p): 0.0}).failures[row_key(p)] == 1
+    assert state[row_key(never)] == [0.0, 4, 0] and state[row_key(once)] == [0.0, 4, 1]
+    # The record, checkpointed and resumed, decides alike; older records ([rate, failures], or the
+    # rate alone) read as one failure at the band's low and "passed" above it.
+    resumed = Curriculum(cfg, seed=0, record=state)
+    assert (resumed.failures[row_key(never)], resumed.passed[row_key(once)]) == (4, True)
+    old = Curriculum(cfg, seed=0, record={row_key(never): [0.0, 3], row_key(once): 0.5})
+    assert (old.failures[row_key(never)], old.passed[row_key(never)]) == (3, False)
+    assert (old.failures[row_key(once)], old.passed[row_key(once)]) == (0, True)
 
 
 def test_a_band_and_a_pass_threshold_classify_pass_rates():
@@ -131,4 +141,5 @@ def test_a_run_records_pass_rates_skips_rows_and_checkpoints_the_record(write_to
     last = run.checkpoint_steps("orchestrator")[-1]
     state = json.loads((run.checkpoint_dir(last) / "orchestrator" / "state.json").read_text())
     assert 0 < len(state["curriculum"]) <= 32
-    assert all(0.0 <= rate <= 1.0 and failures >= 0 for rate, failures in state["curriculum"].values())
+    assert all(0.0 <= rate <= 1.0 and failures >= 0 and passed in (0, 1)
+               for rate, failures, passed in state["curriculum"].values())

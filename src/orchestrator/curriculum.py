@@ -8,7 +8,10 @@ recorded, and when the datasets' stream draws that row again it is admitted only
 lies strictly inside `band` (low, high) (a group that can still teach), or else with probability
 `revisit_easy` / `revisit_hard`, so that easy and hard rows are tried now and then and their
 record stays current. A row counts as hard only after `hard_after` groups in a row at or below
-low: one group of 8 misjudges a row the policy passes 1 time in 10 as hopeless 43% of the time.
+low (one group of 8 misjudges a row the policy passes 1 time in 10 as hopeless 43% of the time),
+and never once a group of it has passed above low: a row the policy has done is within its
+reach, and the groups it fails are where it learns (or relearns) it, not generation spent for
+nothing.
 Rows never seen are always admitted. Nothing is reweighted: an admitted row is trained on as any
 other, the curriculum only decides which rows the generation is spent on.
 
@@ -39,14 +42,22 @@ class Curriculum:
     def __init__(self, cfg: CurriculumConfig, seed: int, record: dict[str, list] | None = None):
         self.cfg, self.seed = cfg, seed
         # Row key -> its latest group's pass rate, least recently scored first (evicted first);
-        # and how many of its groups in a row were at or below band's low (hard_after).
+        # how many of its groups in a row were at or below band's low (hard_after); whether any of
+        # its groups was ever above it.
         self.rates: collections.OrderedDict[str, float] = collections.OrderedDict()
         self.failures: dict[str, int] = {}
+        self.passed: dict[str, bool] = {}
         for key, value in (record or {}).items():
-            rate, failures = value if isinstance(value, list) else (value, int(value <= cfg.band[0]))
-            self.rates[key], self.failures[key] = rate, failures
+            self.rates[key], self.failures[key], self.passed[key] = self._entry(value)
         self.skipped = 0  # draws not admitted since the last report
         self.scored_rates: list[float] = []  # pass rates of the groups scored since the last report
+
+    def _entry(self, value: float | list) -> tuple[float, int, bool]:
+        """A checkpointed entry: [rate, failures, passed]; older records held [rate, failures] or
+        the rate alone, read as one failure at the band's low and "passed" above it."""
+        value = value if isinstance(value, list) else [value, int(value <= self.cfg.band[0])]
+        rate, failures = value[0], int(value[1])
+        return rate, failures, bool(value[2]) if len(value) > 2 else rate > self.cfg.band[0]
 
     def category(self, rate: float) -> str:
         low, high = self.cfg.band
@@ -58,8 +69,8 @@ class Curriculum:
         rate = self.rates.get(key)
         if rate is None or (kind := self.category(rate)) == "informative":
             return True
-        if kind == "hard" and self.failures[key] < self.cfg.hard_after:
-            return True  # not yet judged hopeless: another group first
+        if kind == "hard" and (self.passed[key] or self.failures[key] < self.cfg.hard_after):
+            return True  # passed before, or not yet judged hopeless: another group first
         # One number per stream position: the same decision on a resumed run.
         chance = self.cfg.revisit_easy if kind == "easy" else self.cfg.revisit_hard
         if random.Random(f"{self.seed}-{prompt.index}").random() < chance:
@@ -74,8 +85,10 @@ class Curriculum:
         self.rates.pop(key, None)
         self.rates[key] = rate
         self.failures[key] = self.failures.get(key, 0) + 1 if rate <= self.cfg.band[0] else 0
+        self.passed[key] = self.passed.get(key, False) or rate > self.cfg.band[0]
         while len(self.rates) > self.cfg.max_rows:
-            self.failures.pop(self.rates.popitem(last=False)[0], None)
+            oldest = self.rates.popitem(last=False)[0]
+            del self.failures[oldest], self.passed[oldest]
         self.scored_rates.append(rate)
 
     def report(self) -> dict[str, float]:
@@ -91,5 +104,6 @@ class Curriculum:
         return out
 
     def state(self) -> dict[str, list]:
-        """For the checkpoint: the record, in its order: [pass rate, hard groups in a row] per row."""
-        return {key: [rate, self.failures[key]] for key, rate in self.rates.items()}
+        """For the checkpoint: the record, in its order: [pass rate, hard groups in a row, passed
+        ever (0/1)] per row."""
+        return {key: [rate, self.failures[key], int(self.passed[key])] for key, rate in self.rates.items()}

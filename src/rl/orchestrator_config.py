@@ -113,7 +113,9 @@ class CurriculumConfig(Section):
     """Groups in a row at or below band's low before a row counts as hard (is skipped but for
     revisits). One group of 8 shows no pass for a row the policy passes 1 time in 10 in 43% of
     draws, 2 in a row 18%, 3 in a row 8%: above 1, rows the policy is about to learn keep being
-    generated while rows beyond its reach are still skipped after a few tries."""
+    generated while rows beyond its reach are still skipped after a few tries. A row any group
+    of which was ever above low never counts as hard: the policy has done it, its failures are
+    where it learns it again."""
 
     pass_threshold: float = 1.0
     """A rollout passes when its reward is at least this (1.0: an exact answer under the shipped
