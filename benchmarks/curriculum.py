@@ -105,6 +105,26 @@ def plot(results: list[dict], path: Path) -> None:
     print("wrote", path)
 
 
+def at_times(results: list[dict], times: list[float]) -> None:
+    """Pool accuracy each run had at each of `times` (its last evaluation by then: what stopping it
+    there would give; a run that already ended keeps its last), and the mean over seeds."""
+    rows = []
+    for mode in dict.fromkeys(r["mode"] for r in results):
+        runs = [r for r in results if r["mode"] == mode]
+        cells = []
+        for t in times:
+            values = [[a for a, s in zip(r["pool_accuracy"], r["pool_s"]) if s <= t][-1] for r in runs]
+            cells.append(f"{sum(values) / len(values):.3f} ({', '.join(f'{v:.3f}' for v in values)})")
+        rows.append([mode, *cells])
+    print_table(["sampling", *(f"pool accuracy at {t:g} s (seeds)" for t in times)], rows)
+    # And the other way round: seconds until the pool accuracy first reached each level.
+    levels = [0.50, 0.52, 0.55]
+    print_table(["sampling", *(f"s to pool accuracy {v:.2f} (seeds)" for v in levels)],
+                [[mode, *(", ".join(str(next((s for a, s in zip(r["pool_accuracy"], r["pool_s"]) if a >= v), "-"))
+                                    for r in results if r["mode"] == mode) for v in levels)]
+                 for mode in dict.fromkeys(r["mode"] for r in results)])
+
+
 def replot(results_file: Path, path: Path) -> None:
     """The plot again from a results file, with each run's times read from its metrics."""
     data = json.loads(results_file.read_text())
@@ -116,6 +136,7 @@ def replot(results_file: Path, path: Path) -> None:
         r["pool_s"] = [round(rec["time"] - first, 1) for rec in records if "eval/pool/accuracy" in rec]
     results_file.write_text(json.dumps(data, indent=1) + "\n")
     plot(data["runs"], path)
+    at_times(data["runs"], [100, 150, 200, 250, 300, 400])
 
 
 def arrows(values: list[float]) -> str:
@@ -131,6 +152,8 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["uniform", "curriculum", "easy_only"], choices=list(MODES))
     ap.add_argument("--beyond-rows", type=int, default=0, help="rows beyond reach mixed in (see above)")
     ap.add_argument("--eval-every", type=int, default=100, help="steps between evaluations")
+    ap.add_argument("--budget-s", type=float, help="stop each run this many seconds after launch (a wall "
+                    "budget alike for every mode; --steps then only caps it)")
     ap.add_argument("--plot", type=Path, help="also plot pool accuracy against time to this file")
     ap.add_argument("--replot", type=Path, help="only plot (to --plot) from this results file and its runs")
     args = ap.parse_args()
@@ -157,7 +180,7 @@ def main() -> None:
             overrides = ["--max_steps", str(args.steps), "--seed", str(seed), "--orchestrator.eval.rows", "200",
                          "--orchestrator.eval.every", str(args.eval_every),
                          *MODES[mode]]
-            wall, records = run_rl(str(config), out, overrides, timeout_s=3600)
+            wall, records = run_rl(str(config), out, overrides, timeout_s=3600, stop_after_s=args.budget_s)
             row = {"seed": seed, "mode": mode, **summary(wall, records, args.target)}
             print(json.dumps(row), flush=True)
             results.append(row)
@@ -170,6 +193,7 @@ def main() -> None:
                  for r in results])
     if args.plot:
         plot(results, args.plot)
+    at_times(results, [100, 150, 200, 250, 300, 400])
 
 if __name__ == "__main__":
     main()

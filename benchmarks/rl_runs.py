@@ -132,7 +132,7 @@ def save_results(name: str, args, runs: list[dict]) -> Path:
     """benchmarks/results/<name>.json: the arguments and each run's summary."""
     path = ROOT / "benchmarks" / "results" / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1) + "\n")
+    path.write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1, default=str) + "\n")
     return path
 
 

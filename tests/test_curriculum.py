@@ -28,7 +28,8 @@ def fetch(source: str, draw: int) -> tuple[dict, str]:
 
 
 def test_rows_outside_the_band_are_drawn_again_only_at_the_revisit_rate():
-    cur = Curriculum(CurriculumConfig(enabled=True, band=(0.0, 1.0), revisit_easy=0.2, revisit_hard=0.5), seed=0)
+    cur = Curriculum(CurriculumConfig(enabled=True, band=(0.0, 1.0), revisit_easy=0.2, revisit_hard=0.5,
+                                      hard_after=1), seed=0)
     queue = PromptQueue(stream(10_000), fetch, admit=cur.admit)
     first = [queue.take() for _ in range(4)]  # never seen: all admitted
     assert [p.row for p in first] == ROWS
