@@ -6,14 +6,17 @@ configs/demo.toml (models/tiny-chat, reasoning-gym spell_backward, exact-match r
 x 8, zero-variance filtering on) with its training rows cut to --rows, so that they come round
 every rows / 8 steps: words of 3 to 7 letters, a mix of rows the model always, never and
 sometimes spells right. Each seed runs, one after the other: uniform (every drawn row
-generated), curriculum (the defaults: rows whose last pass rate was 0 or 1 skipped but for 10%
-revisits) and easy_only (rows all of whose rollouts passed skipped, hard ones always generated). Per run: wall seconds, the groups generated and those filtered for zero
+generated), curriculum (the defaults: rows all of whose rollouts passed, and rows never passed
+that failed 3 groups in a row, skipped but for 10% revisits) and easy_only (rows all of whose rollouts passed skipped, hard ones always generated). Per run: wall seconds, the groups generated and those filtered for zero
 variance (generation spent for nothing), rows skipped, the policy's own reward
 (`reward_sampled_mean`, over the rows each run chose to generate: not comparable between the two)
 as a trailing-20 mean at the end and its first time at --target, and greedy accuracy at steps 0,
 100, 200, 300 on the training pool (what the curriculum should learn sooner) and on 200 held-out
 rows never trained on. Results:
-benchmarks/results/curriculum.json and docs/datasets.md.
+benchmarks/results/curriculum*.json and docs/datasets.md; --eval-every 50 for finer curves,
+--budget-s to give every mode the same wall time, --plot FILE for pool accuracy against time,
+--replot RESULTS to redraw one (docs/curriculum_wall_time.png) and print accuracy at fixed times
+and the seconds to fixed accuracies.
 
 --beyond-rows N adds a second training dataset drawn as often as the first: N rows of 9-12 letter
 words whose answers (7-10 tokens) cannot fit the 6 tokens that dataset samples, so no rollout of
