@@ -95,9 +95,9 @@ def plot(results: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     colours = dict(zip(MODES, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
-    styles = ["-", "--", ":", "-."]
+    styles = ["-", "--", ":", "-.", (0, (6, 1, 1, 1, 1, 1))]
     for r in results:
-        ax.plot(r["pool_s"], r["pool_accuracy"], styles[r["seed"] % len(styles)], marker="o", markersize=3,
+        ax.plot(r["pool_s"], r["pool_accuracy"], linestyle=styles[r["seed"] % len(styles)], marker="o", markersize=3,
                 color=colours[r["mode"]], label=f"{r['mode']}, seed {r['seed']}")
     ax.set_xlabel("seconds from the first batch")
     ax.set_ylabel("greedy accuracy on the training pool")
