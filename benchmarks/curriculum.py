@@ -7,8 +7,9 @@ x 8, zero-variance filtering on) with its training rows cut to --rows, so that t
 every rows / 8 steps: words of 3 to 7 letters, a mix of rows the model always, never and
 sometimes spells right. Each seed runs, one after the other: uniform (every drawn row
 generated), curriculum (the defaults: rows all of whose rollouts passed, and rows never passed
-that failed 3 groups in a row, skipped but for 10% revisits) and easy_only (rows all of whose rollouts passed skipped, hard ones always generated). Per run: wall seconds, the groups generated and those filtered for zero
-variance (generation spent for nothing), rows skipped, the policy's own reward
+that failed 3 groups in a row, skipped but for 10% revisits) and easy_only (rows all of whose
+rollouts passed skipped, hard ones always generated). Per run: wall seconds, the groups generated
+and those filtered for zero variance (generation spent for nothing), rows skipped, the policy's own reward
 (`reward_sampled_mean`, over the rows each run chose to generate: not comparable between the two)
 as a trailing-20 mean at the end and its first time at --target, and greedy accuracy at steps 0,
 100, 200, 300 on the training pool (what the curriculum should learn sooner) and on 200 held-out
@@ -52,16 +53,20 @@ def summary(wall: float, records: list[dict], target: float) -> dict:
     reached = next((r["since_launch"] for r, v in zip(orch, curve) if v >= target), None)
     evals = [r for r in records if "eval/heldout/accuracy" in r]
     pool = [r["eval/pool/accuracy"] for r in records if "eval/pool/accuracy" in r]
-    # Seconds from the run's first record (its first batch, ~15 s after launch in every mode).
-    first = min(r["time"] for r in records)
-    pool_s = [round(r["time"] - first, 1) for r in records if "eval/pool/accuracy" in r]
     return {"wall_s": round(wall, 1), "filtered": sum(r["filtered"] for r in orch),
             "generated": sum(r["filtered"] for r in orch) + 8 * len(orch),
             "skipped": sum(r.get("curriculum/skipped", 0) for r in orch),
             "reward_trailing20_end": round(curve[-1], 3),
             "target_s": None if reached is None else round(reached, 1),
             "heldout_accuracy": [r["eval/heldout/accuracy"] for r in evals], "pool_accuracy": pool,
-            "pool_s": pool_s}
+            "pool_s": pool_times(records)}
+
+
+def pool_times(records: list[dict]) -> list[float]:
+    """When each pool evaluation ran: seconds from the run's first record (its first batch, ~15 s
+    after launch in every mode)."""
+    first = min(r["time"] for r in records)
+    return [round(r["time"] - first, 1) for r in records if "eval/pool/accuracy" in r]
 
 
 BEYOND = """
@@ -110,22 +115,26 @@ def plot(results: list[dict], path: Path) -> None:
 
 def at_times(results: list[dict], times: list[float]) -> None:
     """Pool accuracy each run had at each of `times` (its last evaluation by then: what stopping it
-    there would give; a run that already ended keeps its last), and the mean over seeds."""
+    there would give; a run that already ended keeps its last) with the mean over seeds, and the
+    other way round, the seconds until it first reached each of a few levels."""
+    by_mode: dict[str, list[dict]] = {}
+    for r in results:
+        by_mode.setdefault(r["mode"], []).append(r)
+
+    def at(r: dict, t: float) -> float:
+        return [a for a, s in zip(r["pool_accuracy"], r["pool_s"]) if s <= t][-1]
+
+    def reached(r: dict, level: float) -> str:
+        return str(next((s for a, s in zip(r["pool_accuracy"], r["pool_s"]) if a >= level), "-"))
+
     rows = []
-    for mode in dict.fromkeys(r["mode"] for r in results):
-        runs = [r for r in results if r["mode"] == mode]
-        cells = []
-        for t in times:
-            values = [[a for a, s in zip(r["pool_accuracy"], r["pool_s"]) if s <= t][-1] for r in runs]
-            cells.append(f"{sum(values) / len(values):.3f} ({', '.join(f'{v:.3f}' for v in values)})")
-        rows.append([mode, *cells])
+    for mode, runs in by_mode.items():
+        values = [[at(r, t) for r in runs] for t in times]
+        rows.append([mode, *(f"{sum(v) / len(v):.3f} ({', '.join(f'{x:.3f}' for x in v)})" for v in values)])
     print_table(["sampling", *(f"pool accuracy at {t:g} s (seeds)" for t in times)], rows)
-    # And the other way round: seconds until the pool accuracy first reached each level.
     levels = [0.50, 0.52, 0.55]
     print_table(["sampling", *(f"s to pool accuracy {v:.2f} (seeds)" for v in levels)],
-                [[mode, *(", ".join(str(next((s for a, s in zip(r["pool_accuracy"], r["pool_s"]) if a >= v), "-"))
-                                    for r in results if r["mode"] == mode) for v in levels)]
-                 for mode in dict.fromkeys(r["mode"] for r in results)])
+                [[mode, *(", ".join(reached(r, v) for r in runs) for v in levels)] for mode, runs in by_mode.items()])
 
 
 def replot(results_file: Path, path: Path) -> None:
@@ -134,9 +143,7 @@ def replot(results_file: Path, path: Path) -> None:
     tag = f"_beyond{data['args']['rows']}" if data["args"].get("beyond_rows") else ""
     for r in data["runs"]:
         metrics = ROOT / "runs" / "bench" / f"curriculum_{r['mode']}_{r['seed']}{tag}" / "metrics.jsonl"
-        records = [json.loads(line) for line in metrics.read_text().splitlines()]
-        first = min(rec["time"] for rec in records)
-        r["pool_s"] = [round(rec["time"] - first, 1) for rec in records if "eval/pool/accuracy" in rec]
+        r["pool_s"] = pool_times([json.loads(line) for line in metrics.read_text().splitlines()])
     results_file.write_text(json.dumps(data, indent=1) + "\n")
     plot(data["runs"], path)
     at_times(data["runs"], [100, 150, 200, 250, 300, 400])
