@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 from ablations import trailing
@@ -125,7 +126,8 @@ def at_times(results: list[dict], times: list[float]) -> None:
         return [a for a, s in zip(r["pool_accuracy"], r["pool_s"]) if s <= t][-1]
 
     def reached(r: dict, level: float) -> str:
-        return str(next((s for a, s in zip(r["pool_accuracy"], r["pool_s"]) if a >= level), "-"))
+        t = first_time(r, level)
+        return "-" if t is None else str(t)
 
     rows = []
     for mode, runs in by_mode.items():
@@ -135,6 +137,31 @@ def at_times(results: list[dict], times: list[float]) -> None:
     levels = [0.50, 0.52, 0.55]
     print_table(["sampling", *(f"s to pool accuracy {v:.2f} (seeds)" for v in levels)],
                 [[mode, *(", ".join(reached(r, v) for r in runs) for v in levels)] for mode, runs in by_mode.items()])
+
+
+def first_time(r: dict, level: float) -> float | None:
+    """Seconds until a run's pool accuracy first reached `level` (None: never)."""
+    return next((s for a, s in zip(r["pool_accuracy"], r["pool_s"]) if a >= level), None)
+
+
+def paired(results: list[dict], levels: list[float]) -> None:
+    """Each mode against uniform sampling seed by seed (the same seed: the same rows, the same
+    start): on how many seeds it reached each level sooner (a run that never reached it is the
+    slower), and the median of its time over uniform's where both reached it."""
+    uniform = {r["seed"]: r for r in results if r["mode"] == "uniform"}
+    rows = []
+    for mode in dict.fromkeys(r["mode"] for r in results if r["mode"] != "uniform"):
+        pairs = [(r, uniform[r["seed"]]) for r in results if r["mode"] == mode and r["seed"] in uniform]
+        cells = []
+        for level in levels:
+            times = [(first_time(a, level), first_time(b, level)) for a, b in pairs]
+            inf = float("inf")
+            sooner = sum((a if a is not None else inf) < (b if b is not None else inf) for a, b in times)
+            ratios = [a / b for a, b in times if a is not None and b is not None]
+            cells.append(f"{sooner} of {len(pairs)}, median ratio {statistics.median(ratios):.2f}" if ratios
+                         else f"{sooner} of {len(pairs)}")
+        rows.append([mode, *cells])
+    print_table(["sampling, against uniform", *(f"sooner to {v:.2f} (seeds), time ratio" for v in levels)], rows)
 
 
 def replot(results_file: Path, path: Path) -> None:
@@ -147,6 +174,7 @@ def replot(results_file: Path, path: Path) -> None:
     results_file.write_text(json.dumps(data, indent=1) + "\n")
     plot(data["runs"], path)
     at_times(data["runs"], [100, 150, 200, 250, 300, 400])
+    paired(data["runs"], [0.50, 0.52, 0.55])
 
 
 def arrows(values: list[float]) -> str:
@@ -204,6 +232,8 @@ def main() -> None:
     if args.plot:
         plot(results, args.plot)
     at_times(results, [100, 150, 200, 250, 300, 400])
+    paired(results, [0.50, 0.52, 0.55])
+
 
 if __name__ == "__main__":
     main()
