@@ -51,6 +51,9 @@ VARIANTS = {
     # The trainer on both cores, two threads: the engine's core is idle part of a train-bound step.
     "trainer2": ["--trainer.cpus", "[0, 1]", "--trainer.torch_threads", "2"],
     "async2_trainer2": ["--max_async_level", "2", "--trainer.cpus", "[0, 1]", "--trainer.torch_threads", "2"],
+    # Weights loaded between two decode steps: the engine neither drains running requests
+    # (pause mode "wait", their batch shrinking to nothing) nor holds new ones back first.
+    "inflight": ["--orchestrator.in_flight_updates", "true"],
 }
 
 

@@ -93,7 +93,8 @@ MODES = {
 
 
 def plot(results: list[dict], path: Path) -> None:
-    """Training-pool accuracy against wall time, a colour per mode, a line style per seed."""
+    """Training-pool accuracy against wall time, a colour per mode: each seed a thin line, the
+    mean over seeds (of each run's last evaluation by then, as at_times reads it) a thick one."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -101,10 +102,12 @@ def plot(results: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     colours = dict(zip(MODES, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
-    styles = ["-", "--", ":", "-.", (0, (6, 1, 1, 1, 1, 1))]
     for r in results:
-        ax.plot(r["pool_s"], r["pool_accuracy"], linestyle=styles[r["seed"] % len(styles)], marker="o", markersize=3,
-                color=colours[r["mode"]], label=f"{r['mode']}, seed {r['seed']}")
+        ax.plot(r["pool_s"], r["pool_accuracy"], color=colours[r["mode"]], alpha=0.25, linewidth=0.8)
+    for mode, runs in by_mode(results).items():
+        grid = list(range(10, int(min(r["pool_s"][-1] for r in runs)) + 1, 10))
+        mean = [sum(accuracy_at(r, t) for r in runs) / len(runs) for t in grid]
+        ax.plot(grid, mean, color=colours[mode], linewidth=2.2, label=f"{mode}, mean of {len(runs)} seeds")
     ax.set_xlabel("seconds from the first batch")
     ax.set_ylabel("greedy accuracy on the training pool")
     ax.grid(alpha=0.3)
@@ -114,29 +117,35 @@ def plot(results: list[dict], path: Path) -> None:
     print("wrote", path)
 
 
-def at_times(results: list[dict], times: list[float]) -> None:
-    """Pool accuracy each run had at each of `times` (its last evaluation by then: what stopping it
-    there would give; a run that already ended keeps its last) with the mean over seeds, and the
-    other way round, the seconds until it first reached each of a few levels."""
-    by_mode: dict[str, list[dict]] = {}
+def by_mode(results: list[dict]) -> dict[str, list[dict]]:
+    modes: dict[str, list[dict]] = {}
     for r in results:
-        by_mode.setdefault(r["mode"], []).append(r)
+        modes.setdefault(r["mode"], []).append(r)
+    return modes
 
-    def at(r: dict, t: float) -> float:
-        return [a for a, s in zip(r["pool_accuracy"], r["pool_s"]) if s <= t][-1]
 
+def accuracy_at(r: dict, t: float) -> float:
+    """A run's pool accuracy at `t`: its last evaluation by then (what stopping it there would give;
+    a run that already ended keeps its last)."""
+    return [a for a, s in zip(r["pool_accuracy"], r["pool_s"]) if s <= t][-1]
+
+
+def at_times(results: list[dict], times: list[float]) -> None:
+    """Pool accuracy each run had at each of `times` (accuracy_at) with the mean over seeds, and the
+    other way round, the seconds until it first reached each of a few levels."""
+    modes = by_mode(results)
     def reached(r: dict, level: float) -> str:
         t = first_time(r, level)
         return "-" if t is None else str(t)
 
     rows = []
-    for mode, runs in by_mode.items():
-        values = [[at(r, t) for r in runs] for t in times]
+    for mode, runs in modes.items():
+        values = [[accuracy_at(r, t) for r in runs] for t in times]
         rows.append([mode, *(f"{sum(v) / len(v):.3f} ({', '.join(f'{x:.3f}' for x in v)})" for v in values)])
     print_table(["sampling", *(f"pool accuracy at {t:g} s (seeds)" for t in times)], rows)
     levels = [0.50, 0.52, 0.55]
     print_table(["sampling", *(f"s to pool accuracy {v:.2f} (seeds)" for v in levels)],
-                [[mode, *(", ".join(reached(r, v) for r in runs) for v in levels)] for mode, runs in by_mode.items()])
+                [[mode, *(", ".join(reached(r, v) for r in runs) for v in levels)] for mode, runs in modes.items()])
 
 
 def first_time(r: dict, level: float) -> float | None:
