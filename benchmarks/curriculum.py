@@ -134,6 +134,7 @@ def at_times(results: list[dict], times: list[float]) -> None:
     """Pool accuracy each run had at each of `times` (accuracy_at) with the mean over seeds, and the
     other way round, the seconds until it first reached each of a few levels."""
     modes = by_mode(results)
+
     def reached(r: dict, level: float) -> str:
         t = first_time(r, level)
         return "-" if t is None else str(t)
