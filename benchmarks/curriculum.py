@@ -117,6 +117,10 @@ def plot(results: list[dict], path: Path) -> None:
     print("wrote", path)
 
 
+TIMES = [100, 150, 200, 250, 300, 400]  # seconds from the first batch the tables read accuracy at
+LEVELS = [0.50, 0.52, 0.55]  # pool accuracies the tables time
+
+
 def by_mode(results: list[dict]) -> dict[str, list[dict]]:
     modes: dict[str, list[dict]] = {}
     for r in results:
@@ -144,9 +148,8 @@ def at_times(results: list[dict], times: list[float]) -> None:
         values = [[accuracy_at(r, t) for r in runs] for t in times]
         rows.append([mode, *(f"{sum(v) / len(v):.3f} ({', '.join(f'{x:.3f}' for x in v)})" for v in values)])
     print_table(["sampling", *(f"pool accuracy at {t:g} s (seeds)" for t in times)], rows)
-    levels = [0.50, 0.52, 0.55]
-    print_table(["sampling", *(f"s to pool accuracy {v:.2f} (seeds)" for v in levels)],
-                [[mode, *(", ".join(reached(r, v) for r in runs) for v in levels)] for mode, runs in modes.items()])
+    print_table(["sampling", *(f"s to pool accuracy {v:.2f} (seeds)" for v in LEVELS)],
+                [[mode, *(", ".join(reached(r, v) for r in runs) for v in LEVELS)] for mode, runs in modes.items()])
 
 
 def first_time(r: dict, level: float) -> float | None:
@@ -158,15 +161,16 @@ def paired(results: list[dict], levels: list[float]) -> None:
     """Each mode against uniform sampling seed by seed (the same seed: the same rows, the same
     start): on how many seeds it reached each level sooner (a run that never reached it is the
     slower), and the median of its time over uniform's where both reached it."""
-    uniform = {r["seed"]: r for r in results if r["mode"] == "uniform"}
+    modes = by_mode(results)
+    uniform = {r["seed"]: r for r in modes.pop("uniform", [])}
+    never = float("inf")
     rows = []
-    for mode in dict.fromkeys(r["mode"] for r in results if r["mode"] != "uniform"):
-        pairs = [(r, uniform[r["seed"]]) for r in results if r["mode"] == mode and r["seed"] in uniform]
+    for mode, runs in modes.items():
+        pairs = [(r, uniform[r["seed"]]) for r in runs if r["seed"] in uniform]
         cells = []
         for level in levels:
             times = [(first_time(a, level), first_time(b, level)) for a, b in pairs]
-            inf = float("inf")
-            sooner = sum((a if a is not None else inf) < (b if b is not None else inf) for a, b in times)
+            sooner = sum((never if a is None else a) < (never if b is None else b) for a, b in times)
             ratios = [a / b for a, b in times if a is not None and b is not None]
             cells.append(f"{sooner} of {len(pairs)}, median ratio {statistics.median(ratios):.2f}" if ratios
                          else f"{sooner} of {len(pairs)}")
@@ -183,8 +187,8 @@ def replot(results_file: Path, path: Path) -> None:
         r["pool_s"] = pool_times([json.loads(line) for line in metrics.read_text().splitlines()])
     results_file.write_text(json.dumps(data, indent=1) + "\n")
     plot(data["runs"], path)
-    at_times(data["runs"], [100, 150, 200, 250, 300, 400])
-    paired(data["runs"], [0.50, 0.52, 0.55])
+    at_times(data["runs"], TIMES)
+    paired(data["runs"], LEVELS)
 
 
 def arrows(values: list[float]) -> str:
@@ -241,8 +245,8 @@ def main() -> None:
                  for r in results])
     if args.plot:
         plot(results, args.plot)
-    at_times(results, [100, 150, 200, 250, 300, 400])
-    paired(results, [0.50, 0.52, 0.55])
+    at_times(results, TIMES)
+    paired(results, LEVELS)
 
 
 if __name__ == "__main__":
