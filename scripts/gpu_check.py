@@ -19,6 +19,10 @@ Items, each in a process of its own with a timeout, its logs under --out/<item>/
                reward the check writes itself
   sft          `rl sft` of the model on rows the check writes: held-out loss falls, a SIGKILLed
                run resumes to the uninterrupted run's weights, a LoRA run publishes an adapter
+  placement    `rl run --dry-run` on every GPU: the server and the trainer get the documented GPUs
+  shared-gpu   a 2-step `rl run` on one GPU: the trainer starts once the server serves
+  reload-v2    an in-flight reload on vLLM's V2 model runner (a GPU build's default, async
+               scheduling on): every token's version exact (GPU only, like the two above)
 
 Each is PASS, FAIL (one line why, and the log to read) or SKIP (why); exit code 1 when one
 FAILed. docs/performance.md ("The GPU check") describes the items and shows a CPU report.
@@ -51,6 +55,7 @@ from pathlib import Path
 from gpu_check_items import (CheckFailed, Context, check_environment, check_lora, check_run, check_trainer,
                              first_line, last_line, package_version)
 from gpu_check_processes import PeakMemory, become_subreaper, clean_up, descendants, nvidia_smi
+from gpu_check_placement import check_placement, check_reload_v2, check_shared_gpu
 from gpu_check_serving import check_broadcast, check_reload
 from gpu_check_sft import check_sft
 
@@ -77,7 +82,11 @@ ITEMS = [
     Item("lora", 1, 900, "a 2-step `rl run` with LoRA adapters"),
     Item("run", 1, 900, "a 3-step `rl run` (full fine-tuning, files delivery)"),
     Item("sft", 0, 900, "`rl sft`: held-out loss falls, SIGKILL and --resume, LoRA"),
+    Item("placement", 0, 300, "`rl run --dry-run`: the GPUs the server and the trainer get"),
+    Item("shared-gpu", 1, 900, "a 2-step `rl run` on one GPU: the trainer starts once the server serves"),
+    Item("reload-v2", 1, 600, "an in-flight reload on vLLM's V2 runner: every token's version exact"),
 ]
+GPU_ONLY = ("placement", "shared-gpu", "reload-v2")  # issue 51's GPU path: nothing to check on CPU
 NAMES = [i.name for i in ITEMS]
 
 
@@ -151,7 +160,7 @@ def skip_reason(item: str, machine: dict, gpus: int) -> str | None:
     """Why an item cannot run here, or None. On CPU every item has a CPU path."""
     count = machine["cuda_devices"]
     if count == 0:
-        return None
+        return "GPU only (rl/gpu_placement.py's decisions are tested on CPU)" if item in GPU_ONLY else None
     if item == "trainer-N" and (gpus or count) < 2:
         return f"needs 2 GPUs, found {count}" if not gpus else "--gpus 1: one rank is trainer-1"
     if item == "trainer-N" and gpus > count:
@@ -318,6 +327,9 @@ CHECKS = {
     "lora": check_lora,
     "run": check_run,
     "sft": check_sft,
+    "placement": check_placement,
+    "shared-gpu": check_shared_gpu,
+    "reload-v2": check_reload_v2,
 }
 
 

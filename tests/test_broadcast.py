@@ -455,3 +455,329 @@ def test_real_server_receives_a_version_by_broadcast(vllm_server):
     # And what transformers generates from those weights (tied lm_head included).
     assert [tokens for tokens, _ in by_broadcast] == hf_greedy(files)
     assert missed[0] == 409 and "broadcast without this server" in missed[1]
+
+
+# --- failures on NCCL, decided and checked on CPU (rl/broadcast.py NCCL_ENV; docs/reliability.md) ----
+# No GPU here: ProcessGroupNCCL is faked with the interface Group uses, and what Group relies on
+# in torch itself is pinned below (by the real class where torch has NCCL, else by torch's sources).
+
+
+class FakeNCCL:
+    """Stands in for ProcessGroupNCCL (absent from CPU builds): records what its constructor saw
+    (the NCCL_ENV keys, the options) and what the group did to it."""
+
+    class Options:
+        def __init__(self):
+            self._timeout = None
+
+    built: list = []
+
+    def __init__(self, store, rank, size, options):
+        import os
+
+        self.env = {k: os.environ.get(k) for k in bc.NCCL_ENV}
+        self.options, self.rank, self.size = options, rank, size
+        self.connected, self.issued = [], []
+        self.aborted = self.shut = 0
+        self.work = None  # what the next collective returns
+        type(self).built.append(self)
+
+    def eager_connect_single_device(self, device):
+        self.connected.append(device)
+
+    def broadcast(self, tensors, opts):
+        self.issued.append(("broadcast", opts.timeout))
+        return self.work
+
+    def allreduce(self, tensors, opts):
+        self.issued.append(("allreduce", opts.timeout))
+        return self.work
+
+    def abort(self):
+        self.aborted += 1
+
+    def shutdown(self):
+        self.shut += 1
+
+
+class FakeWork:
+    """A collective's work: wait(timeout) returns `result` or raises `error`."""
+
+    def __init__(self, result=True, error=None):
+        self.result, self.error, self.waits = result, error, []
+
+    def wait(self, timeout):
+        self.waits.append(timeout)
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+@pytest.fixture
+def fake_nccl(monkeypatch):
+    """torch.distributed.distributed_c10d.ProcessGroupNCCL, faked; the list of those built."""
+    from torch.distributed import distributed_c10d
+
+    built: list = []
+    monkeypatch.setattr(FakeNCCL, "built", built)
+    monkeypatch.setattr(distributed_c10d, "ProcessGroupNCCL", FakeNCCL, raising=False)
+    return built
+
+
+FAKE_ADDRESS = "127.0.0.1:29999"
+
+
+def nccl_group(rank: int = 0, world: int = 3, timeout_s: float = 5.0, members=(1, 2)) -> bc.Group:
+    """A Group over the faked NCCL on an in-memory store where `members` registered ("cpu": the
+    device only decides whether a CUDA stream is synchronized)."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    for r in members:
+        store.set(f"asyncrl/member/{r}", f"fake worker {r}")
+    return bc.Group(store, rank, world, "nccl", "cpu", FAKE_ADDRESS, timeout_s)
+
+
+def test_nccl_groups_are_built_with_blocking_wait_and_no_teardown_gloo_with_nothing():
+    assert bc.backend_env("gloo") == {}
+    env = bc.backend_env("nccl")
+    # Waits raise in the caller (no watchdog thread); a watchdog, should one run, cleans up only
+    # (2: never tears the process down); no heartbeat monitor, no dump on timeout.
+    assert env == {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+                   "TORCH_NCCL_ENABLE_MONITORING": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
+    env["TORCH_NCCL_BLOCKING_WAIT"] = "0"
+    assert bc.backend_env("nccl")["TORCH_NCCL_BLOCKING_WAIT"] == "1"  # a copy each time
+
+
+def test_scoped_env_puts_every_key_back_even_when_the_block_raises(monkeypatch):
+    import os
+
+    monkeypatch.setenv("ASYNCRL_TEST_SET", "before")
+    monkeypatch.delenv("ASYNCRL_TEST_UNSET", raising=False)
+    with pytest.raises(ValueError, match="inside"):
+        with bc.scoped_env({"ASYNCRL_TEST_SET": "inside", "ASYNCRL_TEST_UNSET": "inside"}):
+            assert os.environ["ASYNCRL_TEST_SET"] == os.environ["ASYNCRL_TEST_UNSET"] == "inside"
+            raise ValueError("inside")
+    assert os.environ["ASYNCRL_TEST_SET"] == "before" and "ASYNCRL_TEST_UNSET" not in os.environ
+
+
+def test_the_nccl_env_and_timeout_apply_to_the_broadcast_backend_only(fake_nccl, monkeypatch):
+    """The constructor sees NCCL_ENV and Options._timeout = timeout_s; the process's own
+    settings (read by its other NCCL groups, made later: vLLM's tensor-parallel ones) are back
+    right after. A healthy collective waits with timeout_s, and close() shuts the group down."""
+    import datetime
+    import os
+
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # the process's own
+    others = ("TORCH_NCCL_BLOCKING_WAIT", "TORCH_NCCL_ENABLE_MONITORING", "TORCH_NCCL_DUMP_ON_TIMEOUT")
+    for key in others:
+        monkeypatch.delenv(key, raising=False)
+    group = nccl_group(timeout_s=7)
+    [pg] = fake_nccl
+    assert pg.env == bc.NCCL_ENV
+    assert pg.options._timeout == datetime.timedelta(seconds=7) and (pg.rank, pg.size) == (0, 3)
+    assert pg.connected == [torch.device("cpu")]  # connected at formation, not at the first broadcast
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3" and not any(k in os.environ for k in others)
+    pg.work = FakeWork(result=True)
+    group.broadcast(torch.zeros(8, dtype=torch.uint8), "header of version 1")
+    assert pg.issued == [("broadcast", datetime.timedelta(seconds=7))]
+    assert pg.work.waits == [datetime.timedelta(seconds=7)]
+    group.close()
+    assert (pg.aborted, pg.shut) == (0, 1)
+
+
+NCCL_TIMEOUT = "[PG ID 1 PG GUID 1 Rank 0] Work WorkNCCL(SeqNum=5, OpType=BROADCAST, Timeout(ms)=5000) timed out in blocking wait."
+NCCL_PEER_GONE = ("NCCL communicator was aborted on rank 1. Original reason for failure was: NCCL error: "
+                  "remote process exited or there was a network error")
+
+
+@pytest.mark.parametrize("rank", [0, 1], ids=["sender", "receiver"])
+@pytest.mark.parametrize("outcome", ["wait returns False", "wait raises a timeout", "the peer died"])
+def test_a_failed_nccl_collective_raises_naming_the_peer_and_aborts_the_group(fake_nccl, rank, outcome):
+    """What blocking wait makes of a collective whose peer never takes part (a DistBackendError
+    in the caller once timeout_s passed) or died (an NCCL error): the project's error, naming
+    the peer, the group aborted and broken, and the next call refused without touching NCCL."""
+    import datetime
+
+    import torch.distributed as dist
+
+    work = {"wait returns False": FakeWork(result=False),
+            "wait raises a timeout": FakeWork(error=dist.DistBackendError(NCCL_TIMEOUT)),
+            "the peer died": FakeWork(error=dist.DistBackendError(NCCL_PEER_GONE))}[outcome]
+    group = nccl_group(rank=rank, timeout_s=5)
+    [pg] = fake_nccl
+    pg.work = work
+    with pytest.raises(bc.BroadcastError) as err:
+        group.broadcast(torch.zeros(8, dtype=torch.uint8), "bucket 2/3 of version 4")
+    message = str(err.value)
+    assert isinstance(err.value, bc.BroadcastTimeout) == (outcome != "the peer died"), message
+    peer = "rank 1 (fake worker 1), rank 2 (fake worker 2)" if rank == 0 else f"the trainer (rank 0, hosting {FAKE_ADDRESS})"
+    assert peer in message and "bucket 2/3 of version 4" in message and "weight_sync.timeout_s = 5" in message
+    assert "did not finish" not in message and "still blocked" not in message
+    assert work.waits == [datetime.timedelta(seconds=5)]
+    assert pg.aborted == 1 and group.broken == message
+    with pytest.raises(bc.BroadcastError, match=r"acknowledgement of version 4 not attempted: it broke earlier"):
+        group.all_reduce_sum(torch.zeros(3, dtype=torch.int32), "acknowledgement of version 4")
+    assert len(pg.issued) == 1  # refused before NCCL
+    group.close()
+    assert (pg.aborted, pg.shut) == (1, 0)  # aborted once, never shut down (that would flush)
+
+
+def test_a_collective_that_fails_to_issue_breaks_the_group_too(fake_nccl):
+    import torch.distributed as dist
+
+    group = nccl_group(rank=1)
+    [pg] = fake_nccl
+
+    def refuse(tensors, opts):
+        raise dist.DistBackendError(NCCL_PEER_GONE)
+
+    pg.broadcast = refuse
+    with pytest.raises(bc.BroadcastError, match="the trainer") as err:
+        group.broadcast(torch.zeros(8, dtype=torch.uint8), "header of version 2")
+    assert pg.aborted == 1 and group.broken == str(err.value)
+
+
+def test_a_cuda_stream_still_blocked_after_the_abort_is_said(fake_nccl, monkeypatch):
+    import torch.distributed as dist
+
+    group = nccl_group(rank=1)
+    [pg] = fake_nccl
+    pg.work = FakeWork(error=dist.DistBackendError(NCCL_TIMEOUT))
+    monkeypatch.setattr(group, "_device_idle", lambda: False)
+    with pytest.raises(bc.BroadcastTimeout, match="CUDA stream is still blocked after the abort: restart it"):
+        group.broadcast(torch.zeros(8, dtype=torch.uint8), "bucket 1/1 of version 3")
+
+
+def test_drained_polls_a_stream_until_idle_within_its_bound():
+    answers = iter([False, False, True])
+    assert bc._drained(lambda: next(answers), seconds=5, poll_s=0.001)
+    calls = []
+    assert not bc._drained(lambda: calls.append(1) or False, seconds=0.05, poll_s=0.001)
+    assert len(calls) >= 2  # polled until its bound, then gave up
+
+    def cuda_error():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    assert not bc._drained(cuda_error, seconds=5)
+
+
+def test_an_nccl_connect_that_never_returns_fails_formation_at_its_timeout(fake_nccl, monkeypatch):
+    """ncclCommInitRank has no timeout: a member dying while connecting must not hang formation."""
+    release, returned = threading.Event(), []
+
+    def connect(self, device):
+        release.wait(60)
+        returned.append(device)
+
+    monkeypatch.setattr(FakeNCCL, "eager_connect_single_device", connect)
+    try:
+        with pytest.raises(bc.BroadcastTimeout, match="forming the group failed") as err:
+            nccl_group(timeout_s=0.3)
+        assert not returned  # it raised while the connect was still stuck, not after it
+    finally:
+        release.set()
+    [pg] = fake_nccl
+    assert pg.aborted == 1
+    assert "not up within 0.3 s" in str(err.value) and "ranks that never joined: none" in str(err.value)
+
+
+def test_a_member_that_never_registers_fails_formation_before_nccl_connects(fake_nccl):
+    with pytest.raises(bc.BroadcastTimeout, match=r"ranks that never joined: \[2\]"):
+        nccl_group(members=(1,), timeout_s=0.3)
+    assert fake_nccl == []  # no communicator was even built
+
+
+def test_a_gloo_collective_that_times_out_breaks_and_aborts_the_group_on_both_sides():
+    """The same with real gloo groups (sender and a receiver in two threads): the sender's
+    acknowledgement times out at its timeout_s, names the receiver, aborts its backend (gloo's
+    abort finishes) and refuses further calls; the receiver then fails naming the trainer."""
+    address = f"127.0.0.1:{free_port()}"
+    box: dict = {}
+
+    def join():
+        try:
+            box["group"] = bc.join_group(address, 1, 2, 60, "cpu", who="thread receiver")
+        except BaseException as e:
+            box["error"] = e
+
+    thread = threading.Thread(target=join)
+    thread.start()
+    sender = bc.host_group(address, 60, "cpu")
+    thread.join(60)
+    receiver = box["group"]
+    try:
+        sender.timeout_s = receiver.timeout_s = 1  # forming waits for the thread; collectives need not
+        with pytest.raises(bc.BroadcastTimeout) as err:
+            sender.all_reduce_sum(torch.zeros(2, dtype=torch.int32), "acknowledgement of version 1")
+        message = str(err.value)
+        assert "rank 1 (thread receiver)" in message and address in message and "did not finish" not in message
+        assert sender.broken == message
+        with pytest.raises(bc.BroadcastError, match="not attempted: it broke earlier"):
+            sender.broadcast(torch.zeros(2, dtype=torch.uint8), "header of version 2")
+        with pytest.raises(bc.BroadcastError, match=rf"the trainer \(rank 0, hosting {address}\)"):
+            receiver.all_reduce_sum(torch.zeros(2, dtype=torch.int32), "acknowledgement of version 1")
+        assert receiver.broken
+    finally:
+        receiver.close()
+        sender.close()
+
+
+# What Group relies on in torch 2.13. Where torch has NCCL, on the class itself; everywhere, in the
+# sources torch ships (stubs, Python, the docstrings compiled in), so that a CPU run still fails
+# when torch changes under us.
+
+
+@pytest.mark.skipif(not torch.distributed.is_nccl_available(),
+                    reason="this torch has no NCCL (the CPU build): see the test after this one")
+def test_the_torch_nccl_surface_group_uses_exists():
+    import datetime
+
+    from torch.distributed.distributed_c10d import ProcessGroupNCCL
+
+    options = ProcessGroupNCCL.Options()
+    options._timeout = datetime.timedelta(seconds=3)
+    assert options._timeout == datetime.timedelta(seconds=3)
+    for name in ("abort", "shutdown", "eager_connect_single_device", "broadcast", "allreduce"):
+        assert callable(getattr(ProcessGroupNCCL, name, None)), name
+
+
+def test_the_torch_nccl_surface_group_uses_is_in_torchs_own_sources():
+    import inspect
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    root = Path(torch.__file__).parent
+
+    def stub_class(stubs: str, header: str) -> str:
+        body = stubs[stubs.index(header):]
+        return body[:body.index("\nclass ", 1)]
+
+    stubs = (root / "_C" / "_distributed_c10d.pyi").read_text()
+    nccl = stub_class(stubs, "class ProcessGroupNCCL(Backend):")
+    assert "class Options(Backend.Options):" in nccl and "def abort(self) -> None" in nccl
+    backend = stub_class(stubs, "class Backend:")
+    assert "@_timeout.setter" in backend and "def _timeout(self, val: timedelta) -> None" in backend
+    for method in ("def abort(self) -> None", "def shutdown(self) -> None", "def eager_connect_single_device("):
+        assert method in backend, method
+    assert "def wait(self, timeout: timedelta = ...) -> bool" in stub_class(stubs, "class Work:")
+    # A timed wait blocks the calling thread and raises there (init.cpp's docstring, compiled in).
+    doc = " ".join(dist.Work.wait.__doc__.split())
+    assert "if timeout is set, it will block the CPU thread until the NCCL work is completed or timed out" in doc
+    assert "If timeout, exception will be thrown" in doc
+    # Blocking wait is a mode torch supports and documents; Options._timeout is what
+    # init_process_group itself sets for NCCL.
+    c10d = inspect.getsource(distributed_c10d)
+    assert "When TORCH_NCCL_BLOCKING_WAIT is set, the process will block and wait for this timeout" in c10d
+    assert "backend_options._timeout = timeout" in c10d and "TORCH_NCCL_ASYNC_ERROR_HANDLING" in c10d
+    helpers = (root / "testing" / "_internal" / "common_distributed.py").read_text()
+    assert 'os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "1"' in helpers
+    # gloo: a real work's timed wait and abort, as Group calls them.
+    import datetime
+
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("pin", dist.HashStore()), 0, 1, datetime.timedelta(seconds=5))
+    opts = dist.AllreduceOptions()
+    opts.timeout = datetime.timedelta(seconds=5)
+    assert pg.allreduce([torch.ones(2)], opts).wait(datetime.timedelta(seconds=5)) is True
+    pg.abort()

@@ -20,8 +20,10 @@ pytestmark = pytest.mark.slow
 
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
 CHAT_MODEL = ROOT / "models" / "tiny-chat"
-ITEMS = ["environment", "trainer-1", "trainer-N", "broadcast", "reload", "lora", "run", "sft"]
-PORTS = 7  # trainer-N 1, broadcast 2, reload 2, lora 1, run 1
+ITEMS = ["environment", "trainer-1", "trainer-N", "broadcast", "reload", "lora", "run", "sft", "placement",
+         "shared-gpu", "reload-v2"]
+GPU_ONLY = ["placement", "shared-gpu", "reload-v2"]
+PORTS = 9  # trainer-N 1, broadcast 2, reload 2, lora 1, run 1, shared-gpu 1, reload-v2 1
 
 
 def gpu_check(tmp_path: Path, model: Path, *args: str, timeout: float) -> tuple[subprocess.CompletedProcess, dict]:
@@ -42,7 +44,11 @@ def test_every_item_passes_on_cpu_and_the_report_lists_them(tmp_path):
     items = {i["item"]: i for i in report["items"]}
     assert list(items) == ITEMS, result.stdout
     one_gpu = report["machine"]["cuda_devices"] == 1
+    cpu = report["machine"]["cuda_devices"] == 0
     for name, item in items.items():
+        if cpu and name in GPU_ONLY:  # their decisions are tested on CPU (tests/test_gpu_placement.py)
+            assert item["result"] == "SKIP" and item["note"].startswith("GPU only"), item
+            continue
         # CPU: every item has a CPU path. One GPU: the items that need two say so.
         if item["result"] == "SKIP" and one_gpu and name in ("trainer-N", "broadcast"):
             assert item["note"].startswith("needs 2 GPUs, found 1"), item
@@ -59,7 +65,7 @@ def test_every_item_passes_on_cpu_and_the_report_lists_them(tmp_path):
     assert "torch " in result.stdout and "GPUs: " in result.stdout
     if report["machine"]["cuda_devices"] == 0:
         notes = {name: item["note"] for name, item in items.items()}
-        assert all(n.startswith("CPU: ") for name, n in notes.items() if name != "environment"), notes
+        assert all(n.startswith("CPU: ") for name, n in notes.items() if name not in ("environment", *GPU_ONLY)), notes
         assert "2 rank(s) gloo" in notes["trainer-N"]
         assert "bit-exact" in notes["broadcast"] and "bit-exact" in notes["reload"]
         assert items["lora"]["metrics"]["serving_version"] == 2
@@ -105,7 +111,8 @@ def test_gpu_machines_skip_what_they_cannot_run_and_place_programs_on_their_gpus
     GPU each program gets, and a GPU config the product's schema accepts."""
     gc, items = load_script()
     cpu, one, two = {"cuda_devices": 0}, {"cuda_devices": 1}, {"cuda_devices": 2}
-    assert all(gc.skip_reason(name, cpu, 0) is None and gc.skip_reason(name, two, 0) is None for name in ITEMS)
+    assert all(gc.skip_reason(name, two, 0) is None for name in ITEMS)
+    assert [n for n in ITEMS if gc.skip_reason(n, cpu, 0)] == GPU_ONLY
     assert gc.skip_reason("trainer-N", one, 0) == "needs 2 GPUs, found 1"
     assert gc.skip_reason("broadcast", one, 0).startswith("needs 2 GPUs, found 1: NCCL")
     assert [n for n in ITEMS if gc.skip_reason(n, one, 0)] == ["trainer-N", "broadcast"]

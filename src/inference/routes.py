@@ -121,7 +121,7 @@ class Routes:
         self.weights.check_not_overdue()
         await self.engine.check_health()
         return {"status": "ok", "version": self.generations.version, "path": self.weights.path,
-                "running": len(self.generations.switches), "aborted": self.generations.aborted,
+                "running": len(self.generations.running), "aborted": self.generations.aborted,
                 **self.adapters.health()}
 
     def attach(self, app: FastAPI, engine) -> None:

@@ -28,6 +28,7 @@ from contextlib import asynccontextmanager
 import aiohttp
 
 from inference import orphans
+from inference.device_defaults import cpu_build, eager, parallel_args
 from inference.routes import Routes
 from rl import quiet_tracker
 from rl.config import RunConfig
@@ -43,8 +44,11 @@ EXTENSION = "inference.worker_extension.WeightReloadExtension"
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
-def vllm_args(cfg: RunConfig) -> list[str]:
+def vllm_args(cfg: RunConfig, gpu: bool | None = None) -> list[str]:
+    """`vllm serve`'s arguments for this config; `gpu`: whether the engine runs on GPUs (unset:
+    judged by the vLLM build installed, inference/device_defaults.py)."""
     inf = cfg.inference
+    gpu = not cpu_build() if gpu is None else gpu
     args = [
         "--model", str(cfg.model),
         "--host", inf.host,
@@ -63,13 +67,13 @@ def vllm_args(cfg: RunConfig) -> list[str]:
         # the SIGTERM (vllm/v1/utils.py shutdown): it never unlinked its shared memory, and every
         # Ctrl-C ended in multiprocessing's "leaked shared_memory objects" warnings.
         "--shutdown-timeout", str(SHUTDOWN_GRACE_S),
-        # Per-token versions count each request's sampled tokens at a weight switch; with async
-        # scheduling (a GPU default) the count can lag one placeholder token behind.
-        "--no-async-scheduling",
+        # No --no-async-scheduling: vLLM's default (on for GPUs) keeps per-token versions exact,
+        # which come from its weight-version labels (generation.py), not from counting tokens.
     ]
     args += ["--max-logprobs", str(inf.max_logprobs)]  # bounds kept sets (inference/kept_sets.py)
-    if inf.enforce_eager:
+    if eager(cfg, gpu):
         args.append("--enforce-eager")
+    args += parallel_args(cfg)
     if inf.record_routing:
         # Cached prompt blocks skip the forward, and with it the routers' record (routing_capture.py).
         args.append("--no-enable-prefix-caching")
@@ -266,11 +270,13 @@ def main(cfg: RunConfig) -> int:
     if os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true"):
         log.warning("VLLM_ALLOW_RUNTIME_LORA_UPDATING is ignored: use /load_lora_adapter")
     os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "0"
-    if cfg.inference.record_routing:
+    if cfg.inference.record_routing and "VLLM_USE_V2_MODEL_RUNNER" not in os.environ:
         # The routing recorder reads the V1 model runner's layout of each forward
         # (inference/routing_capture.py); vLLM 0.32 picks its V2 runner wherever Triton is
-        # installed (GPU builds). CPU builds run V1 anyway.
-        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+        # installed (GPU builds). CPU builds run V1 anyway. Weight reloads work on both.
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        log.info("inference.record_routing: vLLM's V1 model runner (the routing recorder reads its layout of "
+                 "each forward)")
     restore_logging = keep_root_logging()  # before vLLM's imports touch it
     import uvloop
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args

@@ -14,16 +14,15 @@ log = logging.getLogger("vllm.asyncrl")
 
 
 class WeightReloadExtension:
-    def asyncrl_reload_weights(self, path: str) -> dict[str, int]:
-        """Reload every weight in place from the safetensors under `path`; return, per engine
-        request the worker holds (vLLM's internal id), how many tokens it had sampled before.
+    def asyncrl_reload_weights(self, path: str) -> None:
+        """Reload every weight in place from the safetensors under `path`, the engine paused
+        between two steps.
 
-        The counts are where the in-flight requests switch policy version: the engine is paused
-        between two steps when this runs, so token `count` onwards is sampled by the new weights.
-        `model_runner.requests` (vllm 0.32's V1 runner, the one the CPU backend uses: the V2
-        runner needs Triton) holds every request scheduled and not yet finished, preempted ones
-        included, and `output_token_ids` is extended right after each sampling step (the CPU
-        backend turns async scheduling off, so there are no placeholder tokens in it).
+        Nothing here reads the model runner's request state: which tokens the new weights
+        sampled is labelled above the runners, by the engine core (inference/reload.py sets
+        vLLM's weight version before the engine resumes), so the reload is the same on vLLM's
+        V1 and V2 runners and with async scheduling (tests/test_vllm_contract.py pins what is
+        touched).
 
         The worker's own reload_weights is the path that works on the CPU backend, which packs
         linear weights into its matmul layout at load time (a plain model.load_weights would try
@@ -31,28 +30,22 @@ class WeightReloadExtension:
         with tied embeddings the logits kept coming from the OLD packed copy while the embedding
         changed (../shared/VLLM_CPU_NOTES.md): _asyncrl_fix_tied_lm_head repairs it.
         """
-        sampled = self._asyncrl_sampled()
         NothingToLoad.install(self.model_runner.get_model(), self._asyncrl_tied_lm_head())
-        with self._asyncrl_refreshing_tied_lm_head(), self._asyncrl_cleared_on_failure(len(sampled)):
+        with self._asyncrl_refreshing_tied_lm_head(), self._asyncrl_cleared_on_failure():
             self.reload_weights(weights_path=path)
         repack_cpu_experts(self.model_runner.get_model())
-        return sampled
-
-    def _asyncrl_sampled(self) -> dict[str, int]:
-        return {rid: len(state.output_token_ids) for rid, state in self.model_runner.requests.items()}
 
     @contextmanager
-    def _asyncrl_cleared_on_failure(self, held: int):
+    def _asyncrl_cleared_on_failure(self):
         """Around a reload_weights call: when it raises, leave no layer mid-load
         (_end_interrupted_reload), so that the engine can run and the next reload (the server's
-        rollback to the version it served: inference/reload.py) starts clean. `held`: how many
-        requests the worker held (frozen across the reload), said with the failure."""
+        rollback to the version it served: inference/reload.py) starts clean."""
         try:
             yield
         except BaseException:
             loaded, kept = _end_interrupted_reload(self.model_runner.get_model())
-            log.warning("reload failed half-way: %d layers had taken the new weights, %d keep their own; "
-                        "%d requests held", loaded, kept, held)
+            log.warning("reload failed half-way: %d layers had taken the new weights, %d keep their own",
+                        loaded, kept)
             raise
 
     def _asyncrl_tied_lm_head(self):
@@ -132,7 +125,7 @@ class WeightReloadExtension:
                                             who=f"{who} worker {self.rank}")
         return rank
 
-    def asyncrl_receive_weights(self, manifest_path: str) -> dict[str, int]:
+    def asyncrl_receive_weights(self, manifest_path: str) -> None:
         """Like asyncrl_reload_weights, with the tensors streaming in from the trainer's
         broadcast instead of files: each bucket is received when vLLM's loader reaches it."""
         from rl import broadcast as bc
@@ -145,7 +138,6 @@ class WeightReloadExtension:
                                f"({self._asyncrl_broken}); restart the servers and the trainer")
         with open(manifest_path, "rb") as f:
             manifest = bc.Manifest.from_json(f.read())
-        sampled = self._asyncrl_sampled()
         NothingToLoad.install(self.model_runner.get_model(), self._asyncrl_tied_lm_head())
         start = time.perf_counter()
         try:
@@ -155,7 +147,7 @@ class WeightReloadExtension:
             raise
         ok = False
         try:
-            with self._asyncrl_refreshing_tied_lm_head(), self._asyncrl_cleared_on_failure(len(sampled)):
+            with self._asyncrl_refreshing_tied_lm_head(), self._asyncrl_cleared_on_failure():
                 self.reload_weights(weights_iterator=incoming.tensors())
             repack_cpu_experts(self.model_runner.get_model())
             ok = True
@@ -169,7 +161,6 @@ class WeightReloadExtension:
                 raise
         log.info("received version %d by broadcast (%d buckets, %.1f MB) in %.3f s", manifest.version,
                  len(manifest.buckets), manifest.total_bytes / 2**20, time.perf_counter() - start)
-        return sampled
 
 
 def repack_cpu_experts(model) -> int:

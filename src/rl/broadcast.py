@@ -27,8 +27,10 @@ import json
 import math
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -233,10 +235,121 @@ def default_backend(device) -> str:
     return "nccl" if getattr(device, "type", str(device)) == "cuda" else "gloo"
 
 
+# How a broadcast group's NCCL backend must behave, and why it is set through the environment.
+# ProcessGroupNCCL reads these in its constructor (torch 2.13, ProcessGroupNCCL.cpp), and its
+# Options (timeout, NCCL config, stream priority, split) have no field for any of them; so they
+# are set around that one constructor call (scoped_env) and put back at once: the process's own
+# NCCL groups (the trainer's FSDP group, vLLM's tensor-parallel groups, made before or after)
+# keep whatever the process runs with.
+#   TORCH_NCCL_BLOCKING_WAIT=1        no watchdog thread for this group (torch >= 2.6); work.wait()
+#                                     blocks the calling thread until the collective completed or
+#                                     Options._timeout passed, and then aborts the communicator
+#                                     (ncclCommAbort: the kernel queued on the stream exits) and
+#                                     raises DistBackendError in that thread. By default (async error
+#                                     handling 3) the watchdog would rethrow in its own thread
+#                                     instead: std::terminate, the engine or trainer gone.
+#   TORCH_NCCL_ASYNC_ERROR_HANDLING=2 should a torch start the watchdog anyway (before 2.6 it ran
+#                                     with blocking wait too): clean up only, never tear down. Not 0:
+#                                     with TORCH_NCCL_DESYNC_DEBUG or TORCH_DISTRIBUTED_DEBUG=DETAIL
+#                                     torch turns 0 into 3.
+#   TORCH_NCCL_ENABLE_MONITORING=0    nor its heartbeat monitor, which ends the process when the
+#   TORCH_NCCL_DUMP_ON_TIMEOUT=0      watchdog stalls or a timeout asks for a flight-recorder dump.
+NCCL_ENV = {
+    "TORCH_NCCL_BLOCKING_WAIT": "1",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+    "TORCH_NCCL_ENABLE_MONITORING": "0",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+}
+# One scoped change of the environment at a time (os.environ is the process's).
+_ENV_LOCK = threading.Lock()
+# After an abort, how long the caller's CUDA stream may take to drain (a kernel that ncclCommAbort
+# ended returns in milliseconds); at most the group's own timeout.
+_DRAIN_S = 10.0
+
+
+def backend_env(backend: str) -> dict[str, str]:
+    """The environment `backend`'s constructor must see (nothing for gloo, whose timeouts raise
+    in the waiting thread on their own)."""
+    return dict(NCCL_ENV) if backend == "nccl" else {}
+
+
+@contextmanager
+def scoped_env(env: Mapping[str, str]):
+    """`env` set while the block runs, then every key put back as it was (unset if it was)."""
+    with _ENV_LOCK:
+        before = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            for k, v in before.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def make_backend(store, rank: int, world_size: int, backend: str, timeout):
+    """The gloo or NCCL backend on `store`; NCCL with Options._timeout (the bound of every wait,
+    blocking wait enforces it) and NCCL_ENV around its constructor."""
+    import torch.distributed as dist
+
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    if backend != "nccl":
+        raise ValueError(f"backend {backend!r}: expected gloo or nccl")
+    from torch.distributed import distributed_c10d
+
+    nccl = getattr(distributed_c10d, "ProcessGroupNCCL", None)  # absent from CPU builds
+    if nccl is None:
+        raise RuntimeError("this torch has no NCCL (torch.distributed.is_nccl_available() is False)")
+    options = nccl.Options()
+    options._timeout = timeout
+    with scoped_env(backend_env("nccl")):
+        return nccl(store, rank, world_size, options)
+
+
+def _bounded(fn, seconds: float, name: str) -> tuple[bool, BaseException | None]:
+    """Run fn in a daemon thread for at most `seconds`: (True, None) if it returned, (True, e) if
+    it raised e, (False, None) if it still runs. For the calls that take no timeout (NCCL's
+    communicator set-up, abort, shutdown); one that never returns is left behind, not waited on."""
+    box: dict = {}
+
+    def run():
+        try:
+            fn()
+        except BaseException as e:  # handed to the caller
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return not thread.is_alive(), box.get("error")
+
+
+def _drained(query, seconds: float, poll_s: float = 0.005) -> bool:
+    """Whether query() (a CUDA stream's: no work left) turns true within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            if query():
+                return True
+        except RuntimeError:  # a CUDA error: the stream is not usable either
+            return False
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+
+
 class Group:
     """A gloo or NCCL backend on its own TCPStore: no default process group involved, so the
     trainer's FSDP group and vLLM's groups never see it, and every call takes its own timeout.
-    Rank 0 is the sender."""
+    Rank 0 is the sender.
+
+    Every wait is bounded by timeout_s and a failure raises in the calling thread (for NCCL:
+    NCCL_ENV). A failed collective leaves the members out of step, so the group is then broken
+    for good: it is aborted (no NCCL kernel stays queued on the caller's stream) and every later
+    call raises at once, saying why."""
 
     def __init__(self, store, rank: int, world_size: int, backend: str, device, address: str,
                  timeout_s: float):
@@ -248,25 +361,33 @@ class Group:
         self.store, self.rank, self.world_size = store, rank, world_size
         self.backend_name, self.address, self.timeout_s = backend, address, timeout_s
         self.device = torch.device(device)
+        self.pg, self.broken = None, ""
         timeout = datetime.timedelta(seconds=timeout_s)
-        # Prefixed: the store also carries our own keys (backend, world size, members).
-        prefix = dist.PrefixStore("asyncrl/pg", store)
         start = time.monotonic()
         try:
-            if backend == "gloo":
-                self.pg = dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
-            elif backend == "nccl":
-                from torch.distributed.distributed_c10d import ProcessGroupNCCL
-
-                options = ProcessGroupNCCL.Options()
-                options._timeout = timeout
-                self.pg = ProcessGroupNCCL(prefix, rank, world_size, options)
-                # Connect now, not at the first broadcast: a missing member shows at start-up.
-                self.pg.eager_connect_single_device(self.device)
-            else:
-                raise ValueError(f"backend {backend!r}: expected gloo or nccl")
+            # Every receiver registered (join_group) before any backend connects: NCCL's
+            # communicator set-up has no timeout of its own, a member that never came would hang it.
+            store.wait([f"asyncrl/member/{r}" for r in range(1, world_size)], timeout)
+            # Prefixed: the store also carries our own keys (backend, world size, members).
+            self.pg = make_backend(dist.PrefixStore("asyncrl/pg", store), rank, world_size, backend, timeout)
         except (RuntimeError, TimeoutError) as e:
-            raise self._error("forming the group", e, start) from None
+            raise self._formation_error(e, start) from None
+        if backend == "nccl":
+            # Connect now, not at the first broadcast: a missing member shows at start-up. In a
+            # thread: ncclCommInitRank waits for every member without a timeout.
+            done, error = _bounded(lambda: self.pg.eager_connect_single_device(self.device), timeout_s,
+                                   "asyncrl-nccl-connect")
+            if not done or error is not None:
+                self.broken = "the NCCL communicator was never set up"
+                self._abort()
+                raise self._formation_error(error or TimeoutError(
+                    f"the NCCL communicator was not up within {timeout_s:g} s"), start)
+
+    def _peers(self) -> str:
+        """Who this member waits on: the trainer for a receiver, every receiver for the sender."""
+        if self.rank != 0:
+            return f"the trainer (rank 0, hosting {self.address})"
+        return ", ".join(f"rank {r} ({self.member(r)})" for r in range(1, self.world_size)) or "no receiver"
 
     def _error(self, what: str, e: BaseException, start: float) -> BroadcastError:
         waited = time.monotonic() - start
@@ -275,7 +396,49 @@ class Group:
                                    or waited >= self.timeout_s * 0.95) else BroadcastError
         return cls(f"weight broadcast group at {self.address} (rank {self.rank} of {self.world_size}, "
                    f"{self.backend_name}): {what} failed after {waited:.1f} s "
-                   f"(weight_sync.timeout_s = {self.timeout_s:g}): {text}")
+                   f"(weight_sync.timeout_s = {self.timeout_s:g}) with {self._peers()}: {text}")
+
+    def _formation_error(self, e: BaseException, start: float) -> BroadcastError:
+        err = self._error("forming the group", e, start)
+        try:
+            missing = [r for r in range(1, self.world_size) if not self.store.check([f"asyncrl/member/{r}"])]
+        except RuntimeError:  # the store is gone (the trainer died): nothing more to say
+            return err
+        return type(err)(f"{err}; ranks that never joined: {missing or 'none'}")
+
+    def _abort(self) -> bool:
+        """Abort the backend (NCCL: every communicator of the group, ending its kernels), bounded."""
+        if self.pg is None or not hasattr(self.pg, "abort"):
+            return True
+        done, error = _bounded(self.pg.abort, self.timeout_s, "asyncrl-abort")
+        return done and error is None
+
+    def _device_idle(self) -> bool:
+        """After an abort: whether the caller's CUDA stream drained (a kernel still queued there
+        would hang the engine's next step). Always true off CUDA."""
+        if self.device.type != "cuda":
+            return True
+        import torch
+
+        return _drained(torch.cuda.current_stream(self.device).query, min(_DRAIN_S, self.timeout_s))
+
+    def _fail(self, what: str, e: BaseException, start: float) -> BroadcastError:
+        """The error for a failed collective; marks the group broken and aborts it first."""
+        err = self._error(what, e, start)
+        self.broken = str(err)
+        notes = []
+        if not self._abort():
+            notes.append(f"aborting the group did not finish within {self.timeout_s:g} s")
+        if not self._device_idle():
+            notes.append("this process's CUDA stream is still blocked after the abort: restart it")
+        return type(err)("; ".join([str(err), *notes]))
+
+    def _usable(self, what: str) -> None:
+        if self.broken or self.pg is None:
+            why = f"it broke earlier and was aborted ({self.broken})" if self.broken else "it is closed"
+            raise BroadcastError(f"weight broadcast group at {self.address} (rank {self.rank} of "
+                                 f"{self.world_size}, {self.backend_name}): {what} not attempted: {why}; "
+                                 "restart the servers and the trainer")
 
     def _wait(self, work, what: str, start: float) -> None:
         import datetime
@@ -283,55 +446,59 @@ class Group:
         import torch
 
         try:
-            work.wait(datetime.timedelta(seconds=self.timeout_s))
+            # NCCL (blocking wait) and gloo both raise here once timeout_s has passed; a False
+            # (what Work.wait may return) is taken as the same.
+            if work.wait(datetime.timedelta(seconds=self.timeout_s)) is False:
+                raise TimeoutError(f"the collective did not complete within {self.timeout_s:g} s")
             if self.device.type == "cuda":
-                # NCCL's wait only orders streams; the bytes are there after this.
+                # The NCCL kernel has completed (blocking wait); the caller's stream only waits on
+                # its end event, which fired: the bytes are there after this.
                 torch.cuda.current_stream(self.device).synchronize()
         except (RuntimeError, TimeoutError) as e:
-            raise self._error(what, e, start) from None
+            raise self._fail(what, e, start) from None
 
     def broadcast(self, tensor: torch.Tensor, what: str) -> None:
         import torch.distributed as dist
 
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
-        self._collective(self.pg.broadcast, tensor, opts, what)
+        self._collective("broadcast", tensor, opts, what)
 
     def all_reduce_sum(self, tensor: torch.Tensor, what: str) -> None:
         import torch.distributed as dist
 
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
-        self._collective(self.pg.allreduce, tensor, opts, what)
+        self._collective("allreduce", tensor, opts, what)
 
-    def _collective(self, issue, tensor: torch.Tensor, opts, what: str) -> None:
+    def _collective(self, name: str, tensor: torch.Tensor, opts, what: str) -> None:
         """Issue one collective with this group's timeout and wait for it, errors named."""
         import datetime
 
+        self._usable(what)
         opts.timeout = datetime.timedelta(seconds=self.timeout_s)
         start = time.monotonic()
         try:
-            work = issue([tensor], opts)
+            work = getattr(self.pg, name)([tensor], opts)
         except (RuntimeError, TimeoutError) as e:
-            raise self._error(what, e, start) from None
+            raise self._fail(what, e, start) from None
         self._wait(work, what, start)
 
     def member(self, rank: int) -> str:
         """Who joined as `rank` (what the receiver registered), for error messages."""
         try:
-            if self.store.check([f"asyncrl/member/{rank}"]):
+            if self.store is not None and self.store.check([f"asyncrl/member/{rank}"]):
                 return self.store.get(f"asyncrl/member/{rank}").decode()
         except RuntimeError:
             pass
         return "?"
 
     def close(self) -> None:
+        """Shut a healthy group down, bounded (NCCL's shutdown flushes pending work); a broken
+        one was aborted when it broke."""
         pg, self.pg = getattr(self, "pg", None), None
-        if pg is not None and hasattr(pg, "shutdown"):
-            try:
-                pg.shutdown()
-            except RuntimeError:
-                pass
+        if pg is not None and not self.broken and hasattr(pg, "shutdown"):
+            _bounded(pg.shutdown, self.timeout_s, "asyncrl-shutdown")
         self.store = None
 
 
@@ -343,7 +510,7 @@ def _timeout_error(address: str, what: str, timeout_s: float, e: BaseException) 
 def host_group(address: str, timeout_s: float, device) -> Group:
     """Sender side (trainer rank 0): host the store at `address`, wait for the receivers to say
     how many they are (every receiver writes the same world size, given by the orchestrator),
-    then form the group with them."""
+    then form the group with them (its error names the ranks that never joined)."""
     import datetime
 
     import torch.distributed as dist
@@ -363,13 +530,7 @@ def host_group(address: str, timeout_s: float, device) -> Group:
         raise _timeout_error(address, "no inference worker joined (the orchestrator posts /init_broadcaster "
                                       "to every server once they are healthy)", timeout_s, e) from None
     world_size = int(store.get(f"asyncrl/{_KEY_WORLD}"))
-    group = None
-    try:
-        group = Group(store, 0, world_size, backend, device, address, timeout_s)
-    except BroadcastError as e:
-        missing = [r for r in range(1, world_size) if not store.check([f"asyncrl/member/{r}"])]
-        raise type(e)(f"{e}; ranks that never joined: {missing or 'none'}") from None
-    return group
+    return Group(store, 0, world_size, backend, device, address, timeout_s)
 
 
 def join_group(address: str, rank: int, world_size: int, timeout_s: float, device, who: str = "") -> Group:

@@ -94,7 +94,12 @@ def preflight_checks(program: str) -> tuple:
     import importlib
 
     programs = ("inference", "orchestrator", "trainer") if program == "run" else (program,)
-    return tuple(dict.fromkeys(c for p in programs for c in importlib.import_module(f"{p}.preflight").CHECKS))
+    checks = tuple(dict.fromkeys(c for p in programs for c in importlib.import_module(f"{p}.preflight").CHECKS))
+    if program == "run":  # which GPUs each program gets, and what cannot work on them
+        from rl import gpu_placement
+
+        checks += (gpu_placement.check,)
+    return checks
 
 
 def _when_generating(check: Callable[[RunConfig], None]) -> Callable[[RunConfig], None]:
@@ -122,6 +127,11 @@ def resolve(argv: list[str], program: str) -> RunConfig:
         from rl.config_doc import render_toml
 
         typer.echo(render_toml(cfg))
+        if program == "run":
+            from rl.gpu_placement import check as gpu_plan
+
+            placed = gpu_plan(cfg)
+            typer.echo(f"rl run: {placed.describe() if placed else 'no GPU visible: every program on CPU'}", err=True)
         typer.echo(f"rl {program}: config and start-up checks passed", err=True)
         raise typer.Exit(0)
     return cfg
@@ -134,6 +144,10 @@ def _program(program: str, argv: list[str], main: Callable[[RunConfig], object],
 
     table = cores or program
     pin(f"{table}.cpus", getattr(cfg, table).cpus)  # checked by resolve
+    if table in ("inference", "trainer"):
+        from rl.gpu_placement import apply
+
+        apply(cfg, table)  # before torch or vLLM sees a GPU (the ids checked by resolve)
     setup_logging(program)
     from rl.config_doc import save_resolved
     from rl.heartbeat import Heartbeat, heartbeat_path

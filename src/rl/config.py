@@ -58,8 +58,21 @@ class InferenceConfig(Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weight dtype of the engine; auto takes the checkpoint's."""
 
-    enforce_eager: bool = True
-    """Skip graph capture: faster start, and CPU engines gain nothing from graphs."""
+    enforce_eager: bool | None = None
+    """Skip CUDA graph capture and compilation. Unset: chosen by the device, eager on CPU (a faster
+    start; CPU engines gain nothing from graphs) and with record_routing (its capture is Python
+    inside the MoE op, which graph replays skip), graphs on GPU (inference/device_defaults.py)."""
+
+    gpus: list[NonNegativeInt] = []
+    """GPUs of the server, as indices into the GPUs `rl run` sees (CUDA_VISIBLE_DEVICES when set).
+    `rl run` sets CUDA_VISIBLE_DEVICES for it; `rl inference` started by hand applies it itself.
+    Empty under `rl run`: chosen by rl/gpu_placement.py (1 GPU: shared with the trainer; 2: one
+    each; N: the first ceil(N/2)); `--dry-run` shows the choice. The server runs
+    len(gpus) / tensor_parallel vLLM data-parallel ranks of tensor_parallel GPUs each."""
+
+    tensor_parallel: int = Field(1, ge=1)
+    """GPUs per model replica of the server (vLLM --tensor-parallel-size); len(gpus) must be a
+    multiple of it, the rest of the GPUs become data-parallel ranks (--data-parallel-size)."""
 
     one_process_engine: bool = True
     """CPU engines with one worker (no tensor, pipeline or data parallel flags in extra_args): run
@@ -266,6 +279,11 @@ class TrainerConfig(Section):
 
     cpus: list[NonNegativeInt] = []
     """Cores this program and everything it starts may run on; empty: all (see inference.cpus)."""
+
+    gpus: list[NonNegativeInt] = []
+    """GPUs of the trainer, as indices into the GPUs `rl run` sees (see inference.gpus): `rl run`
+    starts one rank per GPU (under torchrun when there are several). Empty under `rl run`: the
+    GPUs inference.gpus leaves (rl/gpu_placement.py)."""
 
     loss: LossConfig = LossConfig()
     """Policy-gradient loss."""

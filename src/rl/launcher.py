@@ -24,7 +24,8 @@ from rich.markup import escape
 
 from rl import quiet_tracker
 from rl.config import RunConfig
-from rl.heartbeat import PeerWatch, heartbeat_path
+from rl.gpu_placement import GpuPlan, check as gpu_placement
+from rl.heartbeat import SERVING, PeerWatch, heartbeat_path
 from rl.plots import write_plots
 from rl.rundir import RunDir
 from rl.stop_signal import die_with_parent, raise_on_sigterm
@@ -47,14 +48,30 @@ class Child:
     heartbeat: PeerWatch
 
 
-def _start(name: str, argv: list[str], run: RunDir, cfg: RunConfig) -> Child:
+def command(name: str, argv: list[str], gpu_plan: GpuPlan | None) -> tuple[list[str], dict[str, str]]:
+    """A child's command line and the environment it adds: the launcher's own arguments plus the
+    GPU placement's overrides (so that every child resolves the one plan), its GPUs, and for a
+    trainer with several GPUs torchrun, one rank per GPU."""
+    if gpu_plan is None:
+        return [sys.executable, "-m", "rl", name, *argv], {}
+    argv = [*argv, *gpu_plan.overrides()]
+    # The orchestrator's environment is left as it is: a reward of the user's may use a GPU.
+    env = gpu_plan.env(name) if name in ("inference", "trainer") else {}
+    if name == "trainer" and len(gpu_plan.trainer) > 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc-per-node={len(gpu_plan.trainer)}", "-m", "trainer", *argv], env
+    return [sys.executable, "-m", "rl", name, *argv], env
+
+
+def _start(name: str, argv: list[str], run: RunDir, cfg: RunConfig, gpu_plan: GpuPlan | None) -> Child:
     log = run.logs / f"{name}.log"
     warnings = quiet_tracker.pythonwarnings()
+    cmd, env = command(name, argv, gpu_plan)
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "rl", name, *argv],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=die_with_parent, env={**os.environ, "PYTHONWARNINGS": warnings},
+            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True, preexec_fn=die_with_parent,
+            env={**os.environ, "PYTHONWARNINGS": warnings, **env},
         )
     return Child(name, proc, log, PeerWatch(heartbeat_path(cfg, name), name, cfg.heartbeat_timeout_s))
 
@@ -168,6 +185,33 @@ def _trainer_finished(run: RunDir) -> bool:
         return False
 
 
+def stopped(children: list[Child], console: Console) -> bool:
+    """Whether a child died (any exit of the server, a failed exit of the others) or went silent;
+    says which, and why, once."""
+    done = {c.name: c.proc.poll() for c in children}
+    failed = [c for c in children if done[c.name] not in (None, 0)
+              or (c.name == "inference" and done[c.name] is not None)]
+    if failed:
+        c = failed[0]
+        console.print(f"[red]rl run: {c.name} exited with code {done[c.name]}; "
+                      f"stopping the others. Last lines of {c.log}:[/red]")
+        console.print(_tail(c.log), markup=False, highlight=False)
+        return True
+    # Alive but silent: frozen (SIGSTOP, swapped out, a stuck interpreter) or its
+    # storage gone. Nothing will come of waiting; the run resumes with --resume.
+    silent = [s for c in children if done[c.name] is None and (s := c.heartbeat.poll()).state == "silent"]
+    if silent:
+        console.print(f"[red]rl run: {escape(silent[0].describe())}; stopping all programs "
+                      "(continue with --resume)[/red]", markup=True, highlight=False)
+        return True
+    return False
+
+
+def serving(children: list[Child]) -> bool:
+    """Whether the server has declared that it serves (its engine sized its KV cache by then)."""
+    return any(c.name == "inference" and c.heartbeat.phase() == SERVING for c in children)
+
+
 def launch(cfg: RunConfig, argv: list[str]) -> int:
     multi = cfg.trainer.lora.multi_run
     if multi and not cfg.run_name:
@@ -177,6 +221,9 @@ def launch(cfg: RunConfig, argv: list[str]) -> int:
     run = RunDir(cfg.run_dir)  # a multi-run's run: its own logs and metrics under runs/<name>/
     run.make()
     console = Console(stderr=True)
+    gpu_plan = gpu_placement(cfg)  # checked by rl.cli's start-up checks: no error left here
+    # On a shared GPU the trainer's model must not arrive while vLLM profiles the memory it may take.
+    deferred = "trainer" if gpu_plan is not None and gpu_plan.shared else None
 
     raise_on_sigterm(KeyboardInterrupt)  # stop the children as Ctrl-C would
     # A script that starts `rl run ... &` hands it SIGINT ignored (POSIX: background commands
@@ -191,10 +238,17 @@ def launch(cfg: RunConfig, argv: list[str]) -> int:
     code = 0
     try:  # from the first start on: a Ctrl-C at any moment stops what was started
         for name in PROGRAMS:
-            children.append(_start(name, argv, run, cfg))
+            if name != deferred:
+                children.append(_start(name, argv, run, cfg, gpu_plan))
         console.print(f"started {', '.join(f'{c.name} (pid {c.proc.pid})' for c in children)}; logs in {run.logs}")
+        if gpu_plan is not None:
+            console.print(gpu_plan.describe(), markup=False, highlight=False)
         with console.status("waiting for the first batch (vLLM takes ~30 s to start)") as spinner:
             while True:
+                if deferred and serving(children):
+                    children.append(_start(deferred, argv, run, cfg, gpu_plan))
+                    console.print(f"the server serves: started {deferred} (pid {children[-1].proc.pid})")
+                    deferred = None
                 for rec in follower.new_records():
                     latest[rec.get("program", "")] = rec
                 train = latest["trainer"]
@@ -204,26 +258,11 @@ def launch(cfg: RunConfig, argv: list[str]) -> int:
                     console.print(f"{time.strftime('%H:%M:%S')} {status_line(shown, cfg.max_steps, orch, train)}",
                                   soft_wrap=True, highlight=False, markup=False)
                     spinner.update(f"training: step {shown}/{cfg.max_steps}{eta.update(shown)}")
+                if stopped(children, console):
+                    code = 1
+                    break
                 done = {c.name: c.proc.poll() for c in children}
-                failed = [c for c in children if done[c.name] not in (None, 0)
-                          or (c.name == "inference" and done[c.name] is not None)]
-                if failed:
-                    c = failed[0]
-                    console.print(f"[red]rl run: {c.name} exited with code {done[c.name]}; "
-                                  f"stopping the others. Last lines of {c.log}:[/red]")
-                    console.print(_tail(c.log), markup=False, highlight=False)
-                    code = 1
-                    break
-                # Alive but silent: frozen (SIGSTOP, swapped out, a stuck interpreter) or its
-                # storage gone. Nothing will come of waiting; the run resumes with --resume.
-                silent = [s for c in children if done[c.name] is None
-                          and (s := c.heartbeat.poll()).state == "silent"]
-                if silent:
-                    console.print(f"[red]rl run: {escape(silent[0].describe())}; stopping all programs "
-                                  "(continue with --resume)[/red]", markup=True, highlight=False)
-                    code = 1
-                    break
-                if done["orchestrator"] == 0 and (done["trainer"] == 0 or multi and _trainer_finished(run)):
+                if done.get("orchestrator") == 0 and (done.get("trainer") == 0 or multi and _trainer_finished(run)):
                     break
                 time.sleep(0.5)
     except KeyboardInterrupt:

