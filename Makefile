@@ -22,7 +22,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m compileall -q -j 0 -x '/torch/testing/' $(VENV)/lib > /dev/null 2>&1 || echo "some files were not compiled ahead (they compile when imported)"
 	touch $@
 
+# bubblewrap isolates model-written code (src/orchestrator/sandbox.py). Not fatal where it cannot be
+# installed (not root, not Debian/Ubuntu): a run that executes such code then says how at start-up.
 install: $(VENV)/.installed
+	@command -v bwrap > /dev/null || apt-get install -y -q bubblewrap > /dev/null 2>&1 || \
+		(apt-get update -q > /dev/null 2>&1 && apt-get install -y -q bubblewrap > /dev/null 2>&1) || \
+		echo "bubblewrap not installed (sudo apt-get install bubblewrap): runs that execute model-written code refuse to start without it (docs/tools.md)"
 
 demo: install
 	rm -rf runs/demo

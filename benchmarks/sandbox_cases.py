@@ -1,12 +1,16 @@
 """The sandbox (orchestrator/sandbox.py) against hostile code: each case's outcome, time, and what
-was left running afterwards; the table in docs/tools.md.
+was left running afterwards; then what isolation costs: the time of one run of a trivial program
+and runs per second (sequential, and CONCURRENT at once), with bubblewrap and without (limits
+only). The tables in docs/tools.md.
 
-    .venv/bin/python benchmarks/sandbox_cases.py
+    .venv/bin/python benchmarks/sandbox_cases.py             # both tables
+    .venv/bin/python benchmarks/sandbox_cases.py --cost      # the cost only
 """
 
 from __future__ import annotations
 
 import asyncio
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -45,9 +49,55 @@ def alive(uids) -> int:
     return n
 
 
-def main() -> None:
+RUNS, CONCURRENT = 40, 8
+
+
+async def _timed(box: Sandbox, code: str) -> float:
+    start = time.perf_counter()
+    result = await box.run(code)
+    assert result.outcome == "ok", result
+    return time.perf_counter() - start
+
+
+async def _cost(code: str) -> dict[str, tuple[float, float, float]]:
+    """Per isolation ("none", "auto"): (median seconds of one run, runs per second one after
+    another, runs per second CONCURRENT at once). The two alternate, run by run and round by
+    round, so that whatever else the machine does weighs on both alike."""
+    boxes = {mode: Sandbox(Limits(), isolation=mode) for mode in ("none", "auto")}
+    times = {mode: [] for mode in boxes}
+    rounds = {mode: 0.0 for mode in boxes}
+    for box in boxes.values():
+        await _timed(box, code)  # warm: the probe, the page cache
+    for _ in range(RUNS):
+        for mode, box in boxes.items():
+            times[mode].append(await _timed(box, code))
+    for _ in range(RUNS // CONCURRENT):
+        for mode, box in boxes.items():
+            start = time.perf_counter()
+            await asyncio.gather(*(_timed(box, code) for _ in range(CONCURRENT)))
+            rounds[mode] += time.perf_counter() - start
+    done = RUNS // CONCURRENT * CONCURRENT
+    return {mode: (statistics.median(times[mode]), RUNS / sum(times[mode]), done / rounds[mode]) for mode in boxes}
+
+
+def cost() -> None:
+    from orchestrator import sandbox
+
+    print(f"isolation: {Sandbox.describe()}")
+    # Both sides on the interpreter isolated runs use (the system's, as root): unisolated runs
+    # start sys.executable, whose start-up time may differ (pyenv's: ~4x here).
+    sys.executable = sandbox._probe()[0] or sys.executable
+    print(f"| program | isolation | ms per run (median of {RUNS}) | runs/s one at a time | runs/s {CONCURRENT} at once |")
+    print("|---|---|---|---|---|")
+    for what, code in (("`pass`", "pass"), ("`import json, re, collections`", "import json, re, collections")):
+        for mode, (median, seq, par) in asyncio.run(_cost(code)).items():
+            name = "limits only" if mode == "none" else "bubblewrap"
+            print(f"| {what} | {name} | {median * 1000:.1f} | {seq:.0f} | {par:.0f} |")
+
+
+def cases() -> None:
     limits = Limits()
-    print(f"isolation: {Sandbox.isolation() or 'namespaces + a user id of its own'}; {limits}")
+    print(f"isolation: {Sandbox.describe()}; {limits}")
     print("| case | outcome | exit | seconds | what the model reads (last line) | left running |")
     print("|---|---|---|---|---|---|")
     for name, code, kw in CASES:
@@ -59,4 +109,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if "--cost" not in sys.argv:
+        cases()
+    cost()

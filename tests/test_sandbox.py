@@ -1,18 +1,24 @@
 """orchestrator/sandbox.py against hostile code, for real: each case is contained, answered with
-its outcome, and leaves nothing running. On a machine where runs cannot be isolated (not root)
-the isolation cases are skipped, saying why; CI's machine runs them."""
+its outcome, and leaves nothing running. On a machine where runs cannot be isolated (no
+bubblewrap, or no unprivileged user namespaces) the isolation cases are skipped, saying why; CI's
+machine runs them. tests/test_sandbox_hostile.py holds the isolation cases against canaries, as
+root and as a user."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import socket
+import subprocess
+import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
 
 from conftest import ROOT
-from orchestrator.sandbox import SLOTS, Limits, RunResult, Sandbox
+from orchestrator.sandbox import Limits, RunResult, Sandbox
 
 ISOLATION = Sandbox.isolation()
 isolated = pytest.mark.skipif(ISOLATION is not None, reason=ISOLATION or "")
@@ -22,18 +28,24 @@ def run(code: str, **limits) -> RunResult:
     return asyncio.run(Sandbox(Limits(**limits)).run(code))
 
 
-def processes_of(uids) -> list[int]:
+def marked(code: str) -> tuple[str, str]:
+    """`code` with a mark of its own, which every process of its run carries in its command line
+    (bwrap's and the interpreter's `-c`, children forked without exec): runs of other tests, on
+    other workers at the same time, do not count."""
+    mark = f"sandbox-test-{uuid.uuid4().hex}"
+    return f"{code}\n# {mark}\n", mark
+
+
+def left_running(mark: str) -> list[int]:
     found = []
     for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                status = (proc / "status").read_text()
-                uid = int(status.split("\nUid:\t")[1].split()[0])
-            except (OSError, IndexError):
-                continue
+        try:
             # A zombie is dead, waiting for init (this machine's reaps slowly) to collect it.
-            if uid in uids and "\nState:\tZ" not in status:
+            if proc.name.isdigit() and mark in (proc / "cmdline").read_text(errors="replace") \
+                    and "\nState:\tZ" not in (proc / "status").read_text():
                 found.append(int(proc.name))
+        except OSError:
+            pass
     return found
 
 
@@ -49,9 +61,10 @@ def test_ordinary_code_runs_and_answers():
 def test_an_infinite_loop_is_stopped_by_its_cpu_limit_or_the_clock():
     busy = run("while True: pass", cpu_s=1, wall_s=20)
     assert busy.outcome in ("cpu", "killed"), busy  # SIGXCPU at 1 s, SIGKILL at the hard limit
-    sleeping = run("import time; time.sleep(60)", wall_s=1)
+    code, mark = marked("import time; time.sleep(60)")
+    sleeping = run(code, wall_s=1)
     assert sleeping.outcome == "timeout" and "[timed out]" in sleeping.for_model()
-    assert not processes_of(SLOTS)
+    assert not left_running(mark)
 
 
 def test_a_memory_hog_gets_a_memory_error():
@@ -63,70 +76,111 @@ def test_a_memory_hog_gets_a_memory_error():
 def test_huge_output_is_truncated_and_a_flood_is_stopped():
     big = run("print('x' * 50_000)", output_bytes=1000)  # under OUTPUT_FLOOD x 1000: read to its end
     assert big.outcome == "ok" and big.truncated and len(big.stdout) == 1000
-    flood = run("while True: print('y' * 10_000)", output_bytes=1000, wall_s=30)
+    code, mark = marked("while True: print('y' * 10_000)")
+    flood = run(code, output_bytes=1000, wall_s=30)
     assert flood.outcome == "output" and len(flood.stdout) == 1000
-    assert not processes_of(SLOTS)
+    assert not left_running(mark)
 
 
 @isolated
 def test_a_fork_bomb_is_contained_and_nothing_is_left_running():
-    code = ("import os\n"
-            "for _ in range(1000):\n"
-            "    try:\n"
-            "        if os.fork() == 0:\n"
-            "            os.setsid()\n"  # out of the process group: only the user id finds it
-            "            import time; time.sleep(600)\n"
-            "    except OSError as e:\n"
-            "        print('fork failed:', e.strerror); break\n")
+    code, mark = marked("import os\n"
+                        "for _ in range(1000):\n"
+                        "    try:\n"
+                        "        if os.fork() == 0:\n"
+                        "            os.setsid()\n"  # out of the process group: only the PID namespace takes it
+                        "            import time; time.sleep(600)\n"
+                        "    except OSError as e:\n"
+                        "        print('fork failed:', e.strerror); break\n")
     result = run(code, processes=8, wall_s=20)
     assert "fork failed: Resource temporarily unavailable" in result.stdout, result
     # Its children slept on, holding its output open: killed once it exited, not at the timeout.
     assert result.outcome == "ok", result
-    assert not processes_of(SLOTS), "a sandboxed process outlived its run"
+    assert not left_running(mark), "a sandboxed process outlived its run"
 
 
 @isolated
-def test_files_outside_the_scratch_directory_cannot_be_written():
+def test_files_outside_the_scratch_directory_cannot_be_written_or_seen():
     victim = Path("/tmp") / f"sandbox-escape-{os.getpid()}"
-    targets = ("/etc/sandbox-escape", Path.home() / "sandbox-escape", ROOT / "sandbox-escape")  # ROOT: this repo
+    hidden = (ROOT, Path.home(), Path(sys.executable).parent)  # the repository, ~, the project's venv
+    assert all(p.is_dir() for p in hidden)  # the canaries: there outside
     code = (f"import os\n"
             f"open('mine.txt', 'w').write('ok'); print('cwd', os.getcwd(), os.listdir('.'))\n"
-            f"for path in {tuple(map(str, targets))}:\n"
+            f"for path in ('/escape', '/usr/escape', '/dev/escape'):\n"
             f"    try:\n        open(path, 'w')\n    except OSError as e:\n        print(path, e.strerror)\n"
+            f"print('visible', [p for p in {tuple(map(str, hidden))} if os.path.exists(p)])\n"
             f"open('{victim}', 'w').write('x')\n")
     result = run(code)
     assert result.outcome == "ok", result
     assert "cwd /tmp ['mine.txt']" in result.stdout
-    refused = [line for line in result.stdout.splitlines() if "sandbox-escape" in line]
-    # Refused, or not there to write into: a checkout under /tmp lies under the run's own /tmp.
-    denied = ("Read-only file system", "Permission denied", "No such file or directory")
-    assert len(refused) == 3 and all(line.endswith(denied) for line in refused), refused
-    assert not any(Path(p).exists() for p in targets)
+    for path in ("/escape", "/usr/escape", "/dev/escape"):  # each a mount of its own, each read-only
+        assert f"{path} Read-only file system" in result.stdout, result.stdout
+    assert "visible []" in result.stdout
     assert not victim.exists()  # its /tmp was its own, and is gone
 
 
 @isolated
-def test_the_network_is_unreachable():
+def test_the_network_is_a_loopback_of_its_own():
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         port = listener.getsockname()[1]
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()  # the canary: reachable here
         code = (f"import socket\n"
                 f"for host in ('127.0.0.1', '1.1.1.1'):\n"
                 f"    try:\n        socket.create_connection((host, {port}), timeout=2)\n        print(host, 'connected')\n"
                 f"    except OSError as e:\n        print(host, e.strerror)\n")
         result = run(code)
-    assert "127.0.0.1 Network is unreachable" in result.stdout and "1.1.1.1 Network is unreachable" in result.stdout
+    assert "127.0.0.1 Connection refused" in result.stdout and "1.1.1.1 Network is unreachable" in result.stdout
 
 
-def test_runs_side_by_side_do_not_share_a_user_or_a_directory():
+def test_runs_side_by_side_do_not_share_a_directory():
     async def both():
         box = Sandbox(Limits())
-        code = "import os, time; open('f', 'w').write(str(os.getuid())); time.sleep(1); print(os.getuid(), os.listdir('.'))"
-        return await asyncio.gather(box.run(code), box.run(code))
+        code = ("import os, sys, time; open(sys.stdin.read(), 'w').close(); time.sleep(1)\n"
+                "print(sorted(os.listdir('.')))")  # a name of its own: the other's file would show
+        return await asyncio.gather(box.run(code, "a"), box.run(code, "b"))
 
     a, b = asyncio.run(both())
     assert a.outcome == b.outcome == "ok", (a, b)
-    assert a.stdout.split()[-1] == b.stdout.split()[-1] == "['f']"
-    if ISOLATION is None:
-        assert a.stdout.split()[0] != b.stdout.split()[0]
+    assert (a.stdout.strip(), b.stdout.strip()) == ("['a']", "['b']")
+
+
+def test_without_isolation_a_run_says_so_and_a_run_that_requires_it_refuses(monkeypatch):
+    from orchestrator import sandbox
+
+    monkeypatch.setattr(sandbox, "_probe", lambda: (None, "bubblewrap not found: apt-get install bubblewrap"))
+    assert Sandbox.isolation() == "bubblewrap not found: apt-get install bubblewrap"
+    plain = run("print('hi')")
+    assert (plain.stdout, plain.isolated) == ("hi\n", False)
+    with pytest.raises(RuntimeError, match="bubblewrap not found"):
+        asyncio.run(Sandbox(Limits(), isolation="bwrap").run("print('hi')"))
+
+
+@isolated
+def test_a_run_dies_with_the_process_that_started_it():
+    """The orchestrator killed mid-run (SIGKILL: nothing of it runs after) leaves nothing of the
+    run behind, children that called setsid included (bwrap's --die-with-parent, the PID namespace)."""
+    code, mark = marked("import os, time\nfor _ in range(3):\n    if os.fork() == 0:\n        os.setsid()\n"
+                        "        break\ntime.sleep(60)")
+    starter = subprocess.Popen([sys.executable, "-c", "import asyncio, sys\nfrom orchestrator.sandbox import Limits, "
+                                "Sandbox\nasyncio.run(Sandbox(Limits(wall_s=60)).run(sys.argv[1]))", code],
+                               env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+
+    def run_s() -> list[int]:  # bwrap's two processes, the program and its three children
+        return [pid for pid in left_running(mark) if pid != starter.pid]
+
+    try:
+        for _ in range(200):  # until the run has started its children (a few hundred ms)
+            if len(run_s()) == 6:
+                break
+            time.sleep(0.05)
+        assert len(run_s()) == 6, run_s()  # the canary: they run while the run does
+    finally:
+        starter.kill()
+        starter.wait()
+    for _ in range(100):  # the kernel takes the namespace down as it goes
+        if not run_s():
+            break
+        time.sleep(0.05)
+    assert not run_s(), "a sandboxed process outlived the process that started it"

@@ -6,10 +6,12 @@ directory's state suits a fresh start or --resume."""
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable
 
 import jinja2
 
+from orchestrator import sandbox as sandboxing  # the module, not its Sandbox: see executes_code
 from orchestrator.callables import load_callable
 from orchestrator.chat import ChatTemplate
 from orchestrator.prompt_fit import dataset_fits, environment_fits, error_line, measure, sample, tokenizer_of
@@ -84,6 +86,54 @@ def kept_sets_fit(cfg: RunConfig) -> None:
             raise ConfigError(f"orchestrator.record_kept_sets: {where} samples with top_k {s.top_k} over a vocabulary "
                               f"of {vocab}, so a kept set may hold {need} tokens, more than inference.max_logprobs "
                               f"{cfg.inference.max_logprobs}: set top_k below it, or raise inference.max_logprobs")
+
+
+def executes_code(obj) -> bool:
+    """The rule for "this run executes model-written code": the module that defines `obj` (a
+    reward, a dataset function, an environment class or one of its tools) imports
+    orchestrator.sandbox, holding its Sandbox class or a Sandbox (orchestrator/tasks/coding.py,
+    orchestrator/tasks/python_tool.py)."""
+    module = sys.modules.get(getattr(obj, "__module__", None) or "")
+    box = sandboxing.Sandbox
+    return module is not None and any(v is box or isinstance(v, box) for v in vars(module).values())
+
+
+def _code_runners(cfg: RunConfig) -> list[str]:
+    """The config keys whose code executes model-written code (executes_code)."""
+    o = cfg.orchestrator
+    found = []
+    for key, spec in [("orchestrator.environment", o.environment),
+                      *((f"orchestrator.eval.environments {e.name}", e.environment) for e in o.eval.environments)]:
+        if spec:
+            env = load_callable(spec, key)
+            tools = getattr(env, "tools", None)  # a class's list; a property where they are built (verifiers)
+            if executes_code(env) or any(executes_code(t) for t in (tools if isinstance(tools, (list, tuple)) else ())):
+                found.append(f"{key} = {spec!r}")
+    for ds, listed, _ in _datasets(cfg):
+        reward_key = f"dataset {ds.name}: reward" if listed and ds.spec.reward else "orchestrator.reward"
+        for key, spec in ((reward_key, ds.reward), (_function_key(ds, listed), ds.spec.function)):
+            if spec and "://" not in spec and executes_code(load_callable(BUILTIN_REWARDS.get(spec, spec), key)):
+                found.append(f"{key} = {spec!r}")
+    return found
+
+
+def sandbox_isolation(cfg: RunConfig) -> None:
+    """A run that executes model-written code starts only where it is isolated
+    (orchestrator/sandbox.py), or where the config says orchestrator.sandbox.isolation = "none";
+    either way one line says which isolation the run gets (--dry-run shows it)."""
+    runners = _code_runners(cfg)
+    if not runners:
+        return
+    why = sandboxing.Sandbox.isolation()
+    if why is None:
+        print(f"orchestrator: {runners[0]} runs model-written code, isolated: {sandboxing.Sandbox.describe()}",
+              file=sys.stderr)
+    elif cfg.orchestrator.sandbox.isolation == "none":
+        print(f"orchestrator: UNSAFE: {runners[0]} runs model-written code unisolated, limits only "
+              f"(orchestrator.sandbox.isolation = \"none\"): {why}", file=sys.stderr)
+    else:
+        raise ConfigError(f"{runners[0]} runs model-written code: {why}, or set "
+                          "orchestrator.sandbox.isolation = \"none\" to run it unisolated")
 
 
 def trackers(cfg: RunConfig) -> None:
@@ -179,9 +229,9 @@ def _sample(cfg: RunConfig, ds: Dataset, listed: bool) -> list[tuple[object, str
     return rows
 
 
-CHECKS = (cores("orchestrator"), output_dir, model_for_scoring, orchestrator_code, orchestrator_data, kept_sets_fit,
-          trackers, orchestrator_run_state)
+CHECKS = (cores("orchestrator"), output_dir, model_for_scoring, orchestrator_code, sandbox_isolation,
+          orchestrator_data, kept_sets_fit, trackers, orchestrator_run_state)
 # `rl eval`: its own server's checks (inference/preflight.py SERVING), then these.
-EVAL_CHECKS = (orchestrator_code, eval_data)
+EVAL_CHECKS = (orchestrator_code, sandbox_isolation, eval_data)
 # `rl sft`: its data step's, beside the trainer's own (rl/cli.py).
 SFT_CHECKS = (sft_setup,)

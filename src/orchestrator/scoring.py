@@ -9,6 +9,8 @@ the run goes on.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import math
 from abc import ABC, abstractmethod
@@ -30,6 +32,31 @@ def as_score(value) -> Score:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"returned {value!r}, not a finite number or a dict of them")
     return float(value)
+
+
+def bounded(fn):
+    """`fn`, refusing (ValueError) a number outside the range it declares, `fn.bounds = (lo, hi)`
+    (orchestrator/tasks/coding.py): a reward out of its range is broken or forged, and fails that
+    rollout like one that raises, instead of being trained on. Components of a dict are not checked."""
+    if getattr(fn, "bounds", None) is None:
+        return fn
+    lo, hi = fn.bounds
+
+    def check(value):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not lo <= value <= hi:
+            raise ValueError(f"returned a score outside its range [{lo:g}, {hi:g}]")  # no value: one kind
+        return value
+
+    if inspect.iscoroutinefunction(fn):
+        @functools.wraps(fn)
+        async def checked_async(*args):
+            return check(await fn(*args))
+        return checked_async
+
+    @functools.wraps(fn)
+    def checked(*args):
+        return check(fn(*args))
+    return checked
 
 
 def combine(score: Score, weights: dict[str, float]) -> tuple[float, dict[str, float]]:
@@ -70,7 +97,7 @@ class FunctionReward(Reward):
 
     def __init__(self, spec: str, timeout_s: float, fn):
         super().__init__(spec, timeout_s)
-        self.fn = fn
+        self.fn = bounded(fn)
         self.weights = dict(getattr(fn, "weights", None) or {})
 
     def call(self, prompt: str, completion: str, row: dict) -> Score | None:

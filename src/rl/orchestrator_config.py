@@ -76,6 +76,15 @@ class ToolsConfig(Section):
         return spec
 
 
+class SandboxConfig(Section):
+    isolation: Literal["bwrap", "none"] = "bwrap"
+    """How model-written code is isolated where a run executes it (the coding task's reward, the
+    python tool: orchestrator/sandbox.py). "bwrap": by bubblewrap's namespaces; a run refuses to
+    start where it is missing or cannot work, saying how to fix it. "none": start there anyway,
+    the code running with limits only (unsafe, said once at start-up); where bubblewrap works,
+    runs are isolated all the same."""
+
+
 class OverlongConfig(Section):
     mode: Literal["keep", "mask", "penalty"] = "keep"
     """Completions cut at max_tokens: "keep" them as they are; "mask" them out of the loss (they
@@ -231,6 +240,9 @@ class OrchestratorConfig(Section):
 
     tools: ToolsConfig = ToolsConfig()
     """How a tool environment's calls are read and run (`[orchestrator.tools]`)."""
+
+    sandbox: SandboxConfig = SandboxConfig()
+    """Where model-written code runs (`[orchestrator.sandbox]`)."""
 
     prompts_per_step: int = Field(16, ge=1)
     """Groups (prompts) in each batch."""

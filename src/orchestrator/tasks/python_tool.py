@@ -1,6 +1,8 @@
-"""A `python` tool for tool environments: the model's code runs in orchestrator/sandbox.py (its
-limits, no network, a scratch directory of its own) and the tool answers with what it printed,
-and why it stopped when it did not end well ("[timed out]", "[out of memory]", ...).
+"""A `python` tool for tool environments: the model's code runs in orchestrator/sandbox.py
+(bubblewrap's namespaces: no network, no host process, no file of the repository or the run, a
+scratch directory of its own; and its limits) and the tool answers with what it printed, and why
+it stopped when it did not end well ("[timed out]", "[out of memory]", ...). An environment that
+lists it executes model-written code: start-up checks the isolation (orchestrator/preflight.py).
 
     class MyEnv:
         tools = [python]
