@@ -325,10 +325,20 @@ class TrainerConfig(Section):
     micro_batch_size: int = Field(64, ge=1)
     """pack = false: samples per padded forward/backward pass on each rank."""
 
-    attention: Literal["auto", "sdpa", "flash_attention_2"] = "auto"
-    """Attention kernel of the trainer's model. auto: flash_attention_2 on CUDA with dtype
-    bfloat16 when the flash-attn package is installed (packed samples then use its varlen
-    kernel), else sdpa (packed samples get a block-diagonal mask)."""
+    attention: Literal["auto", "sdpa", "flash_attention_2", "varlen"] = "auto"
+    """Attention kernel of the trainer's model. sdpa: packed samples get a block-diagonal
+    [T, T] mask. varlen: packed rows are cut into their samples and attention runs per sample
+    (trainer/packed_attention.py): PyTorch's own flash kernel on CUDA in bfloat16 (no flash-attn
+    package; Ampere or newer), one causal SDPA call per sample elsewhere. flash_attention_2: the
+    flash-attn package's varlen kernel. auto: on CUDA with dtype bfloat16, flash_attention_2 where
+    flash-attn is installed, else varlen; otherwise (float32, the CPU) sdpa."""
+
+    compile: Literal["auto"] | bool = "auto"
+    """torch.compile each decoder layer's forward before FSDP2 shards it (trainer/compiled_layers.py):
+    fused elementwise kernels, one compile per new micro-batch width until the width is
+    symbolic. auto: on for CUDA with full fine-tuning of a dense model; off on the CPU (minutes
+    of compiling for a demo that steps in a fraction of a second), with LoRA and with MoE
+    routing hooks."""
 
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass: less memory, ~30% more
@@ -371,8 +381,12 @@ class TrainerConfig(Section):
     """Published weights are split into model-0000i-of-0000n.safetensors files of at most this
     size (MiB) plus an index, as HF does; a smaller model is one model.safetensors."""
 
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Compute dtype of the FSDP2 mixed-precision policy (parameters stay float32)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Compute dtype of the FSDP2 mixed-precision policy (parameters stay float32). auto, resolved
+    once at start-up (trainer/compute_dtype.py): bfloat16 on CUDA (and with flash_attention_2);
+    on a CPU, bfloat16 only where it computes bf16 natively (avx512_bf16 or amx_bf16 in
+    /proc/cpuinfo) for a model of hidden size 256 or more, else float32. An explicit bfloat16 on a
+    CPU without native bf16 logs a warning: matmuls there run ~30x slower than float32."""
 
     torch_threads: int = Field(0, ge=0)
     """CPU threads for torch in the trainer; 0 keeps torch's default. On a small machine shared
@@ -524,8 +538,8 @@ class RunConfig(Section):
                 f"trainer.micro_batch_tokens ({t.micro_batch_tokens}) must be >= seq_len "
                 f"({self.seq_len}): a sample of seq_len tokens must fit in one micro-batch"
             )
-        if t.attention == "flash_attention_2" and t.dtype != "bfloat16":
-            raise ValueError('trainer.attention = "flash_attention_2" needs trainer.dtype = "bfloat16" '
+        if t.attention == "flash_attention_2" and t.dtype == "float32":
+            raise ValueError('trainer.attention = "flash_attention_2" needs trainer.dtype = "bfloat16" or "auto" '
                              "(flash attention has no float32 kernel)")
         lo, hi = t.loss.mask_low, t.loss.mask_high
         if lo is not None and hi is not None and lo >= hi:

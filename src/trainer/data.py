@@ -57,6 +57,15 @@ def receive_batch(receiver: BatchReceiver | None, step: int, timeout_s: float,
     return Batch.decode(data[:n], data[n:], f"batch {step} from rank 0"), time.monotonic() - start
 
 
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without a round trip: from pageable memory CUDA first finishes
+    every queued kernel (the host waits on the last micro-batch's backward before it can queue
+    the next forward); from pinned memory the copy is queued like a kernel."""
+    if device.type != "cuda" or x.device.type != "cpu":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class MicroBatch:
     tokens: torch.Tensor  # [R, T] int64

@@ -43,6 +43,8 @@ class TokenQuery:
     temperature: Tensor  # float32: the logits are divided by it (the sampler's temperature)
     truncation: Truncation | None = None  # same layout; its `select` within `wanted`
     smoothing: float = 0.0  # label smoothing (rl sft): trainer/loss.py token_logprobs_and_entropy
+    # wanted's flat indices, found on the host (trainer/model.py micro_batch_query); None: here
+    where: Tensor | None = None
 
 
 class LogprobHead(nn.Module):
@@ -56,8 +58,18 @@ class LogprobHead(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.chunk_tokens = chunk_tokens
         self.query: TokenQuery | None = None
-        self.misses = 0.0  # sampled tokens the kept sets lacked, in the last query
-        self.replayed = 0.0  # positions renormalised over the sampler's recorded set, in the last query
+        # [misses, replayed] of the last query, kept on the device until read (misses: sampled
+        # tokens the kept sets lacked; replayed: positions renormalised over the sampler's
+        # recorded set): a query without truncation never reads them, and never waits for them.
+        self.counts = torch.zeros(2)
+
+    @property
+    def misses(self) -> float:
+        return float(self.counts[0])
+
+    @property
+    def replayed(self) -> float:
+        return float(self.counts[1])
 
     @contextmanager
     def asked(self, query: TokenQuery):
@@ -74,7 +86,7 @@ class LogprobHead(nn.Module):
         flat = hidden.reshape(-1, hidden.shape[-1])
         if q.wanted.numel() != flat.shape[0]:
             raise ValueError(f"query for {q.wanted.numel()} positions, the model gave {flat.shape[0]}")
-        where = q.wanted.reshape(-1).nonzero().squeeze(1)
+        where = q.where if q.where is not None else q.wanted.reshape(-1).nonzero().squeeze(1)
         # A micro-batch without wanted positions (a rank's padding pass) still runs one position,
         # times zero: every rank must produce a gradient for the head's weight, or FSDP2's
         # reduce-scatter would pair different parameter sets across ranks.
@@ -99,7 +111,7 @@ class LogprobHead(nn.Module):
             logprobs.append(lp)
             entropies.append(ent)
             counts = counts + count
-        self.misses, self.replayed = counts.tolist()  # one device sync per query
+        self.counts = counts.detach()
         values = torch.stack([torch.cat(logprobs), torch.cat(entropies)], -1)
         out = flat.new_zeros(flat.shape[0], 2, dtype=torch.float32).index_put((where,), values * 0 if empty else values)
         # A copy, not a view: FSDP2 warns that an in-place op on a view its root returns would

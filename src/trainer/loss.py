@@ -25,16 +25,29 @@ from trainer.sampling_mask import Truncation, renormalised
 _MAX_LOG_RATIO = 20.0
 
 
+# The metrics policy_loss sums, in LossOutput.stats' order:
+STATS = (
+    "tokens",  # loss tokens (loss_mask == 1)
+    "masked_tokens",  # loss tokens dropped by mask_low / mask_high
+    "clipped_tokens",  # ppo_clip: gradient zeroed by the clip; truncated_is: ratio > tis_cap
+    "ratio_sum",  # token or sequence ratio, summed over loss tokens
+    "mismatch_kl_sum",  # k3 estimate of KL(pi_inference || pi_trainer), summed over loss tokens
+    "entropy_sum",  # 0.0 without entropy
+    "kl_sum",  # k3 value of the KL penalty (without kl_coef); 0.0 when kl_coef == 0
+)
+
+
 @dataclass
 class LossOutput:
     loss: Tensor  # scalar, differentiable: sum of loss_weight * per-token loss over kept tokens
-    tokens: float  # loss tokens (loss_mask == 1)
-    masked_tokens: float  # loss tokens dropped by mask_low / mask_high
-    clipped_tokens: float  # ppo_clip: gradient zeroed by the clip; truncated_is: ratio > tis_cap
-    ratio_sum: float  # token or sequence ratio, summed over loss tokens
-    mismatch_kl_sum: float  # k3 estimate of KL(pi_inference || pi_trainer), summed over loss tokens
-    entropy_sum: float  # 0.0 without entropy
-    kl_sum: float  # k3 value of the KL penalty (without kl_coef); 0.0 when kl_coef == 0
+    # float32 [len(STATS)] on the loss's device: the trainer sums them there over a step's
+    # micro-batches and reads them once (reading one per micro-batch would wait for the device).
+    stats: Tensor
+
+    def __getattr__(self, name: str) -> float:
+        if name in STATS:  # out.tokens etc.: one value, read now
+            return float(self.stats[STATS.index(name)])
+        raise AttributeError(name)
 
 
 def token_logprobs_and_entropy(logits: Tensor, tokens: Tensor, temperature: float | Tensor,
@@ -166,6 +179,5 @@ def policy_loss(
             torch.where(mask, mismatch_kl, 0.0).sum(),
             ent.sum(),
             torch.where(mask, kl.detach(), 0.0).sum(),
-        ]).tolist()  # one device sync for all metrics
-    tokens, masked, n_clipped, ratio_sum, mismatch_sum, entropy_sum, kl_sum = stats
-    return LossOutput(loss, tokens, masked, n_clipped, ratio_sum, mismatch_sum, entropy_sum, kl_sum)
+        ])
+    return LossOutput(loss, stats)

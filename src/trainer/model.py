@@ -9,39 +9,53 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rl.config import RunConfig
-from trainer.data import MicroBatch
+from trainer import packed_attention
+from trainer.compiled_layers import compile_layers, compile_wanted
+from trainer.data import MicroBatch, to_device
 from trainer.logprob_head import LogprobHead, TokenQuery, install
 from trainer.lora import LoRA
 from trainer.loss import token_logprobs_and_entropy
 from trainer.parallel import apply_fsdp
+from trainer.routing_replay import routers
 from trainer.sampling_mask import Truncation
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def attention_implementation(choice: str, dtype: str) -> str:
+def attention_implementation(choice: str, dtype: str, device: torch.device) -> str:
+    """trainer.attention resolved. auto on CUDA in bfloat16: flash_attention_2 where the flash-attn
+    package is installed, else "varlen" (trainer/packed_attention.py: PyTorch's own flash kernel,
+    which needs an Ampere or newer GPU); otherwise sdpa (a float32 trainer, and the CPU, where
+    varlen's per-document loop is no faster than sdpa's block-diagonal mask)."""
     if choice != "auto":
         return choice
     from transformers.utils import is_flash_attn_2_available
 
-    # flash attention computes in half precision only: with float32 compute, sdpa.
-    if dtype == "bfloat16" and torch.cuda.is_available() and is_flash_attn_2_available():
+    if dtype != "bfloat16" or device.type != "cuda":
+        return "sdpa"
+    if is_flash_attn_2_available():
         return "flash_attention_2"
-    return "sdpa"
+    return packed_attention.NAME if torch.cuda.get_device_capability(device)[0] >= 8 else "sdpa"
 
 
-def load_model(cfg: RunConfig, device: torch.device, trainable: bool, lora_slots: int = 0
+def load_model(cfg: RunConfig, device: torch.device, trainable: bool, lora_slots: int = 0, *, dtype: str
                ) -> tuple[torch.nn.Module, LoRA | None]:
-    """The starting model, FSDP2-sharded; with lora_slots, frozen and carrying that many adapter
-    slots (trainer/lora.py), created before sharding so FSDP2 manages them too. A frozen model
-    (the KL reference) is stored in the compute dtype: it has no optimizer to need float32
-    masters, and the mixed-precision policy would cast it to that dtype in every forward anyway,
-    so bfloat16 halves its memory and changes none of its logits."""
+    """The starting model, FSDP2-sharded, computing in `dtype` (trainer.dtype resolved:
+    trainer/compute_dtype.py); with lora_slots, frozen and carrying that many adapter slots
+    (trainer/lora.py), created before sharding so FSDP2 manages them too. A frozen model (the KL
+    reference) is stored in the compute dtype: it has no optimizer to need float32 masters, and
+    the mixed-precision policy would cast it to that dtype in every forward anyway, so bfloat16
+    halves its memory and changes none of its logits. With trainer.compile, each decoder layer's
+    forward is compiled (trainer/compiled_layers.py) after the logprob head's probe and before
+    sharding."""
+    attention = attention_implementation(cfg.trainer.attention, dtype, device)
+    if attention == packed_attention.NAME:
+        packed_attention.register()
     # Packed rows carry no attention mask: transformers derives the block-diagonal mask (sdpa)
-    # or the varlen boundaries (flash attention) from the restarting position ids.
-    dtype = torch.float32 if trainable else _DTYPES[cfg.trainer.dtype]
+    # or the varlen boundaries (flash attention) from the restarting position ids; "varlen" gets
+    # them from forward_logits.
     model = AutoModelForCausalLM.from_pretrained(
-        cfg.model, dtype=dtype, attn_implementation=attention_implementation(cfg.trainer.attention, cfg.trainer.dtype)).to(device)
+        cfg.model, dtype=torch.float32 if trainable else _DTYPES[dtype], attn_implementation=attention).to(device)
     lora = None
     if trainable:
         model.train()
@@ -54,7 +68,9 @@ def load_model(cfg: RunConfig, device: torch.device, trainable: bool, lora_slots
         model.eval()
         model.requires_grad_(False)
     install(model, cfg.trainer.logits_chunk_tokens)
-    apply_fsdp(model, _DTYPES[cfg.trainer.dtype], offload=not trainable and cfg.trainer.reference_offload)
+    if compile_wanted(cfg.trainer.compile, device.type, lora is not None, bool(routers(model))):
+        compile_layers(model)
+    apply_fsdp(model, _DTYPES[dtype], offload=not trainable and cfg.trainer.reference_offload)
     return model, lora
 
 
@@ -62,15 +78,22 @@ def forward_logits(model: torch.nn.Module, mb: MicroBatch, device: torch.device,
     """Logits [R, T, V] of a micro-batch. `single_row`: packed rows go through the model as one
     row, because transformers' flash-attention path finds packed samples (varlen) only in a batch
     of one row; with several it would let samples attend across boundaries. (sdpa handles rows
-    itself, and one long row would make its [L, L] mask R^2 times bigger.)"""
-    tokens = mb.tokens.to(device)
-    positions = None if mb.position_ids is None else mb.position_ids.to(device)
+    itself, and one long row would make its [L, L] mask R^2 times bigger; "varlen" flattens the
+    rows itself, its documents cut at the boundaries computed here, on the host.)"""
+    tokens = to_device(mb.tokens, device)
+    positions = None if mb.position_ids is None else to_device(mb.position_ids, device)
+    mask = None if mb.attention_mask is None else to_device(mb.attention_mask, device)
+    documents = {}
+    if model.config._attn_implementation == packed_attention.NAME:
+        lengths = packed_attention.document_lengths(mb.position_ids, mb.attention_mask, mb.tokens.shape)
+        documents, mask = packed_attention.boundaries(lengths, device), None
     flat = single_row and positions is not None and tokens.shape[0] > 1
     logits = model(
         input_ids=tokens.reshape(1, -1) if flat else tokens,
         position_ids=positions.reshape(1, -1) if flat else positions,
-        attention_mask=None if mb.attention_mask is None else mb.attention_mask.to(device),
+        attention_mask=mask,
         use_cache=False,  # with a KV cache object, transformers ignores packed position ids
+        **documents,
     ).logits
     return logits.reshape(*tokens.shape, -1) if flat else logits
 
@@ -86,8 +109,8 @@ def micro_batch_logprobs(model: torch.nn.Module, mb: MicroBatch, device: torch.d
     head = model.get_output_embeddings()
     if not isinstance(head, LogprobHead):
         logits = forward_logits(model, mb, device, single_row)
-        return token_logprobs_and_entropy(logits, mb.tokens.to(device), mb.temperature.to(device), truncation,
-                                          smoothing)
+        return token_logprobs_and_entropy(logits, to_device(mb.tokens, device), to_device(mb.temperature, device),
+                                          truncation, smoothing)
     with head.asked(micro_batch_query(mb, device, truncation, smoothing)):
         out = forward_logits(model, mb, device, single_row)  # [R, T, 2]: (logprob, entropy)
     if truncation is not None:
@@ -98,13 +121,16 @@ def micro_batch_logprobs(model: torch.nn.Module, mb: MicroBatch, device: torch.d
 def micro_batch_query(mb: MicroBatch, device: torch.device, truncation: Truncation | None,
                       smoothing: float = 0.0) -> TokenQuery:
     """The head's query for a micro-batch: at [r, t] the token t+1 of row r, wanted where the
-    loss uses it. Per-predicted-token fields ([R, T-1]) get a last column that is never wanted."""
+    loss uses it. Per-predicted-token fields ([R, T-1]) get a last column that is never wanted.
+    The wanted positions' indices are found here, on the host's copy: on the device that would
+    be a round trip per micro-batch (nonzero's size depends on the data)."""
     def widen(x: torch.Tensor, fill) -> torch.Tensor:
-        return torch.cat([x, torch.full_like(x[:, :1], fill)], 1).to(device)
+        return to_device(torch.cat([x, torch.full_like(x[:, :1], fill)], 1), device)
 
-    tokens = mb.tokens.to(device)
+    wanted = torch.cat([mb.loss_mask > 0, torch.zeros_like(mb.loss_mask[:, :1], dtype=torch.bool)], 1)
     trunc = None if truncation is None else Truncation(
         widen(truncation.top_k, -1), widen(truncation.top_p, 1.0), widen(truncation.min_p, 0.0),
         widen(truncation.select, False), None if truncation.kept is None else widen(truncation.kept, -1))
-    return TokenQuery(targets=widen(tokens[:, 1:], 0), wanted=widen(mb.loss_mask > 0, False),
-                      temperature=widen(mb.temperature.float(), 1.0), truncation=trunc, smoothing=smoothing)
+    return TokenQuery(targets=widen(mb.tokens[:, 1:], 0), wanted=to_device(wanted, device),
+                      temperature=widen(mb.temperature.float(), 1.0), truncation=trunc, smoothing=smoothing,
+                      where=to_device(wanted.reshape(-1).nonzero().squeeze(1), device))

@@ -25,8 +25,9 @@ from rl.rundir import RunDir, remove_quietly
 from rl.transport import BatchReceiver
 from rl.transports import batch_receiver
 from trainer import checkpoint
-from trainer.data import MicroBatch, loss_weights, rank_micro_batches, receive_batch
-from trainer.loss import policy_loss
+from trainer.compute_dtype import cpu_flags, resolve_dtype, slow_bf16_warning
+from trainer.data import MicroBatch, loss_weights, rank_micro_batches, receive_batch, to_device
+from trainer.loss import STATS, policy_loss
 from trainer.model import load_model, micro_batch_logprobs
 from trainer.optim import build_optimizer
 from trainer.parallel import init_distributed
@@ -39,8 +40,8 @@ from trainer.tunings import TUNINGS, tuning_kind
 
 log = logging.getLogger("trainer")
 
-_SUMS = ("tokens", "masked_tokens", "clipped_tokens", "ratio_sum", "mismatch_kl_sum", "entropy_sum", "kl_sum")
-# Per micro-batch counts from the Keep Sampling Mask (trainer/sampling_mask.py), summed with _SUMS.
+# Per micro-batch counts from the Keep Sampling Mask (trainer/sampling_mask.py), summed with the
+# loss's STATS.
 _MASK_SUMS = ("truncated_tokens", "mask_misses", "mask_replayed")
 
 
@@ -62,14 +63,16 @@ class Trainer:
         self.vocab_size = hf_config.get_text_config().vocab_size
         pad_id = getattr(hf_config.get_text_config(), "pad_token_id", None)
         self.pad_id = 0 if pad_id is None else pad_id
+        self.dtype = self.compute_dtype(cfg, hf_config)
         tuning = TUNINGS[tuning_kind(cfg)]
-        self.model, self.lora = load_model(cfg, self.device, trainable=True, lora_slots=tuning.slots(cfg))
+        self.model, self.lora = load_model(cfg, self.device, trainable=True, lora_slots=tuning.slots(cfg),
+                                           dtype=self.dtype)
         self.tuning = tuning(self.model, self.lora)
         self.flash = self.model.config._attn_implementation.startswith("flash")
         if self.rank == 0:
-            log.info("attention: %s", self.model.config._attn_implementation)
+            log.info("attention: %s, dtype: %s", self.model.config._attn_implementation, self.dtype)
         loss = cfg.trainer.loss
-        self.reference = (load_model(cfg, self.device, trainable=False)[0] if loss.kl_coef > 0
+        self.reference = (load_model(cfg, self.device, trainable=False, dtype=self.dtype)[0] if loss.kl_coef > 0
                           and loss.kl_target == "reference" and self.tuning.own_reference else None)
         self.publisher = make_publisher(cfg, self.run, self.rank, self.model, self.lora, self.tied)
         # MoE models only: replays the engine's routing (trainer.routing_replay) and reports agreement.
@@ -79,6 +82,15 @@ class Trainer:
         self.policy = None  # multi-run: one per run (trainer/runs.py)
         if not cfg.trainer.lora.multi_run:
             self.policy = self.new_policy(cfg, self.run, self.tuning.first_slot)
+
+    def compute_dtype(self, cfg: RunConfig, hf_config) -> str:
+        """trainer.dtype resolved for this device, once (trainer/compute_dtype.py), with its warning
+        for bfloat16 asked of a CPU that only emulates it."""
+        flags = cpu_flags() if self.device.type == "cpu" else set()
+        if self.rank == 0 and (warning := slow_bf16_warning(cfg.trainer.dtype, self.device.type, flags)):
+            log.warning(warning)
+        return resolve_dtype(cfg.trainer.dtype, self.device.type, flags, hf_config.get_text_config().hidden_size,
+                             cfg.trainer.attention)
 
     def new_policy(self, cfg: RunConfig, run: RunDir, slot: int | None) -> Policy:
         """A run's policy in `slot`, its weights fresh there (tuning.reset)."""
@@ -258,9 +270,13 @@ class Trainer:
         # loss_weight already divides by the whole batch's normaliser (trainer/data.py), so the
         # summed loss does not depend on how samples fall into micro-batches and ranks. FSDP2
         # averages gradients over ranks; scaling by the world size turns that back into the sum.
+        # The metrics add up on the device and are read once, after the last micro-batch: reading
+        # them per micro-batch would make the host wait for each backward before queuing the next
+        # forward, leaving the GPU idle meanwhile.
         loss_cfg = policy.cfg.trainer.loss
         use_reference = loss_cfg.kl_coef > 0 and loss_cfg.kl_target == "reference"
-        sums = torch.zeros(len(_SUMS) + len(_MASK_SUMS) + 1, dtype=torch.float64)
+        sums = torch.zeros(1 + len(STATS), dtype=torch.float64, device=self.device)
+        mask_sums = torch.zeros(len(_MASK_SUMS), dtype=torch.float64)
 
         for mb in micro_batches:
             reference = self.reference_logprobs(mb, policy.cfg.trainer.sampling_mask) if use_reference else None
@@ -273,26 +289,25 @@ class Trainer:
                         self.model, mb, truncation if policy.cfg.trainer.sampling_mask else None)
                 if self.routing is not None:
                     self.routing.end_forward()
-                d = {k: v.to(self.device) for k, v in (("inference_logprobs", mb.inference_logprobs),
-                                                       ("advantages", mb.advantages), ("loss_mask", mb.loss_mask),
-                                                       ("loss_weight", mb.loss_weight),
-                                                       ("sequence_ids", mb.sequence_ids))}
+                d = {k: to_device(v, self.device) for k, v in (
+                    ("inference_logprobs", mb.inference_logprobs), ("advantages", mb.advantages),
+                    ("loss_mask", mb.loss_mask), ("loss_weight", mb.loss_weight), ("sequence_ids", mb.sequence_ids))}
                 out = policy_loss(logprobs, cfg=loss_cfg, entropy=entropy, reference_logprobs=reference, **d)
                 # The adapter stays active through backward (and the replayed routing): activation
                 # checkpointing re-runs the forward hooks there.
                 with self.tuning.active(policy.slot):
                     (out.loss * self.world).backward()
-            truncated = float(truncation.select.sum()) if truncation is not None else 0.0
-            misses, replayed = (truncation.misses, truncation.replayed) if truncation is not None else (0.0, 0.0)
-            sums += torch.tensor([out.loss.item()] + [getattr(out, k) for k in _SUMS] + [truncated, misses, replayed],
-                                 dtype=torch.float64)
+            sums += torch.cat([out.loss.detach()[None], out.stats]).double()
+            if truncation is not None:  # the host's own counts, and the head's (read only here)
+                mask_sums += torch.tensor([float(truncation.select.sum()), truncation.misses, truncation.replayed],
+                                          dtype=torch.float64)
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.params, policy.cfg.trainer.optim.max_grad_norm)
         policy.optimizer.step()
         policy.optimizer.zero_grad(set_to_none=True)
         policy.scheduler.step()
         routing = self.routing.take_sums() if self.routing is not None else torch.zeros(0, dtype=torch.float64)
-        ours = len(sums)
-        sums = torch.cat([sums, routing]).to(self.device)  # NCCL reduces only device tensors
+        ours = len(sums) + len(mask_sums)
+        sums = torch.cat([sums, mask_sums.to(self.device), routing.to(self.device)])  # NCCL reduces only device tensors
         dist.all_reduce(sums)
         sums = sums.cpu().tolist()
         routing_sums = sums[ours:]
