@@ -35,7 +35,8 @@ def attention_implementation(choice: str, dtype: str, device: torch.device) -> s
         return "sdpa"
     if is_flash_attn_2_available():
         return "flash_attention_2"
-    return packed_attention.NAME if torch.cuda.get_device_capability(device)[0] >= 8 else "sdpa"
+    ampere = torch.cuda.get_device_capability(device)[0] >= 8
+    return packed_attention.NAME if ampere and packed_attention.kernel_available() else "sdpa"
 
 
 def load_model(cfg: RunConfig, device: torch.device, trainable: bool, lora_slots: int = 0, *, dtype: str

@@ -20,10 +20,26 @@ none, from the position ids (a document starts where they do not count up by one
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
 NAME = "varlen"
+
+
+@functools.cache
+def kernel_available() -> bool:
+    """Whether this torch has the varlen flash kernel with the arguments used here (torch >= 2.11:
+    `window_size` for causality, `enable_gqa`; 2.10's took `is_causal`). Without it, "varlen"
+    runs per document through SDPA, and auto picks sdpa."""
+    import inspect
+
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return False
+    return {"window_size", "enable_gqa"} <= set(inspect.signature(varlen_attn).parameters)
 
 
 def register() -> None:
@@ -75,7 +91,7 @@ def varlen_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor
         kw = boundaries(document_lengths(positions, None, torch.Size((batch, width))), query.device)
         cu_seq_lens_q, max_length_q = kw["cu_seq_lens_q"], kw["max_length_q"]
     q, k, v = (x.transpose(1, 2).reshape(batch * width, x.shape[1], dim) for x in (query, key, value))
-    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and kernel_available():
         from torch.nn.attention.varlen import varlen_attn
 
         out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling,
