@@ -72,6 +72,8 @@ class Reporting:
             "in_flight": in_flight, "buffered": buffered,
             "serving_version": self.pool.serving_version, "servers_in_rotation": len(self.pool.in_rotation),
             "truncated": sum(g.truncated for g in groups), "skipped_rows": c.skipped_rows,
+            # The batch's own groups (`failed` counts every group scored since the last batch).
+            "episodes_failed": sum(g.failed for g in groups), "groups_short": sum(g.short for g in groups),
             "samples_scored": len(c.sampled_rewards),
             **({"reward_sampled_mean": sum(c.sampled_rewards) / len(c.sampled_rewards)} if c.sampled_rewards else {}),
             **({} if (update_s := self.pool.delivery.take_update_s()) is None else {"weight_update_s": update_s}),

@@ -41,6 +41,11 @@ class Group:
     error: str = ""
     """A group left without samples: the last error of its reward or environment."""
 
+    @property
+    def short(self) -> bool:
+        """Kept with fewer than group_size rollouts (some failed, enough finished)."""
+        return bool(self.samples) and self.failed > 0
+
     @functools.cached_property
     def oldest_version(self) -> int:
         return min(s.oldest_version for s in self.samples)
@@ -120,7 +125,9 @@ class Rollouts:
         trajectories = await self.kind.trajectories(prompt, gid, generate)
         kept = [t for t in trajectories if t is not None]
         failed = len(trajectories) - len(kept)
-        if len(kept) < 2:  # no group-relative signal left
+        # The rest train, advantages over those that finished (a rollout that raised costs only
+        # itself); too few left give no group-relative signal worth the step.
+        if len(kept) < self.settings.min_group_episodes:
             return Group(prompt, [], failed + len(kept), error=self.kind.last_error(prompt))
         advantages = group_advantages([t.reward for t in kept], self.settings.normalize_advantages)
         sampling = self.kind.sampling(prompt)

@@ -250,6 +250,19 @@ class OrchestratorConfig(Section):
     group_size: int = Field(8, ge=2)
     """Completions per prompt; advantages are relative to the group's mean reward."""
 
+    min_group_episodes: int = Field(2, ge=2)
+    """A group trains on the rollouts (episodes) that finished when at least this many of its
+    group_size did, advantages computed over those: a reward, an environment's step or an agent
+    that raises costs its own rollout. Fewer: the group fails (retried, then dropped)."""
+
+    @field_validator("min_group_episodes")
+    @classmethod
+    def _at_most_group_size(cls, n: int, info) -> int:
+        size = info.data.get("group_size", n)
+        if n > size:
+            raise ValueError(f"{n} is more than group_size ({size}): every group would fail")
+        return n
+
     max_tokens: int = Field(16, ge=1)
     """Longest completion (per model turn), tokens."""
 
