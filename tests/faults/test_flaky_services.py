@@ -71,10 +71,13 @@ def test_a_reward_hanging_for_good_gets_fresh_threads_and_the_run_completes(tmp_
     once eight had hung. Each call times out on its own and fails its rollout (its group, of two,
     is requeued); once half the threads are stuck a fresh set takes over, with one warning."""
     server = FakeServer(lambda: 0.0005)
-    # A run that stalls fails on its own: trainer_timeout_s (30 s) with no batch.
+    # A run that stalls fails on its own: trainer_timeout_s (30 s) with no batch. No group is
+    # cancelled as stale (max_off_policy_steps): a cancelled group's hung call is never timed,
+    # and with batches coming faster than 0.3 s every hung group could be cancelled first (seen
+    # once, under load: no "timed out" line at all).
     with caplog.at_level(logging.WARNING, logger="orchestrator"):
         o = asyncio.run(run_scenario(tmp_path, [server], max_steps=12, orchestrator={
-            "reward": "fake_inference:hanging_reward", "reward_timeout_s": 0.3}))
+            "reward": "fake_inference:hanging_reward", "reward_timeout_s": 0.3, "max_off_policy_steps": 100}))
     check_rules(o)
     assert len(fake_inference.faulted) > 8  # more calls hung than there are threads
     messages = [r.getMessage() for r in caplog.records]
