@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib.metadata
 
 from rl.config import ConfigError, RunConfig
-from rl.gpu_placement import PARALLEL_FLAGS
+from rl.gpu_placement import parallel_flags
 
 
 def cpu_build() -> bool:
@@ -60,7 +60,7 @@ def routing_needs_eager(cfg: RunConfig) -> None:
 def parallel_flags_twice(cfg: RunConfig) -> None:
     """inference.tensor_parallel or several inference.gpus beside the same flags in extra_args."""
     inf = cfg.inference
-    flags = [a.partition("=")[0] for a in inf.extra_args if a.partition("=")[0] in PARALLEL_FLAGS]
+    flags = parallel_flags(inf.extra_args)
     if flags and (inf.tensor_parallel > 1 or len(inf.gpus) > 1):
         raise ConfigError(f"inference.extra_args sets {flags[0]} and inference.gpus / inference.tensor_parallel say "
                           "the same: keep one (the keys are what `rl run` places GPUs by)")

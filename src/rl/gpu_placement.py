@@ -19,7 +19,6 @@ sees: CUDA_VISIBLE_DEVICES's entries when it is set, else the NVIDIA driver's de
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 import subprocess
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rl.config import ConfigError, RunConfig
+from rl.preflight import safetensors_header
 
 PLACED_ENV = "ASYNCRL_GPUS_PLACED"  # set by `rl run` for its children: their GPUs are already chosen
 DRIVER_GPUS = Path("/proc/driver/nvidia/gpus")
@@ -87,6 +87,11 @@ class GpuPlan:
             share = "" if self.memory_share is None else f", the server takes {self.memory_share:.2f} of its memory"
             line += f"; GPU(s) {list(self.shared)} shared: the trainer starts once the server serves{share}"
         return line
+
+
+def parallel_flags(extra_args: list[str]) -> list[str]:
+    """The flags among `vllm serve` arguments that give the server more than one GPU."""
+    return [flag for arg in extra_args if (flag := arg.partition("=")[0]) in PARALLEL_FLAGS]
 
 
 def _toml_list(ids: tuple[int, ...]) -> str:
@@ -154,7 +159,7 @@ def plan(cfg: RunConfig, visible: tuple[str, ...], total_gib: float | None = Non
     if len(inference) % inf.tensor_parallel:
         raise PlacementError(f"inference.tensor_parallel = {inf.tensor_parallel} does not divide the server's "
                              f"{len(inference)} GPU(s) {list(inference)}: give inference.gpus a multiple of it")
-    flags = [a.split("=", 1)[0] for a in inf.extra_args if a.split("=", 1)[0] in PARALLEL_FLAGS]
+    flags = parallel_flags(inf.extra_args)
     if flags:
         raise PlacementError(f"inference.extra_args sets {flags[0]}, which `rl run` chooses from inference.gpus "
                              "and inference.tensor_parallel on a GPU machine: set those keys instead")
@@ -240,10 +245,7 @@ def model_params(model: Path) -> int | None:
     total = 0
     try:
         for path in files:
-            with open(path, "rb") as f:
-                (size,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(size))
-            for name, entry in header.items():
+            for name, entry in safetensors_header(path).items():
                 if name != "__metadata__":
                     count = 1
                     for dim in entry["shape"]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import struct
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -80,6 +81,16 @@ def weight_files(cfg: RunConfig) -> list[Path]:
     if not files:
         raise ConfigError(f"model = {cfg.model}: no weights (*.safetensors); expected {MODEL_HINT}")
     return files
+
+
+def safetensors_header(path: Path) -> dict:
+    """A safetensors file's header (8-byte length, then JSON: each tensor's dtype, shape and
+    offsets) without reading a tensor. Raises OSError, ValueError or struct.error."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        if size > 1 << 28:  # a damaged length must not make us read the whole file
+            raise ValueError(f"{path.name}: header length {size}")
+        return json.loads(f.read(size))
 
 
 # config.json keys that count a model's routed experts (Qwen2/3-MoE, Mixtral, DeepSeek).

@@ -4,12 +4,12 @@ can bind its endpoints, and the run directory's state suits a fresh start or --r
 
 from __future__ import annotations
 
-import json
 import struct
 from pathlib import Path
 
 from rl.config import ConfigError, RunConfig
-from rl.preflight import (bindable, cores, is_rank0, mixture_of_experts, model_config, output_dir, seq_len_fits,
+from rl.preflight import (bindable, cores, is_rank0, mixture_of_experts, model_config, output_dir, safetensors_header,
+                          seq_len_fits,
                           weight_files)
 from rl.gpu_placement import ids_check
 from rl.rundir import RunDir
@@ -55,11 +55,7 @@ def _tensor_names(files: list[Path]) -> set[str]:
     for path in files:
         if path.suffix != ".safetensors":
             return set()  # .bin files are pickles: never opened here
-        with open(path, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            if size > 1 << 28:  # a damaged length must not make us read the whole file
-                raise ValueError(f"{path.name}: header length {size}")
-            names |= set(json.loads(f.read(size))) - {"__metadata__"}
+        names |= set(safetensors_header(path)) - {"__metadata__"}
     return names
 
 
