@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m compileall -q -j 0 -x '/torch/testing/' $(VENV)/lib > /dev/null 2>&1 || echo "some files were not compiled ahead (they compile when imported)"
 	touch $@
 
-# bubblewrap isolates model-written code (src/orchestrator/sandbox.py). Not fatal where it cannot be
+# bubblewrap isolates model-written code (src/orchestrator/rollout/sandbox.py). Not fatal where it cannot be
 # installed (not root, not Debian/Ubuntu): a run that executes such code then says how at start-up.
 install: $(VENV)/.installed
 	@command -v bwrap > /dev/null || apt-get install -y -q bubblewrap > /dev/null 2>&1 || \

@@ -24,11 +24,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import aiohttp  # noqa: E402
 
-from orchestrator.prompts import PromptQueue  # noqa: E402
-from orchestrator.rollouts import Rollouts  # noqa: E402
-from orchestrator.rewards import make_reward  # noqa: E402
-from orchestrator.sources import Source, mix  # noqa: E402
-from orchestrator.tokenizer import load_tokenizer  # noqa: E402
+from orchestrator.prompts.queue import PromptQueue  # noqa: E402
+from orchestrator.rollout.groups import Rollouts  # noqa: E402
+from orchestrator.rewards.registry import make_reward  # noqa: E402
+from orchestrator.prompts.dataset_mix import Source, mix  # noqa: E402
+from orchestrator.prompts.tokenizer import load_tokenizer  # noqa: E402
 from rl.config import RunConfig  # noqa: E402
 from rl.inference_api import InferenceClient  # noqa: E402
 from test_end_to_end import launch_server, wait_healthy  # noqa: E402

@@ -1,7 +1,7 @@
 """What a long tool episode costs the orchestrator, turn by turn, at real vocabulary size: a
 scripted model (no server) calls a tool each turn on the Qwen-shaped tokenizer and ChatTemplate
 (scripts/make_real_size_model.py), and the episode code that runs under `rl run`
-(orchestrator/tool_episode.py: parse, run the tool, render the conversation twice to find the
+(orchestrator/rollout/tool_episode.py: parse, run the tool, render the conversation twice to find the
 ids between turns, encode them) is timed per turn, beside the bytes of the request the next
 turn would send (the whole episode's ids so far, as JSON).
 
@@ -28,10 +28,10 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from tokenizers import Tokenizer  # noqa: E402
 
-from orchestrator.chat import ChatTemplate  # noqa: E402
-from orchestrator.tool_episode import ToolEpisode  # noqa: E402
-from orchestrator.tool_parsers import tool_parser  # noqa: E402
-from orchestrator.tools import load_tools  # noqa: E402
+from orchestrator.prompts.chat import ChatTemplate  # noqa: E402
+from orchestrator.rollout.tool_episode import ToolEpisode  # noqa: E402
+from orchestrator.rollout.tool_parsers import tool_parser  # noqa: E402
+from orchestrator.rollout.tool_functions import load_tools  # noqa: E402
 from rl.inference_api import GeneratedSample  # noqa: E402
 
 TOKENIZER = ROOT / "models" / "qwen-shape-tokenizer"

@@ -57,7 +57,7 @@ def main() -> None:
     if args.task.startswith("gym:"):
         rows, reward = gym_task(args.task[4:], args.task_config, args.steps * args.prompts, args.seed)
     else:
-        task = importlib.import_module(f"orchestrator.tasks.{args.task}")
+        task = importlib.import_module(f"tasks.{args.task}")
         rows = list(itertools.islice(task.dataset(args.seed), args.steps * args.prompts))
 
         def reward(prompts, completions, answer, **_):
@@ -126,7 +126,7 @@ def gym_task(name: str, task_config: dict, rows: int, seed: int):
 def model_tokenizer(model: str):
     """The model directory's tokenizer.json as it is. AutoTokenizer under transformers 5 rebuilds a
     tokenizer of a known model type from its class's recipe, which turns the char-level tiny
-    models' tokenizer into a byte-level BPE (src/orchestrator/tokenizer.py): TRL would then train
+    models' tokenizer into a byte-level BPE (src/orchestrator/prompts/tokenizer.py): TRL would then train
     on other ids than the model was made with."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 

@@ -5,7 +5,7 @@ in-place reload of the same files, on a real `rl inference` server (idle, CPU en
 
 ours: the trainer's write_weights publishes weights/step_v (STABLE included; the clock starts when
       it returns); the orchestrator's own follower (Orchestrator.follow_weights' poll and
-      WeightDelivery.load (orchestrator/delivery.py): POST /update_weights on every server =
+      WeightDelivery.load (orchestrator/servers/delivery.py): POST /update_weights on every server =
       pause, reload, tied lm_head fix-up (inference/worker_extension.py), prefix-cache reset,
       resume) makes every server serve v. The clock stops when the last server has answered.
 vLLM: POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": step_v}} (vLLM's
@@ -37,8 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from orchestrator.delivery import FileDelivery  # noqa: E402
-from orchestrator.servers import ServerPool  # noqa: E402
+from orchestrator.servers.delivery import FileDelivery  # noqa: E402
+from orchestrator.servers.pool import ServerPool  # noqa: E402
 from rl.config import OrchestratorConfig  # noqa: E402
 from rl.inference_api import connector  # noqa: E402
 from rl.rundir import RunDir  # noqa: E402

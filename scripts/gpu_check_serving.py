@@ -64,7 +64,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 def prompts(ctx: Context) -> list[list[int]]:
     """A few prompts as token ids, through the orchestrator's own tokenizer."""
-    from orchestrator.tokenizer import load_tokenizer
+    from orchestrator.prompts.tokenizer import load_tokenizer
 
     tok = load_tokenizer(ctx.model)
     encoded = [tok.encode(t) for t in ("The capital of France is", "1, 2, 3, 4,", "Once upon a time")]
@@ -160,8 +160,8 @@ async def broadcast_version(ctx: Context, url: str, cfg, run, state: dict, files
     on one side, the trainer's WeightBroadcaster on the other; then the same tensors from files."""
     import aiohttp
 
-    from orchestrator.delivery import BroadcastDelivery
-    from orchestrator.servers import ServerPool
+    from orchestrator.servers.delivery import BroadcastDelivery
+    from orchestrator.servers.pool import ServerPool
     from rl.inference_api import InferenceClient, connector
     from rl.rundir import STABLE
     from trainer.broadcast import WeightBroadcaster
@@ -230,8 +230,8 @@ async def reload_versions(ctx: Context, url: str, root: Path) -> dict:
     /update_weights with weights/step_n relative to the run directory)."""
     import aiohttp
 
-    from orchestrator.delivery import FileDelivery
-    from orchestrator.servers import ServerPool
+    from orchestrator.servers.delivery import FileDelivery
+    from orchestrator.servers.pool import ServerPool
     from rl.inference_api import InferenceClient, connector
     from rl.rundir import RunDir
 

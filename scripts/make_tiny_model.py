@@ -26,7 +26,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig
 
-from orchestrator.tasks import count, reverse
+from tasks import count, reverse
 from rl.rundir import RunDir
 
 # task -> (its module, the model's shape, the rl sft config that trains it)

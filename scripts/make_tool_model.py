@@ -1,7 +1,7 @@
 """Build models/tiny-tool: a 0.84M-parameter Qwen2 chat model (byte-level BPE, the ChatML template
 with Hermes-style tool calls of scripts/chat_template.jinja) trained briefly with supervised
 learning to answer reasoning-gym arithmetic questions by calling a calculator tool
-(orchestrator/tasks/calculator.py), until it has partial skill, so RL with the orchestrator's
+(tasks/calculator.py), until it has partial skill, so RL with the orchestrator's
 tool loop has room to improve it. This script builds the tokenizer and the untrained model
 (models/tiny-tool-init); the training is `rl sft @ configs/sft_tiny_tool.toml`, which it runs
 (its held-out greedy episodes every 100 steps in runs/sft_tiny_tool/metrics.jsonl), and whose
@@ -50,10 +50,10 @@ from make_tiny_model import build_model, train_with_rl_sft
 from tokenizers import Tokenizer, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from orchestrator.tasks.calculator import EVAL_SEED, EVAL_ROWS, SFT_SEED, Calculator, rows
-from orchestrator.tasks.calculator import sft_conversation as conversation
-from orchestrator.tool_parsers import HermesParser, ToolCall
-from orchestrator.tools import Tool, ToolError
+from tasks.calculator import EVAL_SEED, EVAL_ROWS, SFT_SEED, Calculator, rows
+from tasks.calculator import sft_conversation as conversation
+from orchestrator.rollout.tool_parsers import HermesParser, ToolCall
+from orchestrator.rollout.tool_functions import Tool, ToolError
 
 TOOLS = {t.name: t for t in map(Tool.from_function, Calculator.tools)}
 SCHEMAS = [t.schema for t in TOOLS.values()]
@@ -152,7 +152,7 @@ class Episode:
 
 
 async def answer(call) -> tuple[str, bool]:
-    """As orchestrator/tool_episode.py answers a call: (the tool message's text, failed)."""
+    """As orchestrator/rollout/tool_episode.py answers a call: (the tool message's text, failed)."""
     if not isinstance(call, ToolCall):
         return f"error: {call.error}", True
     tool = TOOLS.get(call.name)
@@ -165,7 +165,7 @@ async def answer(call) -> tuple[str, bool]:
 
 
 def play(generate, tokenizer, data: list[dict], sample: bool) -> list[Episode]:
-    """Episodes of the rows, played as orchestrator/tool_episode.py plays them (the trajectory
+    """Episodes of the rows, played as orchestrator/rollout/tool_episode.py plays them (the trajectory
     is appended to, never re-rendered); `generate(prompts, max_new_tokens, sample)` gives a
     turn's ids per prompt, ending with the stop token unless cut at max_new_tokens."""
     parser, im_end = HermesParser(), tokenizer.convert_tokens_to_ids(IM_END)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from conftest import free_port
-from orchestrator.tasks.reverse import ALPHABET
+from tasks.reverse import ALPHABET
 
 LETTER_IDS = range(3, 29)  # the tiny model's char vocabulary: a-z
 EOS = 1
@@ -261,7 +261,7 @@ async def score_over_http(handler, timeout_s: float, prompt: str, completions: l
     import aiohttp
     from rl.inference_api import connector
 
-    from orchestrator.rewards import make_reward
+    from orchestrator.rewards.registry import make_reward
 
     app = web.Application()
     app.router.add_post("/score", handler)

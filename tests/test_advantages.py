@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.advantages import group_advantages
+from orchestrator.rollout.advantages import group_advantages
 
 
 def test_centred_advantages_sum_to_zero_and_rank_like_rewards():

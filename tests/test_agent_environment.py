@@ -1,4 +1,4 @@
-"""The external-agent environment kind (orchestrator/agent_episodes.py, agent_endpoint.py): an
+"""The external-agent environment kind (orchestrator/rollout/agent_environment.py, agent_endpoint.py): an
 agent written only against the official `openai` client trains the model inside its own loop.
 
 - How an episode's requests become samples (one growing conversation is one sample; edited
@@ -18,10 +18,10 @@ import openai
 import pytest
 
 from conftest import ROOT, free_port, rl_command
-from orchestrator.agent_episodes import rebuilt
-from orchestrator.rollouts import Rollouts
-from orchestrator.tasks.calculator_agent import TOOLS, CalculatorAgent
-from orchestrator.tokenizer import load_tokenizer
+from orchestrator.rollout.agent_environment import rebuilt
+from orchestrator.rollout.groups import Rollouts
+from tasks.calculator_agent import TOOLS, CalculatorAgent
+from orchestrator.prompts.tokenizer import load_tokenizer
 from rl.batch import Batch
 from rl.config import load_config
 from rl.inference_api import GeneratedSample, GenerateResponse
@@ -51,7 +51,7 @@ def test_a_growing_conversation_is_one_sample_and_edited_history_starts_another(
 
 def endpoint_and_tokenizer(max_tokens: int = 64, seq_len: int = 256):
     cfg, _ = load_config(["@", str(ROOT / "configs" / "tools_demo.toml"), "--orchestrator.environment",
-                          "orchestrator.tasks.calculator_agent:CalculatorAgent", "--orchestrator.max_tokens",
+                          "tasks.calculator_agent:CalculatorAgent", "--orchestrator.max_tokens",
                           str(max_tokens), "--seq_len", str(seq_len)])
     rollouts = Rollouts(cfg, load_tokenizer(cfg.model), {}, None, CalculatorAgent())
     return rollouts.kind, rollouts
@@ -131,7 +131,7 @@ def test_an_agent_written_against_the_openai_client_trains_in_a_real_run(tmp_pat
     steps = 3
     out = tmp_path / "run"
     result = subprocess.run(rl_command("run", "@", str(ROOT / "configs" / "tools_demo.toml"), "--orchestrator.environment",
-                                       "orchestrator.tasks.calculator_agent:CalculatorAgent", "--max_steps", str(steps),
+                                       "tasks.calculator_agent:CalculatorAgent", "--max_steps", str(steps),
                                        "--output_dir", str(out), "--inference.port", str(free_port()),
                                        "--trainer.keep_rollouts", str(steps)),
                             capture_output=True, text=True, timeout=900, cwd=ROOT)

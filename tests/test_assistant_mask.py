@@ -1,4 +1,4 @@
-"""The assistant-token mask of supervised training (orchestrator/assistant_mask.py): on templates
+"""The assistant-token mask of supervised training (orchestrator/sft/assistant_mask.py): on templates
 that mark generations ({% generation %}), equal to transformers' return_assistant_tokens_mask,
 ids included; on the same templates without the marks, derived from render differences, equal
 to it all the same; ChatML, Llama 3 and a tool-calling template, several turns each."""
@@ -10,8 +10,8 @@ from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from chat_tokenizers import build, chatml, llama3
-from orchestrator.assistant_mask import MaskError, conversation_tokens
-from orchestrator.chat import ChatTemplate
+from orchestrator.sft.assistant_mask import MaskError, conversation_tokens
+from orchestrator.prompts.chat import ChatTemplate
 
 CHATML_MARKED = (
     "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"

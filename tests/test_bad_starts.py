@@ -23,7 +23,7 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import TINY_MODEL, free_port, rl_command
-from rl.cli import app
+from rl.cli.main import app
 
 ALL = ("inference", "orchestrator", "trainer", "run")
 
@@ -89,10 +89,10 @@ CASES = [
     Case("environment missing", ("orchestrator", "run"), ("--orchestrator.environment", "no_such_env:Env"),
          "orchestrator.environment = 'no_such_env:Env': no module"),
     Case("tool environment, model without chat template", ("orchestrator", "run"),
-         ("--orchestrator.environment", "orchestrator.tasks.calculator:Calculator"),
-         "orchestrator.environment = 'orchestrator.tasks.calculator:Calculator' has tools, which need a chat template"),
+         ("--orchestrator.environment", "tasks.calculator:Calculator"),
+         "orchestrator.environment = 'tasks.calculator:Calculator' has tools, which need a chat template"),
     Case("environment that cannot be built", ("orchestrator", "run"),
-         ("--orchestrator.environment", "orchestrator.verifiers_taskset:VerifiersTaskset",
+         ("--orchestrator.environment", "orchestrator.rollout.verifiers_taskset:VerifiersTaskset",
           "--orchestrator.environment_args", '{{id = "no-such-taskset"}}'),
          "verifiers taskset 'no-such-taskset' not found"),
     Case("slurm template missing", ("slurm",), ("--slurm.template", "{tmp}/job.j2"), "slurm.template = {tmp}/job.j2: no such file"),
@@ -125,7 +125,7 @@ CASES = [
     Case("inference core missing", ("inference", "run"), ("--inference.cpus", "[4096]"), "inference.cpus = [4096]: core(s) [4096]"),
     Case("orchestrator core missing", ("orchestrator", "run"), ("--orchestrator.cpus", "[4096]"), "orchestrator.cpus = [4096]"),
     Case("trainer core missing", ("trainer", "run"), ("--trainer.cpus", "[4096]"), "trainer.cpus = [4096]"),
-    # datasets and chat templates (orchestrator.datasets, orchestrator/tables.py, orchestrator/chat.py)
+    # datasets and chat templates (orchestrator.datasets, orchestrator/prompts/tables.py, orchestrator/prompts/chat.py)
     Case("dataset file missing", ("orchestrator", "run"),
          ("--orchestrator.datasets", '[{{path = "{tmp}/nowhere.jsonl", reward = "math_verify"}}]'),
          "dataset nowhere: path = {tmp}/nowhere.jsonl: no such file or directory"),
@@ -143,12 +143,12 @@ CASES = [
          "chat template ({tmp}/broken.jinja) line 1"),
     Case("chat on, model without template", ("orchestrator", "run"), ("--orchestrator.chat", "on"),
          'orchestrator.chat = "on": ' + str(TINY_MODEL) + " has no chat template"),
-    # prompts that leave no room for a completion (orchestrator/prompt_fit.py): the run would skip every row
+    # prompts that leave no room for a completion (orchestrator/prompts/fit.py): the run would skip every row
     Case("prompts longer than seq_len - max_tokens", ("orchestrator", "run"), ("--orchestrator.max_tokens", "60"),
          "dataset data: 50 of the first 64 prompts drawn leave less than max_tokens (60) within seq_len (64); the longest is 9 tokens (orchestrator.dataset row 6)"),
     Case("environment's first prompt longer than seq_len - max_tokens", ("orchestrator", "run"),
-         ("--orchestrator.environment", "orchestrator.tasks.guess_letter:GuessLetter", "--orchestrator.max_tokens", "60"),
-         "orchestrator.environment = 'orchestrator.tasks.guess_letter:GuessLetter': 64 of the first 64 prompts drawn"),
+         ("--orchestrator.environment", "tasks.guess_letter:GuessLetter", "--orchestrator.max_tokens", "60"),
+         "orchestrator.environment = 'tasks.guess_letter:GuessLetter': 64 of the first 64 prompts drawn"),
     Case("routing recorded for a dense model", ("inference",), ("--inference.record_routing", "true"),
          "inference.record_routing: model = {tiny_model} is not a mixture-of-experts model"),
     Case("routing replayed for a dense model", ("trainer",),

@@ -373,8 +373,8 @@ def test_real_server_receives_a_version_by_broadcast(vllm_server):
     from rl.inference_api import connector
     from safetensors.torch import load_file, save_file
 
-    from orchestrator.delivery import BroadcastDelivery
-    from orchestrator.servers import ServerPool
+    from orchestrator.servers.delivery import BroadcastDelivery
+    from orchestrator.servers.pool import ServerPool
     from trainer.broadcast import WeightBroadcaster
 
     url, run, address, model = vllm_server["url"], vllm_server["run"], vllm_server["address"], vllm_server["model"]

@@ -10,11 +10,11 @@ import logging
 
 import pytest
 
-from orchestrator.reward_async import AsyncReward
-from orchestrator.reward_inline import InlineReward
-from orchestrator.tasks import coding
-from orchestrator.tasks.python_tool import python
-from orchestrator.tools import Tool
+from orchestrator.rewards.async_function import AsyncReward
+from orchestrator.rewards.inline_function import InlineReward
+from tasks import coding
+from tasks.python_tool import python
+from orchestrator.rollout.tool_functions import Tool
 
 ROWS = list(itertools.islice(coding.dataset(0), 12))
 SHOUT = next(r for r in coding.dataset(0) if r["entry_point"] == "shout")  # expected values unlike the arguments
@@ -144,12 +144,13 @@ def _coding_run(**sandbox):
     from rl.config import RunConfig
 
     return RunConfig.model_validate({"model": str(TINY_MODEL), "orchestrator": {
-        "dataset": "orchestrator.tasks.coding:dataset", "reward": "orchestrator.tasks.coding:reward", **sandbox}})
+        "dataset": "tasks.coding:dataset", "reward": "tasks.coding:reward", **sandbox}})
 
 
 def test_start_up_refuses_a_run_that_executes_code_without_isolation_unless_told(monkeypatch, capsys):
     from conftest import TINY_MODEL
-    from orchestrator import preflight, sandbox
+    from orchestrator import preflight
+    from orchestrator.rollout import sandbox
     from rl.config import ConfigError, RunConfig
 
     assert preflight.sandbox_isolation in preflight.CHECKS
@@ -165,25 +166,25 @@ def test_start_up_refuses_a_run_that_executes_code_without_isolation_unless_told
     with pytest.raises(ConfigError) as refused:
         preflight.sandbox_isolation(_coding_run())
     assert str(refused.value) == (
-        "orchestrator.reward = 'orchestrator.tasks.coding:reward' runs model-written code: bubblewrap not found: "
+        "orchestrator.reward = 'tasks.coding:reward' runs model-written code: bubblewrap not found: "
         "apt-get install bubblewrap, or set orchestrator.sandbox.isolation = \"none\" to run it unisolated")
     preflight.sandbox_isolation(_coding_run(sandbox={"isolation": "none"}))  # told: starts, and says so
-    assert "UNSAFE: orchestrator.reward = 'orchestrator.tasks.coding:reward' runs model-written code unisolated" \
+    assert "UNSAFE: orchestrator.reward = 'tasks.coding:reward' runs model-written code unisolated" \
         in capsys.readouterr().err
-    preflight.sandbox_isolation(_coding_run(dataset="orchestrator.tasks.count:dataset",  # no code run: no check
-                                            reward="orchestrator.tasks.count:reward"))
+    preflight.sandbox_isolation(_coding_run(dataset="tasks.count:dataset",  # no code run: no check
+                                            reward="tasks.count:reward"))
 
 
 def test_rl_orchestrator_refuses_with_exit_2_and_dry_run_shows_the_isolation(monkeypatch, tmp_path):
     from typer.testing import CliRunner
 
     from conftest import TINY_MODEL
-    from orchestrator import sandbox
-    from rl.cli import app
+    from orchestrator.rollout import sandbox
+    from rl.cli.main import app
 
     config = tmp_path / "coding.toml"
     config.write_text(f'model = "{TINY_MODEL}"\noutput_dir = "{tmp_path / "run"}"\n[orchestrator]\n'
-                      'dataset = "orchestrator.tasks.coding:dataset"\nreward = "orchestrator.tasks.coding:reward"\n')
+                      'dataset = "tasks.coding:dataset"\nreward = "tasks.coding:reward"\n')
     monkeypatch.chdir(tmp_path)
     if sandbox.Sandbox.isolation() is None:
         shown = CliRunner().invoke(app, ["orchestrator", "@", str(config), "--dry-run"])
@@ -193,7 +194,7 @@ def test_rl_orchestrator_refuses_with_exit_2_and_dry_run_shows_the_isolation(mon
     refused = CliRunner().invoke(app, ["orchestrator", "@", str(config), "--dry-run"])
     assert refused.exit_code == 2
     assert refused.stderr.strip().splitlines() == [
-        "rl orchestrator: orchestrator.reward = 'orchestrator.tasks.coding:reward' runs model-written code: "
+        "rl orchestrator: orchestrator.reward = 'tasks.coding:reward' runs model-written code: "
         "bubblewrap not found: apt-get install bubblewrap, or set orchestrator.sandbox.isolation = \"none\" "
         "to run it unisolated"]
     assert not (tmp_path / "run").exists()

@@ -132,7 +132,7 @@ def test_cpus_pin_the_program_and_what_it_starts(tmp_path):
     core = max(os.sched_getaffinity(0))
     script = (
         "import os, sys; sys.argv[1:] = ['@', sys.argv[1]]\n"
-        "from rl.cli import resolve; from rl.placement import pin\n"
+        "from rl.cli.main import resolve; from rl.placement import pin\n"
         "cfg = resolve(sys.argv[1:], 'inference'); pin('inference.cpus', cfg.inference.cpus)\n"
         "import subprocess\n"
         "child = subprocess.run([sys.executable, '-c', 'import os; print(sorted(os.sched_getaffinity(0)))'],"
@@ -158,7 +158,7 @@ def test_a_saved_config_with_datasets_and_template_options_loads_as_the_same_con
     trainer and by SLURM jobs) holds tables inside keys (chat_template_kwargs, a dataset's
     task_config) and lists of them; it must parse back to the very same config, and a key left
     unset (orchestrator.reward) must stay unset, not become its default."""
-    from rl.config_doc import render_toml
+    from rl.cli.config_doc import render_toml
 
     cfg, _ = load_config(["@", str(write_toml('model = "m"\n')),
                           "--orchestrator.chat_template_kwargs", '{enable_thinking = false, "odd key" = "a\\"b"}',

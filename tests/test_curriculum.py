@@ -1,4 +1,4 @@
-"""Curriculum by pass rate (orchestrator/curriculum.py): which drawn rows are generated follows
+"""Curriculum by pass rate (orchestrator/prompts/curriculum.py): which drawn rows are generated follows
 the record of their pass rates, easy and hard rows come back at the revisit rate, the record
 survives a checkpoint exactly, and a real run records, skips and reports."""
 
@@ -11,8 +11,8 @@ import subprocess
 import pytest
 
 from conftest import ROOT, free_port, rl_command
-from orchestrator.curriculum import Curriculum, row_key
-from orchestrator.prompts import Prompt, PromptQueue, decode_state, encode_state
+from orchestrator.prompts.curriculum import Curriculum, row_key
+from orchestrator.prompts.queue import Prompt, PromptQueue, decode_state, encode_state
 from rl.orchestrator_config import CurriculumConfig
 
 ROWS = [{"prompt": f"{w}=", "answer": w[::-1]} for w in ("abc", "hello", "xyz", "reverse")]

@@ -1,4 +1,4 @@
-"""Datasets from files and tasks (orchestrator/tables.py, orchestrator/sources.py): jsonl, parquet and HF
+"""Datasets from files and tasks (orchestrator/prompts/tables.py, orchestrator/prompts/dataset_mix.py): jsonl, parquet and HF
 `datasets` rows with mapped fields; the seeded mix by weight, shuffled per pass; an exact resume
 from the checkpointed cursor; bad rows skipped and counted, bad files named; the reasoning-gym
 and math-verify scorers; reward components; the three ways to treat completions cut at
@@ -19,16 +19,16 @@ import pytest
 
 from conftest import TINY_MODEL
 from fake_inference import FakeServer
-from orchestrator.prompts import PromptQueue, decode_state, encode_state
-from orchestrator.rollouts import Rollouts
-from orchestrator.rewards import make_reward
-from orchestrator.scoring import combine
-from orchestrator.sources import Source, mix
-from orchestrator.tasks import gym_tasks
-from orchestrator.tasks.math_answer import reward as math_reward
-from orchestrator.tokenizer import load_tokenizer
+from orchestrator.prompts.queue import PromptQueue, decode_state, encode_state
+from orchestrator.rollout.groups import Rollouts
+from orchestrator.rewards.registry import make_reward
+from orchestrator.rewards.reward import combine
+from orchestrator.prompts.dataset_mix import Source, mix
+from tasks import gym_tasks
+from tasks.math_answer import reward as math_reward
+from orchestrator.prompts.tokenizer import load_tokenizer
 from rl.config import ConfigError, RunConfig
-from orchestrator.tables import load_table
+from orchestrator.prompts.tables import load_table
 from test_rollouts import with_server
 from rl.inference_api import connector
 
@@ -110,7 +110,7 @@ def test_resume_from_the_checkpointed_cursor_neither_skips_nor_repeats(tmp_path)
     a = write_jsonl(tmp_path / "a.jsonl", [{"prompt": f"a{i}"} for i in range(11)])
     cfg = run_config([{"path": str(a), "reward": "x:y"},
                       {"reasoning_gym": "spell_backward", "size": 13, "weight": 0.5},
-                      {"function": "orchestrator.tasks.reverse:dataset", "reward": "x:y"}])
+                      {"function": "tasks.reverse:dataset", "reward": "x:y"}])
     whole = queue(cfg)
     first = [whole.take() for _ in range(40)]
     pending = [first[3], first[17]]  # drawn but never batched (in flight when the run stopped)
@@ -187,7 +187,7 @@ def test_math_verify_scores_final_answers_with_components():
 def test_a_reward_returning_something_else_fails_that_rollout(caplog):
     async def scenario(fn):
         async with aiohttp.ClientSession(connector=connector()) as session:
-            reward = make_reward("orchestrator.tasks.math_answer:reward", 5.0, session)
+            reward = make_reward("tasks.math_answer:reward", 5.0, session)
             reward.fn = fn
             return await reward.score("p", ["a"], {})
 
@@ -205,7 +205,7 @@ def components_reward(prompt, completion, row):
 @pytest.mark.parametrize("overlong", ["keep", "mask", "penalty"])
 def test_completions_cut_at_max_tokens(overlong):
     """Samples would stop after 2, 5, 11, 30 tokens: with max_tokens 10 the last two are cut."""
-    cfg = run_config([{"function": "orchestrator.tasks.reverse:dataset", "reward": "test_datasets:components_reward",
+    cfg = run_config([{"function": "tasks.reverse:dataset", "reward": "test_datasets:components_reward",
                        "reward_weights": {"has_a": 0.0}, "max_tokens": 10, "temperature": 0.7, "top_k": 5}],
                      group_size=4, overlong={"mode": overlong, "buffer": 5, "penalty": 0.5})
     lengths = iter([2, 5, 11, 30])

@@ -29,7 +29,7 @@ import psutil
 import pytest
 
 from conftest import TINY_MODEL
-from orchestrator.delivery import ANSWER_MARGIN_S
+from orchestrator.servers.delivery import ANSWER_MARGIN_S
 from orchestrator.orchestrator import Orchestrator
 from rl.rundir import RunDir, mark_stable
 from test_end_to_end import launch_server, wait_healthy

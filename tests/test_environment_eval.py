@@ -28,14 +28,14 @@ max_tokens = 64
 rows = 12
 [[orchestrator.eval.environments]]
 name = "builtin"
-environment = "orchestrator.tasks.calculator:Calculator"
+environment = "tasks.calculator:Calculator"
 [[orchestrator.eval.environments]]
 name = "agent"
 environment = "{agent}"
 """
 
 
-def write(tmp_path, agent="orchestrator.tasks.calculator_agent:CalculatorAgent"):
+def write(tmp_path, agent="tasks.calculator_agent:CalculatorAgent"):
     cfg = tmp_path / "eval.toml"
     cfg.write_text(CONFIG.format(model=ROOT / "models" / "tiny-tool", out=tmp_path / "run", port=free_port(), agent=agent))
     return cfg

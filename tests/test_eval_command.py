@@ -1,4 +1,4 @@
-"""`rl eval` (orchestrator/eval_command.py) on real vLLM: a model and the same weights published as
+"""`rl eval` (orchestrator/evaluation/command.py) on real vLLM: a model and the same weights published as
 a run's weights/step_1, evaluated one after the other on one server, give the same greedy numbers;
 what it measured lands in evals.jsonl; weights that were never published are refused (exit 2); a
 LoRA step's adapter, loaded beside the base model, gives what its merged weights give."""

@@ -1,4 +1,4 @@
-"""Held-out evaluation (orchestrator/evaluation.py): n samples per row scored by the dataset's
+"""Held-out evaluation (orchestrator/evaluation/held_out.py): n samples per row scored by the dataset's
 reward, accuracy and the unbiased pass@k estimate computed from them, greedy with one sample."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import pytest
 
 from conftest import TINY_MODEL
 from fake_inference import FakeServer
-from orchestrator.evaluation import Evaluation, pass_at_k
-from orchestrator.rollouts import Rollouts
-from orchestrator.rewards import make_reward
-from orchestrator.sources import Source
-from orchestrator.tokenizer import load_tokenizer
+from orchestrator.evaluation.held_out import Evaluation, pass_at_k
+from orchestrator.rollout.groups import Rollouts
+from orchestrator.rewards.registry import make_reward
+from orchestrator.prompts.dataset_mix import Source
+from orchestrator.prompts.tokenizer import load_tokenizer
 from rl.config import ConfigError, RunConfig, load_config
 from test_rollouts import with_server
 from rl.inference_api import connector
@@ -39,7 +39,7 @@ def test_samples_per_row_give_accuracy_and_pass_at_k():
     SEEN.clear()
     cfg = RunConfig.model_validate({"model": str(TINY_MODEL), "seq_len": 64, "orchestrator": {"eval": {
         "rows": 6, "samples": 4, "temperature": 1.0, "concurrency": 2,
-        "datasets": [{"name": "d", "function": "orchestrator.tasks.reverse:dataset", "reward": "test_evaluation:has_a",
+        "datasets": [{"name": "d", "function": "tasks.reverse:dataset", "reward": "test_evaluation:has_a",
                       "max_tokens": 3}]}}})
     server = FakeServer()
 
@@ -64,12 +64,12 @@ def test_samples_per_row_give_accuracy_and_pass_at_k():
 def test_eval_datasets_beside_a_text_environment_render_and_stop_as_datasets_do():
     """A text environment trains in raw text (no renderer, no stop ids of its own); its eval
     datasets are still rendered, and end where the model's turns end, as in a datasets run."""
-    from orchestrator.tasks.guess_letter import GuessLetter
+    from tasks.guess_letter import GuessLetter
 
     SEEN.clear()
     cfg = RunConfig.model_validate({"model": str(TINY_MODEL), "seq_len": 64, "orchestrator": {
-        "environment": "orchestrator.tasks.guess_letter:GuessLetter", "eval": {
-            "rows": 2, "samples": 1, "datasets": [{"name": "d", "function": "orchestrator.tasks.reverse:dataset",
+        "environment": "tasks.guess_letter:GuessLetter", "eval": {
+            "rows": 2, "samples": 1, "datasets": [{"name": "d", "function": "tasks.reverse:dataset",
                                                    "reward": "test_evaluation:has_a", "max_tokens": 3}]}}})
     server = FakeServer()
 
@@ -111,7 +111,7 @@ def test_a_greedy_evaluation_on_a_real_engine_takes_one_sample_per_row_and_repea
     server, url = start_server(tmp_path, "server", TINY_MODEL, run.root)
     cfg = RunConfig.model_validate({"model": str(TINY_MODEL), "seq_len": 64, "orchestrator": {"eval": {
         "rows": 6, "concurrency": 1,
-        "datasets": [{"name": "d", "function": "orchestrator.tasks.reverse:dataset", "reward": "test_evaluation:has_a",
+        "datasets": [{"name": "d", "function": "tasks.reverse:dataset", "reward": "test_evaluation:has_a",
                       "max_tokens": 12}]}}})
     calls: list[tuple] = []
 

@@ -14,12 +14,12 @@ import pytest
 
 from conftest import ROOT
 from fake_inference import FakeServer
-from orchestrator.advantages import group_advantages
-from orchestrator.environment import Turn
-from orchestrator.prompts import Prompt
-from orchestrator.rollouts import Rollouts
-from orchestrator.tasks.calculator_agent import CalculatorAgent
-from orchestrator.tokenizer import load_tokenizer
+from orchestrator.rollout.advantages import group_advantages
+from orchestrator.rollout.environment import Turn
+from orchestrator.prompts.queue import Prompt
+from orchestrator.rollout.groups import Rollouts
+from tasks.calculator_agent import CalculatorAgent
+from orchestrator.prompts.tokenizer import load_tokenizer
 from rl.config import load_config
 from rl.inference_api import GeneratedSample, GenerateResponse
 from test_rollouts import config, with_server
@@ -61,7 +61,7 @@ def agent_group(mode: str, doomed: int, **orchestrator):
     """(the rollouts, one group of group_size episodes of which `doomed` fail, on a scripted model)."""
     keys = [x for k, v in orchestrator.items() for x in (f"--orchestrator.{k}", str(v))]
     cfg, _ = load_config(["@", str(ROOT / "configs" / "tools_demo.toml"), "--orchestrator.environment",
-                          "orchestrator.tasks.calculator_agent:CalculatorAgent", *keys])
+                          "tasks.calculator_agent:CalculatorAgent", *keys])
     agent = FlakyAgent(mode, doomed)
     rollouts = Rollouts(cfg, load_tokenizer(cfg.model), {}, None, agent)
     written = rollouts.encode("4", add_special_tokens=False) + rollouts.kind.stop_token_ids[:1]

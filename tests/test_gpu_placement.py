@@ -16,7 +16,7 @@ from inference import device_defaults
 from inference.server import vllm_args
 from rl import gpu_placement as gp
 from rl.config import ConfigError, load_config
-from rl.launcher import command
+from rl.cli.launcher import command
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_MODEL = ROOT / "models" / "tiny-reverse"

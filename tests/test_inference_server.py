@@ -386,16 +386,16 @@ def test_a_multi_turn_episode_on_real_vllm(server):
     on every episode and turn: the trained ids of each model turn are exactly the ids the engine
     returned, each turn's request is exactly the episode so far, and only the model's tokens are
     trained on."""
-    from orchestrator.prompts import Prompt
-    from orchestrator.rollouts import Rollouts
-    from orchestrator.tasks.guess_letter import GuessLetter
-    from orchestrator.tokenizer import load_tokenizer
+    from orchestrator.prompts.queue import Prompt
+    from orchestrator.rollout.groups import Rollouts
+    from tasks.guess_letter import GuessLetter
+    from orchestrator.prompts.tokenizer import load_tokenizer
     from rl.config import RunConfig
     from rl.inference_api import InferenceClient
 
     url = server["url"]
     cfg = RunConfig.model_validate({"model": str(TINY_MODEL), "seq_len": SEQ_LEN, "orchestrator": {
-        "environment": "orchestrator.tasks.guess_letter:GuessLetter", "max_turns": 4, "max_tokens": 3,
+        "environment": "tasks.guess_letter:GuessLetter", "max_turns": 4, "max_tokens": 3,
         "group_size": 4}})
     seen = {}
 

@@ -41,7 +41,7 @@ def base_config(server, extra: str = "") -> str:
 
 
 def run_config(task: str, lr: float, max_steps: int) -> str:
-    return (f'[orchestrator]\ndataset = "orchestrator.tasks.{task}:dataset"\nreward = "orchestrator.tasks.{task}:reward"\n'
+    return (f'[orchestrator]\ndataset = "tasks.{task}:dataset"\nreward = "tasks.{task}:reward"\n'
             "prompts_per_step = 4\ngroup_size = 4\nmax_tokens = 10\nmax_in_flight_groups = 8\n"
             f"[trainer.optim]\nlr = {lr}\n")
 
@@ -53,8 +53,8 @@ def health(server) -> dict:
 # Two eval datasets, evaluated one after the other: between them no request holds the adapter,
 # which must stay loaded while training moves on.
 EVAL = ("[orchestrator.eval]\nrows = 24\nevery = 1\nconcurrency = 4\n" + "".join(
-    f'[[orchestrator.eval.datasets]]\nname = "{task}"\nfunction = "orchestrator.tasks.{task}:dataset"\n'
-    f'reward = "orchestrator.tasks.{task}:reward"\n' for task in ("reverse", "echo")))
+    f'[[orchestrator.eval.datasets]]\nname = "{task}"\nfunction = "tasks.{task}:dataset"\n'
+    f'reward = "tasks.{task}:reward"\n' for task in ("reverse", "echo")))
 
 
 def test_a_lora_run_moves_only_adapters(server):

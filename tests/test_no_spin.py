@@ -1,9 +1,9 @@
 """No run that spins (docs/reliability.md): a config whose rows or groups can only come to nothing
 ends with one line naming the culprit, why and the fix, instead of drawing rows forever.
 
-- At start-up (orchestrator/prompt_fit.py): prompts that leave no room for max_tokens within seq_len are
+- At start-up (orchestrator/prompts/fit.py): prompts that leave no room for max_tokens within seq_len are
   refused by `rl orchestrator` / `rl run`, exit 2, before any engine starts.
-- At run time (orchestrator/streaks.py): rows skipped, groups filtered or failed
+- At run time (orchestrator/reporting/streaks.py): rows skipped, groups filtered or failed
   orchestrator.max_futile_streak times in a row, or no server in rotation for
   servers.wait_timeout_s, stop `rl orchestrator` with one ERROR line and exit 1; the last
   checkpoint accounts for every row drawn (batched, pending, or skipped for being too long).
@@ -30,8 +30,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, TINY_MODEL, free_port, rl_command
-from orchestrator.prompts import decode_state
-from orchestrator.quiet import QUIET_S
+from orchestrator.prompts.queue import decode_state
+from orchestrator.reporting.quiet_warning import QUIET_S
 from rl.batch import Batch
 from rl.rundir import RunDir
 
@@ -237,7 +237,7 @@ def test_a_tool_environment_whose_schemas_and_question_overflow_is_refused(tmp_p
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr[-2000:]
-    assert lines[0].startswith("rl orchestrator: orchestrator.environment = 'orchestrator.tasks.calculator:Calculator': "
+    assert lines[0].startswith("rl orchestrator: orchestrator.environment = 'tasks.calculator:Calculator': "
                                "64 of the first 64 prompts drawn leave less than max_tokens (64) within seq_len (128); "
                                "the longest is "), lines[0]
     assert "tool schemas" in lines[0] and not out.exists()
@@ -247,10 +247,10 @@ def test_the_check_measures_the_ids_the_orchestrator_sends(tmp_path):
     """The same rendering code: the check's count equals the length of the prompt ids the
     orchestrator's Renderer and tool episodes make, row by row (a chat dataset with a system
     prompt, and the tool environment)."""
-    from orchestrator.rollouts import Rollouts
+    from orchestrator.rollout.groups import Rollouts
     from rl.config import load_config
-    from orchestrator.prompt_fit import measure, sample, tokenizer_of
-    from orchestrator.tool_episodes import ToolEpisodes
+    from orchestrator.prompts.fit import measure, sample, tokenizer_of
+    from orchestrator.rollout.tool_environment import ToolEpisodes
 
     cfg, _ = load_config(["@", str(ROOT / "configs/demo.toml"), "--orchestrator.system_prompt", "Spell it backwards."])
     rollouts = Rollouts(cfg, tokenizer_of(cfg.model), {}, None, None)
@@ -260,7 +260,7 @@ def test_the_check_measures_the_ids_the_orchestrator_sends(tmp_path):
     assert max(lengths) == measure(cfg, ds, rows, rollouts.renderer.template, rollouts.fast).tokens > 27
 
     cfg, _ = load_config(["@", str(ROOT / "configs/tools_demo.toml")])
-    from orchestrator.tasks.calculator import Calculator
+    from tasks.calculator import Calculator
 
     env = Calculator()
     rollouts = Rollouts(cfg, tokenizer_of(cfg.model), {}, None, env)
@@ -280,10 +280,10 @@ def test_the_check_measures_the_ids_the_orchestrator_sends(tmp_path):
 
 
 def test_a_useful_group_ends_the_streaks_it_concerns():
-    """The rule itself (orchestrator/streaks.py): rows of one dataset skipped do not count against
+    """The rule itself (orchestrator/reporting/streaks.py): rows of one dataset skipped do not count against
     another; a useful group of a dataset ends its streaks and the run's filtered streak; a dataset
     filtered while another fills batches does not stop the run."""
-    from orchestrator.streaks import Streaks
+    from orchestrator.reporting.streaks import Streaks
 
     streaks = Streaks(limit=3)
     for _ in range(10):  # two skips, then a useful group: never three in a row
@@ -310,7 +310,7 @@ def test_a_rendered_row_ends_a_skipped_streak_and_a_scored_group_a_failed_one():
     """Start-up fills every slot before any group finishes: with most rows unusable, skips come in
     long runs before the first group is batched. A row that made a request ends its dataset's skipped
     streak; a group scored (even filtered) ends its failed streak; neither ends the other's."""
-    from orchestrator.streaks import Streaks
+    from orchestrator.reporting.streaks import Streaks
 
     streaks = Streaks(limit=3)
     for _ in range(100):  # 87% of rows too long, none batched yet: never 3 skips without a rendered row
@@ -333,7 +333,7 @@ def test_failed_groups_stop_the_run_only_once_their_streak_lasted_its_span():
     """A reward endpoint restarting fails every group in milliseconds: the count alone would stop
     the run within a second. The failed streak must also have lasted its span (from config:
     MAX_ATTEMPTS x reward_timeout_s); a scored group in between starts it again."""
-    from orchestrator.streaks import Streaks
+    from orchestrator.reporting.streaks import Streaks
 
     now = [0.0]
     streaks = Streaks(limit=3, spans={"failed": 180.0}, clock=lambda: now[0])
@@ -371,10 +371,10 @@ def test_the_orchestrator_derives_the_failed_span_from_its_timeouts():
 
 
 def test_a_repeated_warning_is_said_at_most_every_quiet_s_with_a_count():
-    """One helper (orchestrator/quiet.py) for rewards, episodes and eval rows that fail alike."""
+    """One helper (orchestrator/reporting/quiet_warning.py) for rewards, episodes and eval rows that fail alike."""
     import logging
 
-    from orchestrator.quiet import Quiet
+    from orchestrator.reporting.quiet_warning import Quiet
 
     said: list[str] = []
 
@@ -536,8 +536,8 @@ def test_a_text_environment_row_whose_episode_raises_is_that_row_alone(tmp_path)
     """At run time such a row is one failed rollout, not a reason to refuse the run: it is left
     out of the measure; every episode measured is closed."""
     from rl.config import load_config
-    from orchestrator.prompt_fit import environment_fits
-    from orchestrator.text_episodes import TextEpisodes
+    from orchestrator.prompts.fit import environment_fits
+    from orchestrator.rollout.text_environment import TextEpisodes
 
     closed = []
 
@@ -570,7 +570,7 @@ def eval_config(tmp_path: Path, environment: bool, train_long: bool, eval_long: 
     for name, long in (("train", train_long), ("held", eval_long)):
         rows = [{"prompt": f"q{i}" + (" word" * 40 if long else "")} for i in range(8)]
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    source = ('environment = "orchestrator.tasks.guess_letter:GuessLetter"\n' if environment else
+    source = ('environment = "tasks.guess_letter:GuessLetter"\n' if environment else
               f'datasets = [{{path = "{tmp_path / "train.jsonl"}", reward = "math_verify"}}]\n')
     cfg = tmp_path / "cfg.toml"
     cfg.write_text(f'model = "{TINY_MODEL}"\noutput_dir = "{tmp_path / "run"}"\nseq_len = 64\n[orchestrator]\n'

@@ -14,8 +14,8 @@ import openai
 import pytest
 
 from conftest import ROOT, rl_command
-from orchestrator.tasks.calculator import Calculator, rows
-from orchestrator.tools import Tool
+from tasks.calculator import Calculator, rows
+from orchestrator.rollout.tool_functions import Tool
 from rl.rundir import RunDir
 from test_end_to_end import launch_server, wait_healthy
 

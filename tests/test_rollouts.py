@@ -1,4 +1,4 @@
-"""From prompt to scored group (orchestrator/rollouts.py): multi-turn episodes, pluggable rewards
+"""From prompt to scored group (orchestrator/rollout/groups.py): multi-turn episodes, pluggable rewards
 (callable, HTTP endpoint, failures) and the teacher's per-token signal, against stand-in servers
 (tests/fake_inference.py; tests/test_inference_server.py runs an episode on real vLLM)."""
 
@@ -13,14 +13,14 @@ from aiohttp import web
 
 from conftest import TINY_MODEL, free_port
 from fake_inference import FakeServer, score_over_http, start
-from orchestrator.environment import Turn
-from orchestrator.prompts import Prompt
-from orchestrator.rollouts import Rollouts
-from orchestrator.rewards import make_reward
-from orchestrator.scoring import Teacher
-from orchestrator.sources import Source
-from orchestrator.tasks.guess_letter import Game, GuessLetter
-from orchestrator.tokenizer import load_tokenizer
+from orchestrator.rollout.environment import Turn
+from orchestrator.prompts.queue import Prompt
+from orchestrator.rollout.groups import Rollouts
+from orchestrator.rewards.registry import make_reward
+from orchestrator.rewards.reward import Teacher
+from orchestrator.prompts.dataset_mix import Source
+from tasks.guess_letter import Game, GuessLetter
+from orchestrator.prompts.tokenizer import load_tokenizer
 from rl.config import RunConfig
 from rl.inference_api import InferenceClient, connector
 

@@ -1,4 +1,4 @@
-"""orchestrator/sandbox.py against hostile code, for real: each case is contained, answered with
+"""orchestrator/rollout/sandbox.py against hostile code, for real: each case is contained, answered with
 its outcome, and leaves nothing running. On a machine where runs cannot be isolated (no
 bubblewrap, or no unprivileged user namespaces) the isolation cases are skipped, saying why; CI's
 machine runs them. tests/test_sandbox_hostile.py holds the isolation cases against canaries, as
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from orchestrator.sandbox import Limits, RunResult, Sandbox
+from orchestrator.rollout.sandbox import Limits, RunResult, Sandbox
 
 ISOLATION = Sandbox.isolation()
 isolated = pytest.mark.skipif(ISOLATION is not None, reason=ISOLATION or "")
@@ -147,7 +147,7 @@ def test_runs_side_by_side_do_not_share_a_directory():
 
 
 def test_without_isolation_a_run_says_so_and_a_run_that_requires_it_refuses(monkeypatch):
-    from orchestrator import sandbox
+    from orchestrator.rollout import sandbox
 
     monkeypatch.setattr(sandbox, "_probe", lambda: (None, "bubblewrap not found: apt-get install bubblewrap"))
     assert Sandbox.isolation() == "bubblewrap not found: apt-get install bubblewrap"
@@ -163,7 +163,7 @@ def test_a_run_dies_with_the_process_that_started_it():
     run behind, children that called setsid included (bwrap's --die-with-parent, the PID namespace)."""
     code, mark = marked("import os, time\nfor _ in range(3):\n    if os.fork() == 0:\n        os.setsid()\n"
                         "        break\ntime.sleep(60)")
-    starter = subprocess.Popen([sys.executable, "-c", "import asyncio, sys\nfrom orchestrator.sandbox import Limits, "
+    starter = subprocess.Popen([sys.executable, "-c", "import asyncio, sys\nfrom orchestrator.rollout.sandbox import Limits, "
                                 "Sandbox\nasyncio.run(Sandbox(Limits(wall_s=60)).run(sys.argv[1]))", code],
                                env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
 

@@ -1,4 +1,4 @@
-"""orchestrator/sandbox.py against a hostile program, as root and as an unprivileged user (issue
+"""orchestrator/rollout/sandbox.py against a hostile program, as root and as an unprivileged user (issue
 52; docs/tools.md's hostile table). Each case plants a canary on the host (a process with a secret
 in its command line and environment, files in the repository and in a run directory, a listening
 port, unix sockets, IPC objects, an inherited descriptor), checks that it is there from outside,
@@ -316,7 +316,7 @@ def needs_seccomp() -> None:
     import pytest
 
     if platform.machine() != "x86_64":
-        pytest.skip("the sandbox's seccomp filter is for x86_64 only (orchestrator/sandbox.py)")
+        pytest.skip("the sandbox's seccomp filter is for x86_64 only (orchestrator/rollout/sandbox.py)")
 
 
 def inside(mode: str, case: str) -> dict:

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from conftest import TINY_MODEL, free_port
 from fake_inference import FakeServer, row_name, start
 from orchestrator.orchestrator import Orchestrator
-from orchestrator.prompts import decode_state
+from orchestrator.prompts.queue import decode_state
 from orchestrator.async_rule import is_fresh
 from rl.batch import Batch
 from rl.config import RunConfig
@@ -566,7 +566,7 @@ def test_a_restarted_server_is_asked_when_it_starts_and_again_when_its_heartbeat
     vLLM takes ~20-30 s to get ready, so a restarted one would wait up to that backoff once
     ready. Its heartbeat says when it starts (a new instance) and when it serves: the pool asks
     it at once on each, and not in between (it is still starting: the backoff stands)."""
-    from orchestrator.servers import ServerPool
+    from orchestrator.servers.pool import ServerPool
     from rl.heartbeat import SERVING, Heartbeat, server_heartbeat_path
 
     url = "http://127.0.0.1:9"  # never asked here: discover() only schedules the next question
@@ -606,8 +606,8 @@ def test_a_cancel_that_meets_a_notify_is_not_lost():
     """SIGTERM cancels the orchestrator's main task wherever it waits. Python 3.11's
     asyncio.wait_for returned the inner wait's result when that wait ended in the same loop turn
     as the cancel, and the cancel was lost: a run told to stop went on waiting for its final
-    version (seen once in a suite run). The waits go through orchestrator.notified instead."""
-    from orchestrator.notified import notified
+    version (seen once in a suite run). The waits go through orchestrator.bounded_wait instead."""
+    from orchestrator.bounded_wait import notified
 
     async def scenario(wait) -> str:
         changed, ready = asyncio.Condition(), []

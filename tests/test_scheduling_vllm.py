@@ -175,11 +175,11 @@ def test_a_real_teacher_scores_the_students_real_tokens(servers):
     (transformers, float64, over the sample's own token ids) to within float32 rounding; the
     prompt's tokens get none. The comparison is sharp enough to see the teacher scored at a
     position shifted by one, or another token's logprob: both are checked to fall outside it."""
-    from orchestrator.prompts import Prompt
-    from orchestrator.rollouts import Rollouts
-    from orchestrator.scoring import Teacher
-    from orchestrator.sources import Source
-    from orchestrator.tokenizer import load_tokenizer
+    from orchestrator.prompts.queue import Prompt
+    from orchestrator.rollout.groups import Rollouts
+    from orchestrator.rewards.reward import Teacher
+    from orchestrator.prompts.dataset_mix import Source
+    from orchestrator.prompts.tokenizer import load_tokenizer
     from rl.config import RunConfig
     from rl.inference_api import InferenceClient
 

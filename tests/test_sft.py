@@ -42,12 +42,12 @@ lr = 1e-4  # 1e-3 overshoots: this model is trained already (held-out loss 2.14 
 batch_size = 16
 eval_every = 10
 [[sft.datasets]]
-function = "orchestrator.tasks.reverse:dataset"
+function = "tasks.reverse:dataset"
 size = 400
 completion_key = "answer"
 [[sft.eval_datasets]]
 name = "heldout"
-function = "orchestrator.tasks.reverse:dataset"
+function = "tasks.reverse:dataset"
 seed = 7
 completion_key = "answer"
 """

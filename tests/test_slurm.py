@@ -21,7 +21,7 @@ import pytest
 
 from conftest import ROOT, TINY_MODEL, free_port, rl_command
 from rl.config import load_config
-from rl.config_doc import render_toml
+from rl.cli.config_doc import render_toml
 
 pytestmark = pytest.mark.slow
 

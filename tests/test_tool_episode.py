@@ -1,4 +1,4 @@
-"""Tool-calling episodes (orchestrator/tool_episode.py) through the orchestrator's rollout code,
+"""Tool-calling episodes (orchestrator/rollout/tool_episode.py) through the orchestrator's rollout code,
 with models/tiny-chat's tokenizer and its tool-calling ChatML template.
 
 Here a scripted server writes the model's turns: these tests need turns no small model writes on
@@ -16,8 +16,8 @@ import pytest
 from tokenizers import Tokenizer
 
 from conftest import ROOT
-from orchestrator.rollouts import Rollouts
-from orchestrator.chat import ChatTemplate
+from orchestrator.rollout.groups import Rollouts
+from orchestrator.prompts.chat import ChatTemplate
 from rl.config import ConfigError, RunConfig
 from rl.inference_api import GeneratedSample, GenerateRequest, GenerateResponse
 from orchestrator.preflight import orchestrator_code
@@ -61,7 +61,7 @@ class NoReward:
         return iter([])
 
 
-# The scripted calls of `add` and `fail` run in a thread (orchestrator/tools.py) and must answer within it
+# The scripted calls of `add` and `fail` run in a thread (orchestrator/rollout/tool_functions.py) and must answer within it
 # on a loaded machine, where a thread may wait a while to be scheduled; `hang` (awaiting, far
 # longer than any timeout) never does.
 TOOL_TIMEOUT_S = 2
@@ -110,8 +110,8 @@ TOOL_REPLIES = [
 
 
 def run_group(cfg: RunConfig, model) -> tuple[Rollouts, object]:
-    from orchestrator.prompts import Prompt
-    from orchestrator.tokenizer import load_tokenizer
+    from orchestrator.prompts.queue import Prompt
+    from orchestrator.prompts.tokenizer import load_tokenizer
 
     env = Tools()
     rollouts = Rollouts(cfg, load_tokenizer(cfg.model), {}, None, env)
@@ -171,8 +171,8 @@ def test_the_reward_reads_the_conversation_in_openai_form():
             seen.append(messages)
             return 0.0
 
-    from orchestrator.prompts import Prompt
-    from orchestrator.tokenizer import load_tokenizer
+    from orchestrator.prompts.queue import Prompt
+    from orchestrator.prompts.tokenizer import load_tokenizer
 
     cfg = config()
     rollouts = Rollouts(cfg, load_tokenizer(cfg.model), {}, None, Recording())
@@ -207,8 +207,8 @@ def test_a_reward_that_raises_fails_only_its_rollouts():
         def reward(self, messages, row):
             raise KeyError("answer")
 
-    from orchestrator.prompts import Prompt
-    from orchestrator.tokenizer import load_tokenizer
+    from orchestrator.prompts.queue import Prompt
+    from orchestrator.prompts.tokenizer import load_tokenizer
 
     cfg = config()
     rollouts = Rollouts(cfg, load_tokenizer(cfg.model), {}, None, Raises())
@@ -241,7 +241,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path):
 
 def test_schemas_reach_the_template():
     cfg = config()
-    from orchestrator.tokenizer import load_tokenizer
+    from orchestrator.prompts.tokenizer import load_tokenizer
 
     rollouts = Rollouts(cfg, load_tokenizer(cfg.model), {}, None, Tools())
     text = rollouts.kind.tool_episode.template.render([{"role": "user", "content": "x"}], True,

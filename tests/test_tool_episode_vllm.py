@@ -1,5 +1,5 @@
 """Tool-calling episodes against the real engine: models/tiny-tool (scripts/make_tool_model.py,
-taught briefly to call the calculator) plays orchestrator/tasks/calculator.py through the
+taught briefly to call the calculator) plays tasks/calculator.py through the
 orchestrator's rollout code. Token fidelity, checked on every episode: each model turn in the
 trajectory is exactly the ids the server returned, each request's prompt is exactly the
 trajectory so far, and the whole is the chat template's rendering of the conversation."""
@@ -37,15 +37,15 @@ def server(tmp_path_factory):
 
 def play(url: str, prompts: int, group_size: int):
     """`prompts` groups of Calculator episodes; (groups, {request id: (prompt ids, sampled ids)})."""
-    from orchestrator.prompts import Prompt
-    from orchestrator.rollouts import Rollouts
-    from orchestrator.tasks.calculator import Calculator
-    from orchestrator.tokenizer import load_tokenizer
+    from orchestrator.prompts.queue import Prompt
+    from orchestrator.rollout.groups import Rollouts
+    from tasks.calculator import Calculator
+    from orchestrator.prompts.tokenizer import load_tokenizer
     from rl.config import RunConfig
     from rl.inference_api import InferenceClient
 
     cfg = RunConfig.model_validate({"model": str(TOOL_MODEL), "seq_len": SEQ_LEN, "orchestrator": {
-        "environment": "orchestrator.tasks.calculator:Calculator", "max_turns": 3, "max_tokens": 64,
+        "environment": "tasks.calculator:Calculator", "max_turns": 3, "max_tokens": 64,
         "group_size": group_size, "temperature": 1.0}})
     seen = {}
 
@@ -79,9 +79,9 @@ def model_spans(mask: list[int]) -> list[tuple[int, int]]:
 
 
 def test_tool_episodes_on_the_real_engine_keep_the_sampled_ids(server):
-    from orchestrator.chat import ChatTemplate, row_messages
-    from orchestrator.tools import Tool
-    from orchestrator.tasks.calculator import Calculator
+    from orchestrator.prompts.chat import ChatTemplate, row_messages
+    from orchestrator.rollout.tool_functions import Tool
+    from tasks.calculator import Calculator
 
     groups, seen = play(server, prompts=4, group_size=8)
     tokenizer = Tokenizer.from_file(str(TOOL_MODEL / "tokenizer.json"))

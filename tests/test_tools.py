@@ -1,5 +1,5 @@
-"""Tools as an environment declares them (orchestrator/tools.py) and tool calls as a model writes them
-(orchestrator/tool_parsers.py): schemas from signatures and docstrings, argument checks, calls that raise,
+"""Tools as an environment declares them (orchestrator/rollout/tool_functions.py) and tool calls as a model writes them
+(orchestrator/rollout/tool_parsers.py): schemas from signatures and docstrings, argument checks, calls that raise,
 hang or return objects, and every malformed call the Hermes parser must turn into a message."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Literal
 
 import pytest
 
-from orchestrator.tool_parsers import BadCall, HermesParser, ToolCall
-from orchestrator.tools import Tool, ToolError, load_tools
+from orchestrator.rollout.tool_parsers import BadCall, HermesParser, ToolCall
+from orchestrator.rollout.tool_functions import Tool, ToolError, load_tools
 
 
 def calculate(expression: str, precision: int = 2) -> str:

@@ -1,4 +1,4 @@
-"""Trackers (orchestrator/tracking.py) fed from metrics.jsonl: TensorBoard event files that TensorBoard's
+"""Trackers (orchestrator/reporting/tracking.py) fed from metrics.jsonl: TensorBoard event files that TensorBoard's
 own reader reads back, wandb's offline run files, a resumed tracker that neither repeats nor
 loses a record and keeps its wandb run, and a failing sink that costs only itself."""
 
@@ -13,7 +13,7 @@ from tensorboard.util.tensor_util import make_ndarray
 
 from rl.config import RunConfig
 from rl.rundir import RunDir, write_file_atomic
-from orchestrator.tracking import Tracker
+from orchestrator.reporting.tracking import Tracker
 
 
 def config(tmp_path, **tracking) -> RunConfig:

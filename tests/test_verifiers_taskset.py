@@ -1,5 +1,5 @@
 """A verifiers v1 taskset (tests/vf_tiny_taskset.py, loaded by id like any installed one) as an
-asyncrl tool environment (orchestrator/verifiers_taskset.py): its rows, messages and tool
+asyncrl tool environment (orchestrator/rollout/verifiers_taskset.py): its rows, messages and tool
 schemas, episodes through asyncrl's own rollout code with a scripted model, rewards from the
 taskset's own @vf.reward through task.score, and the config path. No hub, no network."""
 
@@ -15,16 +15,16 @@ import pytest
 
 pytest.importorskip("verifiers.v1", reason="the verifiers extra (pip install asyncrl[verifiers])")
 
-from orchestrator.prompts import Prompt  # noqa: E402
-from orchestrator.rollouts import Rollouts  # noqa: E402
-from orchestrator.tokenizer import load_tokenizer  # noqa: E402
-from orchestrator.verifiers_taskset import VerifiersTaskset  # noqa: E402
+from orchestrator.prompts.queue import Prompt  # noqa: E402
+from orchestrator.rollout.groups import Rollouts  # noqa: E402
+from orchestrator.prompts.tokenizer import load_tokenizer  # noqa: E402
+from orchestrator.rollout.verifiers_taskset import VerifiersTaskset  # noqa: E402
 from rl.config import ConfigError  # noqa: E402
 from orchestrator.preflight import orchestrator_code  # noqa: E402
-from orchestrator.tools import load_tools  # noqa: E402
+from orchestrator.rollout.tool_functions import load_tools  # noqa: E402
 from test_tool_episode import TOKENIZER, ScriptedModel, config  # noqa: E402
 
-ENV = "orchestrator.verifiers_taskset:VerifiersTaskset"
+ENV = "orchestrator.rollout.verifiers_taskset:VerifiersTaskset"
 TINY = "vf-tiny-taskset"
 CALC_ADD = {"type": "function", "function": {
     "name": "calc_add", "description": "Add two integers.",

@@ -1,4 +1,4 @@
-"""orchestrator/notified.py wait_visibly: every orchestrator wait ends on its predicate, on its
+"""orchestrator/bounded_wait.py wait_visibly: every orchestrator wait ends on its predicate, on its
 timeout with a line naming what it waited for, or on what `check` raises (a dead background loop,
 a run that can only spin); none waits on silently."""
 
@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from orchestrator.notified import wait_visibly
+from orchestrator.bounded_wait import wait_visibly
 
 
 def test_a_notify_ends_the_wait_once_the_predicate_holds():

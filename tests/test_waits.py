@@ -54,7 +54,7 @@ def beats(lines: list[tuple[float, str]], pattern: str) -> list[float]:
 
 
 def stamped(lines: list[tuple[float, str]], pattern: str) -> list[int]:
-    """The program's own timestamps (rl/cli.py: "%H:%M:%S program LEVEL message", whole seconds,
+    """The program's own timestamps (rl/cli/main.py: "%H:%M:%S program LEVEL message", whole seconds,
     counted on from the first line across midnight) of the lines matching `pattern`."""
     out, first = [], None
     for _, line in lines:

@@ -1,7 +1,7 @@
 """The orchestrator's checkpoint, one per batch, written just before the batch is handed over:
 the batch itself (encoded, as it goes to the trainer), the data cursor (rows drawn so far) and the
 prompts still pending (requeued, in flight, finished but not in a batch). Encoding of the state:
-orchestrator/prompts.py.
+orchestrator/prompts/queue.py.
 
 Written first, with the batch, so that every prompt lands in exactly one trained batch whenever
 the orchestrator dies: a resumed orchestrator asks whether batch n reached the trainer (its
@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 
 from orchestrator.preflight import orchestrator_state_refusal
-from orchestrator.prompts import Prompt, decode_state, encode_state
+from orchestrator.prompts.queue import Prompt, decode_state, encode_state
 from rl.batch import Batch
 from rl.rundir import RunDir, mark_stable, write_file_atomic
 from rl.transport import BatchSender
@@ -30,7 +30,7 @@ def resume_point(run_dir: RunDir, sender: BatchSender) -> tuple[int, int, list[P
     saved = run_dir.checkpoint_steps("orchestrator")
     sender.discard_partial()
     if not saved:
-        if refusal := orchestrator_state_refusal(run_dir):  # rl.cli refused it already
+        if refusal := orchestrator_state_refusal(run_dir):  # rl.cli.main refused it already
             raise SystemExit(refusal)
         return 1, 0, [], None, None
     directory = run_dir.checkpoint_dir(saved[-1]) / "orchestrator"

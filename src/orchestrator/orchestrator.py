@@ -3,7 +3,7 @@ batches to the trainer under the async rule (orchestrator/async_rule.py). `rl or
 (orchestrator/main.py).
 
 Concurrent loops on one event loop:
-  - `produce`: starts groups (orchestrator/rollouts.py) on the least-loaded server while fewer
+  - `produce`: starts groups (orchestrator/rollout/groups.py) on the least-loaded server while fewer
     than max_in_flight_groups are in flight or finished-unbatched, and only groups that can still
     land in a batch under the off-policy bound m;
   - `follow_weights`: loads each new STABLE weights version into every server;
@@ -14,9 +14,9 @@ Concurrent loops on one event loop:
     server in rotation, takes the oldest fresh finished groups, checkpoints batch n, hands it
     over, and cancels in-flight groups that batch n+1 could no longer accept (aborted on their server,
     prompts requeued).
-Beside them: `watch_trainer` (orchestrator/trainer_watch.py), the batch sender's `redeliver`, the
-evaluations (orchestrator/evaluation.py) and, with wandb or TensorBoard on, `track`
-(orchestrator/reporting.py, which also writes each batch's metrics record).
+Beside them: `watch_trainer` (orchestrator/servers/trainer_watch.py), the batch sender's `redeliver`, the
+evaluations (orchestrator/evaluation/held_out.py) and, with wandb or TensorBoard on, `track`
+(orchestrator/reporting/batch_report.py, which also writes each batch's metrics record).
 """
 
 from __future__ import annotations
@@ -30,21 +30,21 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from orchestrator.async_rule import can_hand_over, is_fresh, min_serving_version, oldest_usable_version
+from orchestrator.bounded_wait import notified, wait_visibly
 from orchestrator.checkpoint import checkpointed_batch, resume_point, save_checkpoint
-from orchestrator.curriculum import Curriculum
-from orchestrator.delivery import weight_delivery
-from orchestrator.evaluation import Evaluation, EvaluationRunner
+from orchestrator.evaluation.held_out import Evaluation, EvaluationRunner
 from orchestrator.group_outcomes import GroupOutcomes, futile_spans
-from orchestrator.notified import notified, wait_visibly
-from orchestrator.prompts import Prompt, PromptQueue
-from orchestrator.reporting import Counters, Reporting
-from orchestrator.rollout_kind import Aborted
-from orchestrator.rollouts import Group, Rollouts
-from orchestrator.server import Server
-from orchestrator.servers import ServerPool
-from orchestrator.sources import RowError, configured_sources
-from orchestrator.streaks import Streaks
-from orchestrator.trainer_watch import watch_trainer
+from orchestrator.prompts.curriculum import Curriculum
+from orchestrator.prompts.dataset_mix import RowError, configured_sources
+from orchestrator.prompts.queue import Prompt, PromptQueue
+from orchestrator.reporting.batch_report import Counters, Reporting
+from orchestrator.reporting.streaks import Streaks
+from orchestrator.rollout.groups import Group, Rollouts
+from orchestrator.rollout.kind import Aborted
+from orchestrator.servers.delivery import weight_delivery
+from orchestrator.servers.pool import ServerPool
+from orchestrator.servers.server import Server
+from orchestrator.servers.trainer_watch import watch_trainer
 from rl.batch import Batch
 from rl.config import RunConfig
 from rl.faults import crash_point
@@ -119,7 +119,7 @@ class Orchestrator:
 
     def why_not_wait(self) -> None:
         """Raises what makes a wait pointless: the verdict of a run that can only spin
-        (orchestrator/streaks.py), even while others progress, or a background loop that died
+        (orchestrator/reporting/streaks.py), even while others progress, or a background loop that died
         (its error surfaced, not waited on)."""
         if self.streaks.verdict is not None:
             raise self.streaks.verdict

@@ -1,3 +1,3 @@
-from rl.cli import main
+from rl.cli.main import main
 
 main()

@@ -443,12 +443,12 @@ class SlurmConfig(Section):
     """Port of the trainer's torchrun rendezvous on the first trainer node."""
 
     template: Path | None = None
-    """A Jinja2 template to render instead of the built-in one (src/rl/slurm.sbatch.j2,
+    """A Jinja2 template to render instead of the built-in one (src/rl/cli/slurm.sbatch.j2,
     documented in docs/slurm.md)."""
 
 
 class TrackingConfig(Section):
-    """Experiment trackers fed from metrics.jsonl by the orchestrator (orchestrator/tracking.py)."""
+    """Experiment trackers fed from metrics.jsonl by the orchestrator (orchestrator/reporting/tracking.py)."""
 
     wandb: bool = False
     """Log to Weights & Biases (`pip install wandb`); files under output_dir/tracking/."""
@@ -574,7 +574,7 @@ class RunConfig(Section):
         """How each version reaches the servers, the one choice every program follows: "adapters"
         (trainer.lora.rank > 0: peft adapters through files), "broadcast" (weight_sync.kind: full
         weights streamed to the servers' workers) or "files" (full weights through files).
-        Each program maps it to its own class: orchestrator/delivery.py, trainer/publish.py,
+        Each program maps it to its own class: orchestrator/servers/delivery.py, trainer/publish.py,
         inference/adapters.py."""
         if self.trainer.lora.rank > 0:
             return "adapters"

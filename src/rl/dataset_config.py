@@ -21,10 +21,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from rl.addresses import check_http_url
 from rl.config_section import Section
 
-# reward = "<name>" shorthands for the scorers shipped in orchestrator/tasks/.
+# reward = "<name>" shorthands for the scorers shipped in tasks/.
 BUILTIN_REWARDS = {
-    "reasoning_gym": "orchestrator.tasks.gym_tasks:reward",
-    "math_verify": "orchestrator.tasks.math_answer:reward",
+    "reasoning_gym": "tasks.gym_tasks:reward",
+    "math_verify": "tasks.math_answer:reward",
 }
 
 

@@ -63,7 +63,7 @@ class ToolsConfig(Section):
     parser: str = "hermes"
     """How a tool environment's calls are read from the model's text: "hermes" (<tool_call>{json}
     </tool_call>, as Qwen and Hermes models write them) or `module:Class` of your own parser
-    (orchestrator/tool_parsers.py)."""
+    (orchestrator/rollout/tool_parsers.py)."""
 
     timeout_s: float = Field(10, gt=0)
     """Longest one tool call may take; past it the model is told the call timed out."""
@@ -79,7 +79,7 @@ class ToolsConfig(Section):
 class SandboxConfig(Section):
     isolation: Literal["bwrap", "none"] = "bwrap"
     """How model-written code is isolated where a run executes it (the coding task's reward, the
-    python tool: orchestrator/sandbox.py). "bwrap": by bubblewrap's namespaces; a run refuses to
+    python tool: orchestrator/rollout/sandbox.py). "bwrap": by bubblewrap's namespaces; a run refuses to
     start where it is missing or cannot work, saying how to fix it. "none": start there anyway,
     the code running with limits only (unsafe, said once at start-up); where bubblewrap works,
     runs are isolated all the same."""
@@ -101,7 +101,7 @@ class OverlongConfig(Section):
 
 class CurriculumConfig(Section):
     enabled: bool = False
-    """Generate only rows whose recorded pass rate is informative (orchestrator/curriculum.py):
+    """Generate only rows whose recorded pass rate is informative (orchestrator/prompts/curriculum.py):
     a row drawn again is skipped when its latest group's pass rate lies outside `band`, unless
     drawn for a revisit (revisit_easy, revisit_hard). Saves the generation zero-variance filtering would throw away, on
     datasets whose rows come round again (several passes, or a function that repeats rows)."""
@@ -171,7 +171,7 @@ def moved_key(orchestrator: Any) -> str | None:
 
 
 # What a config that names no dataset trains on: the tiny model's string reversal.
-REVERSE_DATASET, REVERSE_REWARD = "orchestrator.tasks.reverse:dataset", "orchestrator.tasks.reverse:reward"
+REVERSE_DATASET, REVERSE_REWARD = "tasks.reverse:dataset", "tasks.reverse:reward"
 
 
 class OrchestratorConfig(Section):
@@ -185,13 +185,13 @@ class OrchestratorConfig(Section):
     dataset: str | None = None
     """`module:function` taking the seed and returning an iterator of rows (JSON-able dicts with
     "prompt"). It must yield the same rows for the same seed: resuming skips the rows used.
-    Not with `datasets`. Unset: the reversal task (orchestrator.tasks.reverse:dataset)."""
+    Not with `datasets`. Unset: the reversal task (tasks.reverse:dataset)."""
 
     reward: str | None = None
     """`module:function(prompt, completion, row)` (sync or async) returning a float or a dict of
     named floats (components, weighted by a dataset's reward_weights); an http(s):// URL answering
     POST {"prompt", "completion", "row"} with {"reward": float or {name: float}}; "math_verify"
-    or "reasoning_gym" (orchestrator/tasks/); or "" for none (a teacher alone drives learning).
+    or "reasoning_gym" (tasks/); or "" for none (a teacher alone drives learning).
     The default of every dataset that names no reward of its own."""
 
     datasets: list[DatasetConfig] = []
@@ -228,12 +228,12 @@ class OrchestratorConfig(Section):
     """An optional teacher model for on-policy distillation (`[orchestrator.teacher]`)."""
 
     environment: str = ""
-    """`module:Class` of a multi-turn environment (see orchestrator/environment.py); it supplies
+    """`module:Class` of a multi-turn environment (see orchestrator/rollout/environment.py); it supplies
     its own rows and rewards, so `dataset` and `reward` are then unused. Empty: single-turn."""
 
     environment_args: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments the environment class is built with, e.g. {id = "my-taskset"} for
-    orchestrator.verifiers_taskset:VerifiersTaskset."""
+    orchestrator.rollout.verifiers_taskset:VerifiersTaskset."""
 
     max_turns: int = Field(8, ge=1)
     """Most model calls in one multi-turn episode."""

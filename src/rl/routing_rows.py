@@ -1,7 +1,7 @@
 """One request's or trajectory's routed experts: [positions, layers, top_k] expert ids and which
 positions have a row, where the first row a position gets stays. The engine's recorder fills it
 forward by forward (inference/routing_capture.py: a preempted request recomputes positions it had
-processed); a trajectory fills it answer by answer (orchestrator/rollout_kind.py: a later turn's
+processed); a trajectory fills it answer by answer (orchestrator/rollout/kind.py: a later turn's
 request recomputes the earlier turns, and the row that counts is the forward that sampled from
 them). The wire form is rl.inference_api.RoutedExperts.
 """

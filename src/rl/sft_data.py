@@ -1,4 +1,4 @@
-"""Supervised data, tokenized: what `rl sft`'s data step (orchestrator/sft_data.py) writes and its
+"""Supervised data, tokenized: what `rl sft`'s data step (orchestrator/sft/data.py) writes and its
 trainer (trainer/sft.py) reads, in output_dir/sft_data/<split>.safetensors (never pickle).
 
 Per token: `tokens` and `loss_mask` (1 on the assistant's tokens), every conversation's back to

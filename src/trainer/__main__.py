@@ -2,6 +2,6 @@
 
 import sys
 
-from rl.cli import app
+from rl.cli.main import app
 
 app(["trainer", *sys.argv[1:]])

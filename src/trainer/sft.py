@@ -1,5 +1,5 @@
-"""Supervised fine-tuning on the trainer's own machinery: `rl sft` (rl/cli.py) runs the data step
-(orchestrator/sft_data.py), then this loop on every rank.
+"""Supervised fine-tuning on the trainer's own machinery: `rl sft` (rl/cli/main.py) runs the data step
+(orchestrator/sft/data.py), then this loop on every rank.
 
 The same model loading, FSDP2 sharding, LoRA or full tuning (trainer/tuning.py), packing and rank
 balance (trainer/data.py), optimizer and schedule, checkpoints and exact --resume, and

@@ -101,7 +101,7 @@ class Trainer:
     def start_step(self, policy: Policy, resume: bool) -> int:
         """1, or the step after the policy's latest complete checkpoint when resuming."""
         run = policy.run
-        if refusal := trainer_state_refusal(run, resume):  # rl.cli refused a single run already
+        if refusal := trainer_state_refusal(run, resume):  # rl.cli.main refused a single run already
             raise SystemExit(refusal)
         latest = checkpoint.latest(run)
         if not resume:

@@ -18,7 +18,7 @@ from aiohttp import web
 
 import fake_inference
 from fake_inference import FakeServer, score_over_http
-from orchestrator.rewards import make_reward
+from orchestrator.rewards.registry import make_reward
 from test_scheduling import check_rules, run_scenario
 
 SWAP_WARNING = "the hung threads are leaked"

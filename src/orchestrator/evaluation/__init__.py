@@ -1,0 +1,2 @@
+"""The evaluation station: held-out scores. held_out.py evaluates the eval datasets during a run,
+environments.py the eval environments; command.py is `rl eval` over a finished run's weights."""

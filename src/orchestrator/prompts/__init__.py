@@ -1,0 +1,5 @@
+"""The prompts station: what a rollout starts from. Datasets' rows are loaded (tables.py), mixed
+by seed (dataset_mix.py), rendered by the model's chat template (chat.py) and tokenized (tokenizer.py);
+the queue (queue.py, the interface the scheduler draws from) hands out the next prompt, with
+prompts given back by cancelled groups first and rows skipped by the curriculum (curriculum.py).
+fit.py is the start-up check that the first prompts leave room for a completion."""

@@ -1,0 +1,78 @@
+"""The datasets kind (no orchestrator.environment): a prompt rendered from a dataset's row, one
+request of group_size completions, each scored by the dataset's reward (orchestrator/rewards/reward.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from orchestrator.prompts.dataset_mix import Renderer, Source, mix
+from orchestrator.prompts.queue import Prompt
+from orchestrator.rewards.reward import combine
+from orchestrator.rollout.kind import Aborted, Generate, RolloutKind, Toolkit, Trajectory
+from rl.config import RunConfig
+from rl.dataset_config import Sampling
+
+
+class SingleTurn(RolloutKind):
+    def __init__(self, cfg: RunConfig, toolkit: Toolkit, renderer: Renderer, sources: dict[str, Source], env=None):
+        self.settings, self.toolkit, self.renderer, self.sources = cfg.orchestrator, toolkit, renderer, sources
+        self.stop_token_ids = renderer.stop_token_ids
+
+    def draws(self, seed: int) -> Iterator[tuple[str, object]]:
+        return mix(list(self.sources.values()), seed)
+
+    def fetch(self, source: str, draw) -> tuple[dict, str]:
+        return self.sources[source].fetch(draw)
+
+    def source(self, prompt: Prompt) -> Source:
+        # "": a prompt checkpointed before datasets had names, when there was only one.
+        return self.sources[prompt.source] if prompt.source else next(iter(self.sources.values()))
+
+    def sampling(self, prompt: Prompt) -> Sampling:
+        return self.source(prompt).ds.sampling
+
+    async def trajectories(self, prompt: Prompt, gid: str, generate: Generate) -> list[Trajectory | None]:
+        source = self.source(prompt)
+        text, ids = self.renderer.render(source.ds, prompt.row, prompt.where or f"row {prompt.index}")
+        request = self.toolkit.request(gid, ids, self.settings.group_size, source.ds.sampling,
+                                       f"{prompt.where or source.name}, draw {prompt.index}")
+        response = await generate(request)
+        if any(s.finish_reason == "abort" for s in response.samples):
+            raise Aborted(gid)
+        completions = self.toolkit.decode_all([s.token_ids for s in response.samples])
+        scores = (await source.reward.score(text, completions, prompt.row) if source.reward
+                  else [0.0] * len(completions))
+        out = []
+        for s, score in zip(response.samples, scores):
+            if score is None:
+                out.append(None)
+                continue
+            reward, components = combine(score, source.reward_weights)
+            t = Trajectory([], [], [], [], reward, components, s.finish_reason == "length")
+            t.reward -= self.overlong_penalty(len(s.token_ids), request.max_tokens, t)
+            t.add(ids)
+            t.add(s.token_ids, s)
+            out.append(t)
+        return out
+
+    def overlong_penalty(self, length: int, max_tokens: int, t: Trajectory) -> float:
+        """DAPO's soft overlong punishment: 0 up to max_tokens - overlong.buffer, then growing
+        linearly to overlong.penalty at max_tokens (logged as a reward component)."""
+        if self.settings.overlong.mode != "penalty":
+            return 0.0
+        buffer = min(self.settings.overlong.buffer, max_tokens)
+        penalty = self.settings.overlong.penalty * max(0, length - (max_tokens - buffer)) / buffer
+        t.components = {**t.components, "overlong_penalty": -penalty}
+        return penalty
+
+    def last_error(self, prompt: Prompt) -> str:
+        reward = self.source(prompt).reward
+        return f"reward {reward.spec} {reward.last_error}" if reward and reward.last_error else ""
+
+    def culprit(self, prompt: Prompt) -> str:
+        return f"dataset {self.source(prompt).name}"
+
+    def failure_fix(self, prompt: Prompt) -> str:
+        reward = self.source(prompt).ds.reward
+        teacher = f" or the teacher at {self.settings.teacher.url}" if self.settings.teacher.url else ""
+        return f"fix its reward {reward!r}{teacher} (the error above), or orchestrator.reward_timeout_s if it is slow"
