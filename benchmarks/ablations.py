@@ -36,10 +36,10 @@ PAIR = re.compile(r"\[\s+([-\d.e]+),\s+([-\d.e]+)\s+\]")  # a curve's [seconds, 
 VARIANTS = {
     "default": [],
     "async1": ["--max_async_level", "1"],
-    "nofilter": ["--orchestrator.filter_zero_variance", "false"],
+    "nofilter": ["--orchestrator.scheduling.filter_zero_variance", "false"],
     "sync": ["--max_async_level", "0"],
     "async2": ["--max_async_level", "2"],
-    "nonorm": ["--orchestrator.normalize_advantages", "false"],
+    "nonorm": ["--orchestrator.scheduling.normalize_advantages", "false"],
     "seqnorm": ["--trainer.loss.normalization", "sequence"],
     "tis": ["--trainer.loss.objective", "truncated_is"],
     "lr2x": ["--trainer.optim.lr", "2e-4"],
@@ -47,13 +47,13 @@ VARIANTS = {
     "async3": ["--max_async_level", "3"],
     "async2_tis": ["--max_async_level", "2", "--trainer.loss.objective", "truncated_is"],
     "async2_lr2x": ["--max_async_level", "2", "--trainer.optim.lr", "2e-4"],
-    "async2_nonorm": ["--max_async_level", "2", "--orchestrator.normalize_advantages", "false"],
+    "async2_nonorm": ["--max_async_level", "2", "--orchestrator.scheduling.normalize_advantages", "false"],
     # The trainer on both cores, two threads: the engine's core is idle part of a train-bound step.
     "trainer2": ["--trainer.cpus", "[0, 1]", "--trainer.torch_threads", "2"],
     "async2_trainer2": ["--max_async_level", "2", "--trainer.cpus", "[0, 1]", "--trainer.torch_threads", "2"],
     # Weights loaded between two decode steps: the engine neither drains running requests
     # (pause mode "wait", their batch shrinking to nothing) nor holds new ones back first.
-    "inflight": ["--orchestrator.in_flight_updates", "true"],
+    "inflight": ["--orchestrator.scheduling.in_flight_updates", "true"],
 }
 
 

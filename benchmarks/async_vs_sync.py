@@ -52,7 +52,7 @@ def _samples_per_step(config: str, overrides: list[str]) -> int:
     sys.path.insert(0, str(ROOT / "src"))
     from rl.config import load_config
     cfg, _ = load_config(["@", str(ROOT / config), *overrides])
-    return cfg.orchestrator.prompts_per_step * cfg.orchestrator.group_size
+    return cfg.orchestrator.scheduling.prompts_per_step * cfg.orchestrator.scheduling.group_size
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Rollouts per second through the chat path against the raw path, on the same model and real
 vLLM server: the demo's chat model (models/tiny-chat) on reasoning-gym spell_backward rows,
-prompts rendered by its chat template (orchestrator.chat = "on") or sent as raw text ("off").
+prompts rendered by its chat template (orchestrator.prompts.chat = "on") or sent as raw text ("off").
 Everything the orchestrator does per group is in the loop (rendering, tokenizing, the request,
 detokenizing, the task's scorer, advantages); 16 groups of 8 in flight at once. Also the
 orchestrator's own cost of turning one row into prompt ids, without a server.

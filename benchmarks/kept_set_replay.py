@@ -1,4 +1,4 @@
-"""Replayed vs rebuilt kept sets (orchestrator.record_kept_sets) on a top-p run, by staleness.
+"""Replayed vs rebuilt kept sets (orchestrator.sampling.record_kept_sets) on a top-p run, by staleness.
 
     .venv/bin/python benchmarks/kept_set_replay.py [--async-levels 0 1 2] [--steps 300] [--top-p 0.8]
 
@@ -40,8 +40,8 @@ def main() -> None:
         for mode in ("rebuild", "replay"):
             out = ROOT / "runs" / "bench" / f"kept_{mode}_async{level}"
             overrides = ["--max_steps", str(args.steps), "--max_async_level", str(level), "--seed", str(args.seed),
-                         "--orchestrator.top_p", str(args.top_p), "--orchestrator.eval.every", "0",
-                         "--orchestrator.record_kept_sets", str(mode == "replay").lower(),
+                         "--orchestrator.sampling.top_p", str(args.top_p), "--orchestrator.eval.every", "0",
+                         "--orchestrator.sampling.record_kept_sets", str(mode == "replay").lower(),
                          "--inference.max_logprobs", "30"]  # the 30-character vocabulary: any set fits
             wall, records = run_rl("configs/reverse_demo.toml", out, overrides, timeout_s=3600)
             row = {"max_async_level": level, "mode": mode, **summary(wall, records)}

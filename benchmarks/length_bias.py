@@ -26,10 +26,10 @@ from rl.batch import Batch
 from rl.rundir import RunDir
 
 VARIANTS = {
-    "sync": ["--max_async_level", "0", "--orchestrator.max_in_flight_groups", "4"],
+    "sync": ["--max_async_level", "0", "--orchestrator.scheduling.max_in_flight_groups", "4"],
     "async": [],  # configs/long.toml: max_async_level 2, max_in_flight_groups 8
     # Tighter and more oversampled: groups wait longer in flight and go stale sooner.
-    "tight": ["--max_async_level", "1", "--orchestrator.max_in_flight_groups", "16"],
+    "tight": ["--max_async_level", "1", "--orchestrator.scheduling.max_in_flight_groups", "16"],
 }
 
 

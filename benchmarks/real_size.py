@@ -83,10 +83,10 @@ def config(model: Path, scenario: str, args, seq_len: int) -> str:
     steps = args.steps
     lines = [f'model = "{model}"', f"max_steps = {steps}", f"seq_len = {seq_len}", "max_async_level = 1",
              "seed = 0", "", "[inference]", f"port = {args.port}", 'dtype = "bfloat16"', "cpus = [0]",
-             "cpu_kv_cache_gib = 2", "", "[orchestrator]", "cpus = [0]", f"prompts_per_step = {args.prompts}",
-             "group_size = 2", f"max_in_flight_groups = {2 * args.prompts}", f"max_tokens = {args.max_tokens}",
-             "temperature = 1.0",
-             "servers.request_timeout_s = 3600", "trainer_timeout_s = 7200"]
+             "cpu_kv_cache_gib = 2", "", "[orchestrator]", "cpus = [0]", f"scheduling.prompts_per_step = {args.prompts}",
+             "scheduling.group_size = 2", f"scheduling.max_in_flight_groups = {2 * args.prompts}",
+             f"sampling.max_tokens = {args.max_tokens}", "sampling.temperature = 1.0",
+             "timeouts.request_s = 3600", "timeouts.trainer_s = 7200"]
     if scenario == "tools":
         lines += ['environment = "real_size_tools:ManyTools"', "max_turns = 2", ""]
     else:

@@ -57,7 +57,7 @@ def runs(args) -> None:
             name = f"seed{seed}_{'mask' if mask else 'nomask'}"
             output_dir = ROOT / "runs" / "bench" / f"sampling_mask_{name}"
             wall, records = run_rl("configs/demo.toml", output_dir, [
-                "--seed", str(seed), "--max_steps", str(args.steps), "--orchestrator.top_p", str(args.top_p),
+                "--seed", str(seed), "--max_steps", str(args.steps), "--orchestrator.sampling.top_p", str(args.top_p),
                 "--trainer.sampling_mask", str(mask).lower()], timeout_s=3600)
             out[name] = {"wall_s": wall, "top_p": args.top_p, "seed": seed, "mask": mask,
                          **summarise(records, output_dir)}

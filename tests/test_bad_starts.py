@@ -59,7 +59,7 @@ CASES = [
          "no_weights: no weights (*.safetensors)"),
     Case("model without tokenizer", ("inference", "orchestrator", "run"), ("--model", "{no_tokenizer}"),
          "no_tokenizer: no tokenizer"),
-    Case("seq_len beyond the model", ALL, ("--seq_len", "4096", "--orchestrator.max_tokens", "8",
+    Case("seq_len beyond the model", ALL, ("--seq_len", "4096", "--orchestrator.sampling.max_tokens", "8",
                                            "--trainer.micro_batch_tokens", "4096"),
          "seq_len = 4096 exceeds the model's max_position_embeddings"),
     Case("LoRA target not in the model", ("trainer", "run"),
@@ -119,7 +119,7 @@ CASES = [
     Case("admin routes exposed without a token", ("inference", "run"), ("--inference.host", "0.0.0.0"),
          "inference.host 0.0.0.0 exposes the admin routes"),
     # lengths, sizes, cores, kernels
-    Case("max_tokens at seq_len", ALL, ("--orchestrator.max_tokens", "64"), "orchestrator.max_tokens (64) must be below seq_len (64)"),
+    Case("max_tokens at seq_len", ALL, ("--orchestrator.sampling.max_tokens", "64"), "orchestrator.sampling.max_tokens (64) must be below seq_len (64)"),
     Case("KV cache beyond memory", ("inference", "run"), ("--inference.cpu_kv_cache_gib", "100000"),
          "inference.cpu_kv_cache_gib = 100000: this machine has"),
     Case("inference core missing", ("inference", "run"), ("--inference.cpus", "[4096]"), "inference.cpus = [4096]: core(s) [4096]"),
@@ -137,17 +137,17 @@ CASES = [
          "questions.parquet has no column 'prompt' or 'messages' (columns: question, answer)"),
     Case("reasoning-gym task unknown", ("orchestrator", "run"),
          ("--orchestrator.datasets", '[{{reasoning_gym = "no_such_task"}}]'), "reasoning_gym = 'no_such_task'"),
-    Case("chat template fails to render", ("orchestrator", "run"), ("--orchestrator.chat_template", "{tmp}/strict.jinja"),
+    Case("chat template fails to render", ("orchestrator", "run"), ("--orchestrator.prompts.chat_template", "{tmp}/strict.jinja"),
          "the chat template ({tmp}/strict.jinja) fails on orchestrator.dataset row 0: only chat with a system prompt"),
-    Case("chat template not Jinja", ("orchestrator", "run"), ("--orchestrator.chat_template", "{tmp}/broken.jinja"),
+    Case("chat template not Jinja", ("orchestrator", "run"), ("--orchestrator.prompts.chat_template", "{tmp}/broken.jinja"),
          "chat template ({tmp}/broken.jinja) line 1"),
-    Case("chat on, model without template", ("orchestrator", "run"), ("--orchestrator.chat", "on"),
-         'orchestrator.chat = "on": ' + str(TINY_MODEL) + " has no chat template"),
+    Case("chat on, model without template", ("orchestrator", "run"), ("--orchestrator.prompts.chat", "on"),
+         'orchestrator.prompts.chat = "on": ' + str(TINY_MODEL) + " has no chat template"),
     # prompts that leave no room for a completion (orchestrator/prompts/fit.py): the run would skip every row
-    Case("prompts longer than seq_len - max_tokens", ("orchestrator", "run"), ("--orchestrator.max_tokens", "60"),
+    Case("prompts longer than seq_len - max_tokens", ("orchestrator", "run"), ("--orchestrator.sampling.max_tokens", "60"),
          "dataset data: 50 of the first 64 prompts drawn leave less than max_tokens (60) within seq_len (64); the longest is 9 tokens (orchestrator.dataset row 6)"),
     Case("environment's first prompt longer than seq_len - max_tokens", ("orchestrator", "run"),
-         ("--orchestrator.environment", "tasks.guess_letter:GuessLetter", "--orchestrator.max_tokens", "60"),
+         ("--orchestrator.environment", "tasks.guess_letter:GuessLetter", "--orchestrator.sampling.max_tokens", "60"),
          "orchestrator.environment = 'tasks.guess_letter:GuessLetter': 64 of the first 64 prompts drawn"),
     Case("routing recorded for a dense model", ("inference",), ("--inference.record_routing", "true"),
          "inference.record_routing: model = {tiny_model} is not a mixture-of-experts model"),
@@ -192,7 +192,7 @@ def world(tmp_path_factory):
     base = tmp / "base.toml"
     base.write_text(
         f'model = "{TINY_MODEL}"\noutput_dir = "{tmp}/out"\nseq_len = 64\n'
-        f"[inference]\nport = {free_port()}\n[orchestrator]\nmax_tokens = 12\n"
+        f"[inference]\nport = {free_port()}\n[orchestrator.sampling]\nmax_tokens = 12\n"
         f'[transport]\naddress = "tcp://127.0.0.1:{free_port()}"\n'
         f'[weight_sync]\naddress = "127.0.0.1:{free_port()}"\n'
     )

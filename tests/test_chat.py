@@ -15,6 +15,7 @@ from orchestrator.prompts.dataset_mix import Renderer, RowError
 from orchestrator.prompts.tokenizer import load_tokenizer
 from orchestrator.prompts.chat import ChatTemplate
 from rl.config import ConfigError, RunConfig
+from orchestrator_tables import grouped
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 2 + 3?"}],
@@ -24,7 +25,7 @@ CONVERSATIONS = [
 
 
 def renderer(model, **orchestrator) -> Renderer:
-    cfg = RunConfig(model=model, orchestrator=orchestrator)
+    cfg = RunConfig(model=model, orchestrator=grouped(orchestrator))
     tokenizer = load_tokenizer(str(model))
     return Renderer(cfg.orchestrator, model, tokenizer, lambda text, add_special_tokens=True:
                     tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -32,7 +33,7 @@ def renderer(model, **orchestrator) -> Renderer:
 
 def dataset(cfg_kwargs: dict | None = None, **spec):
     cfg = RunConfig(model="m", orchestrator={"datasets": [{"function": "x:y", "reward": "x:r", **spec}],
-                                             **(cfg_kwargs or {})})
+                                             **grouped(cfg_kwargs or {})})
     return cfg.orchestrator.resolved_datasets()[0]
 
 
@@ -110,7 +111,7 @@ def test_chat_on_without_a_template_is_a_config_error(tmp_path):
     model = chatml(tmp_path / "tok")
     (model / "chat_template.jinja").unlink()
     assert renderer(model).template is None  # auto: raw completion for a base model
-    with pytest.raises(ConfigError, match='orchestrator.chat = "on"'):
+    with pytest.raises(ConfigError, match='orchestrator.prompts.chat = "on"'):
         renderer(model, chat="on")
 
 

@@ -11,7 +11,7 @@ from pydantic import BaseModel
 
 from conftest import TINY_MODEL, free_port, rl_command
 from rl.config import ConfigError, load_config
-from rl.orchestrator_config import MOVED
+from rl.orchestrator_config import MOVED, SchedulingConfig
 
 
 def run_rl(*args: str) -> subprocess.CompletedProcess:
@@ -20,9 +20,9 @@ def run_rl(*args: str) -> subprocess.CompletedProcess:
 
 def test_files_compose_left_to_right_and_flags_win(write_toml):
     a = write_toml('model = "m"\nmax_steps = 5\n[trainer.optim]\nlr = 1e-4\n', "a.toml")
-    b = write_toml("max_steps = 7\n[orchestrator]\ngroup_size = 4\n", "b.toml")
+    b = write_toml("max_steps = 7\n[orchestrator.scheduling]\ngroup_size = 4\n", "b.toml")
     cfg, dry = load_config(["@", str(a), f"@{b}", "--trainer.optim.lr", "2e-5", "--seed=3"])
-    assert (cfg.max_steps, cfg.orchestrator.group_size, cfg.trainer.optim.lr, cfg.seed) == (7, 4, 2e-5, 3)
+    assert (cfg.max_steps, cfg.orchestrator.scheduling.group_size, cfg.trainer.optim.lr, cfg.seed) == (7, 4, 2e-5, 3)
     assert cfg.trainer.optim.betas == (0.9, 0.99)  # untouched defaults survive the merge
     assert not dry
 
@@ -35,8 +35,8 @@ def test_off_policy_steps_default_to_async_level(write_toml):
 @pytest.mark.parametrize("args, message", [
     (["--trainer.optim.lrr", "1"], "unknown config key: trainer.optim.lrr"),
     (["--max_steps", "many"], "config key max_steps"),
-    (["--orchestrator.max_off_policy_steps", "0", "--max_async_level", "2"], "must be >= max_async_level"),
-    (["--orchestrator.max_in_flight_groups", "2"], "orchestrator.max_in_flight_groups"),
+    (["--orchestrator.scheduling.max_off_policy_steps", "0", "--max_async_level", "2"], "must be >= max_async_level"),
+    (["--orchestrator.scheduling.max_in_flight_groups", "2"], "orchestrator.scheduling.max_in_flight_groups"),
     (["--orchestrator.environment", "m:E", "--orchestrator.reward", "m:r"],
      "orchestrator.reward is unused when orchestrator.environment is set"),
     (["--orchestrator.reward", ""], "nothing would score the rollouts"),
@@ -60,25 +60,30 @@ def test_bad_values_raise_one_line_naming_the_key(write_toml, args, message):
     assert "\n" not in str(err.value)
 
 
-# A value each moved key accepts, to load it at its new place.
+# A value each moved key accepts, to load it at its new place (3 where that will do).
 MOVED_VALUES = {"server_urls": ["http://h:1"], "discover_servers": False, "teacher_url": "http://h:1",
-                "tool_parser": "m:Parser"}
+                "tool_parser": "m:Parser", "chat": "off", "chat_template": "t.jinja", "chat_template_kwargs": {},
+                "system_prompt": "s", "top_p": 0.5, "min_p": 0.5, "stop": ["x"], "record_kept_sets": True,
+                "normalize_advantages": True, "filter_zero_variance": True, "in_flight_updates": False,
+                "max_in_flight_groups": 20}
 
 
 @pytest.mark.parametrize("old, new", MOVED.items())
 def test_a_key_moved_into_an_orchestrator_table_is_refused_naming_its_new_place(write_toml, old, new):
-    """A config written before [orchestrator.servers/teacher/tools/overlong] existed: one line
+    """A config written before [orchestrator]'s tables existed (servers, teacher, tools, overlong;
+    then prompts, sampling, scheduling, timeouts, checkpoints, issue 53): one line
     saying where the key lives now, in the TOML file and as a flag; the new place loads."""
-    value = MOVED_VALUES.get(old, 3)
+    value = MOVED_VALUES.get(old.rpartition(".")[2], 3)
     text = f'model = "m"\n[orchestrator]\n{old} = {json.dumps(value)}\n'
     for argv in (["@", str(write_toml(text))], ["@", str(write_toml('model = "m"\n', "bare.toml")), f"--orchestrator.{old}", json.dumps(value)]):
         with pytest.raises(ConfigError) as err:
             load_config(argv)
-        table, _, key = new.partition(".")
+        table, _, key = new.rpartition(".")
         assert str(err.value) == (f"orchestrator.{old} is now orchestrator.{new}: write it as `{key} = ...` under "
                                   f"[orchestrator.{table}] (or --orchestrator.{new})")
     cfg, _ = load_config(["@", str(write_toml(f'model = "m"\n[orchestrator]\n{new} = {json.dumps(value)}\n'))])
-    assert getattr(getattr(cfg.orchestrator, table), key) == value
+    loaded = getattr(getattr(cfg.orchestrator, table), key)
+    assert (str(loaded) if key == "chat_template" else loaded) == value
 
 
 def test_overlong_as_a_string_is_refused_naming_its_table(write_toml):
@@ -107,7 +112,7 @@ def test_cli_errors_exit_2_with_one_line(write_toml, text, args, message):
 
 def test_dry_run_prints_resolved_config_with_docs(write_toml, tmp_path):
     cfg = write_toml(f'model = "{TINY_MODEL}"\noutput_dir = "{tmp_path / "run"}"\n')
-    result = run_rl("orchestrator", "@", str(cfg), "--orchestrator.group_size", "5", "--dry-run")
+    result = run_rl("orchestrator", "@", str(cfg), "--orchestrator.scheduling.group_size", "5", "--dry-run")
     assert result.returncode == 0, result.stderr
     assert not (tmp_path / "run").exists()  # checked, not created
     assert "group_size = 5" in result.stdout
@@ -161,8 +166,8 @@ def test_a_saved_config_with_datasets_and_template_options_loads_as_the_same_con
     from rl.cli.config_doc import render_toml
 
     cfg, _ = load_config(["@", str(write_toml('model = "m"\n')),
-                          "--orchestrator.chat_template_kwargs", '{enable_thinking = false, "odd key" = "a\\"b"}',
-                          "--orchestrator.stop", '["</s>", "\\n\\n"]',
+                          "--orchestrator.prompts.chat_template_kwargs", '{enable_thinking = false, "odd key" = "a\\"b"}',
+                          "--orchestrator.sampling.stop", '["</s>", "\\n\\n"]',
                           "--orchestrator.datasets", '[{reasoning_gym = "spell_backward", task_config = {max_word_len = 7},'
                                                      ' reward_weights = {correct = 1.0}}, {path = "d.jsonl", reward = "math_verify"}]',
                           "--orchestrator.eval.datasets", '[{reasoning_gym = "spell_backward", seed = 10000}]'])
@@ -175,7 +180,7 @@ def test_a_saved_config_with_datasets_and_template_options_loads_as_the_same_con
 def test_program_help_lists_its_config_keys_with_their_docs():
     """`rl trainer --help` goes on after the usage with every key the trainer reads, each with its
     docstring (wrapped); another program's table stays out."""
-    from rl.config import LoRAConfig, OptimConfig, OrchestratorConfig, RunConfig
+    from rl.config import LoRAConfig, OptimConfig, RunConfig
 
     result = run_rl("trainer", "--help")
     assert result.returncode == 0, result.stderr
@@ -186,10 +191,11 @@ def test_program_help_lists_its_config_keys_with_their_docs():
                      ("--trainer.lora.rank", LoRAConfig.model_fields["rank"].description),
                      ("--seq_len", RunConfig.model_fields["seq_len"].description)):
         assert f"{key} " in out and " ".join(doc.split()) in words, key
-    assert "--orchestrator.prompts_per_step" not in out and "[inference]" not in out
+    assert "--orchestrator.scheduling.prompts_per_step" not in out and "[inference]" not in out
     # The orchestrator's help has its own keys, and of the trainer's only the LoRA ones it reads.
     out = run_rl("orchestrator", "--help").stdout
-    assert " ".join(OrchestratorConfig.model_fields["group_size"].description.split()) in " ".join(out.split())
+    assert " ".join(SchedulingConfig.model_fields["group_size"].description.split()) in " ".join(out.split())
+    assert "--orchestrator.scheduling.group_size " in out
     assert "--trainer.lora.rank" in out and "--trainer.optim.lr" not in out
 
 

@@ -129,8 +129,8 @@ def test_a_run_records_pass_rates_skips_rows_and_checkpoints_the_record(write_to
     cfg = write_toml(
         f'model = "{ROOT / "models" / "tiny-chat"}"\noutput_dir = "{run.root}"\nmax_steps = 16\nseq_len = 64\n'
         f'max_async_level = 1\n[inference]\nport = {free_port()}\ndtype = "float32"\n'
-        "[orchestrator]\nprompts_per_step = 4\ngroup_size = 8\nmax_tokens = 10\ntemperature = 0.7\n"
-        "filter_zero_variance = true\n[orchestrator.curriculum]\nenabled = true\nhard_after = 1\n"
+        "[orchestrator.scheduling]\nprompts_per_step = 4\ngroup_size = 8\nfilter_zero_variance = true\n"
+        "[orchestrator.sampling]\nmax_tokens = 10\ntemperature = 0.7\n[orchestrator.curriculum]\nenabled = true\nhard_after = 1\n"
         '[[orchestrator.datasets]]\nreasoning_gym = "spell_backward"\nsize = 32\n'
         "task_config = { min_word_len = 3, max_word_len = 7 }\nreward_weights = { score = 0.0, correct = 1.0 }\n"
         "[trainer]\ntorch_threads = 1\n[trainer.optim]\nlr = 1e-4\n")  # the demo's: 3e-4 wrecks this model

@@ -31,6 +31,7 @@ from rl.config import ConfigError, RunConfig
 from orchestrator.prompts.tables import load_table
 from test_rollouts import with_server
 from rl.inference_api import connector
+from orchestrator_tables import grouped
 
 
 def write_jsonl(path, rows, extra_lines=()):
@@ -40,7 +41,7 @@ def write_jsonl(path, rows, extra_lines=()):
 
 def run_config(datasets, **orchestrator) -> RunConfig:
     return RunConfig.model_validate({"model": str(TINY_MODEL), "seq_len": 64,
-                                     "orchestrator": {"datasets": datasets, **orchestrator}})
+                                     "orchestrator": {"datasets": datasets, **grouped(orchestrator)}})
 
 
 def sources(cfg: RunConfig) -> list[Source]:

@@ -1,7 +1,7 @@
 """A failing episode costs that episode, not its group (issue 52, item 6): an agent that raises
 (before asking, after its answers, or giving up while the model still generates its request), a
 text environment whose step raises, a reward that raises. The group trains on the episodes that
-finished, advantages over those, when at least orchestrator.min_group_episodes did; fewer fail
+finished, advantages over those, when at least orchestrator.scheduling.min_group_episodes did; fewer fail
 the group as before. Each batch's record says how many episodes failed and how many groups
 were kept short."""
 
@@ -59,7 +59,7 @@ class FlakyAgent(CalculatorAgent):
 
 def agent_group(mode: str, doomed: int, **orchestrator):
     """(the rollouts, one group of group_size episodes of which `doomed` fail, on a scripted model)."""
-    keys = [x for k, v in orchestrator.items() for x in (f"--orchestrator.{k}", str(v))]
+    keys = [x for k, v in orchestrator.items() for x in (f"--orchestrator.scheduling.{k}", str(v))]
     cfg, _ = load_config(["@", str(ROOT / "configs" / "tools_demo.toml"), "--orchestrator.environment",
                           "tasks.calculator_agent:CalculatorAgent", *keys])
     agent = FlakyAgent(mode, doomed)
@@ -89,7 +89,7 @@ def test_an_agent_failing_one_episode_keeps_its_group_with_the_rest(mode):
     rewards = [float(r) for r in range(1, 8)]
     assert sorted(group.rewards) == rewards
     # Advantages over the seven that finished, not over eight with a hole.
-    by_reward = dict(zip(rewards, group_advantages(rewards, rollouts.settings.normalize_advantages)))
+    by_reward = dict(zip(rewards, group_advantages(rewards, rollouts.settings.scheduling.normalize_advantages)))
     for s in group.samples:
         trained = [a for a, m in zip(s.advantages, s.loss_mask) if m]
         assert trained and all(a == pytest.approx(by_reward[s.reward]) for a in trained)
@@ -146,7 +146,7 @@ def test_the_batch_record_counts_failed_episodes_and_short_groups(tmp_path):
     """Rewards raise on 30% of rollouts (tests/fake_inference.py flaky_reward): each batch's
     groups are short by exactly the episodes its record says failed."""
     o = asyncio.run(run_scenario(tmp_path / "a", [FakeServer(lambda: 0.0005)], max_steps=3, orchestrator={
-        "reward": "fake_inference:flaky_reward", "group_size": 4}))
+        "reward": "fake_inference:flaky_reward", "scheduling": {"group_size": 4}}))
     records = {r["step"]: r for r in o.metrics if r["program"] == "orchestrator"}
     for step, batch in o.batches.items():
         r = records[step]

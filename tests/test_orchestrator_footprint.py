@@ -32,7 +32,8 @@ async def run_orchestrator(tmp_path) -> tuple[int, str]:
     cfg.write_text(f'model = "{TINY_MODEL}"\noutput_dir = "{tmp_path / "run"}"\nseq_len = 64\nmax_steps = {STEPS}\n'
                    f'[orchestrator]\nservers.urls = ["http://127.0.0.1:{port}"]\n'
                    'dataset = "fake_inference:dataset"\nreward = "fake_inference:reward"\n'
-                   'prompts_per_step = 4\ngroup_size = 2\nmax_tokens = 6\npoll_interval_s = 0.01\n')
+                   '[orchestrator.scheduling]\nprompts_per_step = 4\ngroup_size = 2\npoll_interval_s = 0.01\n'
+                   '[orchestrator.sampling]\nmax_tokens = 6\n')
     trainer = asyncio.create_task(fake_trainer(RunDir(tmp_path / "run"), STEPS, lambda: 0.0))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
     try:

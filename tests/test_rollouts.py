@@ -23,6 +23,7 @@ from tasks.guess_letter import Game, GuessLetter
 from orchestrator.prompts.tokenizer import load_tokenizer
 from rl.config import RunConfig
 from rl.inference_api import InferenceClient, connector
+from orchestrator_tables import grouped
 
 TOKENIZER = load_tokenizer(str(TINY_MODEL))
 
@@ -33,7 +34,7 @@ def unscored_sources(cfg: RunConfig) -> dict[str, Source]:
     return {d.name: Source(d, cfg.seed) for d in cfg.orchestrator.resolved_datasets()}
 
 def config(**orchestrator) -> RunConfig:
-    return RunConfig.model_validate({"model": str(TINY_MODEL), "seq_len": 64, "orchestrator": orchestrator})
+    return RunConfig.model_validate({"model": str(TINY_MODEL), "seq_len": 64, "orchestrator": grouped(orchestrator)})
 
 
 async def with_server(server: FakeServer, body):

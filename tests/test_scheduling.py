@@ -78,14 +78,14 @@ async def fake_trainer(run: RunDir, steps: int, step_latency, first: int = 1) ->
 
 
 def make_config(root: Path, ports: list[int], **overrides) -> RunConfig:
-    extra = dict(overrides.pop("orchestrator", {}))
-    servers = {"urls": [f"http://127.0.0.1:{p}" for p in ports], "request_timeout_s": 30, **extra.pop("servers", {})}
     orchestrator = {
-        "servers": servers, "dataset": "fake_inference:dataset", "reward": "fake_inference:reward",
-        "prompts_per_step": 4, "group_size": 2, "max_in_flight_groups": 10, "max_tokens": 6,
-        "poll_interval_s": 0.005, "trainer_timeout_s": 30,
-        **extra,
+        "servers": {"urls": [f"http://127.0.0.1:{p}" for p in ports]},
+        "dataset": "fake_inference:dataset", "reward": "fake_inference:reward",
+        "scheduling": {"prompts_per_step": 4, "group_size": 2, "max_in_flight_groups": 10, "poll_interval_s": 0.005},
+        "sampling": {"max_tokens": 6}, "timeouts": {"request_s": 30, "trainer_s": 30},
     }
+    for key, value in overrides.pop("orchestrator", {}).items():  # a table's keys join its defaults
+        orchestrator[key] = {**orchestrator[key], **value} if isinstance(value, dict) and key in orchestrator else value
     return RunConfig.model_validate({"model": str(TINY_MODEL), "output_dir": str(root), "seq_len": 64,
                                      "max_steps": 6, **overrides, "orchestrator": orchestrator})
 
@@ -152,7 +152,7 @@ def check_rules(o: Outcome, every_prompt_batched_or_pending: bool = True) -> Non
         sampled = batch.token_versions[batch.loss_mask == 1]
         assert sampled.min() >= n - 1 - m, f"batch {n} holds a token of version {sampled.min()} (m={m})"
         assert sampled.max() <= n - 1, f"batch {n} holds a token newer than version {n - 1}"
-        assert batch.num_samples == o.cfg.orchestrator.prompts_per_step * o.cfg.orchestrator.group_size
+        assert batch.num_samples == o.cfg.orchestrator.scheduling.prompts_per_step * o.cfg.orchestrator.scheduling.group_size
     if not o.cfg.orchestrator.eval.datasets:  # none configured: none run, none fail
         assert not [r for r in o.metrics if r.get("program") == "eval"]
         assert not [w for w in o.warnings if "evaluation" in w], o.warnings
@@ -197,7 +197,7 @@ def test_async_rules_hold_for_any_latency(k, extra, kind, scale, train_s, update
     with tempfile.TemporaryDirectory() as tmp:
         outcome = asyncio.run(run_scenario(
             Path(tmp), servers, step_latency=lambda: rng.uniform(0, train_s), max_async_level=k,
-            orchestrator={"max_off_policy_steps": k + extra, "in_flight_updates": in_flight_updates}))
+            orchestrator={"scheduling": {"max_off_policy_steps": k + extra, "in_flight_updates": in_flight_updates}}))
         check_rules(outcome)
 
 
@@ -209,7 +209,7 @@ def test_hopeless_groups_are_aborted_on_the_server_and_their_prompts_requeued(tm
     rng = random.Random(1)
     server = FakeServer(lambda: 0.2 if rng.random() < 0.2 else 0.001)
     outcome = asyncio.run(run_scenario(tmp_path, [server], step_latency=lambda: 0.02, max_async_level=1,
-                                       max_steps=8, orchestrator={"max_tokens": 8, "in_flight_updates": True}))
+                                       max_steps=8, orchestrator={"sampling": {"max_tokens": 8}, "scheduling": {"in_flight_updates": True}}))
     check_rules(outcome)
     cancelled = sum(r.get("cancelled", 0) for r in outcome.metrics)
     assert cancelled > 0
@@ -227,7 +227,7 @@ def test_in_flight_updates_give_per_token_versions(tmp_path):
         rng = random.Random(2)
         server = FakeServer(lambda: 0.02 if rng.random() < 0.3 else 0.001)
         return asyncio.run(run_scenario(root, [server], max_async_level=2,
-                                        orchestrator={"max_tokens": 8, "in_flight_updates": in_flight}))
+                                        orchestrator={"sampling": {"max_tokens": 8}, "scheduling": {"in_flight_updates": in_flight}}))
 
     def mixed(o: Outcome) -> int:
         count = 0
@@ -289,7 +289,7 @@ def test_resume_continues_the_batch_numbers_and_reissues_pending_prompts(tmp_pat
 def test_zero_variance_groups_are_filtered_and_counted(tmp_path):
     server = FakeServer(lambda: 0.0005)
     o = asyncio.run(run_scenario(tmp_path, [server], max_steps=3, orchestrator={
-        "reward": "fake_inference:coin_reward", "filter_zero_variance": True, "group_size": 2}))
+        "reward": "fake_inference:coin_reward", "scheduling": {"filter_zero_variance": True, "group_size": 2}}))
     check_rules(o, every_prompt_batched_or_pending=False)
     records = [r for r in o.metrics if r["program"] == "orchestrator"]
     assert sum(r["filtered"] for r in records) > 0
@@ -329,7 +329,7 @@ def test_a_raising_reward_fails_only_that_rollout(tmp_path):
     groups go on with the rest (a group needs two scored rollouts), and the run completes."""
     server = FakeServer(lambda: 0.0005)
     o = asyncio.run(run_scenario(tmp_path, [server], max_steps=3, orchestrator={
-        "reward": "fake_inference:flaky_reward", "group_size": 4}))
+        "reward": "fake_inference:flaky_reward", "scheduling": {"group_size": 4}}))
     assert sorted(o.batches) == [1, 2, 3]
     assert sum(r["failed"] for r in o.metrics if r["program"] == "orchestrator") > 0
     sizes = [b.num_samples for b in o.batches.values()]
@@ -396,14 +396,14 @@ def test_orchestrator_keeps_many_servers_busy(tmp_path):
             ok = may_start()
             if not ok and warmed_up():
                 queued = len(orch.in_flight) + len(orch.finished)
-                if queued >= o.max_in_flight_groups:
+                if queued >= o.scheduling.max_in_flight_groups:
                     decisions["at capacity"] += 1
                 elif not taking():
                     decisions["updating"] += 1
                 else:
-                    target = orch.next_step + queued // o.prompts_per_step
+                    target = orch.next_step + queued // o.scheduling.prompts_per_step
                     assert not is_fresh(pool.pick().version, target, m), (
-                        f"no group started with {queued} of {o.max_in_flight_groups} queued, "
+                        f"no group started with {queued} of {o.scheduling.max_in_flight_groups} queued, "
                         f"groups per server {[s.groups for s in taking()]}")
                     decisions["weights too old"] += 1
             return ok
@@ -417,8 +417,8 @@ def test_orchestrator_keeps_many_servers_busy(tmp_path):
         pool.assign, orch.may_start_group, pool.take_idle_s = checked_assign, checked_may_start, recorded_take_idle_s
 
     o = asyncio.run(run_scenario(tmp_path, servers, max_steps=30, max_async_level=4, on_start=on_start,
-                                 orchestrator={"max_in_flight_groups": 32, "prompts_per_step": 8,
-                                               "in_flight_updates": True}))
+                                 orchestrator={"scheduling": {"max_in_flight_groups": 32, "prompts_per_step": 8,
+                                                              "in_flight_updates": True}}))
     check_rules(o)
     # The checks ran: batches 3 to 30 took 28 x 8 groups, all started within the checked span but
     # those queued when it began (at most max_in_flight_groups).
@@ -446,7 +446,7 @@ def test_a_server_that_never_answers_ends_in_a_clear_timeout(tmp_path):
     # The orchestrator's own give-up, naming its trainer_timeout_s, not run_scenario's cap.
     with pytest.raises(TimeoutError, match="gave up after 3 s waiting for 4 groups for batch 1"):
         asyncio.run(run_scenario(tmp_path, [stuck], max_steps=2, timeout_s=60,
-                                 orchestrator={"servers": {"request_timeout_s": 0.5}, "trainer_timeout_s": 3}))
+                                 orchestrator={"timeouts": {"request_s": 0.5, "trainer_s": 3}}))
     assert len(stuck.requests) >= 2  # retried after the backoff
 
 

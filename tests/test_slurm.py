@@ -327,8 +327,8 @@ def test_real_job_on_a_fake_cluster_trains(cluster, write_toml, tmp_path):
         f'model = "{TINY_MODEL}"\noutput_dir = "{run}"\nmax_steps = 2\nseq_len = 64\n'
         f'[inference]\nport = {port}\ndtype = "float32"\ncpus = [0]\n'
         f'[transport]\nkind = "zmq"\naddress = "tcp://127.0.0.1:{zmq}"\n'
-        "[orchestrator]\ncpus = [0]\nprompts_per_step = 4\ngroup_size = 4\nmax_tokens = 12\n"
-        "max_in_flight_groups = 8\n"
+        "[orchestrator]\ncpus = [0]\n[orchestrator.scheduling]\nprompts_per_step = 4\ngroup_size = 4\n"
+        "max_in_flight_groups = 8\n[orchestrator.sampling]\nmax_tokens = 12\n"
         "[trainer]\ncpus = [1]\ntorch_threads = 1\n"
         "[slurm]\ninference_nodes = 1\ntrainer_nodes = 1\ngpus_per_node = 0\n"
         f'rendezvous_port = {rdzv}\nsetup = ["touch setup-ran"]\n')

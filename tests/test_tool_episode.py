@@ -21,6 +21,7 @@ from orchestrator.prompts.chat import ChatTemplate
 from rl.config import ConfigError, RunConfig
 from rl.inference_api import GeneratedSample, GenerateRequest, GenerateResponse
 from orchestrator.preflight import orchestrator_code
+from orchestrator_tables import grouped
 
 CHAT_MODEL = ROOT / "models" / "tiny-chat"
 TOKENIZER = Tokenizer.from_file(str(CHAT_MODEL / "tokenizer.json"))
@@ -69,8 +70,8 @@ TOOL_TIMEOUT_S = 2
 
 def config(env: str = "test_tool_episode:Tools", seq_len: int = 4096, **orchestrator) -> RunConfig:
     return RunConfig.model_validate({"model": str(CHAT_MODEL), "seq_len": seq_len, "orchestrator": {
-        "environment": env, "group_size": 2, "max_turns": 4, "tools": {"timeout_s": TOOL_TIMEOUT_S},
-        "max_tokens": 200, **orchestrator}})
+        "environment": env, "max_turns": 4, **grouped({"group_size": 2, "tool_timeout_s": TOOL_TIMEOUT_S,
+                                                       "max_tokens": 200, **orchestrator})}})
 
 
 class ScriptedModel:

@@ -83,7 +83,7 @@ def waited(tmp_path_factory) -> dict:
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     orchestrator = tmp / "orchestrator.toml"
     orchestrator.write_text(f'model = "{TINY_MODEL}"\noutput_dir = "{tmp / "orchestrator"}"\nmax_steps = 2\n'
-                            f'seq_len = 64\n[orchestrator.servers]\nurls = ["{url}"]\nwait_timeout_s = 25\n')
+                            f'seq_len = 64\n[orchestrator.servers]\nurls = ["{url}"]\n[orchestrator.timeouts]\nserver_wait_s = 25\n')
     trainer = tmp / "trainer.toml"
     trainer.write_text(f'model = "{TINY_MODEL}"\noutput_dir = "{tmp / "trainer"}"\nmax_steps = 2\nseq_len = 64\n'
                        "heartbeat_timeout_s = 5\n[trainer]\nbatch_timeout_s = 40\ntorch_threads = 1\n")
@@ -97,7 +97,7 @@ def test_the_orchestrator_waiting_for_servers_says_so_and_gives_up_at_its_wait_t
     url, (lines, code) = waited["url"], waited["orchestrator"]
     text = "\n".join(line for _, line in lines)
     beat = rf"waiting for inference server\(s\) {re.escape(url)} to come up"
-    gave = rf"{re.escape(url)} not healthy after 25 s \(orchestrator.servers.wait_timeout_s\)"
+    gave = rf"{re.escape(url)} not healthy after 25 s \(orchestrator.timeouts.server_wait_s\)"
     # servers.py connect(): a beat once more than 10 s passed since the last (or the start), the
     # deadline checked first: beats at > 10 s and (a turn of the loop permitting) > 20 s, none
     # after 25 s.

@@ -27,9 +27,9 @@ def futile_spans(settings: OrchestratorConfig) -> dict[str, float]:
     """How long a streak of failed groups must last before it stops the run (orchestrator/reporting/streaks.py):
     as long as this run waits on a slow reward (each of a prompt's MAX_ATTEMPTS) or teacher before
     calling it down, so a reward endpoint or teacher restarting does not end the run."""
-    span = MAX_ATTEMPTS * settings.reward_timeout_s
+    span = MAX_ATTEMPTS * settings.timeouts.reward_s
     if settings.teacher.url:
-        span = max(span, settings.servers.request_timeout_s)
+        span = max(span, settings.timeouts.request_s)
     return {"failed": span}
 
 
@@ -38,7 +38,7 @@ class GroupOutcomes:
                  has_teacher: bool):
         self.kind, self.queue, self.streaks = kind, queue, streaks
         # Without a teacher a group whose rewards are all equal has no learning signal.
-        self.filter_equal = settings.filter_zero_variance and not has_teacher
+        self.filter_equal = settings.scheduling.filter_zero_variance and not has_teacher
         self.attempts: dict[int, int] = {}  # prompt index -> failed groups so far
         self.requeue_quiet = Quiet(log)  # a teacher that is down fails every group: not a line per group
         self.best_reward = float("-inf")  # the highest reward any group got: is a filtered one mastered?
@@ -64,18 +64,18 @@ class GroupOutcomes:
         who, rewards = self.kind.culprit(prompt), list(self.filtered_rewards)
         if rewards == [self.best_reward] and reward > 0:
             why = f"every group got reward {reward:g}, the highest seen in this run: the task looks mastered"
-            fix = "harder rows, or end the run here; or set orchestrator.filter_zero_variance = false"
+            fix = "harder rows, or end the run here; or set orchestrator.scheduling.filter_zero_variance = false"
         elif len(rewards) == 1:
             sampling = self.kind.sampling(prompt)
             why = (f"every group got the same low reward {reward:g} (the highest seen: {self.best_reward:g}): "
                    f"unlearnable at temperature {sampling.temperature:g}")
             fix = ("make the task learnable at the model's level (easier rows, partial credit, a higher "
-                   "temperature), or set orchestrator.filter_zero_variance = false")
+                   "temperature), or set orchestrator.scheduling.filter_zero_variance = false")
         else:
             seen = ", ".join(f"{r:g}" for r in rewards)
             why = f"each group got one reward for all its rollouts (last: {reward:g}; seen: {seen})"
-            fix = "set orchestrator.filter_zero_variance = false, or make rewards differ within a group"
-        self.streaks.hit("filtered", who, why, f"{fix} (or orchestrator.max_futile_streak = 0)")
+            fix = "set orchestrator.scheduling.filter_zero_variance = false, or make rewards differ within a group"
+        self.streaks.hit("filtered", who, why, f"{fix} (or orchestrator.scheduling.max_futile_streak = 0)")
 
     def skipped(self, prompt: Prompt, e: RowError) -> None:
         """A row that cannot be rendered (too long, a template error): skipped, not retried."""

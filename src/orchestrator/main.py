@@ -36,7 +36,7 @@ async def _main(cfg: RunConfig) -> None:
     # SIGTERM (the launcher's, or a user's kill) stops like Ctrl-C: through run()'s cleanup,
     # which aborts requests on the servers, unloads adapters and removes the heartbeat.
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
-    conns = connector(limit=cfg.orchestrator.max_in_flight_groups * cfg.orchestrator.group_size + 16)
+    conns = connector(limit=cfg.orchestrator.scheduling.max_in_flight_groups * cfg.orchestrator.scheduling.group_size + 16)
     async with aiohttp.ClientSession(connector=conns) as session:
         orchestrator = Orchestrator(cfg, session)
         tune_gc()

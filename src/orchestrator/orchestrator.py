@@ -90,13 +90,13 @@ class Orchestrator:
                                  admit=self.curriculum.admit if self.curriculum else None)
         self.in_flight: dict[str, InFlight] = {}
         self.finished: list[Group] = []
-        self.weights_poll = Backoff(self.settings.poll_interval_s, 5 * self.settings.poll_interval_s)
+        self.weights_poll = Backoff(self.settings.scheduling.poll_interval_s, 5 * self.settings.scheduling.poll_interval_s)
         self.changed = asyncio.Condition()  # a group finished, a batch left, a version serves
         self.counters = Counters()
         self.background: list[asyncio.Task] = []
         self.chores: set[asyncio.Task] = set()
         # What would make the run spin ends it.
-        self.streaks = Streaks(self.settings.max_futile_streak, futile_spans(self.settings))
+        self.streaks = Streaks(self.settings.scheduling.max_futile_streak, futile_spans(self.settings))
         self.outcomes = GroupOutcomes(self.settings, self.rollouts.kind, self.queue, self.streaks,
                                       has_teacher=self.rollouts.teacher is not None)
         self.reporting = Reporting(cfg, self.run_dir, self.pool, per_dataset=len(self.rollouts.kind.sources) > 1)
@@ -165,19 +165,19 @@ class Orchestrator:
             await asyncio.sleep(self.weights_poll.next())
             return
         async with self.changed:
-            await notified(self.changed, 10 * self.settings.poll_interval_s, self.weights_due)
+            await notified(self.changed, 10 * self.settings.scheduling.poll_interval_s, self.weights_due)
 
     # --- groups ----------------------------------------------------------------------------
 
     def may_start_group(self) -> bool:
         queued = len(self.in_flight) + len(self.finished)
         server = self.pool.pick()
-        if queued >= self.settings.max_in_flight_groups or server is None:
+        if queued >= self.settings.scheduling.max_in_flight_groups or server is None:
             return False
         # The batch this group would most likely land in: the ones queued ahead fill earlier
         # batches. If the server's version is already too old for it, the group would only be
         # thrown away: wait for newer weights instead.
-        target = self.next_step + queued // self.settings.prompts_per_step
+        target = self.next_step + queued // self.settings.scheduling.prompts_per_step
         return is_fresh(server.version, target, self.cfg.off_policy_steps)
 
     async def produce(self) -> None:
@@ -204,7 +204,7 @@ class Orchestrator:
             g.requests.add(request.request_id)
             self.pool.begin(g.server)
             try:
-                response = await g.server.client.generate(request, self.settings.servers.request_timeout_s)
+                response = await g.server.client.generate(request, self.settings.timeouts.request_s)
                 self.pool.succeeded(g.server)
                 return response
             except InferenceError:
@@ -237,7 +237,7 @@ class Orchestrator:
         """A finished group: batched, filtered, or (every rollout failed) retried or dropped."""
         self.counters.failed += group.failed
         if not group.samples:
-            self.outcomes.retry_or_drop(gid, g.prompt, f"{group.failed} of {self.settings.group_size} rollouts "
+            self.outcomes.retry_or_drop(gid, g.prompt, f"{group.failed} of {self.settings.scheduling.group_size} rollouts "
                                         f"failed, last: {group.error or 'no error recorded'}")
             return
         self.counters.sampled_rewards += group.rewards
@@ -260,7 +260,7 @@ class Orchestrator:
             self.counters.first_skip = self.counters.first_skip or str(e)
             self.outcomes.skipped(g.prompt, e)
         else:  # a teacher that is down, a tokenizer that chokes
-            self.counters.failed += self.settings.group_size
+            self.counters.failed += self.settings.scheduling.group_size
             self.outcomes.retry_or_drop(gid, g.prompt, f"{type(e).__name__}: {e}")
 
     def spawn(self, coro) -> None:
@@ -329,7 +329,7 @@ class Orchestrator:
 
     def batch_ready(self, step: int) -> bool:
         self.drop_stale(step)
-        return len(self.finished) >= self.settings.prompts_per_step
+        return len(self.finished) >= self.settings.scheduling.prompts_per_step
 
     async def make_batch(self, step: int) -> None:
         k = self.cfg.max_async_level
@@ -340,14 +340,14 @@ class Orchestrator:
         set_phase(f"making batch {step}")
         trainer_wait = await self.wait_until(
             versions_ok, f"version {min_serving_version(step, k)} to serve on every server "
-            f"(max_async_level={k}) before batch {step}", self.settings.trainer_timeout_s)
+            f"(max_async_level={k}) before batch {step}", self.settings.timeouts.trainer_s)
         group_wait = await self.wait_until(
-            lambda: self.batch_ready(step), f"{self.settings.prompts_per_step} groups for batch {step}",
-            self.settings.trainer_timeout_s)
+            lambda: self.batch_ready(step), f"{self.settings.scheduling.prompts_per_step} groups for batch {step}",
+            self.settings.timeouts.trainer_s)
         while True:
             # Both again, at once: a server may have left or rejoined rotation meanwhile.
             await self.wait_until(lambda: versions_ok() and self.batch_ready(step), f"batch {step}",
-                                  self.settings.trainer_timeout_s)
+                                  self.settings.timeouts.trainer_s)
             # Ask the servers themselves: one restarted since its last request serves version 0
             # while still counted with the version it had (one /health per server per batch).
             await self.pool.check()
@@ -355,8 +355,8 @@ class Orchestrator:
                 break
         # Oldest first: they are the closest to going stale.
         self.finished.sort(key=lambda g: g.oldest_version)
-        groups = self.finished[: self.settings.prompts_per_step]
-        self.finished = self.finished[self.settings.prompts_per_step:]
+        groups = self.finished[: self.settings.scheduling.prompts_per_step]
+        self.finished = self.finished[self.settings.scheduling.prompts_per_step:]
         # From here on new groups are meant for the next batch (the send below yields to them).
         self.next_step = step + 1
         samples = [s for g in groups for s in g.samples]
@@ -367,7 +367,7 @@ class Orchestrator:
         self.checkpoint(step, encoded)
         crash_point("orchestrator.checkpointed", step)
         set_phase(f"handing over batch {step}")
-        await self.sender.send(batch, self.settings.trainer_timeout_s, encoded)
+        await self.sender.send(batch, self.settings.timeouts.trainer_s, encoded)
         crash_point("orchestrator.handed_over", step)
         await self.cancel_hopeless()
         await self.notify()
@@ -382,7 +382,7 @@ class Orchestrator:
         drawn but not in a batch yet go out again after a resume."""
         pending = [*self.queue.requeued, *(g.prompt for g in self.in_flight.values()),
                    *(g.prompt for g in self.finished)]
-        save_checkpoint(self.run_dir, step, encoded, self.queue.cursor, pending, self.settings.keep_checkpoints,
+        save_checkpoint(self.run_dir, step, encoded, self.queue.cursor, pending, self.settings.checkpoints.keep,
                         self.curriculum.state() if self.curriculum else None)
 
     # --- the run ---------------------------------------------------------------------------
@@ -395,7 +395,7 @@ class Orchestrator:
             exclude = {self.settings.teacher.url.rstrip("/")} if self.settings.teacher.url else set()
             self.background.append(asyncio.create_task(
                 self.pool.discover(self.cfg.output_dir, exclude, self.cfg.heartbeat_timeout_s), name="discover"))
-        await self.pool.connect(self.settings.servers.wait_timeout_s, every=fixed)
+        await self.pool.connect(self.settings.timeouts.server_wait_s, every=fixed)
         await self.delivery.prepare()  # before any load (a broadcast group forms here)
         version, path = self.latest_weights()
         await self.delivery.load(version, path)
@@ -404,18 +404,18 @@ class Orchestrator:
         log.info("connected to %d server(s) (%s), serving version %d; first batch %d", len(self.pool.in_rotation),
                  ", ".join(s.url for s in self.pool.in_rotation), self.pool.serving_version, self.next_step)
         self.background.append(asyncio.create_task(
-            self.sender.redeliver(self.settings.trainer_timeout_s), name="redeliver"))
+            self.sender.redeliver(self.settings.timeouts.trainer_s), name="redeliver"))
         if self.reporting.tracker is not None:
             self.background.append(asyncio.create_task(self.reporting.track(), name="track"))
         self.background += [asyncio.create_task(self.follow_weights(), name="follow_weights"),
-                             asyncio.create_task(self.pool.heal(self.settings.servers.wait_timeout_s), name="heal"),
+                             asyncio.create_task(self.pool.heal(self.settings.timeouts.server_wait_s), name="heal"),
                              asyncio.create_task(self.produce(), name="produce")]
 
     async def run(self) -> None:
         try:
             await self.start()
             if self.unsent is not None:  # checkpointed, maybe never delivered: the same bytes again
-                await self.sender.send(self.unsent, self.settings.trainer_timeout_s)
+                await self.sender.send(self.unsent, self.settings.timeouts.trainer_s)
                 self.unsent = None
             if self.next_step > 1:
                 self.evaluations.no_baseline()
@@ -429,7 +429,7 @@ class Orchestrator:
             # Serve the final policy before stopping, so the run ends with it loaded.
             final = self.cfg.max_steps
             await self.wait_until(lambda: self.pool.serving_version >= final,
-                                  f"final version {final} to serve", self.settings.trainer_timeout_s)
+                                  f"final version {final} to serve", self.settings.timeouts.trainer_s)
             await self.evaluations.finish(final)
             log.info("done: %d batches; version %d serving", final, self.pool.serving_version)
             if self.reporting.tracker is not None:

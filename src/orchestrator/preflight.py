@@ -71,19 +71,19 @@ def orchestrator_code(cfg: RunConfig) -> None:
 
 
 def kept_sets_fit(cfg: RunConfig) -> None:
-    """orchestrator.record_kept_sets: each truncated sampling's kept sets fit in the logprobs the
+    """orchestrator.sampling.record_kept_sets: each truncated sampling's kept sets fit in the logprobs the
     server reports per token (inference.max_logprobs), or the server would refuse every request."""
     o = cfg.orchestrator
-    if not o.record_kept_sets:
+    if not o.sampling.record_kept_sets:
         return
     config = model_config(cfg)
     vocab = int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size") or 0)
-    samplings = ([("orchestrator", o)] if o.environment else
+    samplings = ([("orchestrator", o.sampling)] if o.environment else
                  [(f"dataset {ds.name}" if o.datasets else "orchestrator", ds.sampling) for ds in o.resolved_datasets()])
     for where, s in samplings:
         truncated = s.top_k > 0 or s.top_p < 1 or s.min_p > 0
         if truncated and vocab and (need := kept_set_bound(s.top_k, vocab)) > cfg.inference.max_logprobs:
-            raise ConfigError(f"orchestrator.record_kept_sets: {where} samples with top_k {s.top_k} over a vocabulary "
+            raise ConfigError(f"orchestrator.sampling.record_kept_sets: {where} samples with top_k {s.top_k} over a vocabulary "
                               f"of {vocab}, so a kept set may hold {need} tokens, more than inference.max_logprobs "
                               f"{cfg.inference.max_logprobs}: set top_k below it, or raise inference.max_logprobs")
 
@@ -190,7 +190,7 @@ def _datasets_data(cfg: RunConfig, datasets: list[tuple[Dataset, bool, str]]) ->
         row, where = rows[0]
         if template is None and isinstance(row, dict) and row.get(ds.spec.messages_key) is not None:
             raise ConfigError(f"dataset {ds.name}: {where} holds chat messages but {cfg.model} has no chat "
-                              "template (set orchestrator.chat_template)")
+                              "template (set orchestrator.prompts.chat_template)")
         try:
             longest = measure(cfg, ds, rows, template, tokenizer)
         except jinja2.TemplateError as e:

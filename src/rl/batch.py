@@ -19,7 +19,7 @@ truncation replayed on the trainer's logits, checked against the sampler's own s
 tests/test_sampling_mask.py), so the sampling mask costs no bytes beyond these 16 per sample.
 top_k -1 (or 0, as vLLM accepts too) is off.
 
-Replayed kept sets (orchestrator.record_kept_sets): `kept_counts` per token (how many ids the
+Replayed kept sets (orchestrator.sampling.record_kept_sets): `kept_counts` per token (how many ids the
 sampler kept when it drew that token, 0 where none was recorded: prompt and environment tokens,
 or a set too large to record) and `kept_ids`, those ids back to back (sum(kept_counts) of them).
 

@@ -99,7 +99,7 @@ class DatasetConfig(Section):
     """Field holding the reference answer, which rewards read as row["answer"]."""
 
     system_prompt: str | None = None
-    """System message put before each prompt that has none. Unset: orchestrator.system_prompt."""
+    """System message put before each prompt that has none. Unset: orchestrator.prompts.system_prompt."""
 
     shuffle: bool = True
     """Shuffle rows with the run's seed, again for every pass (function datasets: never)."""
@@ -118,22 +118,22 @@ class DatasetConfig(Section):
     component's mean is logged."""
 
     temperature: float | None = Field(None, gt=0)
-    """This dataset's sampling temperature; unset: orchestrator.temperature."""
+    """This dataset's sampling temperature; unset: orchestrator.sampling.temperature."""
 
     top_p: float | None = Field(None, gt=0, le=1)
-    """This dataset's nucleus sampling; unset: orchestrator.top_p."""
+    """This dataset's nucleus sampling; unset: orchestrator.sampling.top_p."""
 
     top_k: int | None = Field(None, ge=-1)
-    """This dataset's top-k (-1: off); unset: orchestrator.top_k."""
+    """This dataset's top-k (-1: off); unset: orchestrator.sampling.top_k."""
 
     min_p: float | None = Field(None, ge=0, le=1)
-    """This dataset's min-p; unset: orchestrator.min_p."""
+    """This dataset's min-p; unset: orchestrator.sampling.min_p."""
 
     max_tokens: int | None = Field(None, ge=1)
-    """This dataset's longest completion, tokens; unset: orchestrator.max_tokens."""
+    """This dataset's longest completion, tokens; unset: orchestrator.sampling.max_tokens."""
 
     stop: list[str] | None = None
-    """This dataset's stop strings; unset: orchestrator.stop."""
+    """This dataset's stop strings; unset: orchestrator.sampling.stop."""
 
     @field_validator("function")
     @classmethod

@@ -1,10 +1,13 @@
-"""`[orchestrator]`: what to sample, how to score it, how to schedule it, and where the servers
-are. The keys about one concern that read better together are tables of their own:
-`[orchestrator.servers]`, `[orchestrator.teacher]`, `[orchestrator.tools]`,
-`[orchestrator.overlong]`, beside `[[orchestrator.datasets]]` and `[orchestrator.eval]`
-(rl/dataset_config.py). The sampling keys stay at the top: each dataset may set the same keys
-(rl/dataset_config.py), and one name per key in both places reads better than a table here and
-flat keys there.
+"""`[orchestrator]`: what to roll out, how to score it, how to schedule it, and where the servers
+are, in tables that mirror the orchestrator's stations (docs/architecture.md): `[orchestrator.prompts]`
+(chat template, system prompt), `[orchestrator.sampling]`, `[orchestrator.scheduling]` (batch
+composition, in-flight bounds, no-spin stops), `[orchestrator.timeouts]` (every bound the
+orchestrator waits under), `[orchestrator.checkpoints]`, `[orchestrator.servers]`,
+`[orchestrator.teacher]`, `[orchestrator.tools]`, `[orchestrator.sandbox]`, `[orchestrator.overlong]`,
+`[orchestrator.curriculum]`, beside `[[orchestrator.datasets]]` and `[orchestrator.eval]`
+(rl/dataset_config.py). What is rolled out stays at the top (dataset + reward, or datasets, or
+environment + environment_args + max_turns), with cpus. A dataset may set the sampling keys, flat,
+for its own rows.
 
 A config written before the tables existed is refused with one line that names the new place
 of the key (`moved_key`), not with a bare "unknown key".
@@ -35,15 +38,6 @@ class ServersConfig(Section):
     heartbeat falls silent. Not with weight_sync.kind = "broadcast" (its group is fixed at
     start)."""
 
-    request_timeout_s: float = Field(300, gt=0)
-    """Longest a single generation request may take before it is failed and its prompt requeued."""
-
-    wait_timeout_s: float = Field(600, gt=0)
-    """Longest to wait at start-up for a first server to become healthy (with weight_sync
-    broadcast: for every listed server) before giving up; and, mid-run, longest with no server in
-    rotation before the run stops (one line naming each server and its error, exit 1). Raise it if
-    your servers take longer than this to restart."""
-
     retry_max_s: float = Field(30, gt=0)
     """A server that fails is taken out of rotation and health-checked with exponential backoff
     (1 s, 2 s, ...) up to this interval."""
@@ -64,9 +58,6 @@ class ToolsConfig(Section):
     """How a tool environment's calls are read from the model's text: "hermes" (<tool_call>{json}
     </tool_call>, as Qwen and Hermes models write them) or `module:Class` of your own parser
     (orchestrator/rollout/tool_parsers.py)."""
-
-    timeout_s: float = Field(10, gt=0)
-    """Longest one tool call may take; past it the model is told the call timed out."""
 
     @field_validator("parser")
     @classmethod
@@ -144,26 +135,184 @@ class CurriculumConfig(Section):
         return self
 
 
-# Keys that became table keys: the old name and where it lives now (moved_key).
+class PromptsConfig(Section):
+    """How a row becomes a prompt (the prompts station, orchestrator/prompts/)."""
+
+    chat: Literal["auto", "on", "off"] = "auto"
+    """Render prompts with the tokenizer's chat template (generation prompt added): "on", "off"
+    (raw completion: the prompt text as is, for base models), or "auto": on when the model has a
+    template (or chat_template is set)."""
+
+    chat_template: Path | None = None
+    """A Jinja chat template file used instead of the tokenizer's."""
+
+    chat_template_kwargs: dict[str, Any] = {}
+    """Extra variables for the template, e.g. {enable_thinking = false} for Qwen3."""
+
+    system_prompt: str = ""
+    """System message put before every chat prompt that has none (a dataset may set its own)."""
+
+
+class SamplingConfig(Section):
+    """How the servers sample (each `[[orchestrator.datasets]]` entry may set the same keys, flat,
+    for its own rows: one name per key in both places)."""
+
+    max_tokens: int = Field(16, ge=1)
+    """Longest completion (per model turn), tokens."""
+
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature; the trainer scales its logits by the same value."""
+
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling: the smallest set of tokens holding this much probability (1: off);
+    recorded with each sample (the trainer renormalises over the kept set: trainer.sampling_mask)."""
+
+    top_k: int = Field(-1, ge=-1)
+    """Sample among the k most likely tokens only (-1: off); recorded with each sample."""
+
+    min_p: float = Field(0.0, ge=0, le=1)
+    """Drop tokens less likely than min_p times the most likely one (0: off); recorded with each
+    sample."""
+
+    stop: list[str] = []
+    """Strings that end a completion (besides eos and the chat template's end-of-turn tokens)."""
+
+    record_kept_sets: bool = False
+    """Record each sampled token's kept set as the engine had it (the ids min_p, top_k and top_p
+    left, read off its processed logprobs: inference/kept_sets.py) in the batch: the trainer then
+    renormalises over exactly the sampler's set, not one rebuilt from its own, possibly newer,
+    logits (trainer/sampling_mask.py). Needs top_k below inference.max_logprobs, or a vocabulary
+    within it; costs that many logprobs per token on the server."""
+
+
+class SchedulingConfig(Section):
+    """What goes into a batch and how far generation runs ahead (orchestrator/orchestrator.py; the
+    bound itself is the run's max_async_level)."""
+
+    prompts_per_step: int = Field(16, ge=1)
+    """Groups (prompts) in each batch."""
+
+    group_size: int = Field(8, ge=2)
+    """Completions per prompt; advantages are relative to the group's mean reward."""
+
+    min_group_episodes: int = Field(2, ge=2)
+    """A group trains on the rollouts (episodes) that finished when at least this many of its
+    group_size did, advantages computed over those: a reward, an environment's step or an agent
+    that raises costs its own rollout. Fewer: the group fails (retried, then dropped)."""
+
+    @field_validator("min_group_episodes")
+    @classmethod
+    def _at_most_group_size(cls, n: int, info) -> int:
+        size = info.data.get("group_size", n)
+        if n > size:
+            raise ValueError(f"{n} is more than group_size ({size}): every group would fail")
+        return n
+
+    normalize_advantages: bool = False
+    """Divide group-relative advantages by the group's reward std (GRPO) instead of only
+    centring them (Dr. GRPO)."""
+
+    filter_zero_variance: bool = False
+    """Drop groups whose rewards are all equal (no learning signal without a teacher); counted
+    as `filtered` in the metrics."""
+
+    max_in_flight_groups: int = Field(32, ge=1)
+    """Most groups generating or waiting to be batched at once. Above prompts_per_step it
+    oversamples: a batch takes the first groups to finish, so one long rollout never holds a batch
+    back, and the rest carry over to the next batch while they are fresh enough."""
+
+    max_off_policy_steps: int | None = Field(None, ge=0)
+    """m: batch n holds no token sampled by a version older than n-1-m. A group that can no longer
+    meet that is cancelled (aborted on its server, prompt requeued). Unset: max_async_level."""
+
+    in_flight_updates: bool = True
+    """Load new weights between two decode steps of running requests (samples then mix versions,
+    recorded per token and corrected for by the trainer's importance ratio). False: vLLM's pause
+    mode "wait", running requests finish on the old weights first (every sample from one version)
+    while the engine admits nothing new. On by default: on the reversal recipe the drain cost
+    0.25 s of each 0.6 s step and loading in flight cut steps by 3-10% at the same reward; on the
+    demo's recipe it moved nothing beyond the seeds' spread (docs/performance.md)."""
+
+    poll_interval_s: float = Field(0.01, gt=0)
+    """How often the run directory is checked for new weights while a version is due (a batch
+    handed over, its weights not yet served), backing off to five times that while none comes;
+    otherwise every ten times that, or at once when a batch is handed over."""
+
+    max_futile_streak: int = Field(200, ge=0)
+    """Stop the run (one line naming the dataset, what was counted, the last reason and the fix;
+    exit 1) once this many in a row came to nothing for one cause: rows of a dataset that could
+    not be rendered within seq_len (ended by a row of it that makes a request), groups of a dataset
+    that all failed, its reward raising or timing out (ended by a group of it scored; the streak
+    must also have lasted 3 x timeouts.reward_s, or timeouts.request_s with a teacher, so a restart
+    passes), or groups all filtered for zero reward variance (filter_zero_variance: a run whose
+    groups all look mastered or unlearnable stops by design; ended by a group in a batch).
+    0: never stop (docs/reliability.md)."""
+
+
+class TimeoutsConfig(Section):
+    """Every bound the orchestrator waits under, in one place (seconds)."""
+
+    reward_s: float = Field(60, gt=0)
+    """Longest one reward may take; a reward that raises or times out fails that rollout only."""
+
+    request_s: float = Field(300, gt=0)
+    """Longest a single generation request may take before it is failed and its prompt requeued."""
+
+    server_wait_s: float = Field(600, gt=0)
+    """Longest to wait at start-up for a first server to become healthy (with weight_sync
+    broadcast: for every listed server) before giving up; and, mid-run, longest with no server in
+    rotation before the run stops (one line naming each server and its error, exit 1). Raise it if
+    your servers take longer than this to restart."""
+
+    trainer_s: float = Field(3600, gt=0)
+    """Longest to wait on the trainer for a new weights version (the async bound, the final
+    version) before giving up."""
+
+    tool_s: float = Field(10, gt=0)
+    """Longest one tool call may take; past it the model is told the call timed out."""
+
+
+class CheckpointsConfig(Section):
+    keep: int = Field(2, ge=1)
+    """Orchestrator checkpoints (step, data cursor, pending prompts) kept under checkpoints/."""
+
+
+
+# Keys that moved, by their path under [orchestrator]: the old path and where it lives now
+# (moved_key). The first group became table keys (2026-11); the second grouped [orchestrator] by
+# the stations of the orchestrator (issue 53).
 MOVED = {
     "server_urls": "servers.urls", "discover_servers": "servers.discover",
-    "request_timeout_s": "servers.request_timeout_s", "server_wait_timeout_s": "servers.wait_timeout_s",
     "server_retry_max_s": "servers.retry_max_s", "teacher_url": "teacher.url", "teacher_coef": "teacher.coef",
-    "tool_parser": "tools.parser", "tool_timeout_s": "tools.timeout_s",
-    "overlong_buffer": "overlong.buffer", "overlong_penalty": "overlong.penalty",
+    "tool_parser": "tools.parser", "overlong_buffer": "overlong.buffer", "overlong_penalty": "overlong.penalty",
+
+    **{key: f"prompts.{key}" for key in ("chat", "chat_template", "chat_template_kwargs", "system_prompt")},
+    **{key: f"sampling.{key}" for key in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop",
+                                          "record_kept_sets")},
+    **{key: f"scheduling.{key}" for key in ("prompts_per_step", "group_size", "min_group_episodes",
+                                            "normalize_advantages", "filter_zero_variance", "max_in_flight_groups",
+                                            "max_off_policy_steps", "in_flight_updates", "poll_interval_s",
+                                            "max_futile_streak")},
+    "reward_timeout_s": "timeouts.reward_s", "trainer_timeout_s": "timeouts.trainer_s",
+    "request_timeout_s": "timeouts.request_s", "servers.request_timeout_s": "timeouts.request_s",
+    "server_wait_timeout_s": "timeouts.server_wait_s", "servers.wait_timeout_s": "timeouts.server_wait_s",
+    "tool_timeout_s": "timeouts.tool_s", "tools.timeout_s": "timeouts.tool_s",
+    "keep_checkpoints": "checkpoints.keep",
 }
 
 
 def moved_key(orchestrator: Any) -> str | None:
-    """One line for the first key of an `[orchestrator]` table written before its sub-tables
+    """One line for the first key of an `[orchestrator]` table written before it was grouped
     (None when there is none)."""
     if not isinstance(orchestrator, dict):
         return None
     for old, new in MOVED.items():
-        if old in orchestrator:
-            table, _, key = new.partition(".")
-            return (f"orchestrator.{old} is now orchestrator.{new}: write it as `{key} = ...` under "
-                    f"[orchestrator.{table}] (or --orchestrator.{new})")
+        table, _, key = old.rpartition(".")
+        holder = orchestrator.get(table) if table else orchestrator
+        if isinstance(holder, dict) and key in holder:
+            new_table, _, new_key = new.rpartition(".")
+            return (f"orchestrator.{old} is now orchestrator.{new}: write it as `{new_key} = ...` under "
+                    f"[orchestrator.{new_table}] (or --orchestrator.{new})")
     if isinstance(orchestrator.get("overlong"), str):
         return (f"orchestrator.overlong is a table now: write `mode = \"{orchestrator['overlong']}\"` under "
                 "[orchestrator.overlong] (or --orchestrator.overlong.mode)")
@@ -202,23 +351,6 @@ class OrchestratorConfig(Section):
     eval: EvalConfig = EvalConfig()
     """Held-out evaluation (`[orchestrator.eval]`, rl/dataset_config.py)."""
 
-    chat: Literal["auto", "on", "off"] = "auto"
-    """Render prompts with the tokenizer's chat template (generation prompt added): "on", "off"
-    (raw completion: the prompt text as is, for base models), or "auto": on when the model has a
-    template (or chat_template is set)."""
-
-    chat_template: Path | None = None
-    """A Jinja chat template file used instead of the tokenizer's."""
-
-    chat_template_kwargs: dict[str, Any] = {}
-    """Extra variables for the template, e.g. {enable_thinking = false} for Qwen3."""
-
-    system_prompt: str = ""
-    """System message put before every chat prompt that has none (a dataset may set its own)."""
-
-    reward_timeout_s: float = Field(60, gt=0)
-    """Longest one reward may take; a reward that raises or times out fails that rollout only."""
-
     reward_inline: bool = False
     """Call a sync reward function on the event loop instead of a worker thread: ~35% more groups
     per second when rewards are cheap (benchmarks/orchestrator_throughput.py), but a slow call
@@ -244,101 +376,26 @@ class OrchestratorConfig(Section):
     sandbox: SandboxConfig = SandboxConfig()
     """Where model-written code runs (`[orchestrator.sandbox]`)."""
 
-    prompts_per_step: int = Field(16, ge=1)
-    """Groups (prompts) in each batch."""
-
-    group_size: int = Field(8, ge=2)
-    """Completions per prompt; advantages are relative to the group's mean reward."""
-
-    min_group_episodes: int = Field(2, ge=2)
-    """A group trains on the rollouts (episodes) that finished when at least this many of its
-    group_size did, advantages computed over those: a reward, an environment's step or an agent
-    that raises costs its own rollout. Fewer: the group fails (retried, then dropped)."""
-
-    @field_validator("min_group_episodes")
-    @classmethod
-    def _at_most_group_size(cls, n: int, info) -> int:
-        size = info.data.get("group_size", n)
-        if n > size:
-            raise ValueError(f"{n} is more than group_size ({size}): every group would fail")
-        return n
-
-    max_tokens: int = Field(16, ge=1)
-    """Longest completion (per model turn), tokens."""
-
-    temperature: float = Field(1.0, gt=0)
-    """Sampling temperature; the trainer scales its logits by the same value."""
-
-    top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling: the smallest set of tokens holding this much probability (1: off);
-    recorded with each sample (the trainer renormalises over the kept set: trainer.sampling_mask)."""
-
-    top_k: int = Field(-1, ge=-1)
-    """Sample among the k most likely tokens only (-1: off); recorded with each sample."""
-
-    min_p: float = Field(0.0, ge=0, le=1)
-    """Drop tokens less likely than min_p times the most likely one (0: off); recorded with each
-    sample."""
-
-    stop: list[str] = []
-    """Strings that end a completion (besides eos and the chat template's end-of-turn tokens)."""
-
     overlong: OverlongConfig = OverlongConfig()
     """What becomes of completions cut at max_tokens (`[orchestrator.overlong]`)."""
 
     curriculum: CurriculumConfig = CurriculumConfig()
     """Which drawn rows are generated, by their recorded pass rate (`[orchestrator.curriculum]`)."""
 
-    max_in_flight_groups: int = Field(32, ge=1)
-    """Most groups generating or waiting to be batched at once. Above prompts_per_step it
-    oversamples: a batch takes the first groups to finish, so one long rollout never holds a batch
-    back, and the rest carry over to the next batch while they are fresh enough."""
+    prompts: PromptsConfig = PromptsConfig()
+    """How a row becomes a prompt: chat template, system prompt (`[orchestrator.prompts]`)."""
 
-    max_off_policy_steps: int | None = Field(None, ge=0)
-    """m: batch n holds no token sampled by a version older than n-1-m. A group that can no longer
-    meet that is cancelled (aborted on its server, prompt requeued). Unset: max_async_level."""
+    sampling: SamplingConfig = SamplingConfig()
+    """How the servers sample (`[orchestrator.sampling]`)."""
 
-    in_flight_updates: bool = False
-    """Load new weights between two decode steps of running requests (samples then mix versions,
-    recorded per token). False: running requests finish on the old weights first, so every
-    sample comes from one version."""
+    scheduling: SchedulingConfig = SchedulingConfig()
+    """What goes into a batch and how far generation runs ahead (`[orchestrator.scheduling]`)."""
 
-    filter_zero_variance: bool = False
-    """Drop groups whose rewards are all equal (no learning signal without a teacher); counted
-    as `filtered` in the metrics."""
+    timeouts: TimeoutsConfig = TimeoutsConfig()
+    """Every bound the orchestrator waits under (`[orchestrator.timeouts]`)."""
 
-    record_kept_sets: bool = False
-    """Record each sampled token's kept set as the engine had it (the ids min_p, top_k and top_p
-    left, read off its processed logprobs: inference/kept_sets.py) in the batch: the trainer then
-    renormalises over exactly the sampler's set, not one rebuilt from its own, possibly newer,
-    logits (trainer/sampling_mask.py). Needs top_k below inference.max_logprobs, or a vocabulary
-    within it; costs that many logprobs per token on the server."""
-
-    normalize_advantages: bool = False
-    """Divide group-relative advantages by the group's reward std (GRPO) instead of only
-    centring them (Dr. GRPO)."""
-
-    trainer_timeout_s: float = Field(3600, gt=0)
-    """Longest to wait on the trainer for a new weights version (the async bound, the final
-    version) before giving up."""
-
-    poll_interval_s: float = Field(0.01, gt=0)
-    """How often the run directory is checked for new weights while a version is due (a batch
-    handed over, its weights not yet served), backing off to five times that while none comes;
-    otherwise every ten times that, or at once when a batch is handed over."""
-
-    keep_checkpoints: int = Field(2, ge=1)
-    """Orchestrator checkpoints (step, data cursor, pending prompts) kept under checkpoints/."""
-
-    max_futile_streak: int = Field(200, ge=0)
-    """Stop the run (one line naming the dataset, what was counted, the last reason and the fix;
-    exit 1) once this many in a row came to nothing for one cause: rows of a dataset that could
-    not be rendered within seq_len (ended by a row of it that makes a request), groups of a dataset
-    that all failed, its reward raising or timing out (ended by a group of it scored; the streak
-    must also have lasted 3 x reward_timeout_s, or servers.request_timeout_s with a teacher, so a restart
-    passes), or groups all filtered for zero reward variance (filter_zero_variance: a run whose
-    groups all look mastered or unlearnable stops by design; ended by a group in a batch).
-    0: never stop (docs/reliability.md)."""
+    checkpoints: CheckpointsConfig = CheckpointsConfig()
+    """The orchestrator's own checkpoints (`[orchestrator.checkpoints]`)."""
 
     @field_validator("dataset", "environment")
     @classmethod
@@ -394,15 +451,15 @@ class OrchestratorConfig(Section):
         out = []
         for spec in specs:
             reward = spec.reward or self._default_reward(spec, listed=bool(evaluation or self.datasets))
-            system_prompt = self.system_prompt if spec.system_prompt is None else spec.system_prompt
-            out.append(Dataset(spec.label, spec, reward, dict(spec.reward_weights), system_prompt, self.sampling(spec)))
+            system_prompt = self.prompts.system_prompt if spec.system_prompt is None else spec.system_prompt
+            out.append(Dataset(spec.label, spec, reward, dict(spec.reward_weights), system_prompt, self.sampling_for(spec)))
         return out
 
-    def sampling(self, spec: DatasetConfig | None = None) -> Sampling:
+    def sampling_for(self, spec: DatasetConfig | None = None) -> Sampling:
         """The orchestrator's sampling settings, with those a dataset sets instead."""
         def pick(key: str):
             value = None if spec is None else getattr(spec, key)
-            return getattr(self, key) if value is None else value
+            return getattr(self.sampling, key) if value is None else value
 
         return Sampling(temperature=pick("temperature"), top_p=pick("top_p"), top_k=pick("top_k"),
                         min_p=pick("min_p"), max_tokens=pick("max_tokens"), stop=tuple(pick("stop")))

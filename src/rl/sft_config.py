@@ -7,7 +7,7 @@
 
 The rows come from the same dataset forms as RL's (rl/dataset_config.py: jsonl, parquet, HF
 datasets directories, reasoning-gym tasks, functions), are rendered by the model's chat template
-(orchestrator.chat_template, orchestrator.chat_template_kwargs and orchestrator.system_prompt,
+(orchestrator.prompts.chat_template, orchestrator.prompts.chat_template_kwargs and orchestrator.prompts.system_prompt,
 as the RL run that follows will render them) and trained on the assistant's tokens only. The
 trainer's own keys apply as in RL: [trainer.optim], [trainer.lora], packing, checkpoints, dtype.
 """

@@ -7,7 +7,7 @@ Components: `correct` (1 or 0) and `boxed` (1 if the completion boxed an answer)
 the model follows the format, rewarded only if a config says so, e.g. {boxed = 0.1}.
 
 math-verify's own timeouts use SIGALRM, which only the main thread may set; rewards run in
-worker threads (orchestrator/rewards/reward.py), whose timeout (orchestrator.reward_timeout_s) applies
+worker threads (orchestrator/rewards/reward.py), whose timeout (orchestrator.timeouts.reward_s) applies
 instead.
 """
 

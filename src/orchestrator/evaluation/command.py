@@ -144,13 +144,13 @@ def _summary(record: dict) -> str:
 
 
 async def _until_answering(cfg: RunConfig, client: InferenceClient, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + cfg.orchestrator.servers.wait_timeout_s
+    deadline = time.monotonic() + cfg.orchestrator.timeouts.server_wait_s
     while not await _answers(client):
         if proc.poll() is not None:
             raise RuntimeError(f"the inference server exited with code {proc.returncode}")
         if time.monotonic() > deadline:
             raise TimeoutError("the inference server did not answer within "
-                               f"{cfg.orchestrator.servers.wait_timeout_s:.0f} s")
+                               f"{cfg.orchestrator.timeouts.server_wait_s:.0f} s")
         await asyncio.sleep(1.0)
 
 

@@ -3,7 +3,7 @@ with jinja2 alone: the orchestrator never imports transformers (which imports to
 orchestrator/prompts/tokenizer.py says why). tests/test_chat.py checks the ids against
 apply_chat_template's.
 
-Where the template lives, first found wins: the file orchestrator.chat_template names;
+Where the template lives, first found wins: the file orchestrator.prompts.chat_template names;
 chat_template.jinja in the model directory (transformers >= 4.43 saves it there);
 tokenizer_config.json's "chat_template" (a string, or a list of named templates: "default").
 The template sees `messages`, `add_generation_prompt`, the tokenizer's special tokens by name
@@ -69,7 +69,7 @@ def find_template(model: Path, override: Path | None) -> tuple[str, str] | None:
         try:
             return override.read_text(encoding="utf-8"), str(override)
         except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"orchestrator.chat_template = {override}: cannot read it: {e}") from None
+            raise ConfigError(f"orchestrator.prompts.chat_template = {override}: cannot read it: {e}") from None
     jinja_file = model / "chat_template.jinja"
     if jinja_file.is_file():
         return jinja_file.read_text(encoding="utf-8"), str(jinja_file)
@@ -160,10 +160,10 @@ class ChatTemplate:
     def configured(cls, o: OrchestratorConfig, model: Path) -> ChatTemplate | None:
         """The template orchestrator config `o` asks for (chat, chat_template, chat_template_kwargs):
         None for raw completion; ConfigError for chat = "on" without one."""
-        template = None if o.chat == "off" else cls.load(model, o.chat_template, o.chat_template_kwargs)
-        if o.chat == "on" and template is None:
-            raise ConfigError(f"orchestrator.chat = \"on\": {model} has no chat template (chat_template.jinja or "
-                              "tokenizer_config.json chat_template); set orchestrator.chat_template")
+        template = None if o.prompts.chat == "off" else cls.load(model, o.prompts.chat_template, o.prompts.chat_template_kwargs)
+        if o.prompts.chat == "on" and template is None:
+            raise ConfigError(f"orchestrator.prompts.chat = \"on\": {model} has no chat template (chat_template.jinja or "
+                              "tokenizer_config.json chat_template); set orchestrator.prompts.chat_template")
         return template
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:

@@ -1,7 +1,7 @@
 """Curriculum by pass rate (`[orchestrator.curriculum]`): keep batches informative before
 generating, not after.
 
-Zero-variance filtering (orchestrator.filter_zero_variance) drops a group once it has been
+Zero-variance filtering (orchestrator.scheduling.filter_zero_variance) drops a group once it has been
 generated and every rollout got the same reward: the generation was spent for nothing. Here each
 row's pass rate in its latest group (the share of rollouts with reward >= pass_threshold) is
 recorded, and when the datasets' stream draws that row again it is admitted only if the rate

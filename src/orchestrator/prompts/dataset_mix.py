@@ -84,7 +84,7 @@ def configured_sources(cfg: RunConfig, session: aiohttp.ClientSession, evaluatio
     for ds in o.resolved_datasets(evaluation):
         source = Source(ds, cfg.seed)
         key = "orchestrator.reward" if not (o.datasets or evaluation) else f"dataset {ds.name}: reward"
-        source.reward = make_reward(ds.reward, o.reward_timeout_s, session, o.reward_inline, key) if ds.reward else None
+        source.reward = make_reward(ds.reward, o.timeouts.reward_s, session, o.reward_inline, key) if ds.reward else None
         sources.append(source)
     return sources
 
@@ -123,14 +123,14 @@ class Renderer:
         if self.template is None:
             if messages is not None:
                 raise RowError(f"{where} holds chat messages but the model has no chat template",
-                               "set orchestrator.chat_template, or use a chat model")
+                               "set orchestrator.prompts.chat_template, or use a chat model")
             text, _ = dataset_prompt(None, ds, row)
             return text, self.encode(text)
         try:  # the text the start-up check measured (orchestrator/prompts/fit.py)
             text, messages = dataset_prompt(self.template, ds, row)
         except jinja2.TemplateError as e:
             raise RowError(f"{where}: the chat template ({self.template.origin}) failed: {e}",
-                           "fix the template (orchestrator.chat_template) or the row") from None
+                           "fix the template (orchestrator.prompts.chat_template) or the row") from None
         # The reward sees what the user asked (the last user message), not the markup.
         asked = next((m["content"] for m in reversed(messages) if m["role"] == "user"), text)
         return asked, self.encode(text, add_special_tokens=False)

@@ -148,16 +148,16 @@ def judge(cfg: RunConfig, what: str, longest: Longest, max_tokens: int, keys: st
 
 def dataset_fits(cfg: RunConfig, what: str, ds: Dataset, longest: Longest, template: ChatTemplate | None) -> None:
     """Judge a dataset's measured sample (`what`: how messages name it)."""
-    keys = "orchestrator.max_tokens" if ds.spec.max_tokens is None else "the dataset's max_tokens"
+    keys = "orchestrator.sampling.max_tokens" if ds.spec.max_tokens is None else "the dataset's max_tokens"
     if template is not None and ds.system_prompt:
-        keys += " or shorten " + ("orchestrator.system_prompt" if ds.spec.system_prompt is None else "its system_prompt")
+        keys += " or shorten " + ("orchestrator.prompts.system_prompt" if ds.spec.system_prompt is None else "its system_prompt")
     judge(cfg, what, longest, ds.sampling.max_tokens, keys)
 
 
 def environment_fits(cfg: RunConfig, env, opening: Callable[[object], Opening], keys: str) -> None:
     """An environment's first rows' opening prompts (a tool environment's system prompt, tool
     schemas and question through the chat template, as orchestrator/rollout/tool_episode.py renders them;
-    a text environment's episode start) leave orchestrator.max_tokens within seq_len. `env`: the
+    a text environment's episode start) leave orchestrator.sampling.max_tokens within seq_len. `env`: the
     built environment; `opening`, from its kind's start-up checks (EnvironmentKind.start_up):
     tokenizer -> row -> tokens of the opening prompt; `keys`: what the user may change."""
     o = cfg.orchestrator
@@ -166,7 +166,7 @@ def environment_fits(cfg: RunConfig, env, opening: Callable[[object], Opening], 
         return
     key = f"orchestrator.environment = {o.environment!r}"
     measure = opening(tokenizer)
-    budget, longest = cfg.seq_len - o.max_tokens, Longest()
+    budget, longest = cfg.seq_len - o.sampling.max_tokens, Longest()
     try:
         for i, row in enumerate(itertools.islice(env.dataset(cfg.seed), SAMPLE_ROWS)):
             tokens = measure(row)
@@ -174,4 +174,4 @@ def environment_fits(cfg: RunConfig, env, opening: Callable[[object], Opening], 
                 longest.add(tokens, f"row {i} of its dataset(seed={cfg.seed})", budget)
     except Exception as e:  # its dataset raised: the run could draw no row
         raise ConfigError(f"{key}: measuring its first prompts failed: {error_line(e)}") from None
-    judge(cfg, key, longest, o.max_tokens, keys)
+    judge(cfg, key, longest, o.sampling.max_tokens, keys)

@@ -5,7 +5,7 @@ Once, a tool environment's prompts were longer than seq_len: the orchestrator sk
 drew (~250,000 warnings in ten minutes) and the trainer said "waiting for batch 1" every 30 s.
 Whatever can recur without end is counted here, per cause and dataset, as a streak: futile
 events in a row with nothing between them that shows the cause has passed. A streak that reaches
-orchestrator.max_futile_streak events, and has lasted the cause's minimum span, is the verdict:
+orchestrator.scheduling.max_futile_streak events, and has lasted the cause's minimum span, is the verdict:
 `Spinning`, naming the dataset, what was counted, the last event's reason and the fix; the
 orchestrator's waits raise it (orchestrator/orchestrator.py) and `rl orchestrator` prints it and
 exits 1 (orchestrator/main.py).
@@ -42,11 +42,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-KEY = "orchestrator.max_futile_streak"
+KEY = "orchestrator.scheduling.max_futile_streak"
 MEANING = {
     "skipped": "rows in a row could not be rendered within seq_len (none of its rows made a request between them)",
     "failed": "groups in a row failed (none of its groups was scored between them)",
-    "filtered": "groups in a row filtered for zero reward variance (orchestrator.filter_zero_variance)",
+    "filtered": "groups in a row filtered for zero reward variance (orchestrator.scheduling.filter_zero_variance)",
 }
 
 

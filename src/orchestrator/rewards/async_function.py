@@ -1,5 +1,5 @@
 """An async reward function: the group's completions scored concurrently in the event loop, each
-bounded by orchestrator.reward_timeout_s (orchestrator/rewards/reward.py)."""
+bounded by orchestrator.timeouts.reward_s (orchestrator/rewards/reward.py)."""
 
 from __future__ import annotations
 

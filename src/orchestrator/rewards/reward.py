@@ -89,7 +89,7 @@ class Reward(ABC):
         self.quiet.warn(what, f"reward {self.spec} {what}; that rollout fails")
 
     def timed_out(self) -> None:
-        self.failed(f"timed out after {self.timeout_s:g} s (orchestrator.reward_timeout_s)")
+        self.failed(f"timed out after {self.timeout_s:g} s (orchestrator.timeouts.reward_s)")
 
 
 class FunctionReward(Reward):

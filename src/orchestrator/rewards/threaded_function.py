@@ -66,7 +66,7 @@ class ThreadedReward(FunctionReward):
         hung = self.threads.hung(self.timeout_s)
         if 2 * hung < self.threads.size:
             return
-        log.warning("reward %s: %d calls hung past orchestrator.reward_timeout_s (%g s) hold %d of %d reward "
+        log.warning("reward %s: %d calls hung past orchestrator.timeouts.reward_s (%g s) hold %d of %d reward "
                     "threads; starting %d fresh ones, the hung threads are leaked", self.spec, hung,
                     self.timeout_s, hung, self.threads.size, self.threads.size)
         old, self.threads = self.threads, RewardThreads(self.threads.size)

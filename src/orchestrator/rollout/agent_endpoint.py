@@ -7,9 +7,9 @@ made per episode); each request is
    built-in tool loop renders it;
 2. sampled through the episode's own `generate` (the scheduler's: the group's server, its
    request ids recorded so a stale group is aborted there, per-token versions and logprobs),
-   with the run's sampling settings (orchestrator.temperature, top_p, ...): the agent's own are
+   with the run's sampling settings (orchestrator.sampling.temperature, top_p, ...): the agent's own are
    ignored, since the trainer recomputes the policy under the run's; its `max_tokens` (or
-   `max_completion_tokens`) is honoured up to orchestrator.max_tokens;
+   `max_completion_tokens`) is honoured up to orchestrator.sampling.max_tokens;
 3. recorded in the episode's order (prompt ids, the sampled GeneratedSample), from which the
    trajectory is rebuilt without re-tokenising what the model wrote; a request that leaves no
    room within seq_len is answered empty with finish_reason "length" (nothing sampled), as the

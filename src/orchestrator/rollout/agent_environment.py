@@ -59,7 +59,7 @@ class AgentAccess:
 
 
 class AgentEpisodes(EnvironmentKind):
-    fit_keys = "orchestrator.max_tokens or shorten the questions (the agent's first request is measured as one user turn)"
+    fit_keys = "orchestrator.sampling.max_tokens or shorten the questions (the agent's first request is measured as one user turn)"
 
     def __init__(self, cfg: RunConfig, toolkit: Toolkit, renderer, sources, env):
         super().__init__(cfg, toolkit, renderer, sources, env)
@@ -69,7 +69,7 @@ class AgentEpisodes(EnvironmentKind):
                                       str(cfg.model))
         # An agent that neither asks nor answers: its turns' own bounds, and its tools' time.
         s = self.settings
-        self.timeout_s = s.max_turns * (s.servers.request_timeout_s + s.tools.timeout_s)
+        self.timeout_s = s.max_turns * (s.timeouts.request_s + s.timeouts.tool_s)
 
     async def episode(self, row: dict, eid: str, generate: Generate) -> Trajectory | None:
         await self.endpoint.start()

@@ -27,7 +27,7 @@ A tool environment talks through the model's chat template and gives it function
         def messages(self, row) -> list[dict]:         # optional: the opening messages (else the row's)
 
 Each tool's JSON schema comes from its signature and docstring; the model's calls are read by
-orchestrator.tools.parser, run under orchestrator.tools.timeout_s, and answered with tool
+orchestrator.tools.parser, run under orchestrator.timeouts.tool_s, and answered with tool
 messages until it answers without a call (orchestrator/rollout/tool_episode.py). `messages` is the
 conversation in OpenAI form: the assistant's answer is the last message's content.
 """

@@ -22,12 +22,12 @@ class EnvironmentKind(RolloutKind):
     its own), the orchestrator's sampling settings for every turn. A kind adds `episode`, and
     `start_up`, its start-up checks (orchestrator/preflight.py)."""
 
-    fit_keys = "orchestrator.max_tokens"
+    fit_keys = "orchestrator.sampling.max_tokens"
     """What a refusal for prompts too long to leave max_tokens tells the user to change."""
 
     def __init__(self, cfg: RunConfig, toolkit: Toolkit, renderer, sources, env):
         self.cfg, self.settings, self.toolkit, self.env = cfg, cfg.orchestrator, toolkit, env
-        self.env_sampling = self.settings.sampling()
+        self.env_sampling = self.settings.sampling_for()
         self.error = ""  # the latest episode failure (Group.error)
         self.quiet = Quiet(log)  # an environment that always raises would say so per episode
 
@@ -52,7 +52,7 @@ class EnvironmentKind(RolloutKind):
 
     async def trajectories(self, prompt, gid: str, generate: Generate) -> list[Trajectory | None]:
         return await gather_or_cancel(self.episode(prompt.row, f"{gid}-e{i}", generate)
-                                      for i in range(self.settings.group_size))
+                                      for i in range(self.settings.scheduling.group_size))
 
     def failed(self, eid: str, e: Exception) -> None:
         """An episode that failed on its own: said (through Quiet), recorded, None for its slot."""

@@ -83,7 +83,7 @@ class Rollouts:
         teacher = None
         if o.teacher.url:
             teacher = Teacher(InferenceClient(o.teacher.url, session, cfg.inference.api_token),
-                              o.teacher.coef, o.servers.request_timeout_s)
+                              o.teacher.coef, o.timeouts.request_s)
         return cls(cfg, load_tokenizer(cfg.model), sources, teacher, env)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -117,8 +117,8 @@ class Rollouts:
                                stop_token_ids=self.kind.stop_token_ids if stop_token_ids is None else stop_token_ids)
 
     def records_kept_sets(self, sampling: Sampling) -> bool:
-        """orchestrator.record_kept_sets, where sampling truncates (else the set is the vocabulary)."""
-        return (self.cfg.orchestrator.record_kept_sets and sampling.temperature > 0
+        """orchestrator.sampling.record_kept_sets, where sampling truncates (else the set is the vocabulary)."""
+        return (self.cfg.orchestrator.sampling.record_kept_sets and sampling.temperature > 0
                 and (sampling.top_k > 0 or sampling.top_p < 1 or sampling.min_p > 0))
 
     async def group(self, prompt: Prompt, gid: str, generate: Generate) -> Group:
@@ -127,9 +127,9 @@ class Rollouts:
         failed = len(trajectories) - len(kept)
         # The rest train, advantages over those that finished (a rollout that raised costs only
         # itself); too few left give no group-relative signal worth the step.
-        if len(kept) < self.settings.min_group_episodes:
+        if len(kept) < self.settings.scheduling.min_group_episodes:
             return Group(prompt, [], failed + len(kept), error=self.kind.last_error(prompt))
-        advantages = group_advantages([t.reward for t in kept], self.settings.normalize_advantages)
+        advantages = group_advantages([t.reward for t in kept], self.settings.scheduling.normalize_advantages)
         sampling = self.kind.sampling(prompt)
         # An episode of several samples (Trajectory.parts) gives each its advantage.
         pieces = [(p, a) for t, a in zip(kept, advantages) for p in (t, *t.parts)]

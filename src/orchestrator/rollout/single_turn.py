@@ -34,7 +34,7 @@ class SingleTurn(RolloutKind):
     async def trajectories(self, prompt: Prompt, gid: str, generate: Generate) -> list[Trajectory | None]:
         source = self.source(prompt)
         text, ids = self.renderer.render(source.ds, prompt.row, prompt.where or f"row {prompt.index}")
-        request = self.toolkit.request(gid, ids, self.settings.group_size, source.ds.sampling,
+        request = self.toolkit.request(gid, ids, self.settings.scheduling.group_size, source.ds.sampling,
                                        f"{prompt.where or source.name}, draw {prompt.index}")
         response = await generate(request)
         if any(s.finish_reason == "abort" for s in response.samples):
@@ -75,4 +75,4 @@ class SingleTurn(RolloutKind):
     def failure_fix(self, prompt: Prompt) -> str:
         reward = self.source(prompt).ds.reward
         teacher = f" or the teacher at {self.settings.teacher.url}" if self.settings.teacher.url else ""
-        return f"fix its reward {reward!r}{teacher} (the error above), or orchestrator.reward_timeout_s if it is slow"
+        return f"fix its reward {reward!r}{teacher} (the error above), or orchestrator.timeouts.reward_s if it is slow"

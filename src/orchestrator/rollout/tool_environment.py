@@ -21,7 +21,7 @@ from rl.inference_api import GeneratedSample
 
 
 class ToolEpisodes(EnvironmentKind):
-    fit_keys = ("orchestrator.max_tokens or shorten the environment's system prompt, tool schemas "
+    fit_keys = ("orchestrator.sampling.max_tokens or shorten the environment's system prompt, tool schemas "
                 "(docstrings) or questions")
 
     def __init__(self, cfg: RunConfig, toolkit: Toolkit, renderer, sources, env):
@@ -30,7 +30,7 @@ class ToolEpisodes(EnvironmentKind):
         tools = self.settings.tools
         self.tool_episode = ToolEpisode(
             env, env_tools(cfg, env), needed_template(cfg, renderer.template), toolkit.fast, toolkit.encode,
-            toolkit.decode, tool_parser(tools.parser), tools.timeout_s, self.settings.max_turns, cfg.seq_len)
+            toolkit.decode, tool_parser(tools.parser), self.settings.timeouts.tool_s, self.settings.max_turns, cfg.seq_len)
 
     async def episode(self, row: dict, eid: str, generate: Generate) -> Trajectory | None:
         """One tool-calling episode; None if the template or the reward failed (a tool's failure
@@ -111,5 +111,5 @@ def env_tools(cfg: RunConfig, env) -> dict:
 def needed_template(cfg: RunConfig, template: ChatTemplate | None) -> ChatTemplate:
     if template is None:
         raise ConfigError(f"orchestrator.environment = {cfg.orchestrator.environment!r} has tools, which need a "
-                          f"chat template: {cfg.model} has none (set orchestrator.chat_template)")
+                          f"chat template: {cfg.model} has none (set orchestrator.prompts.chat_template)")
     return template

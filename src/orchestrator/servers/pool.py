@@ -194,7 +194,7 @@ class ServerPool:
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"inference server(s) {', '.join(s.url for s in left)} not healthy "
-                                   f"after {timeout_s:.0f} s (orchestrator.servers.wait_timeout_s)")
+                                   f"after {timeout_s:.0f} s (orchestrator.timeouts.server_wait_s)")
             if time.monotonic() - last_beat > 10:
                 log.info("waiting for inference server(s) %s to come up", ", ".join(s.url for s in left))
                 last_beat = time.monotonic()
@@ -267,7 +267,7 @@ class ServerPool:
 
     def none_in_rotation(self, for_s: float) -> str:
         servers = "; ".join(f"{s.url} ({s.last_error or 'no error recorded'})" for s in self.servers)
-        return (f"no inference server in rotation for {for_s:.0f} s (orchestrator.servers.wait_timeout_s): "
+        return (f"no inference server in rotation for {for_s:.0f} s (orchestrator.timeouts.server_wait_s): "
                 f"{servers or 'none left in the pool'}; stopping: restart or fix them (rl inference), or "
                 "check orchestrator.servers.urls")
 

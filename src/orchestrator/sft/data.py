@@ -86,7 +86,7 @@ class Tokenize:
         self.end = stops[:1]
 
     def __call__(self, row, spec: DatasetConfig) -> tuple[list[int], list[int]]:
-        messages, tools = conversation(row, spec, self.cfg.orchestrator.system_prompt)
+        messages, tools = conversation(row, spec, self.cfg.orchestrator.prompts.system_prompt)
         if self.template is not None:
             ids, mask = conversation_tokens(self.template, self.tokenizer, messages, tools)
         else:
@@ -99,7 +99,7 @@ class Tokenize:
         roles = [m["role"] for m in messages if m["role"] != "system"]
         if roles != ["user", "assistant"]:
             raise MaskError("a chat conversation, and the model has no chat template",
-                            "without one only prompt/completion rows train (or set orchestrator.chat_template)")
+                            "without one only prompt/completion rows train (or set orchestrator.prompts.chat_template)")
         prompt = self.tokenizer.encode(messages[-2]["content"], add_special_tokens=False).ids
         answer = self.tokenizer.encode(messages[-1]["content"], add_special_tokens=False).ids + self.end
         return prompt + answer, [0] * len(prompt) + [1] * len(answer)
