@@ -20,7 +20,7 @@ def resolve(name: str) -> list[Path]:
     program's folder holds ("prompts.py")."""
     if "/" in name:
         return [p for p in (SRC / name, ROOT / name) if p.is_file()]
-    return sorted(SRC.glob(f"*/{name}"))
+    return sorted(SRC.glob(f"**/{name}"))
 
 
 def defines(path: Path, dotted: str) -> bool:
@@ -60,7 +60,24 @@ def test_every_file_and_definition_the_architecture_doc_names_exists():
 def test_the_check_sees_a_wrong_name():
     """The check itself: a file or a definition that is not there is found."""
     assert not resolve("orchestrator/no_such_file.py")
-    assert resolve("rollouts.py") == [SRC / "orchestrator" / "rollouts.py"]
+    assert resolve("groups.py") == [SRC / "orchestrator" / "rollout" / "groups.py"]
     assert defines(SRC / "orchestrator" / "orchestrator.py", "Orchestrator.produce")
     assert not defines(SRC / "orchestrator" / "orchestrator.py", "Orchestrator.no_such_method")
-    assert defines(SRC / "orchestrator" / "rollout_kinds.py", "KINDS")
+    assert defines(SRC / "orchestrator" / "rollout" / "registry.py", "KINDS")
+    assert stations_in_doc("## The orchestrator, station by station\n\n### prompts/\n\n### nowhere/\n\n## Next") == \
+        {"prompts", "nowhere"}
+
+
+def stations_in_doc(text: str) -> set[str]:
+    """The folders the doc's "station by station" section has a heading for."""
+    section = text.split("## The orchestrator, station by station", 1)[1].split("\n## ", 1)[0]
+    return {line[4:].strip().rstrip("/") for line in section.splitlines() if line.startswith("### ")}
+
+
+def test_every_station_folder_has_its_section_and_every_section_its_folder():
+    """The doc is the map of src/orchestrator/: a folder added without its section, or a section
+    left for a folder that went away, fails here."""
+    folders = {p.parent.name for p in (SRC / "orchestrator").glob("*/__init__.py")}
+    assert folders == stations_in_doc(DOC.read_text())
+    for folder in folders:  # and each says what it holds, where a reader opens it
+        assert (SRC / "orchestrator" / folder / "__init__.py").read_text().startswith('"""'), folder

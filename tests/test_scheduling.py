@@ -422,7 +422,7 @@ def test_orchestrator_keeps_many_servers_busy(tmp_path):
     check_rules(o)
     # The checks ran: batches 3 to 30 took 28 x 8 groups, all started within the checked span but
     # those queued when it began (at most max_in_flight_groups).
-    oc = o.cfg.orchestrator
+    oc = o.cfg.orchestrator.scheduling
     assert decisions["assigned"] >= oc.prompts_per_step * (o.cfg.max_steps - 2) - oc.max_in_flight_groups, decisions
     assert len(windows) == o.cfg.max_steps
     for lo, hi, idle in windows[1:]:  # the first also counts the time before on_start

@@ -1,6 +1,6 @@
 """What becomes of a group that does not go into a batch as it is: filtered for zero reward
 variance, failed (its prompt retried, then dropped), or its row skipped. Each is also a futile
-event for the run's streaks (orchestrator/reporting/streaks.py), said with why and the fix, so a run that
+event for the run's streaks (orchestrator/streaks.py), said with why and the fix, so a run that
 can only spin stops with one line instead of drawing rows forever.
 
 The orchestrator (orchestrator/orchestrator.py) calls it when a group ends; it keeps the counts.
@@ -12,10 +12,10 @@ import logging
 
 from orchestrator.prompts.dataset_mix import RowError
 from orchestrator.prompts.queue import Prompt, PromptQueue
-from orchestrator.reporting.quiet_warning import Quiet
-from orchestrator.reporting.streaks import Streaks
+from orchestrator.quiet_warning import Quiet
 from orchestrator.rollout.groups import Group
 from orchestrator.rollout.kind import RolloutKind
+from orchestrator.streaks import Streaks
 from rl.orchestrator_config import OrchestratorConfig
 
 log = logging.getLogger("orchestrator")
@@ -24,7 +24,7 @@ MAX_ATTEMPTS = 3  # a prompt whose group fails (rewards, teacher) this often is 
 
 
 def futile_spans(settings: OrchestratorConfig) -> dict[str, float]:
-    """How long a streak of failed groups must last before it stops the run (orchestrator/reporting/streaks.py):
+    """How long a streak of failed groups must last before it stops the run (orchestrator/streaks.py):
     as long as this run waits on a slow reward (each of a prompt's MAX_ATTEMPTS) or teacher before
     calling it down, so a reward endpoint or teacher restarting does not end the run."""
     span = MAX_ATTEMPTS * settings.timeouts.reward_s
@@ -34,9 +34,10 @@ def futile_spans(settings: OrchestratorConfig) -> dict[str, float]:
 
 
 class GroupOutcomes:
-    def __init__(self, settings: OrchestratorConfig, kind: RolloutKind, queue: PromptQueue, streaks: Streaks,
-                 has_teacher: bool):
-        self.kind, self.queue, self.streaks = kind, queue, streaks
+    def __init__(self, settings: OrchestratorConfig, kind: RolloutKind, queue: PromptQueue, has_teacher: bool):
+        self.kind, self.queue = kind, queue
+        # What would make the run spin ends it (the scheduling loop asks streaks.verdict).
+        self.streaks = Streaks(settings.scheduling.max_futile_streak, futile_spans(settings))
         # Without a teacher a group whose rewards are all equal has no learning signal.
         self.filter_equal = settings.scheduling.filter_zero_variance and not has_teacher
         self.attempts: dict[int, int] = {}  # prompt index -> failed groups so far

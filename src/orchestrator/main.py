@@ -13,7 +13,7 @@ import signal
 import aiohttp
 
 from orchestrator.orchestrator import Orchestrator
-from orchestrator.reporting.streaks import Spinning
+from orchestrator.streaks import Spinning
 from rl.config import RunConfig
 from rl.inference_api import connector
 from rl.rundir import RunDir
@@ -55,7 +55,7 @@ def main(cfg: RunConfig) -> int:
         log.warning("stopped by SIGTERM")
         return 128 + signal.SIGTERM
     except (TimeoutError, Spinning) as e:
-        # A wait reached its configured timeout, or the run could only spin (orchestrator/reporting/streaks.py):
+        # A wait reached its configured timeout, or the run could only spin (orchestrator/streaks.py):
         # the message names what and which key; a traceback would bury that line under forty others.
         log.error("%s", e)
         return 1

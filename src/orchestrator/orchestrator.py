@@ -32,16 +32,14 @@ import aiohttp
 from orchestrator.async_rule import can_hand_over, is_fresh, min_serving_version, oldest_usable_version
 from orchestrator.bounded_wait import notified, wait_visibly
 from orchestrator.checkpoint import checkpointed_batch, resume_point, save_checkpoint
-from orchestrator.evaluation.held_out import Evaluation, EvaluationRunner
-from orchestrator.group_outcomes import GroupOutcomes, futile_spans
+from orchestrator.evaluation.held_out import EvaluationRunner
+from orchestrator.group_outcomes import GroupOutcomes
 from orchestrator.prompts.curriculum import Curriculum
-from orchestrator.prompts.dataset_mix import RowError, configured_sources
+from orchestrator.prompts.dataset_mix import RowError
 from orchestrator.prompts.queue import Prompt, PromptQueue
 from orchestrator.reporting.batch_report import Counters, Reporting
-from orchestrator.reporting.streaks import Streaks
 from orchestrator.rollout.groups import Group, Rollouts
 from orchestrator.rollout.kind import Aborted
-from orchestrator.servers.delivery import weight_delivery
 from orchestrator.servers.pool import ServerPool
 from orchestrator.servers.server import Server
 from orchestrator.servers.trainer_watch import watch_trainer
@@ -72,16 +70,13 @@ class Orchestrator:
     def __init__(self, cfg: RunConfig, session: aiohttp.ClientSession):
         self.cfg, self.settings = cfg, cfg.orchestrator
         self.run_dir = RunDir(cfg.run_dir)
-        self.pool = ServerPool(cfg.urls, session, cfg.inference.api_token, self.settings.servers.retry_max_s,
-                               lambda pool: weight_delivery(cfg, pool), on_fail=self.requeue_from)
+        self.pool = ServerPool.for_run(cfg, session, on_fail=self.requeue_from)
         self.delivery = self.pool.delivery  # files, broadcast or LoRA adapters, chosen once
         # Request ids must not collide with a previous orchestrator's still running on a server.
         self.tag, self.seq = secrets.token_hex(3), 0
         self.rollouts = Rollouts.from_config(cfg, session)
-        evals = configured_sources(cfg, session, evaluation=True)
-        evaluated = evals or self.settings.eval.environments
-        self.evaluations = EvaluationRunner(Evaluation(self.rollouts, evals, self.settings.eval) if evaluated else None,
-                                            self.pool, self.run_dir, self.wait_until, self.tag)
+        self.evaluations = EvaluationRunner.for_run(cfg, session, self.rollouts, self.pool, self.run_dir,
+                                                    self.wait_until, self.tag)
         self.sender = batch_sender(cfg.transport, self.run_dir)
         self.next_step, cursor, pending, record, self.unsent = resume_point(self.run_dir, self.sender)
         self.curriculum = (Curriculum(self.settings.curriculum, cfg.seed, record)
@@ -96,9 +91,9 @@ class Orchestrator:
         self.background: list[asyncio.Task] = []
         self.chores: set[asyncio.Task] = set()
         # What would make the run spin ends it.
-        self.streaks = Streaks(self.settings.scheduling.max_futile_streak, futile_spans(self.settings))
-        self.outcomes = GroupOutcomes(self.settings, self.rollouts.kind, self.queue, self.streaks,
+        self.outcomes = GroupOutcomes(self.settings, self.rollouts.kind, self.queue,
                                       has_teacher=self.rollouts.teacher is not None)
+        self.streaks = self.outcomes.streaks
         self.reporting = Reporting(cfg, self.run_dir, self.pool, per_dataset=len(self.rollouts.kind.sources) > 1)
         if self.next_step > 1:  # resumed: its predecessor may have died between checkpoint and record
             last = self.next_step - 1
@@ -119,7 +114,7 @@ class Orchestrator:
 
     def why_not_wait(self) -> None:
         """Raises what makes a wait pointless: the verdict of a run that can only spin
-        (orchestrator/reporting/streaks.py), even while others progress, or a background loop that died
+        (orchestrator/streaks.py), even while others progress, or a background loop that died
         (its error surfaced, not waited on)."""
         if self.streaks.verdict is not None:
             raise self.streaks.verdict

@@ -101,6 +101,12 @@ class BatchReceiver(ABC):
         self.cfg, self.run, self.poll_s, self.keep = cfg, run, poll_s, keep
         self.reject_damaged, self.on_wait = reject_damaged, on_wait
 
+    @staticmethod
+    def endpoint(cfg: TransportConfig) -> tuple[str, str] | None:
+        """(config key, endpoint) where this kind's trainer side binds, for the start-up checks and
+        the job planner to check; None: it binds nothing (the run directory carries the batches)."""
+        return None
+
     def receive(self, step: int, timeout_s: float) -> Received:
         """Batch `step`, checked, and the seconds waited for it."""
         start = last_beat = last_watch = time.monotonic()

@@ -23,6 +23,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from rl.batch import Batch, BatchError
+from rl.config import TransportConfig
 from rl.transport import HEARTBEAT_S, BatchReceiver, BatchSender
 
 log = logging.getLogger("transport")
@@ -101,6 +102,10 @@ class ZmqSender(BatchSender):
 
 
 class ZmqReceiver(BatchReceiver):
+    @staticmethod
+    def endpoint(cfg: TransportConfig) -> tuple[str, str] | None:
+        return ("transport.bind", cfg.bind) if cfg.bind else ("transport.address", cfg.address)
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.early: dict[int, tuple[bytes, bytes, Batch]] = {}  # arrived before they were asked for

@@ -20,6 +20,11 @@ def batch_sender(cfg: TransportConfig, run: RunDir) -> BatchSender:
     return KINDS[cfg.kind][0](cfg, run)
 
 
+def receiver_endpoint(cfg: TransportConfig) -> tuple[str, str] | None:
+    """(config key, endpoint) where `cfg.kind`'s trainer side binds; None where it binds nothing."""
+    return KINDS[cfg.kind][1].endpoint(cfg)
+
+
 def batch_receiver(cfg: TransportConfig, run: RunDir, **options) -> BatchReceiver:
     """The trainer's side of `cfg.kind` (options: BatchReceiver's)."""
     return KINDS[cfg.kind][1](cfg, run, **options)

@@ -40,8 +40,8 @@ import aiohttp
 
 from orchestrator.bounded_wait import HEARTBEAT_S
 from orchestrator.evaluation.held_out import Evaluation
-from orchestrator.prompts.dataset_mix import configured_sources
 from orchestrator.prompts.tokenizer import load_tokenizer
+from orchestrator.rewards.registry import configured_sources
 from orchestrator.rollout.groups import Rollouts
 from rl.config import RunConfig
 from rl.faults import crash_point

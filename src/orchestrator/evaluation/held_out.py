@@ -23,11 +23,15 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
+import aiohttp
+
 from orchestrator.evaluation.environments import EnvironmentEval
 from orchestrator.prompts.dataset_mix import RowError, Source
-from orchestrator.reporting.quiet_warning import Quiet
+from orchestrator.quiet_warning import Quiet
+from orchestrator.rewards.registry import configured_sources
 from orchestrator.rewards.reward import combine
 from orchestrator.rollout.groups import Rollouts
+from rl.config import RunConfig
 from rl.dataset_config import EvalConfig, Sampling
 from rl.inference_api import InferenceClient
 from rl.rundir import RunDir
@@ -110,6 +114,16 @@ class Evaluation:
 class EvaluationRunner:
     """The evaluations running beside training, one task per version evaluated (`Evaluation`
     is None: no eval datasets, nothing runs)."""
+
+    @classmethod
+    def for_run(cls, cfg: RunConfig, session: aiohttp.ClientSession, rollouts: Rollouts, pool: ServerPool,
+                run_dir: RunDir, wait_until: Callable[[Callable[[], bool], str, float], Awaitable[float]],
+                tag: str) -> EvaluationRunner:
+        """The run's evaluations: its eval datasets, each with its reward, and eval environments."""
+        sources = configured_sources(cfg, session, evaluation=True)
+        evaluated = sources or cfg.orchestrator.eval.environments
+        return cls(Evaluation(rollouts, sources, cfg.orchestrator.eval) if evaluated else None,
+                   pool, run_dir, wait_until, tag)
 
     def __init__(self, evaluation: Evaluation | None, pool: ServerPool, run_dir: RunDir,
                  wait_until: Callable[[Callable[[], bool], str, float], Awaitable[float]], tag: str):

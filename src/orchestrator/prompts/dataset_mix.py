@@ -16,15 +16,13 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
-import aiohttp
 import jinja2
 
 from orchestrator.callables import load_callable
 from orchestrator.prompts.chat import ChatTemplate, read_json, token_text
 from orchestrator.prompts.fit import dataset_prompt, draw_order
 from orchestrator.prompts.tables import Table, load_table, row_problem
-from orchestrator.rewards.registry import make_reward
-from rl.config import OrchestratorConfig, RunConfig
+from rl.config import OrchestratorConfig
 from rl.dataset_config import Dataset
 
 log = logging.getLogger("orchestrator")
@@ -33,7 +31,7 @@ log = logging.getLogger("orchestrator")
 class RowError(Exception):
     """A row that can never make a rollout (no prompt, too long): dropped, not requeued. `fix`:
     what would make such rows usable, for the line that stops a run skipping every row
-    (orchestrator/reporting/streaks.py)."""
+    (orchestrator/streaks.py)."""
 
     def __init__(self, message: str, fix: str):
         super().__init__(message)
@@ -46,7 +44,7 @@ class Source:
     def __init__(self, ds: Dataset, seed: int):
         self.ds, self.name, self.spec = ds, ds.name, ds.spec
         self.seed = seed if self.spec.seed is None else self.spec.seed
-        self.reward = None  # its Reward (orchestrator/rewards/reward.py), set after construction (configured_sources)
+        self.reward = None  # its Reward (orchestrator/rewards/reward.py), set after construction (orchestrator/rewards/registry.py: configured_sources)
         self.table: Table | None = None if self.spec.function else load_table(self.spec, self.seed)
 
     def draws(self) -> Iterator[int | dict]:
@@ -75,18 +73,6 @@ class Source:
         if key != "answer" and isinstance(row, dict) and key in row:
             row = {**row, "answer": row[key]}
         return row, where
-
-
-def configured_sources(cfg: RunConfig, session: aiohttp.ClientSession, evaluation: bool = False) -> list[Source]:
-    """The run's training datasets (or, `evaluation`, its eval datasets), each with its reward."""
-    o = cfg.orchestrator
-    sources = []
-    for ds in o.resolved_datasets(evaluation):
-        source = Source(ds, cfg.seed)
-        key = "orchestrator.reward" if not (o.datasets or evaluation) else f"dataset {ds.name}: reward"
-        source.reward = make_reward(ds.reward, o.timeouts.reward_s, session, o.reward_inline, key) if ds.reward else None
-        sources.append(source)
-    return sources
 
 
 def mix(sources: list[Source], seed: int) -> Iterator[tuple[str, int | dict]]:

@@ -36,9 +36,12 @@ import jinja2
 from orchestrator.callables import load_callable
 from orchestrator.prompts.chat import ChatTemplate, row_messages
 from orchestrator.prompts.tables import load_table, row_problem
-from orchestrator.rollout.kind import Opening
 from rl.config import ConfigError, RunConfig
 from rl.dataset_config import Dataset
+
+Opening = Callable[[dict], "int | None"]
+"""row -> tokens of an episode's first prompt, or None where that episode would fail on its own
+(an environment kind's start_up gives it; the fit check measures the rows with it)."""
 
 log = logging.getLogger("rl")
 

@@ -10,11 +10,13 @@ import inspect
 import aiohttp
 
 from orchestrator.callables import load_callable
+from orchestrator.prompts.dataset_mix import Source
 from orchestrator.rewards.async_function import AsyncReward
 from orchestrator.rewards.http_endpoint import HttpReward
 from orchestrator.rewards.inline_function import InlineReward
 from orchestrator.rewards.reward import Reward
 from orchestrator.rewards.threaded_function import ThreadedReward
+from rl.config import RunConfig
 from rl.dataset_config import BUILTIN_REWARDS
 
 FUNCTION_REWARDS = {
@@ -32,3 +34,15 @@ def make_reward(spec: str, timeout_s: float, session: aiohttp.ClientSession | No
     fn = load_callable(BUILTIN_REWARDS.get(spec, spec), key)
     kind = "async" if inspect.iscoroutinefunction(fn) else "inline" if inline else "threaded"
     return FUNCTION_REWARDS[kind](spec, timeout_s, fn)
+
+
+def configured_sources(cfg: RunConfig, session: aiohttp.ClientSession, evaluation: bool = False) -> list[Source]:
+    """The run's training datasets (or, `evaluation`, its eval datasets), each with its reward."""
+    o = cfg.orchestrator
+    sources = []
+    for ds in o.resolved_datasets(evaluation):
+        source = Source(ds, cfg.seed)
+        key = "orchestrator.reward" if not (o.datasets or evaluation) else f"dataset {ds.name}: reward"
+        source.reward = make_reward(ds.reward, o.timeouts.reward_s, session, o.reward_inline, key) if ds.reward else None
+        sources.append(source)
+    return sources

@@ -15,7 +15,7 @@ import logging
 import math
 from abc import ABC, abstractmethod
 
-from orchestrator.reporting.quiet_warning import Quiet
+from orchestrator.quiet_warning import Quiet
 from rl.inference_api import GenerateRequest, InferenceClient, InferenceError
 
 log = logging.getLogger("orchestrator")
@@ -82,8 +82,8 @@ class Reward(ABC):
 
     def failed(self, what: str) -> None:
         """One rollout's reward failed: kept as the reward's last error (the line that stops a run
-        whose every group fails names it: orchestrator/reporting/streaks.py) and said, but a failure like the
-        last one only every QUIET_S (orchestrator/reporting/quiet_warning.py): a reward that always raises would write
+        whose every group fails names it: orchestrator/streaks.py) and said, but a failure like the
+        last one only every QUIET_S (orchestrator/quiet_warning.py): a reward that always raises would write
         a line per rollout."""
         self.last_error = what
         self.quiet.warn(what, f"reward {self.spec} {what}; that rollout fails")

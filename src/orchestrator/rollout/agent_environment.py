@@ -30,9 +30,10 @@ import jinja2
 
 from orchestrator.callables import load_callable
 from orchestrator.prompts.chat import ChatTemplate
+from orchestrator.prompts.fit import Opening
 from orchestrator.rollout.agent_endpoint import AgentEndpoint
 from orchestrator.rollout.environment_base import EnvironmentKind
-from orchestrator.rollout.kind import Aborted, Generate, Opening, Toolkit, Trajectory
+from orchestrator.rollout.kind import Aborted, Generate, Toolkit, Trajectory
 from orchestrator.rollout.tool_environment import needed_template
 from orchestrator.rollout.tool_episode import opening_messages
 from orchestrator.rollout.tool_parsers import PARSERS, tool_parser

@@ -8,8 +8,9 @@ import logging
 from abc import abstractmethod
 from collections.abc import Callable, Iterator
 
-from orchestrator.reporting.quiet_warning import Quiet
-from orchestrator.rollout.kind import Generate, Opening, RolloutKind, Toolkit, Trajectory, gather_or_cancel
+from orchestrator.prompts.fit import Opening
+from orchestrator.quiet_warning import Quiet
+from orchestrator.rollout.kind import Generate, RolloutKind, Toolkit, Trajectory, gather_or_cancel
 from rl.config import RunConfig
 from rl.dataset_config import Sampling
 

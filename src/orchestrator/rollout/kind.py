@@ -30,8 +30,6 @@ Generate = Callable[[GenerateRequest], Awaitable[GenerateResponse]]
 """Handed in by the scheduler (orchestrator/orchestrator.py): it pins the group to a server and
 records each request id so that a cancelled group can be aborted on that server."""
 
-Opening = Callable[[dict], "int | None"]
-"""row -> tokens of an episode's first prompt, or None where that episode would fail on its own."""
 
 
 class Aborted(Exception):

@@ -9,9 +9,10 @@ import asyncio
 import inspect
 from collections.abc import Callable
 
+from orchestrator.prompts.fit import Opening
 from orchestrator.rollout.environment import Turn
 from orchestrator.rollout.environment_base import EnvironmentKind
-from orchestrator.rollout.kind import Aborted, Generate, Opening, Trajectory
+from orchestrator.rollout.kind import Aborted, Generate, Trajectory
 from rl.config import RunConfig
 
 

@@ -11,8 +11,9 @@ import jinja2
 
 from orchestrator.callables import load_callable
 from orchestrator.prompts.chat import ChatTemplate
+from orchestrator.prompts.fit import Opening
 from orchestrator.rollout.environment_base import EnvironmentKind
-from orchestrator.rollout.kind import Aborted, Generate, Opening, Toolkit, Trajectory
+from orchestrator.rollout.kind import Aborted, Generate, Toolkit, Trajectory
 from orchestrator.rollout.tool_episode import TemplateDrift, ToolEpisode, opening_messages
 from orchestrator.rollout.tool_functions import load_tools
 from orchestrator.rollout.tool_parsers import PARSERS, tool_parser

@@ -26,13 +26,14 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
-from orchestrator.reporting.streaks import Spinning
+from orchestrator.servers.delivery import WeightDelivery, weight_delivery
 from orchestrator.servers.server import Server
+from orchestrator.streaks import Spinning
 from rl.heartbeat import SERVING, PeerWatch, announced_url, server_heartbeats
 from rl.inference_api import InferenceClient, InferenceError
 
 if TYPE_CHECKING:
-    from orchestrator.servers.delivery import WeightDelivery
+    from rl.config import RunConfig
 
 log = logging.getLogger("orchestrator")
 
@@ -42,6 +43,13 @@ DISCOVER_EVERY_S = 1.0
 
 
 class ServerPool:
+    @classmethod
+    def for_run(cls, cfg: RunConfig, session: aiohttp.ClientSession,
+                on_fail: Callable[[Server], None] | None = None) -> ServerPool:
+        """The run's servers, with the weight delivery of its weight_sync kind."""
+        return cls(cfg.urls, session, cfg.inference.api_token, cfg.orchestrator.servers.retry_max_s,
+                   lambda pool: weight_delivery(cfg, pool), on_fail=on_fail)
+
     def __init__(self, urls: list[str], session: aiohttp.ClientSession, token: str | None, retry_max_s: float,
                  delivery: Callable[[ServerPool], WeightDelivery],
                  on_fail: Callable[[Server], None] | None = None):

@@ -19,6 +19,7 @@ import jinja2
 from rl.cli.config_doc import render_toml
 from rl.config import RunConfig
 from rl.rundir import RunDir
+from rl.transports import receiver_endpoint
 
 
 class SlurmError(Exception):
@@ -67,7 +68,7 @@ def _check(cfg: RunConfig) -> tuple[int | None, int | None, list[str]]:
             raise SlurmError(f"{key} = {url!r} is loopback, i.e. the orchestrator's own node in the "
                              "job, where nothing serves it; give its host name")
     transport_port = None
-    if cfg.transport.kind == "zmq":
+    if receiver_endpoint(cfg.transport) is not None:  # a kind that binds: the job gives it a port
         if cfg.transport.address.startswith("tcp://"):
             transport_port = _port("transport.address", cfg.transport.address)
         elif not cfg.transport.address.startswith("ipc://"):
