@@ -194,8 +194,8 @@ class Orchestrator:
             self.streaks.rendered(who)  # its row made a request: the dataset has usable rows
             if g.cancelled:  # a multi-turn episode's next turn, after its group was aborted
                 raise Aborted(request.request_id)
-            if adapter is not None:  # every turn on the adapter the group started on
-                request = request.model_copy(update={"lora": adapter})
+            # Every turn on the adapter the group started on (None: the base weights, full tuning).
+            request = request.model_copy(update={"lora": adapter})
             g.requests.add(request.request_id)
             self.pool.begin(g.server)
             try:

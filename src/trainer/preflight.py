@@ -8,11 +8,11 @@ import struct
 from pathlib import Path
 
 from rl.config import ConfigError, RunConfig
-from rl.preflight import (bindable, cores, is_rank0, mixture_of_experts, model_config, output_dir, safetensors_header,
-                          seq_len_fits,
-                          weight_files)
 from rl.gpu_placement import ids_check
+from rl.preflight import (bindable, cores, is_rank0, mixture_of_experts, model_config, output_dir, safetensors_header,
+                          seq_len_fits, weight_files)
 from rl.rundir import RunDir
+from rl.transports import receiver_endpoint
 
 
 def trainer_state_refusal(run: RunDir, resume: bool) -> str | None:
@@ -82,9 +82,8 @@ def trainer_endpoints(cfg: RunConfig) -> None:
     """Rank 0 binds the batch transport (zmq) and hosts the broadcast rendezvous."""
     if not is_rank0():
         return
-    if cfg.transport.kind == "zmq":
-        endpoint = cfg.transport.bind or cfg.transport.address
-        key = "transport.bind" if cfg.transport.bind else "transport.address"
+    if bound := receiver_endpoint(cfg.transport):
+        key, endpoint = bound
         scheme, _, rest = endpoint.partition("://")
         if scheme == "ipc":
             if not Path(rest).parent.is_dir():

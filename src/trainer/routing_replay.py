@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import re
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -142,3 +142,28 @@ class RoutingReplay:
                         "trainer itself (routing_replayed_frac %.3f): the engine records only what it computes "
                         "(prefix caching must stay off; inference.record_routing on every server)",
                         step, 100 * (1 - share), share)
+
+
+class NoRouting:
+    """A dense model's routing: nothing to record, count or replay. The trainer's step calls it as
+    it calls RoutingReplay, without asking which model it trains."""
+
+    def recorded(self, routing: torch.Tensor | None, routed: torch.Tensor | None, trained: torch.Tensor):
+        return nullcontext()
+
+    def end_forward(self) -> None:
+        pass
+
+    def take_sums(self) -> torch.Tensor:
+        return torch.zeros(0, dtype=torch.float64)
+
+    def metrics(self, sums: list[float]) -> dict:
+        return {}
+
+    def warn_unrecorded(self, step: int, record: dict) -> None:
+        pass
+
+
+def routing_for(model: torch.nn.Module, replay: bool) -> RoutingReplay | NoRouting:
+    """The model's routing, chosen once: replayed and counted for an MoE model, nothing for a dense one."""
+    return RoutingReplay(model, replay) if routers(model) else NoRouting()

@@ -8,7 +8,6 @@ trainer/publish.py publishes, trainer/checkpoint.py saves every checkpoint_every
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 
@@ -34,7 +33,7 @@ from trainer.parallel import init_distributed
 from trainer.policy import Policy
 from trainer.profiling import StepProfiler
 from trainer.publish import make_publisher
-from trainer.routing_replay import RoutingReplay, routers
+from trainer.routing_replay import routing_for
 from trainer.sampling_mask import Truncation
 from trainer.tunings import TUNINGS, tuning_kind
 
@@ -76,7 +75,7 @@ class Trainer:
                           and loss.kl_target == "reference" and self.tuning.own_reference else None)
         self.publisher = make_publisher(cfg, self.run, self.rank, self.model, self.lora, self.tied)
         # MoE models only: replays the engine's routing (trainer.routing_replay) and reports agreement.
-        self.routing = RoutingReplay(self.model, cfg.trainer.routing_replay) if routers(self.model) else None
+        self.routing = routing_for(self.model, cfg.trainer.routing_replay)
         self.profiler = StepProfiler(cfg.trainer.profile_steps, self.run.logs, self.run.root / "profile",
                                      self.rank, self.device)
         self.policy = None  # multi-run: one per run (trainer/runs.py)
@@ -201,8 +200,7 @@ class Trainer:
                 f" checkpoint {ckpt_s:.2f}s" if ckpt_s else "",
             )
             self.warn_mismatch(policy, step, record)
-            if self.routing is not None:
-                self.routing.warn_unrecorded(step, record)
+            self.routing.warn_unrecorded(step, record)
             self.prune_rollouts(policy, step)
         crash_point("trainer.after_step", step)
 
@@ -259,9 +257,7 @@ class Trainer:
 
     def routing_recorded(self, mb: MicroBatch):
         """Around a micro-batch's forward and backward: the engine's routing for the MoE layers'
-        hooks (trainer/routing_replay.py); a dense model needs none."""
-        if self.routing is None:
-            return contextlib.nullcontext()
+        hooks (trainer/routing_replay.py; NoRouting for a dense model)."""
         trained = torch.zeros(mb.tokens.shape, dtype=torch.bool)
         trained[:, :-1] = mb.loss_mask > 0  # position t predicts token t + 1
         return self.routing.recorded(mb.routing, mb.routed, trained)
@@ -287,8 +283,7 @@ class Trainer:
                 with self.tuning.active(policy.slot):
                     logprobs, entropy = self.forward_logprobs(
                         self.model, mb, truncation if policy.cfg.trainer.sampling_mask else None)
-                if self.routing is not None:
-                    self.routing.end_forward()
+                self.routing.end_forward()
                 d = {k: to_device(v, self.device) for k, v in (
                     ("inference_logprobs", mb.inference_logprobs), ("advantages", mb.advantages),
                     ("loss_mask", mb.loss_mask), ("loss_weight", mb.loss_weight), ("sequence_ids", mb.sequence_ids))}
@@ -305,7 +300,7 @@ class Trainer:
         policy.optimizer.step()
         policy.optimizer.zero_grad(set_to_none=True)
         policy.scheduler.step()
-        routing = self.routing.take_sums() if self.routing is not None else torch.zeros(0, dtype=torch.float64)
+        routing = self.routing.take_sums()
         ours = len(sums) + len(mask_sums)
         sums = torch.cat([sums, mask_sums.to(self.device), routing.to(self.device)])  # NCCL reduces only device tensors
         dist.all_reduce(sums)
@@ -313,7 +308,7 @@ class Trainer:
         routing_sums = sums[ours:]
         loss, tokens, masked, clipped, ratio, kl, entropy, ref_kl, truncated, misses, replayed = sums[:ours]
         n = max(tokens, 1.0)
-        return {**(self.routing.metrics(routing_sums) if self.routing is not None else {}),
+        return {**self.routing.metrics(routing_sums),
                 "loss": loss, "clipped_frac": clipped / n, "masked_frac": masked / n, "ratio_mean": ratio / n,
                 "mismatch_kl": kl / n, "entropy": entropy / n, "kl": ref_kl / n,
                 "truncated_frac": truncated / n, "sampling_mask_miss_frac": misses / max(truncated, 1.0),

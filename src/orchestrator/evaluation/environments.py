@@ -37,8 +37,7 @@ class EnvironmentEval:
         """eval/<name>/... of one version; `summary`: the datasets' (reward, accuracy, pass@k)."""
 
         async def generate(request: GenerateRequest) -> GenerateResponse:
-            if adapter is not None:
-                request = request.model_copy(update={"lora": adapter})
+            request = request.model_copy(update={"lora": adapter})  # None: the base weights
             async with gate:
                 return await client.generate(request, timeout_s)
 

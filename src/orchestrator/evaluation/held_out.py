@@ -100,8 +100,7 @@ class Evaluation:
             self.quiet.warn(e.fix, f"eval row skipped: {e}")  # the same fix: the same cause
             return None
         # Scores only: no kept sets or routing to carry into a batch.
-        request = request.model_copy(update={"kept_sets": False, "routed_experts": False,
-                                             **({"lora": adapter} if adapter is not None else {})})
+        request = request.model_copy(update={"kept_sets": False, "routed_experts": False, "lora": adapter})
         async with gate:
             response = await client.generate(request, self.cfg.timeout_s)
         completions = self.rollouts.decode_all([x.token_ids for x in response.samples])
