@@ -91,7 +91,8 @@ class WeightRoots:
         return p if p.is_absolute() else self.output_dir / p
 
     def confine(self, path: str) -> Path:
-        """A directory of full weights: safetensors files, or a broadcast manifest."""
+        """A directory of weights: safetensors files (a full version's, or a weight delta's), or a
+        broadcast manifest."""
         resolved = self.local(path).resolve()
         if not any(resolved.is_relative_to(root) for root in self.roots):
             raise HTTPException(403, f"path: {path} is outside the allowed weight roots")

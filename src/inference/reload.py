@@ -9,8 +9,12 @@ comes back with its request, generation.py), resumes, and answers once the new w
 tensors is a Reload, one implementation per kind:
 
   FilesReload       the workers read the directory's safetensors
-  BroadcastReceive  the directory holds broadcast.json: the workers receive the tensors from
-                    the trainer's broadcast (rl/broadcast.py); any other directory is files
+  DeltaFiles        FilesReload with weight_sync.delta: the workers keep each full version as a
+                    base in host memory; a directory holding delta.json (ApplyDelta) is rebuilt
+                    from it (rl/weight_delta.py), or refused before the engine is touched
+  BroadcastReceive  the directory holds broadcast.json: the workers receive the tensors (or a
+                    delta's changed values) from the trainer's broadcast (rl/broadcast.py); any
+                    other directory is files
 
 A server starts with FilesReload and switches to BroadcastReceive once its workers joined a
 broadcast group (which is for the server's life). LoRA adapters arrive another way: adapters.py.
@@ -32,8 +36,10 @@ from fastapi import HTTPException
 from inference.access import WeightRoots
 from inference.generation import Generations
 from rl import broadcast as bc
+from rl import weight_delta as wd
 from rl.config import RunConfig
 from rl.inference_api import InitBroadcasterRequest, UpdateWeightsRequest
+from rl.rundir import STABLE
 
 log = logging.getLogger("inference")
 
@@ -94,10 +100,90 @@ class FilesReload(Reload):
         if (path / bc.MANIFEST).is_file():
             raise HTTPException(409, f"path: {path} holds a broadcast manifest, but this server is in no "
                                      "broadcast group (POST /init_broadcaster first)")
+        if (path / wd.MANIFEST).is_file():
+            raise HTTPException(409, f"path: {path} holds a weight delta, but this server's weight_sync.delta "
+                                     "is false (it keeps no base to rebuild it from)")
         return self
 
     async def load(self, engine, path: Path, version: int) -> None:
         await engine.collective_rpc("asyncrl_reload_weights", timeout=self.timeout_s, args=(str(path),))
+
+
+class Refused(Exception):
+    """A delta the workers refused before touching the engine: it still serves what it served."""
+
+
+class DeltaFiles(FilesReload):
+    """FilesReload with weight_sync.delta: a full version is kept in the workers' host memory as
+    the base of later deltas (worker_extension.py asyncrl_reload_full), a directory holding
+    delta.json is rebuilt from that base (ApplyDelta). `held` is the base the workers hold."""
+
+    def __init__(self, timeout_s: float):
+        super().__init__(timeout_s)
+        self.held: wd.Digest | None = None
+
+    def prepare(self, path: Path, version: int) -> Reload:
+        if not (path / wd.MANIFEST).is_file():
+            return super().prepare(path, version)
+        try:
+            manifest = wd.read_manifest(path)
+        except (OSError, ValueError) as e:
+            raise HTTPException(422, f"path: {path}/{wd.MANIFEST} is malformed: {e}") from None
+        if manifest.version != version:
+            raise HTTPException(400, f"version: {version}, but {path}/{wd.MANIFEST} is version {manifest.version}")
+        if self.held != manifest.base:
+            check_base(path, manifest)
+        return ApplyDelta(self)
+
+    async def load(self, engine, path: Path, version: int) -> None:
+        held = (await refusable(engine, "asyncrl_reload_full", self.timeout_s, path))[0]["base"]
+        self.held = None if held is None else wd.Digest(*held)
+
+
+async def refusable(engine, method: str, timeout_s: float, path: Path) -> list[dict]:
+    """collective_rpc(method, path); a worker's {"refused": why} (it checked before touching the
+    engine) raised as Refused with that one line."""
+    out = await engine.collective_rpc(method, timeout=timeout_s, args=(str(path),))
+    refused = [o["refused"] for o in out if o.get("refused")]
+    if refused:
+        raise Refused(refused[0])
+    return out
+
+
+class ApplyDelta(Reload):
+    """One delta: the workers rebuild the version from their base and load it."""
+
+    def __init__(self, files: DeltaFiles):
+        self.files, self.timeout_s = files, files.timeout_s
+
+    def prepare(self, path: Path, version: int) -> Reload:
+        return self.files.prepare(path, version)
+
+    async def load(self, engine, path: Path, version: int) -> None:
+        out = await refusable(engine, "asyncrl_apply_delta", self.timeout_s, path)
+        self.files.held = wd.Digest(*out[0]["base"])
+
+
+def check_base(path: Path, manifest: wd.Manifest) -> None:
+    """Before the update lock: 409 when the delta's base is not there to be read, or is not the
+    one it names (another run's, or another version written under that number). Damage inside
+    the base's files shows only when the worker reads them (it checks their checksum)."""
+    base = wd.base_dir(path, manifest)
+    refused = f"version {manifest.version} at {path}: {wd.REFUSED}:"
+    if not (base / STABLE).is_file():
+        raise HTTPException(409, f"{refused} its base, version {manifest.base_version}, is missing ({base}); a "
+                                 "server catches up through the last full version, which trainer.keep_weights keeps")
+    try:
+        digest = wd.Digest.read(base)
+    except (OSError, ValueError) as e:
+        raise HTTPException(409, f"{refused} its base {base} has no readable {wd.DIGEST} ({e})") from None
+    if digest.run_id != manifest.run_id:
+        raise HTTPException(409, f"{refused} it belongs to run {manifest.run_id}, its base {base} to run "
+                                 f"{digest.run_id}")
+    if digest != manifest.base:
+        raise HTTPException(409, f"{refused} it is against version {manifest.base_version} with checksum "
+                                 f"{manifest.base_checksum}, {base} holds version {digest.version} with checksum "
+                                 f"{digest.checksum}")
 
 
 class BroadcastReceive(Reload):
@@ -110,7 +196,7 @@ class BroadcastReceive(Reload):
 
     def prepare(self, path: Path, version: int) -> Reload:
         if not (path / bc.MANIFEST).is_file():
-            return self.files
+            return self.files.prepare(path, version)
         try:
             manifest = bc.read_manifest(path)
         except (ValueError, KeyError, TypeError) as e:
@@ -132,8 +218,9 @@ class BroadcastReceive(Reload):
 
     async def load(self, engine, path: Path, version: int) -> None:
         try:
-            await engine.collective_rpc("asyncrl_receive_weights", timeout=self.timeout_s,
-                                        args=(str(path / bc.MANIFEST),))
+            await refusable(engine, "asyncrl_receive_weights", self.timeout_s, path / bc.MANIFEST)
+        except Refused:
+            raise
         except Exception as e:
             raise rpc_error(f"receiving version {version} by broadcast", e) from None
 
@@ -162,7 +249,9 @@ class ServedWeights:
         self.path = str(cfg.model)
         self.lock = asyncio.Lock()
         # How a failed update rolls back, whatever the kind: from the served version's files.
-        self.files = FilesReload(cfg.inference.reload_timeout_s)
+        # With weight_sync.delta, the files may be a delta against a full version kept in memory.
+        reloads = DeltaFiles if cfg.weight_sync.delta else FilesReload
+        self.files = reloads(cfg.inference.reload_timeout_s)
         # Files until the workers join a broadcast group (init_broadcaster).
         self.reload: Reload = self.files
         self.overdue: Overdue | None = None
@@ -259,6 +348,12 @@ class ServedWeights:
             try:
                 try:
                     await reload.load(self.engine, path, body.version)
+                except Refused as e:
+                    # Refused before the engine was touched: nothing to roll back.
+                    log.warning("version %d from %s: %s; still serving version %d", body.version, path, e,
+                                gens.version)
+                    raise HTTPException(409, f"version {body.version} at {path}: {e}; this server still serves "
+                                             f"version {gens.version}") from None
                 except Exception as e:
                     await self.load_failed(path, body.version, e)
                 # The engine holds this version's weights now, whatever happens next.
@@ -330,7 +425,8 @@ class ServedWeights:
         try:
             if not any(served.glob("*.safetensors")):
                 raise FileNotFoundError(f"{served} holds no *.safetensors")
-            await self.files.load(self.engine, served, gens.version)
+            # A delta is rebuilt again from its base (DeltaFiles).
+            await self.files.prepare(served, gens.version).load(self.engine, served, gens.version)
         except Exception as e:
             await self.break_down(f"{failed}; rolling back to version {gens.version} from {served} failed too "
                                   f"({str(e)[:1000] or type(e).__name__}): the weights are no version's; restart "

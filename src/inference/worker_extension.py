@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 # Under vLLM's logger: worker processes print only what vLLM's own logging config covers.
 log = logging.getLogger("vllm.asyncrl")
@@ -34,6 +35,84 @@ class WeightReloadExtension:
         with self._asyncrl_refreshing_tied_lm_head(), self._asyncrl_cleared_on_failure():
             self.reload_weights(weights_path=path)
         repack_cpu_experts(self.model_runner.get_model())
+
+    def asyncrl_reload_full(self, path: str) -> dict:
+        """With weight_sync.delta: asyncrl_reload_weights, keeping the version in host memory as
+        the base later deltas are rebuilt from (when its directory has a digest: the trainer
+        publishes deltas against it). The files are read and checked against their digest
+        before the engine is touched (a damaged version is refused, the engine left as it was);
+        vLLM's own reload then reads them again, from the page cache. Returns {"base": the base
+        held} or {"refused": why} (a refusal is an answer, not an error: vLLM would log a
+        traceback for it, and the server must know that nothing was loaded)."""
+        from inference.delta_rebuild import BaseVersion
+        from rl import weight_delta as wd
+
+        try:
+            base = BaseVersion.read(path) if (Path(path) / wd.DIGEST).is_file() else None
+        except wd.DeltaRefused as e:
+            return {"refused": str(e)}
+        self.asyncrl_reload_weights(path)
+        if base is not None:
+            self._asyncrl_base = base
+        return {"base": self._asyncrl_held()}
+
+    def asyncrl_apply_delta(self, path: str) -> dict:
+        """Load the version the delta at `path` describes: rebuild its full tensors from the base
+        (held in memory, or read from its sibling directory and kept), check them against the
+        version's checksum, then reload every weight from them exactly as from the full file
+        (the same loader, the same bytes). Any mismatch raises DeltaRefused before the engine is
+        touched (returned as {"refused": why}). Only the changed values are read from `path`."""
+        from safetensors.torch import load_file
+
+        from inference.delta_rebuild import rebuilt as rebuild
+        from rl import weight_delta as wd
+
+        start = time.perf_counter()
+        manifest = wd.read_manifest(path)
+        rebuilt = None
+        try:
+            base = self._asyncrl_base_for(manifest, wd.base_dir(path, manifest))
+            # The base holds the version only inside this block (in place: no copy of the model).
+            with rebuild(base, manifest, load_file(Path(path) / wd.TENSORS)) as tensors:
+                rebuilt = time.perf_counter()
+                self._asyncrl_load_tensors(iter(tensors.items()))
+        except wd.DeltaRefused as e:
+            if rebuilt is not None:
+                raise  # from the load, not the checks: not a refusal
+            return {"refused": str(e)}  # as in asyncrl_reload_full
+        self._asyncrl_base = base
+        log.info("version %d rebuilt from version %d + %d changed values in %.3f s, loaded in %.3f s",
+                 manifest.version, manifest.base_version, manifest.changed, rebuilt - start,
+                 time.perf_counter() - rebuilt)
+        return {"base": self._asyncrl_held(), "checksum": manifest.checksum,
+                "rebuild_s": rebuilt - start, "load_s": time.perf_counter() - rebuilt}
+
+    def _asyncrl_load_tensors(self, tensors) -> None:
+        """Reload every weight from (name, tensor) pairs, as asyncrl_reload_weights does from files."""
+        NothingToLoad.install(self.model_runner.get_model(), self._asyncrl_tied_lm_head())
+        with self._asyncrl_refreshing_tied_lm_head(), self._asyncrl_cleared_on_failure():
+            self.reload_weights(weights_iterator=tensors)
+        repack_cpu_experts(self.model_runner.get_model())
+
+    def _asyncrl_held(self) -> list | None:
+        """[run id, version, checksum] of the base this worker holds, if any."""
+        base = getattr(self, "_asyncrl_base", None)
+        return None if base is None else [base.digest.run_id, base.digest.version, base.digest.checksum]
+
+    def _asyncrl_base_for(self, manifest, directory: Path):
+        """The delta's base (a BaseVersion): the one held if it is the one named, else read from
+        `directory`."""
+        from inference.delta_rebuild import BaseVersion, raise_refused
+
+        base = getattr(self, "_asyncrl_base", None)
+        if base is not None and base.digest == manifest.base:
+            return base
+        base = BaseVersion.read(str(directory))
+        if base.digest != manifest.base:
+            raise_refused(f"version {manifest.version} is a delta against version {manifest.base_version} of run "
+                          f"{manifest.run_id} ({manifest.base_checksum}), but {directory} holds version "
+                          f"{base.digest.version} of run {base.digest.run_id} ({base.digest.checksum})")
+        return base
 
     @contextmanager
     def _asyncrl_cleared_on_failure(self):
@@ -125,10 +204,14 @@ class WeightReloadExtension:
                                             who=f"{who} worker {self.rank}")
         return rank
 
-    def asyncrl_receive_weights(self, manifest_path: str) -> None:
+    def asyncrl_receive_weights(self, manifest_path: str) -> dict:
         """Like asyncrl_reload_weights, with the tensors streaming in from the trainer's
-        broadcast instead of files: each bucket is received when vLLM's loader reaches it."""
+        broadcast instead of files: each bucket is received when vLLM's loader reaches it. A
+        delta's changed values are all received first (BroadcastVersion); a delta whose base
+        this worker does not hold is {"refused": why}, the sender told it failed here."""
+        from inference.delta_rebuild import BroadcastVersion
         from rl import broadcast as bc
+        from rl import weight_delta as wd
 
         group = getattr(self, "_asyncrl_group", None)
         if group is None:
@@ -145,12 +228,12 @@ class WeightReloadExtension:
         except Exception as e:
             self._asyncrl_broken = str(e)
             raise
-        ok = False
+        ok, refused = False, None
         try:
-            with self._asyncrl_refreshing_tied_lm_head(), self._asyncrl_cleared_on_failure():
-                self.reload_weights(weights_iterator=incoming.tensors())
-            repack_cpu_experts(self.model_runner.get_model())
+            BroadcastVersion(Path(manifest_path).parent, incoming).load(self)
             ok = True
+        except wd.DeltaRefused as e:
+            refused = str(e)
         finally:
             # Runs after a failed load too: the sender is told (its error names this worker)
             # and the next version's collectives still line up.
@@ -159,8 +242,11 @@ class WeightReloadExtension:
             except Exception as e:
                 self._asyncrl_broken = str(e)
                 raise
+        if refused:
+            return {"refused": refused}
         log.info("received version %d by broadcast (%d buckets, %.1f MB) in %.3f s", manifest.version,
                  len(manifest.buckets), manifest.total_bytes / 2**20, time.perf_counter() - start)
+        return {}
 
 
 def repack_cpu_experts(model) -> int:

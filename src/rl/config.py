@@ -114,7 +114,7 @@ class InferenceConfig(Section):
 
     max_logprobs: int = Field(20, ge=0)
     """Most logprobs one sampled token may report (vLLM's --max-logprobs): bounds the kept sets
-    orchestrator.record_kept_sets reads off them (a set of up to top_k + 1, or the vocabulary
+    orchestrator.sampling.record_kept_sets reads off them (a set of up to top_k + 1, or the vocabulary
     when top_k is off)."""
 
     record_routing: bool = False
@@ -168,6 +168,17 @@ class WeightSyncConfig(Section):
 
     timeout_s: float = Field(600, gt=0)
     """Longest wait for every member to join the broadcast group, and for one broadcast."""
+
+    delta: bool = False
+    """Publish each version as the values that changed since the last full version (bit for bit;
+    docs/weight_deltas.md) instead of the whole model: written to weights/step_n/delta.safetensors,
+    or with kind "broadcast" only the changed values sent. Servers keep that full version in host
+    memory (one more copy of the weights) and rebuild each version from it, checked against the
+    version's checksum. Full weights only (not with trainer.lora.rank > 0)."""
+
+    full_every: int = Field(8, ge=1)
+    """With delta: a full version every this many versions (a delta grows with the distance from
+    its base), and always the first one a trainer publishes (after a restart too)."""
 
 
 class OptimConfig(Section):
@@ -294,7 +305,7 @@ class TrainerConfig(Section):
     vLLM's steps in vLLM's order) before the ratio, the clipping and the KL. The engine reports
     the truncated distribution's logprobs; without this the ratio compares it with the full
     one. Untruncated samples are never touched; false turns it off for all. Where the batch
-    carries the sampler's own kept set (orchestrator.record_kept_sets), that set is used instead
+    carries the sampler's own kept set (orchestrator.sampling.record_kept_sets), that set is used instead
     of the rebuilt one."""
 
     routing_replay: bool = False
@@ -482,13 +493,15 @@ class RunConfig(Section):
     seq_len: int = Field(256, ge=8)
     """Longest prompt + completion, tokens; the server's max_model_len."""
 
-    max_async_level: int = Field(1, ge=0)
+    max_async_level: int = Field(2, ge=0)
     """k: batch n is handed over only once version >= n-1-k serves on every server. 0 is
-    synchronous on-policy RL. On the CPU demo's recipe 2 reached a reward in ~25% less wall time
-    than 1 (the same reward per step, the trainer waiting less for batches; 3 no better), on the
-    reversal recipe ~6% less (8% shorter steps), and both demos run at 2 (docs/performance.md,
-    "Learning speed"); the default stays 1 until a real-sized model shows the extra step of
-    staleness costs nothing there (no GPU has been lent to measure it)."""
+    synchronous on-policy RL. Default 2, from two recipes that agree (docs/performance.md,
+    "Learning speed"): on the CPU demo's 2 reached a reward in ~25% less wall time than 1 (the
+    same reward per step, the trainer waiting less for batches; 3 no better), on the reversal ~6%
+    less (8% shorter steps), and on a train-bound reversal raced against TRL's GRPOTrainer, 2 with
+    in-flight updates reached trailing-10 reward 0.5 in 0.85x TRL's time where 1 without took
+    1.15x. The staleness it adds is corrected per token (the sampler's logprobs in the PPO ratio);
+    a real-sized model has not been measured at 2 on a GPU yet."""
 
     seed: int = 0
     """Seed of the data stream and of the trainer."""
@@ -520,14 +533,14 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
         o = self.orchestrator
-        if o.max_in_flight_groups < o.prompts_per_step:
+        if o.scheduling.max_in_flight_groups < o.scheduling.prompts_per_step:
             raise ValueError(
-                f"orchestrator.max_in_flight_groups ({o.max_in_flight_groups}) must be >= "
-                f"orchestrator.prompts_per_step ({o.prompts_per_step}), or no batch could fill"
+                f"orchestrator.scheduling.max_in_flight_groups ({o.scheduling.max_in_flight_groups}) must be >= "
+                f"orchestrator.scheduling.prompts_per_step ({o.scheduling.prompts_per_step}), or no batch could fill"
             )
         for d in o.resolved_datasets() + o.resolved_datasets(evaluation=True):
             if d.sampling.max_tokens >= self.seq_len:
-                key = "orchestrator.max_tokens" if d.spec.max_tokens is None else f"dataset {d.name}: max_tokens"
+                key = "orchestrator.sampling.max_tokens" if d.spec.max_tokens is None else f"dataset {d.name}: max_tokens"
                 raise ValueError(
                     f"{key} ({d.sampling.max_tokens}) must be below seq_len ({self.seq_len}): "
                     "seq_len bounds prompt + completion, so no prompt would fit"
@@ -549,19 +562,21 @@ class RunConfig(Section):
             raise ValueError("trainer.lora.multi_run and run_name need LoRA: set trainer.lora.rank > 0")
         if (lora.multi_run or self.run_name) and self.transport.kind != "filesystem":
             raise ValueError('multi-run LoRA needs transport.kind = "filesystem" (one rollouts/ per run)')
+        if lora.rank and self.weight_sync.delta:
+            raise ValueError("weight_sync.delta applies to full weights: trainer.lora.rank > 0 publishes adapters")
         if lora.rank and self.weight_sync.kind != "filesystem":
             raise ValueError('trainer.lora.rank > 0 syncs adapters through files: weight_sync.kind must be "filesystem"')
-        m = o.max_off_policy_steps
+        m = o.scheduling.max_off_policy_steps
         if m is not None and m < self.max_async_level:
             raise ValueError(
-                f"orchestrator.max_off_policy_steps ({m}) must be >= max_async_level "
+                f"orchestrator.scheduling.max_off_policy_steps ({m}) must be >= max_async_level "
                 f"({self.max_async_level})"
             )
         return self
 
     @property
     def off_policy_steps(self) -> int:
-        m = self.orchestrator.max_off_policy_steps
+        m = self.orchestrator.scheduling.max_off_policy_steps
         return self.max_async_level if m is None else m
 
     @property

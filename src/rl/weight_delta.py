@@ -29,6 +29,7 @@ import json
 import os
 import uuid
 from collections.abc import Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -42,8 +43,8 @@ DIGEST = "digest.json"
 RUN_ID = "RUN_ID"  # weights/RUN_ID: the run's id, written once, kept across trainer restarts
 FORMAT = "asyncrl-delta/1"
 DIGEST_FORMAT = "asyncrl-digest/1"
-# A worker refuses a delta with this text first: the server then knows nothing was loaded (the
-# refusal comes before the engine is touched) and answers it without a rollback.
+# Every refusal starts with this: a delta (or its base) that a worker will not load, found out
+# before the engine is touched, so the server answers it without a rollback.
 REFUSED = "delta refused"
 _INT_OF_WIDTH = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
@@ -204,6 +205,7 @@ def encode(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]
            ) -> tuple[dict[str, TensorEntry], dict[str, torch.Tensor]]:
     """The delta from `base` to `new` (the same names, dtypes and shapes): every tensor's entry,
     and for each that changed "<name>/idx" and "<name>/val"."""
+    import numpy as np
     import torch
 
     if base.keys() != new.keys():
@@ -214,7 +216,9 @@ def encode(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]
         if b.dtype != t.dtype or b.shape != t.shape:
             raise ValueError(f"{name}: base {b.dtype} {tuple(b.shape)}, new {t.dtype} {tuple(t.shape)}")
         flat = t.detach().reshape(-1)
-        idx = (_bits(b) != _bits(t)).nonzero().squeeze(1)
+        # numpy's compare + flatnonzero: half the CPU time of torch's ne + nonzero here (0.28 vs
+        # 0.54 s for a 0.5B model's embedding); the gathered tensors are on the CPU already.
+        idx = torch.from_numpy(np.flatnonzero(_bits(b).cpu().numpy() != _bits(t).cpu().numpy()))
         entries[name] = TensorEntry(str(t.dtype).removeprefix("torch."), tuple(t.shape), idx.numel())
         if idx.numel():
             values = flat[idx]
@@ -223,33 +227,68 @@ def encode(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]
     return entries, changes
 
 
+@contextmanager
+def patched(base: dict[str, torch.Tensor], manifest: Manifest, changes: Mapping[str, torch.Tensor]):
+    """Within the block, `base` holds version manifest.version: the changed values are written
+    into its tensors in place, and the old ones put back when the block ends, however it ends.
+    In place, not into a copy: a copy of every changed tensor is a copy of nearly the whole model
+    (nearly every tensor has some change), 0.2-0.3 s a GB here. The block must not keep the
+    tensors (vLLM's loader copies them into its own parameters). DeltaRefused when the pieces
+    do not fit (nothing changed then)."""
+    undo: list = []
+    try:
+        _apply(base, manifest, changes, undo)
+        yield base
+    finally:
+        for flat, idx, old in reversed(undo):
+            flat.index_put_((idx,), old)
+
+
 def rebuild(base: Mapping[str, torch.Tensor], manifest: Manifest, changes: Mapping[str, torch.Tensor]
             ) -> dict[str, torch.Tensor]:
-    """Version manifest.version from its base and changes: tensors that did not change are the
-    base's own (not copied); the caller checks the result's checksum. DeltaRefused when the
-    pieces do not fit."""
+    """Version manifest.version from its base and changes, as new tensors (the base untouched;
+    tensors that did not change are the base's own). DeltaRefused when the pieces do not fit."""
+    _check_fits(base, manifest, changes)
+    out = {n: base[n].detach().clone() if e.changed else base[n] for n, e in manifest.tensors.items()}
+    _apply(out, manifest, changes, None)
+    return out
+
+
+def _apply(tensors: Mapping[str, torch.Tensor], manifest: Manifest, changes: Mapping[str, torch.Tensor],
+           undo: list | None) -> None:
+    """Write the changed values into `tensors` in place; with `undo`, record the old ones first."""
     import torch
 
+    _check_fits(tensors, manifest, changes)
+    for name, entry in manifest.tensors.items():
+        if not entry.changed:
+            continue
+        flat = tensors[name].detach().view(-1)
+        idx = changes[f"{name}/idx"].to(device=flat.device, dtype=torch.int64)
+        try:
+            # The gather checks the indices before anything is written (no min/max pass: it
+            # cost more than the writes); a negative index wraps around, as in Python, and a
+            # version built so fails its checksum.
+            old = flat[idx]
+        except (IndexError, RuntimeError):
+            raise DeltaRefused(f"{name}: the delta's indices fall outside its {flat.numel()} values") from None
+        if undo is not None:
+            undo.append((flat, idx, old))
+        flat.index_put_((idx,), changes[f"{name}/val"].to(flat.device))
+
+
+def _check_fits(base: Mapping[str, torch.Tensor], manifest: Manifest, changes: Mapping[str, torch.Tensor]) -> None:
     if base.keys() != manifest.tensors.keys():
         raise DeltaRefused(f"version {manifest.version}'s tensors are not those of its base version "
                            f"{manifest.base_version}: {sorted(base.keys() ^ manifest.tensors.keys())[:3]}")
-    out = {}
     for name, entry in manifest.tensors.items():
         b = base[name]
         if str(b.dtype).removeprefix("torch.") != entry.dtype or tuple(b.shape) != entry.shape:
             raise DeltaRefused(f"{name}: the base holds {b.dtype} {tuple(b.shape)}, the delta {entry.dtype} "
                                f"{list(entry.shape)}")
         if not entry.changed:
-            out[name] = b
             continue
         idx, val = changes.get(f"{name}/idx"), changes.get(f"{name}/val")
-        if idx is None or val is None or idx.numel() != entry.changed or val.numel() != entry.changed \
-                or val.dtype != b.dtype:
+        if (idx is None or val is None or idx.dim() != 1 or idx.numel() != entry.changed
+                or val.numel() != entry.changed or val.dtype != b.dtype or idx.is_floating_point()):
             raise DeltaRefused(f"{name}: the delta's changes do not match its manifest ({entry.changed} values)")
-        t = b.detach().clone()
-        try:
-            t.view(-1).index_put_((idx.to(torch.int64).to(t.device),), val.to(t.device))
-        except (IndexError, RuntimeError) as e:
-            raise DeltaRefused(f"{name}: the delta's indices do not fit the base ({str(e)[:200]})") from None
-        out[name] = t
-    return out

@@ -7,6 +7,9 @@ the orchestrator and the servers follow too), chosen once when the trainer start
                         every inference worker (trainer/broadcast.py), weights/step_n holding the manifest
     FilePublisher       "files": the full weights as an HF directory weights/step_n (trainer/weights.py)
 
+With weight_sync.delta both full-weight kinds publish most versions as the values changed since
+the last full version (trainer/deltas.py decides which; rl/weight_delta.py is the format).
+
 publish() is a collective (gathering the FSDP2 shards needs every rank); only rank 0 delivers,
 and its seconds are the step's write_s in metrics.jsonl.
 """
@@ -14,6 +17,7 @@ and its seconds are the step's write_s in metrics.jsonl.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,9 +25,18 @@ import torch
 
 from rl.config import RunConfig
 from rl.rundir import STABLE, RunDir
+from trainer.deltas import FullVersions, make_versions
 from trainer.lora import LoRA
 from trainer.policy import Policy
-from trainer.weights import gather_full_state_dict, prune_weights, served_dtype, write_adapter, write_weights
+from trainer.weights import (
+    gather_full_state_dict,
+    prune_weights,
+    served_dtype,
+    untied,
+    write_adapter,
+    write_delta,
+    write_weights,
+)
 
 log = logging.getLogger("trainer")
 
@@ -61,24 +74,36 @@ class Publisher:
 
 
 class FilePublisher(Publisher):
-    def __init__(self, rank: int, model: torch.nn.Module, cfg: RunConfig, tied: bool):
+    def __init__(self, rank: int, model: torch.nn.Module, cfg: RunConfig, run: RunDir, tied: bool):
         super().__init__(rank)
         self.model, self.source, self.tied = model, cfg.model, tied
         self.dtype = served_dtype(cfg)  # the servers' own: the bytes they hold, no more
+        # Whole versions or deltas against the last whole one (weight_sync.delta).
+        self.versions = make_versions(cfg, run) if rank == 0 else FullVersions()
 
     def gather(self, policy: Policy) -> dict[str, torch.Tensor]:
         return gather_full_state_dict(self.model, self.dtype)
 
     def deliver(self, policy: Policy, step: int, tensors: dict[str, torch.Tensor]) -> float:
         t = policy.cfg.trainer
-        seconds = write_weights(policy.run, step, tensors, self.source, self.tied, t.weights_shard_mb << 20)
+        start = time.perf_counter()
+        tensors = untied(tensors, self.tied)
+        delta = self.versions.delta(step, tensors)
+        if delta is None:
+            digest = self.versions.digest(step, tensors)
+            write_weights(policy.run, step, tensors, self.source, self.tied, t.weights_shard_mb << 20, digest)
+            self.versions.published_full(step, tensors, digest)
+        else:
+            write_delta(policy.run, step, delta.manifest, delta.changes)
+            log.info("version %d as a delta against version %d: %d values changed, %.1f MB (%.2f s to encode)",
+                     step, delta.manifest.base_version, delta.manifest.changed, delta.nbytes / 2**20, delta.encode_s)
         prune_weights(policy.run, t.keep_weights)
-        return seconds
+        return time.perf_counter() - start
 
 
 class BroadcastPublisher(FilePublisher):
     def __init__(self, rank: int, model: torch.nn.Module, cfg: RunConfig, run: RunDir, tied: bool):
-        super().__init__(rank, model, cfg, tied)
+        super().__init__(rank, model, cfg, run, tied)
         self.broadcaster = None
         if rank == 0:
             from trainer.broadcast import WeightBroadcaster
@@ -86,8 +111,16 @@ class BroadcastPublisher(FilePublisher):
             self.broadcaster = WeightBroadcaster(cfg, run, tied)  # waits for the servers to join
 
     def deliver(self, policy: Policy, step: int, tensors: dict[str, torch.Tensor]) -> float:
-        # weights/step_n then holds the bucket manifest + STABLE; the tensors go over the wire.
-        return self.broadcaster.publish(step, tensors)
+        # weights/step_n then holds the bucket manifest + STABLE; the tensors (or a delta's
+        # changed values) go over the wire.
+        tensors = untied(tensors, self.tied)
+        delta = self.versions.delta(step, tensors)
+        if delta is not None:
+            return self.broadcaster.publish_delta(step, delta.manifest, delta.changes)
+        digest = self.versions.digest(step, tensors)
+        seconds = self.broadcaster.publish(step, tensors, digest)
+        self.versions.published_full(step, tensors, digest)
+        return seconds
 
     def close(self) -> None:
         if self.broadcaster is not None:
@@ -116,7 +149,7 @@ def make_publisher(cfg: RunConfig, run: RunDir, rank: int, model: torch.nn.Modul
 
 
 PUBLISHERS: dict[str, Callable[..., Publisher]] = {
-    "files": lambda cfg, run, rank, model, lora, tied: FilePublisher(rank, model, cfg, tied),
+    "files": lambda cfg, run, rank, model, lora, tied: FilePublisher(rank, model, cfg, run, tied),
     "broadcast": lambda cfg, run, rank, model, lora, tied: BroadcastPublisher(rank, model, cfg, run, tied),
     "adapters": lambda cfg, run, rank, model, lora, tied: AdapterPublisher(rank, lora, cfg.model),
 }

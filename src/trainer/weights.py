@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from rl import weight_delta as wd
 from rl.broadcast import plan_buckets
 from rl.config import RunConfig
 from rl.faults import crash_point
@@ -50,14 +51,21 @@ def gather_full_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = N
     return state
 
 
+def untied(state_dict: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
+    """The tensors a version holds: safetensors refuses shared storage, and HF checkpoints of tied
+    models omit lm_head (vLLM ties it to the embedding itself)."""
+    return {k: v for k, v in state_dict.items() if k != "lm_head.weight"} if tied else state_dict
+
+
 def write_weights(run: RunDir, step: int, state_dict: dict[str, torch.Tensor], source: Path, tied: bool,
-                  shard_bytes: int = 4 << 30) -> float:
-    """Write weights/step_<step> (rank 0 only); returns seconds taken."""
+                  shard_bytes: int = 4 << 30, digest: wd.Digest | None = None) -> float:
+    """Write weights/step_<step> (rank 0 only), with `digest` (a base deltas may be taken
+    against, rl/weight_delta.py) beside it; returns seconds taken."""
     start = time.perf_counter()
     out = _staging(run, step)
-    if tied:
-        # safetensors refuses shared storage, and HF checkpoints of tied models omit lm_head.
-        state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
+    state_dict = untied(state_dict, tied)
+    if digest is not None:
+        (out / wd.DIGEST).write_bytes(digest.to_json())
     metadata = {"format": "pt", "asyncrl_version": str(step)}
     # The same in-order size grouping as broadcast buckets (a bigger tensor gets its own file).
     shards = plan_buckets(((k, t.numel() * t.element_size()) for k, t in state_dict.items()), shard_bytes)
@@ -76,6 +84,18 @@ def write_weights(run: RunDir, step: int, state_dict: dict[str, torch.Tensor], s
         for f in source.glob(pattern):
             if f.name != "model.safetensors.index.json":
                 shutil.copy2(f, out / f.name)
+    _publish(out, run.weights_dir(step), step)
+    return time.perf_counter() - start
+
+
+def write_delta(run: RunDir, step: int, manifest: wd.Manifest, changes: dict[str, torch.Tensor]) -> float:
+    """weights/step_<step> as a delta (rank 0): delta.safetensors then delta.json, published like a
+    full version (written aside, STABLE, one rename); returns seconds taken."""
+    start = time.perf_counter()
+    out = _staging(run, step)
+    save_file({k: v.contiguous() for k, v in changes.items()}, out / wd.TENSORS,
+              metadata={"format": "pt", "asyncrl_version": str(step)})
+    (out / wd.MANIFEST).write_bytes(manifest.to_json())
     _publish(out, run.weights_dir(step), step)
     return time.perf_counter() - start
 
@@ -111,8 +131,16 @@ def _publish(out: Path, final: Path, step: int) -> None:
 
 
 def prune_weights(run: RunDir, keep: int) -> None:
-    """Delete all but the newest `keep` STABLE versions (the orchestrator loads only the newest)."""
+    """Delete all but the newest `keep` STABLE versions (the orchestrator loads only the newest),
+    and the full versions those deltas are taken against: a server that joins late or restarts
+    rebuilds a delta from its base's files."""
     stable = [n for n in run.weight_steps() if (run.weights_dir(n) / STABLE).exists()]
-    for n in stable[:-keep]:
-        remove_quietly(run.weights_dir(n))
+    kept = set(stable[-keep:])
+    for n in stable[-keep:]:
+        manifest = run.weights_dir(n) / wd.MANIFEST
+        if manifest.is_file():
+            kept.add(wd.Manifest.from_json(manifest.read_bytes()).base_version)
+    for n in stable:
+        if n not in kept:
+            remove_quietly(run.weights_dir(n))
 

@@ -1,0 +1,111 @@
+"""The workers' side of weight deltas (rl/weight_delta.py): the full version a worker keeps as
+its base, and a version rebuilt from it, checked against its checksum before anything is loaded.
+worker_extension.py's methods call these; every refusal (DeltaRefused) comes before the engine is
+touched.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("vllm.asyncrl")
+
+
+def raise_refused(why: str):
+    """A delta (or base) this worker will not load; raised before the engine is touched."""
+    from rl import weight_delta as wd
+
+    raise wd.DeltaRefused(why)
+
+
+@dataclass
+class BaseVersion:
+    """A full version kept in host memory (its checkpoint-named tensors, as in the file): the
+    CPU backend packs linear weights and empties `.weight`, and vLLM fuses q/k/v and gate/up,
+    so the served parameters cannot give the checkpoint's tensors back; this copy can."""
+
+    digest: object  # weight_delta.Digest
+    tensors: dict
+
+    @classmethod
+    def read(cls, path: str) -> BaseVersion:
+        """Read a full version's safetensors and check them against its digest.json (refused,
+        one line, when they are missing, damaged or no such version)."""
+        from safetensors.torch import load_file
+
+        from rl import weight_delta as wd
+
+        directory = Path(path)
+        try:
+            digest = wd.Digest.read(directory)
+            files = sorted(f for f in directory.glob("*.safetensors") if f.name != wd.TENSORS)
+            if not files:
+                raise FileNotFoundError(f"{directory} holds no *.safetensors")
+            tensors = {}
+            for f in files:
+                tensors.update(load_file(f))
+        except Exception as e:  # OSError, a malformed digest, safetensors' SafetensorError
+            raise_refused(f"the base at {directory} cannot be read: {type(e).__name__}: {str(e)[:300]}")
+        got = wd.checksum(tensors)
+        if got != digest.checksum:
+            raise_refused(f"the base at {directory} is damaged: its tensors' checksum is {got}, its digest "
+                          f"says {digest.checksum}")
+        return cls(digest, tensors)
+
+
+@contextmanager
+def rebuilt(base: BaseVersion, manifest, changes: dict):
+    """Within the block, the base's tensors hold the version, checked against its checksum
+    (refused when they differ); the base's own values are back after it (weight_delta.patched)."""
+    from rl import weight_delta as wd
+
+    with wd.patched(base.tensors, manifest, changes) as tensors:
+        got = wd.checksum(tensors)
+        if got != manifest.checksum:
+            raise_refused(f"version {manifest.version} rebuilt from version {manifest.base_version} has checksum "
+                          f"{got}, its manifest says {manifest.checksum}")
+        yield tensors
+
+
+class BroadcastVersion:
+    """One version arriving by broadcast: the full tensors, streamed into the reload as they come
+    (and kept as the base when the directory has a digest), or a delta's changed values, all
+    received first, then rebuilt like a delta from files."""
+
+    def __init__(self, directory: Path, incoming):
+        self.directory, self.incoming = directory, incoming
+
+    def load(self, worker) -> None:
+        from rl import weight_delta as wd
+
+        if (self.directory / wd.MANIFEST).is_file():
+            manifest = wd.read_manifest(self.directory)
+            base = getattr(worker, "_asyncrl_base", None)
+            if base is None or base.digest != manifest.base:
+                raise_refused(f"version {manifest.version} is a delta against version {manifest.base_version}, "
+                              f"which this worker does not hold (a broadcast base cannot be read back)")
+            with rebuilt(base, manifest, dict(self.incoming.tensors())) as tensors:
+                worker._asyncrl_load_tensors(iter(tensors.items()))
+            return
+        keep = (self.directory / wd.DIGEST).is_file()
+        kept: dict = {}
+
+        def tensors():
+            for name, t in self.incoming.tensors():
+                if keep:
+                    # On CPU a view into its bucket's own buffer (no copy); from a GPU, host memory.
+                    kept[name] = t if t.device.type == "cpu" else t.cpu()
+                yield name, t
+
+        worker._asyncrl_load_tensors(tensors())
+        if keep:
+            digest = wd.Digest.read(self.directory)
+            if wd.checksum(kept) == digest.checksum:
+                worker._asyncrl_base = BaseVersion(digest, kept)
+            else:
+                worker._asyncrl_base = None
+                log.warning("version %d arrived with another checksum than its digest: not kept as a base",
+                            digest.version)

@@ -1,0 +1,363 @@
+"""Weight deltas through files (`[weight_sync] delta = true`; rl/weight_delta.py, trainer/deltas.py,
+inference/reload.py DeltaFiles, worker_extension.py asyncrl_apply_delta).
+
+- The format: encode + rebuild give back every bit (bf16 and float32, -0.0 and NaN included).
+- The trainer's FilePublisher writes a full version, then deltas against it, a full one again
+  every full_every versions; keep_weights keeps every base a kept delta needs; a trainer killed
+  while writing a delta leaves nothing a server would load.
+- One real vLLM server (CPU) takes a chain of deltas: it then serves exactly what a full reload
+  of the same version serves (greedy tokens and logprobs, and the rebuilt tensors' checksum is
+  the full file's); a server holding another base catches up through the base's files; a delta
+  whose base is missing, damaged or another run's, or whose values were tampered with, is
+  refused with one line, and the server goes on serving its version.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import ROOT, TINY_MODEL
+from rl import weight_delta as wd
+from rl.config import RunConfig
+from rl.rundir import STABLE, RunDir
+
+PROMPTS = ([3, 4, 5, 29], [10, 11, 29], [28, 27, 26, 25, 29])
+EMBED = "model.embed_tokens.weight"
+
+
+# --- the format -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_encode_then_rebuild_gives_back_every_bit(dtype):
+    g = torch.Generator().manual_seed(0)
+    base = {"a": torch.randn(64, 33, generator=g).to(dtype), "b": torch.randn(7, generator=g).to(dtype),
+            "same": torch.randn(5, generator=g).to(dtype)}
+    new = {k: v.clone() for k, v in base.items()}
+    new["a"].view(-1)[::17] += 1e-3  # some values move, most do not (bf16 rounds 1e-3 away for many)
+    new["b"][0], new["b"][1], new["b"][2] = -0.0, float("nan"), float("inf")
+    base["b"][0] = 0.0  # -0.0 == 0.0 as numbers, not as bits
+    entries, changes = wd.encode(base, new)
+    assert entries["same"].changed == 0 and "same/idx" not in changes
+    assert entries["b"].changed == 3
+    manifest = wd.Manifest("run", 2, 1, wd.checksum(base), wd.checksum(new), entries)
+    assert wd.Manifest.from_json(manifest.to_json()) == manifest
+    out = wd.rebuild(base, manifest, changes)
+    assert wd.checksum(out) == wd.checksum(new) != wd.checksum(base)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    for k in new:
+        assert torch.equal(out[k].reshape(-1).view(bits), new[k].reshape(-1).view(bits)), k
+    assert out["same"] is base["same"]  # unchanged tensors are not copied
+    bad = dict(changes)
+    bad["a/idx"] = bad["a/idx"] + 10**6
+    with pytest.raises(wd.DeltaRefused, match="indices fall outside"):
+        wd.rebuild(base, manifest, bad)
+    # In place, for the block only: the base holds the new version inside, its own values after,
+    # also when the block raises.
+    before = wd.checksum(base)
+    with pytest.raises(RuntimeError, match="inside"):
+        with wd.patched(base, manifest, changes) as inside:
+            assert wd.checksum(inside) == wd.checksum(new)
+            raise RuntimeError("inside")
+    assert wd.checksum(base) == before
+    with pytest.raises(wd.DeltaRefused):
+        with wd.patched(base, manifest, bad):
+            pass
+    assert wd.checksum(base) == before
+
+
+def test_a_malformed_manifest_is_a_value_error_naming_the_field():
+    good = json.loads(wd.Manifest("r", 3, 1, "b", "c", {"x": wd.TensorEntry("float32", (2,), 1)}).to_json())
+    for change, match in [({"version": 1}, "not before"), ({"run_id": None}, "must all be set"),
+                          ({"tensors": {"x": {"dtype": "float32", "shape": [2], "changed": 3}}}, "outside"),
+                          ({"format": "other"}, "not a")]:
+        with pytest.raises(ValueError, match=match):
+            wd.Manifest.from_json(json.dumps({**good, **change}))
+
+
+def test_config_delta_needs_full_weights_and_full_every_at_least_one():
+    base = {"model": str(TINY_MODEL), "weight_sync": {"delta": True}}
+    assert RunConfig.model_validate(base).weight_sync.full_every == 8
+    with pytest.raises(ValueError, match="weight_sync.delta applies to full weights"):
+        RunConfig.model_validate({**base, "trainer": {"lora": {"rank": 4}}})
+    with pytest.raises(ValueError, match="full_every"):
+        RunConfig.model_validate({**base, "weight_sync": {"delta": True, "full_every": 0}})
+
+
+def test_a_bad_full_every_exits_2_with_one_line(tmp_path):
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(f'model = "{TINY_MODEL}"\noutput_dir = "{tmp_path / "run"}"\n[weight_sync]\nfull_every = 0\n')
+    out = subprocess.run([sys.executable, "-m", "rl", "trainer", "@", str(cfg), "--dry-run"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2, out
+    assert "weight_sync.full_every" in out.stdout + out.stderr
+
+
+# --- the trainer's side -----------------------------------------------------------------------
+
+
+def step_tensors(step: int) -> dict[str, torch.Tensor]:
+    """The tiny model's tensors after `step` sparse updates (3% of each tensor's values a step,
+    the same ones moved again at times): what gather_full_state_dict hands over, lm_head included."""
+    tensors = dict(_stepped(step))
+    return {**tensors, "lm_head.weight": tensors[EMBED]}
+
+
+@functools.lru_cache(maxsize=None)
+def _stepped(step: int) -> tuple[tuple[str, torch.Tensor], ...]:
+    """Each step from the one before (cached: the tests ask for the same steps many times)."""
+    if step <= 1:
+        return tuple(sorted(load_file(TINY_MODEL / "model.safetensors").items()))
+    g = torch.Generator().manual_seed(step)
+    out = []
+    for name, t in _stepped(step - 1):
+        t = t.clone()
+        flat = t.view(-1)
+        picked = torch.rand(flat.shape, generator=g) < 0.03
+        flat[picked] += 0.05 * torch.randn(int(picked.sum()), generator=g)
+        out.append((name, t))
+    return tuple(out)
+
+
+def publisher(run: RunDir, full_every: int = 8, keep: int = 3):
+    from trainer.publish import FilePublisher
+
+    cfg = RunConfig.model_validate({"model": str(TINY_MODEL), "output_dir": str(run.root),
+                                    "inference": {"dtype": "float32"},
+                                    "weight_sync": {"delta": True, "full_every": full_every},
+                                    "trainer": {"keep_weights": keep}})
+    pub = FilePublisher(0, None, cfg, run, tied=True)
+    return pub, SimpleNamespace(cfg=cfg, run=run)
+
+
+def test_the_publisher_writes_full_then_deltas_and_keeps_their_base(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.make()
+    pub, policy = publisher(run, full_every=3, keep=2)
+    for step in range(1, 8):
+        pub.deliver(policy, step, step_tensors(step))
+    kinds = {n: "delta" if (run.weights_dir(n) / wd.MANIFEST).exists() else "full" for n in run.weight_steps()}
+    # Full at 1, 4, 7 (every 3); keep_weights 2 keeps 6 and 7, and 6's base, 4.
+    assert kinds == {4: "full", 6: "delta", 7: "full"}
+    manifest = wd.read_manifest(run.weights_dir(6))
+    assert (manifest.version, manifest.base_version) == (6, 4)
+    digest = wd.Digest.read(run.weights_dir(4))
+    assert manifest.base == digest and digest.run_id == (run.weights / wd.RUN_ID).read_text()
+    # The delta rebuilds version 6 bit for bit, lm_head left out as from the full file.
+    base = load_file(run.weights_dir(4) / "model.safetensors")
+    out = wd.rebuild(base, manifest, load_file(run.weights_dir(6) / wd.TENSORS))
+    expected = {k: v for k, v in step_tensors(6).items() if k != "lm_head.weight"}
+    assert wd.checksum(out) == wd.checksum(expected) == manifest.checksum
+    # Small: 3% of the values a step, two steps from the base (index + value: 8 bytes each).
+    full_bytes = (run.weights_dir(4) / "model.safetensors").stat().st_size
+    assert (run.weights_dir(6) / wd.TENSORS).stat().st_size < 0.2 * full_bytes
+    # A restarted trainer (a new publisher) starts with a full version, under the same run id.
+    pub2, _ = publisher(run, full_every=3, keep=2)
+    pub2.deliver(policy, 8, step_tensors(8))
+    assert not (run.weights_dir(8) / wd.MANIFEST).exists() and wd.Digest.read(run.weights_dir(8)).run_id == digest.run_id
+
+
+KILLED_WRITER = """
+import sys
+from pathlib import Path
+sys.path[:0] = [{tests!r}, {src!r}]
+from rl.rundir import RunDir
+from test_weight_delta import publisher, step_tensors
+run = RunDir({root!r})
+pub, policy = publisher(run)
+for step in (1, 2, 3):
+    pub.deliver(policy, step, step_tensors(step))
+"""
+
+
+@pytest.mark.slow
+def test_a_trainer_killed_while_writing_a_delta_leaves_nothing_loadable(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.make()
+    script = KILLED_WRITER.format(tests=str(ROOT / "tests"), src=str(ROOT / "src"), root=str(run.root))
+    out = subprocess.run([sys.executable, "-c", script], env={**os.environ, "ASYNCRL_CRASH_AT": "weights.staged:3"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == -9, out.stderr[-2000:]
+    # Version 2 (a delta) is published; version 3's files lie aside, without STABLE, under a name
+    # no server is ever handed (the orchestrator delivers only weights/step_<n> with STABLE).
+    assert run.stable_weight_steps() == [1, 2] and (run.weights_dir(2) / wd.MANIFEST).exists()
+    staged = run.weights / ".step_3.tmp"
+    assert (staged / wd.TENSORS).exists() and not (staged / STABLE).exists()
+    assert not run.weights_dir(3).exists()
+    # A resumed trainer publishes version 3 afresh (full: it holds no base), the partial one gone.
+    pub, policy = publisher(run)
+    pub.deliver(policy, 3, step_tensors(3))
+    assert not staged.exists() and (run.weights_dir(3) / STABLE).exists()
+
+
+# --- one real server -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A vLLM server with weight_sync.delta = true, and versions written by the trainer's
+    FilePublisher: 1 full, 2-4 deltas against it (the chain), 5 the full file of version 4 (no
+    digest: vLLM's own reload), 6 another full version with a digest."""
+    from test_end_to_end import launch_server, wait_healthy
+
+    tmp = tmp_path_factory.mktemp("delta")
+    run = RunDir(tmp / "run")
+    run.make()
+    pub, policy = publisher(run, keep=100)
+    for step in (1, 2, 3, 4):
+        pub.deliver(policy, step, step_tensors(step))
+    full4 = run.weights_dir(5)
+    shutil.copytree(run.weights_dir(1), full4)
+    (full4 / wd.DIGEST).unlink()
+    save_file({k: v for k, v in step_tensors(4).items() if k != "lm_head.weight"}, full4 / "model.safetensors")
+    pub2, _ = publisher(run, keep=100)  # a restart: its first version is full
+    pub2.deliver(policy, 6, step_tensors(9))
+    proc, url = launch_server(tmp, "server", TINY_MODEL, run.root, extra="[weight_sync]\ndelta = true\n")
+    try:
+        wait_healthy(proc, url)
+        yield SimpleNamespace(proc=proc, url=url, run=run, tmp=tmp, publisher=pub)
+    finally:
+        proc.stop()
+
+
+def update(url: str, path: Path, version: int) -> tuple[int, str]:
+    r = httpx.post(f"{url}/update_weights", json={"path": str(path), "version": version, "mode": "wait"}, timeout=120)
+    return r.status_code, r.text
+
+
+def greedy(url: str) -> list[tuple[list[int], list[float]]]:
+    out = []
+    for i, prompt in enumerate(PROMPTS):
+        r = httpx.post(f"{url}/generate", timeout=60, json={"request_id": f"g{time.monotonic_ns()}-{i}",
+                                                            "prompt_token_ids": list(prompt), "max_tokens": 12,
+                                                            "temperature": 0})
+        assert r.status_code == 200, r.text
+        sample = r.json()["samples"][0]
+        out.append((sample["token_ids"], sample["logprobs"]))
+    return out
+
+
+def detail(text: str) -> str:
+    """The message of an error answer (vLLM's handler renders every HTTPException)."""
+    return json.loads(text)["error"]["message"]
+
+
+def serving(url: str) -> int:
+    return httpx.get(f"{url}/health", timeout=10).json()["version"]
+
+
+@pytest.mark.slow
+def test_a_chain_of_deltas_serves_exactly_what_a_full_reload_serves(server):
+    url, run = server.url, server.run
+    assert update(url, run.weights_dir(1), 1)[0] == 200
+    v1 = greedy(url)
+    chain = []
+    for v in (2, 3, 4):
+        status, text = update(url, run.weights_dir(v), v)
+        assert status == 200, text
+        chain.append(greedy(url))
+    log = server.proc.log.read_text()
+    assert "version 4 rebuilt from version 1 + " in log
+    status, text = update(url, run.weights_dir(5), 5)  # the full file of version 4, vLLM's own reload
+    assert status == 200, text
+    full = greedy(url)
+    assert chain[-1] == full  # the same tokens and the same logprobs, to the bit
+    assert chain[0] != v1 and chain[-1] != chain[0]
+    # The tensors: the worker loads only what matches version 4's checksum, which is the full file's.
+    full_tensors = load_file(run.weights_dir(5) / "model.safetensors")
+    assert wd.read_manifest(run.weights_dir(4)).checksum == wd.checksum(full_tensors)
+
+
+@pytest.mark.slow
+def test_a_server_holding_another_base_catches_up_through_the_base_files(server):
+    """The server holds version 6's tensors as its base; a delta against version 1 (as for a
+    server that restarted after version 1 was published) reads version 1's files, checks them,
+    and serves exactly the full file's version."""
+    url, run = server.url, server.run
+    assert update(url, run.weights_dir(6), 6)[0] == 200
+    late = run.weights_dir(7)
+    shutil.copytree(run.weights_dir(4), late)
+    manifest = wd.read_manifest(late)
+    (late / wd.MANIFEST).write_bytes(wd.Manifest(manifest.run_id, 7, 1, manifest.base_checksum, manifest.checksum,
+                                                 manifest.tensors).to_json())
+    status, text = update(url, late, 7)
+    assert status == 200, text
+    got = greedy(url)
+    assert update(url, run.weights_dir(5), 8)[0] == 200
+    assert got == greedy(url)
+
+
+def refused_delta(server, version: int, base: int, run_id: str | None = None) -> Path:
+    """weights/step_<version>: version 4's delta renamed, against `base`, of `run_id`."""
+    src = server.run.weights_dir(4)
+    out = server.run.weights_dir(version)
+    shutil.copytree(src, out)
+    m = wd.read_manifest(src)
+    base_checksum = m.base_checksum
+    if (server.run.weights_dir(base) / wd.DIGEST).exists():
+        base_checksum = wd.Digest.read(server.run.weights_dir(base)).checksum
+    (out / wd.MANIFEST).write_bytes(wd.Manifest(run_id or m.run_id, version, base, base_checksum, m.checksum,
+                                                m.tensors).to_json())
+    return out
+
+
+@pytest.mark.slow
+def test_faulty_deltas_are_refused_with_one_line_and_the_server_keeps_serving(server):
+    url, run = server.url, server.run
+    assert update(url, run.weights_dir(4), 4)[0] == 200  # serving version 4, base 1 held
+    before = greedy(url)
+    answers = {}
+    # Missing: its base was never kept.
+    answers["missing"] = update(url, refused_delta(server, 20, 19), 20)
+    # Another run's: a delta naming run "other", against version 1 of this run.
+    answers["other run"] = update(url, refused_delta(server, 21, 1, run_id="other"), 21)
+    # Damaged: a base whose file changed after its digest was written (one value's bytes).
+    damaged = run.weights_dir(22)
+    shutil.copytree(run.weights_dir(1), damaged)
+    digest = wd.Digest.read(damaged)
+    (damaged / wd.DIGEST).write_bytes(wd.Digest(digest.run_id, 22, digest.checksum).to_json())
+    tensors = load_file(damaged / "model.safetensors")
+    tensors[EMBED][0, 0] += 1.0
+    save_file(tensors, damaged / "model.safetensors")
+    answers["damaged"] = update(url, refused_delta(server, 23, 22), 23)
+    # Tampered: the base is the one held, but the values do not rebuild the version's checksum.
+    tampered = refused_delta(server, 24, 1)
+    changes = load_file(tampered / wd.TENSORS)
+    key = next(k for k in changes if k.endswith("/val"))
+    changes[key] = changes[key] + 1.0
+    save_file(changes, tampered / wd.TENSORS)
+    answers["tampered"] = update(url, tampered, 24)
+    # Killed while writing: the staging directory never becomes a version.
+    staged = run.weights / ".step_25.tmp"
+    shutil.copytree(run.weights_dir(4), staged)
+    (staged / STABLE).unlink()
+    answers["staged"] = update(url, run.weights_dir(25), 25)
+    for case, (status, text) in answers.items():
+        assert status in (404, 409), (case, status, text)
+        assert "\n" not in detail(text), (case, text)
+    for case in ("missing", "other run", "damaged", "tampered"):
+        assert wd.REFUSED in answers[case][1], (case, answers[case])
+    assert "version 19, is missing" in answers["missing"][1]
+    assert "belongs to run other" in answers["other run"][1]
+    assert "is damaged" in answers["damaged"][1] and "still serves version 4" in answers["damaged"][1]
+    assert "has checksum" in answers["tampered"][1] and "still serves version 4" in answers["tampered"][1]
+    assert "rolled back" not in server.proc.log.read_text()
+    assert serving(url) == 4 and greedy(url) == before
+    # And the next good delta loads.
+    assert update(url, run.weights_dir(3), 26)[0] == 400  # a delta's version is its own
+    status, text = update(url, refused_delta(server, 27, 1), 27)
+    assert status == 200, text
+    assert greedy(url) == before  # version 4's values again, as version 27
