@@ -38,7 +38,9 @@ demo: install
 # the first two leave idle (on 2 cores, fresh clone of 2026-11-25: 2 workers 15:56, 3 workers
 # 14:32, 4 workers 15:31; docs/performance.md). Each worker's vLLM engines compute on one core
 # (tests/conftest.py). (--dist loadgroup did not keep a group on one worker with pytest 9.2 and
-# xdist 3.8.) The slowest tests are listed at the end: where the time goes, in every CI log.
+# xdist 3.8.) Files are handed out longest first (tests/conftest.py LONGEST, then the slow ones),
+# not in xdist's default order (most tests first), which left the longest one-test files for last.
+# The slowest tests are listed at the end: where the time goes, in every CI log.
 TEST_WORKERS ?= 3
 
 test: install

@@ -264,8 +264,9 @@ def write_task(directory: Path) -> dict:
 def rl_run(ctx: Context, steps: int, extra: dict) -> Path:
     """`rl run` of `steps` steps on the check's task; returns the run directory (exit 0 or CheckFailed)."""
     s, root, port = ctx.scale, ctx.path / "run", ctx.ports[0]
-    orchestrator = {"prompts_per_step": s.prompts_per_step, "group_size": s.group_size, "max_tokens": s.max_tokens,
-                    "max_in_flight_groups": 2 * s.prompts_per_step, "datasets": [write_task(ctx.path)]}
+    orchestrator = {"scheduling": {"prompts_per_step": s.prompts_per_step, "group_size": s.group_size,
+                                   "max_in_flight_groups": 2 * s.prompts_per_step},
+                    "sampling": {"max_tokens": s.max_tokens}, "datasets": [write_task(ctx.path)]}
     base = {"max_steps": steps, "max_async_level": 1, "orchestrator": orchestrator,
             "trainer": {"optim": {"lr": s.lr}}}
     cfg = write_config(ctx.path / "run.toml", ctx, root, merged(base, extra), port=port)

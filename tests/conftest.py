@@ -31,7 +31,10 @@ def _port_slice() -> range:
     return range(PORTS_FROM + index * width, PORTS_FROM + (index + 1) * width)
 
 
-_ports = itertools.count()
+# Each process starts at its own place in its slice: two pytest runs side by side without xdist
+# (or two `make test`s) share a slice, and both starting at its first port took the same ones
+# ("Address already in use", seen with two single-file runs on one machine).
+_ports = itertools.count(os.getpid() * 613)
 
 
 def free_port() -> int:
@@ -75,13 +78,38 @@ def pytest_configure(config):
     if worker.startswith("gw"):
         cores = sorted(os.sched_getaffinity(0))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cores[int(worker[2:]) % len(cores)]))
+    # xdist hands out files in the order collected here only without its own reordering, which is
+    # on by default (--loadscope-reorder: files with the most tests first), and which put
+    # test_multi_host.py, test_random_kills.py and test_kill_inference.py, one test each and among
+    # the longest files, at the very end of the queue (pytest-xdist 3.8, xdist/scheduler/loadscope.py).
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+# The files that hold a worker longest, longest first: handed out first, so that none of them
+# starts while the other workers are finishing (docs/performance.md, "The suite's order": each
+# file alone, `pytest -p no:xdist FILE`, and the slowest tests of `make test` on 2 cores).
+LONGEST = ["test_gpu_check.py", "faults/test_kill_restart.py", "test_multi_host.py", "test_end_to_end.py",
+           "faults/test_kill_inference.py", "faults/test_random_kills.py", "faults/test_kill_launcher.py"]
 
 
 def pytest_collection_modifyitems(config, items):
-    """Slow tests (real engines, trainers, hosts) go first: `make test` hands whole files to the
-    workers (`--dist loadfile`: a module-scoped server starts once), and a long file picked up
-    last would leave the other worker idle at the end."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: order kept within
+    """The longest files first (LONGEST), then the other slow tests (real engines, trainers,
+    hosts), then the rest: `make test` hands whole files to the workers (`--dist loadfile`: a
+    module-scoped server starts once), and a long file picked up last would leave the other
+    workers idle at the end."""
+    tests = Path(__file__).parent
+
+    def rank(item) -> tuple[int, int]:
+        try:
+            name = item.path.relative_to(tests).as_posix()
+        except ValueError:
+            name = ""
+        if name in LONGEST:
+            return 0, LONGEST.index(name)
+        return (1 if item.get_closest_marker("slow") else 2), 0
+
+    items.sort(key=rank)  # stable: the order within a file is kept
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -51,7 +51,7 @@ def test_a_growing_conversation_is_one_sample_and_edited_history_starts_another(
 
 def endpoint_and_tokenizer(max_tokens: int = 64, seq_len: int = 256):
     cfg, _ = load_config(["@", str(ROOT / "configs" / "tools_demo.toml"), "--orchestrator.environment",
-                          "tasks.calculator_agent:CalculatorAgent", "--orchestrator.max_tokens",
+                          "tasks.calculator_agent:CalculatorAgent", "--orchestrator.sampling.max_tokens",
                           str(max_tokens), "--seq_len", str(seq_len)])
     rollouts = Rollouts(cfg, load_tokenizer(cfg.model), {}, None, CalculatorAgent())
     return rollouts.kind, rollouts

@@ -114,7 +114,8 @@ def trained(tmp_path_factory):
             f'model = "{TINY_MODEL}"\noutput_dir = "{run.root}"\nmax_steps = 3\nseq_len = 64\n'
             f"max_async_level = {MAX_ASYNC}\n"
             f'[inference]\nport = {port}\ndtype = "float32"\n'
-            "[orchestrator]\nprompts_per_step = 4\ngroup_size = 4\nmax_tokens = 12\nmax_in_flight_groups = 8\n"
+            "[orchestrator]\nscheduling.prompts_per_step = 4\nscheduling.group_size = 4\nscheduling.max_in_flight_groups = 8\n"
+            "sampling.max_tokens = 12\n"
             "[trainer]\nkeep_weights = 5\nkeep_rollouts = 5\ntorch_threads = 1\n"
             "[trainer.optim]\nlr = 1e-3\n")
         train(cfg, tmp)
@@ -166,7 +167,8 @@ def test_three_programs_train_with_weights_broadcast_instead_of_files(tmp_path):
         cfg.write_text(
             f'model = "{TINY_MODEL}"\noutput_dir = "{run.root}"\nmax_steps = 3\nseq_len = 64\n'
             f'[inference]\nport = {url.rsplit(":", 1)[1]}\ndtype = "float32"\n' + sync +
-            "[orchestrator]\nprompts_per_step = 4\ngroup_size = 4\nmax_tokens = 12\nmax_in_flight_groups = 8\n"
+            "[orchestrator]\nscheduling.prompts_per_step = 4\nscheduling.group_size = 4\nscheduling.max_in_flight_groups = 8\n"
+            "sampling.max_tokens = 12\n"
             "[trainer]\ntorch_threads = 1\n[trainer.optim]\nlr = 1e-3\n")
         trainer = train(cfg, tmp_path)
         health = httpx.get(f"{url}/health", timeout=10).json()

@@ -3,7 +3,7 @@ against real `rl inference` servers (the stand-in versions are in tests/test_sch
 
 - groups no batch can take any more are aborted *on the engine*: the server stops their engine
   requests while they run (its /health "aborted" counts them), their prompts go back to the queue;
-- a request that outlives orchestrator.servers.request_timeout_s is aborted on the engine, its prompt
+- a request that outlives orchestrator.timeouts.request_s is aborted on the engine, its prompt
   requeued, the server taken out of rotation and back;
 - a reload that outlives inference.reload_timeout_s answers 504 on time, /health says 503 while
   it still runs, and the server serves the new version once it ends.

@@ -42,7 +42,8 @@ def base_config(server, extra: str = "") -> str:
 
 def run_config(task: str, lr: float, max_steps: int) -> str:
     return (f'[orchestrator]\ndataset = "tasks.{task}:dataset"\nreward = "tasks.{task}:reward"\n'
-            "prompts_per_step = 4\ngroup_size = 4\nmax_tokens = 10\nmax_in_flight_groups = 8\n"
+            "scheduling.prompts_per_step = 4\nscheduling.group_size = 4\nscheduling.max_in_flight_groups = 8\n"
+            "sampling.max_tokens = 10\n"
             f"[trainer.optim]\nlr = {lr}\n")
 
 

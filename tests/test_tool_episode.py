@@ -269,3 +269,22 @@ def test_tool_conversations_render_as_transformers_renders_them():
         for tools in (schemas, None):
             assert ours.render(messages, True, tools) == hf.apply_chat_template(
                 messages, tools=tools, add_generation_prompt=True, tokenize=False)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_an_eval_environment_samples_with_the_evaluation_settings_not_the_runs(temperature):
+    """[[orchestrator.eval.environments]] runs the environment's kind with [orchestrator.eval]'s
+    temperature (greedy by default) and, greedy, without the run's truncation; the run's own
+    rollouts keep theirs. (A copy of the settings that set keys the sampling table no longer
+    held once evaluated the held-out episodes at the run's T = 1.)"""
+    from orchestrator.evaluation.environments import EnvironmentEval
+    from orchestrator.prompts.tokenizer import load_tokenizer
+    from rl.dataset_config import EvalConfig, EvalEnvironment
+
+    cfg = config(temperature=1.0, top_k=5)
+    rollouts = Rollouts(cfg, load_tokenizer(cfg.model), {}, None, Tools())
+    evaluation = EnvironmentEval(rollouts, EvalEnvironment(name="held", environment="test_tool_episode:Tools"),
+                                 EvalConfig(temperature=temperature, rows=2))
+    sampling = evaluation.kind.sampling(None)
+    assert (sampling.temperature, sampling.top_k) == (temperature, 5 if temperature else -1)
+    assert (rollouts.kind.sampling(None).temperature, rollouts.kind.sampling(None).top_k) == (1.0, 5)

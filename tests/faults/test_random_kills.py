@@ -22,7 +22,9 @@ from real_run import RealRun, gone, rl_run
 
 pytestmark = pytest.mark.slow
 
-ROUNDS = 3
+# Each round is a whole `rl run` start (a vLLM server's start is most of it: 30-60 s on a loaded
+# 2-core machine), so two kills a run, each drawn anew (program, step, moment) every suite run.
+ROUNDS = 2
 STEPS = 12
 PROGRAMS = ("trainer", "orchestrator", "inference")
 # A trainer checkpoint every 4 steps: kills land before the first one (a replay from the base

@@ -22,10 +22,11 @@ class EnvironmentEval:
         o = run.orchestrator
         sampled = cfg.temperature > 0
         # The kind samples every turn with its settings' sampling(): the evaluation's here.
-        settings = o.model_copy(update={
-            "environment": spec.environment, "environment_args": spec.environment_args,
+        sampling = o.sampling.model_copy(update={
             "temperature": cfg.temperature, "top_p": o.sampling.top_p if sampled else 1.0,
             "top_k": o.sampling.top_k if sampled else -1, "min_p": o.sampling.min_p if sampled else 0.0})
+        settings = o.model_copy(update={"environment": spec.environment, "environment_args": spec.environment_args,
+                                        "sampling": sampling})
         env = load_callable(spec.environment, f"orchestrator.eval.environments {spec.name}")(**spec.environment_args)
         self.kind = kind_of(env)(run.model_copy(update={"orchestrator": settings}), rollouts, rollouts.renderer, {}, env)
         self.name, self.samples = spec.name, cfg.samples
