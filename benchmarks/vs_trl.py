@@ -83,6 +83,7 @@ def trl_run(name: str, r: Recipe, seed: int, steps: int, budget_s: float | None)
     if budget_s is not None:
         argv += ["--budget-s", str(budget_s)]
     print("$", " ".join(argv[1:]), flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)  # runs/ is not in a fresh clone
     start = time.time()
     with open(out.with_suffix(".log"), "w") as log:
         subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=7200)

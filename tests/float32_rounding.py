@@ -10,11 +10,18 @@ assuming no layer amplifies an earlier error beyond that scale: every product's 
 RMS-normalised), bounds each logit's error by logit_error(...) * max_i sum_j |E_ij h_j|: a worst
 case, far above the ~sqrt(n) u that rounding typically adds up to. A logprob is then off by at
 most twice that (log_softmax adds at most max |dlogit| to the logit's own error).
+
+The same analysis gives the bounds for the float32 steps after the logits (gamma,
+log_softmax_error, k3_error): a test comparing a float32 computation with an exact (float64)
+one allows what these give, and two float32 computations of one value differ by at most the sum.
 """
 
 from __future__ import annotations
 
+import math
+
 U = 2.0 ** -24  # float32 unit roundoff
+ULPS = 2  # torch's vectorised exp and log (Sleef's u10 kernels, its own exp_u20) are within 2 ulp = 4 U
 LAYERS, WIDEST = 4, 384  # the tiny models' (models/tiny-*/config.json: intermediate_size)
 
 
@@ -23,13 +30,44 @@ def logit_error(products_per_layer: int) -> float:
     return chained * WIDEST * U / (1 - chained * WIDEST * U)
 
 
+def gamma(n: int) -> float:
+    """Higham's gamma_n: a float32 sum of n + 1 terms (any order, any grouping) is off by at most
+    gamma(n) * the sum of their magnitudes; a product or quotient of exact inputs by U."""
+    return n * U / (1 - n * U)
+
+
+def log_softmax_error(n: int, largest: float) -> float:
+    """How far torch's float32 log_softmax over n logits may put an entry from the exact value, when
+    the logits are exact float32 numbers whose finite ones are within `largest` in magnitude (-inf,
+    masked, adds exactly 0 and only counts in n). torch computes m = max, S = sum exp(x - m),
+    out = x - (m + log S) (aten SoftMaxKernel.cpp, _vec_log_softmax_lastdim). To first order:
+    x - m rounds by U * 2 * largest, which exp turns into a relative error beside its own
+    (ULPS * 2 U); the sum adds gamma(n - 1) relatively; log turns S's relative error into an
+    absolute one and adds its own, relative to |log S| <= log n; m + log S and the last
+    subtraction round by U times their magnitudes (largest + log n, 2 * largest + log n)."""
+    exp_log = 2 * ULPS * U
+    s_relative = gamma(n - 1) + 2 * largest * U + exp_log
+    log_s = s_relative + exp_log * math.log(n)
+    return log_s + U * (largest + math.log(n)) + U * (2 * largest + math.log(n))
+
+
+def k3_error(x: float) -> float:
+    """How far float32 k3(x) = exp(x) - x - 1 (trainer/loss.py's mismatch_kl per token) may be from
+    the exact value at the same x: exp's own error, then two subtractions rounding by U times
+    their results (|exp(x) - x| and k3 itself, at most exp(x) + |x|)."""
+    e = math.exp(x)
+    return 2 * ULPS * U * e + 2 * U * (e + abs(x))
+
+
 LOGIT_ERROR = logit_error(6)  # per layer q/k/v, scores, values, o, gate/up, down: ~5.7e-4
 
 
-def float64_logprobs(model, ids: list[int]):
+def float64_logprobs(model, ids: list[int], error: float = LOGIT_ERROR):
     """(log_softmax at every position of `ids`, float64 [len(ids), vocab]; per position, how far
-    float32 rounding may move any of its logits: LOGIT_ERROR * max_i sum_j |E_ij h_j|, h the
-    head's input there). `model`: a transformers causal LM already in float64, so exact to ~1e-16."""
+    float32 rounding may move any of its logits: `error` * max_i sum_j |E_ij h_j|, h the head's
+    input there; a logprob twice that). `model`: a transformers causal LM already in float64, so
+    exact to ~1e-16. `error`: LOGIT_ERROR, or logit_error(8) with a LoRA adapter (its A then B
+    beside each product)."""
     import torch
 
     head_in = []
@@ -38,7 +76,7 @@ def float64_logprobs(model, ids: list[int]):
     try:
         with torch.no_grad():
             lp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].double(), -1)
-            bound = LOGIT_ERROR * (head.weight.abs() @ head_in[0].abs().T).max(0).values
+            bound = error * (head.weight.abs() @ head_in[0].abs().T).max(0).values
     finally:
         hook.remove()
     return lp, bound

@@ -71,10 +71,11 @@ seq_len = 96
 [inference]
 port = {free_port()}
 dtype = "float32"
-[orchestrator]
+[orchestrator.scheduling]
 prompts_per_step = 4
 group_size = 4
 max_in_flight_groups = 8
+[orchestrator.sampling]
 max_tokens = 16
 [[orchestrator.datasets]]
 path = "{data}"

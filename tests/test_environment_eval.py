@@ -23,7 +23,7 @@ dtype = "float32"
 [orchestrator]
 tools.parser = "hermes"
 max_turns = 3
-max_tokens = 64
+sampling.max_tokens = 64
 [orchestrator.eval]
 rows = 12
 [[orchestrator.eval.environments]]

@@ -27,7 +27,7 @@ seq_len = 64
 [inference]
 port = {free_port()}
 dtype = "float32"
-[orchestrator]
+[orchestrator.sampling]
 max_tokens = 10
 [orchestrator.eval]
 rows = 30

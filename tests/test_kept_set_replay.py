@@ -1,4 +1,4 @@
-"""Replayed kept sets (orchestrator.record_kept_sets): the sampler's own kept set of each token
+"""Replayed kept sets (orchestrator.sampling.record_kept_sets): the sampler's own kept set of each token
 travels in the batch and the trainer renormalises over exactly it, rebuilding only where none
 was recorded. The engine side, against a real vLLM server: tests/test_sampling_mask.py."""
 
@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from float32_rounding import log_softmax_error
 from inference.kept_sets import kept_sets
 from rl.batch import Batch, BatchError
 from samples import single_turn
@@ -40,6 +41,7 @@ def test_a_replayed_set_replaces_the_rebuilt_one_and_positions_without_one_are_r
         kept[0, t, :3] = torch.tensor([int(tokens[0, t + 1]), *others])
     trunc = truncation(select, kept)
     logprobs, _ = token_logprobs_and_entropy(logits, tokens, 1.0, trunc)
+    rounding = log_softmax_error(VOCAB, float(logits.abs().max()))
     rebuilt = kept_mask(logits[0, :-1], *(x[0] for x in (trunc.top_k, trunc.top_p, trunc.min_p)))
     for t in range(1, 5):
         token = int(tokens[0, t + 1])
@@ -50,11 +52,13 @@ def test_a_replayed_set_replaces_the_rebuilt_one_and_positions_without_one_are_r
         else:
             keep = rebuilt[t].clone()
             keep[token] = True
-        want = torch.log_softmax(logits[0, t].masked_fill(~keep, float("-inf")), -1)[token]
-        assert math.isclose(float(logprobs[0, t]), float(want), abs_tol=1e-6), t
+        # Exact (float64) against the trainer's float32 log_softmax: within its rounding.
+        want = torch.log_softmax(logits[0, t].double().masked_fill(~keep, float("-inf")), -1)[token]
+        assert abs(float(logprobs[0, t]) - float(want)) <= rounding, t
     assert trunc.replayed == 2.0
     # Position 0 is not selected: the full-vocabulary logprob.
-    assert math.isclose(float(logprobs[0, 0]), float(torch.log_softmax(logits[0, 0], -1)[tokens[0, 1]]), abs_tol=1e-6)
+    want = torch.log_softmax(logits[0, 0].double(), -1)[tokens[0, 1]]
+    assert abs(float(logprobs[0, 0]) - float(want)) <= rounding
 
 
 def test_the_chunked_head_replays_as_the_plain_path_does():
@@ -75,7 +79,8 @@ def test_the_chunked_head_replays_as_the_plain_path_does():
     # token_logprobs_and_entropy predicts tokens[:, 1:] from logits[:, :-1]: shift by one.
     want, _ = token_logprobs_and_entropy(torch.cat([h, h[:1]])[None], torch.cat([targets[:1], targets])[None],
                                          1.0, plain)
-    assert torch.allclose(lp, want[0], atol=1e-6)
+    # Both float32 log_softmax of the same logits (h times the identity is exact): each within its rounding.
+    assert ((lp - want[0]).abs() <= 2 * log_softmax_error(VOCAB, float(h.abs().max()))).all(), lp - want[0]
     assert counts.tolist() == [plain.misses, plain.replayed]
     rebuilt = kept_mask(h[4:6], *(x[4:6] for x in settings))
     assert plain.replayed == 4.0 and plain.misses == 1.0 + float((~rebuilt[torch.arange(2), targets[4:6]]).sum())
@@ -124,14 +129,15 @@ def test_a_set_is_read_whole_only_when_the_returned_logprobs_show_where_it_ends(
     assert kept_sets([whole_vocab], asked=3, vocab=3) == [[0, 1]]
 
 
-def reverse_run(write_toml, tmp_path, extra: str) -> str:
+def reverse_run(write_toml, tmp_path, extra: str, orchestrator: str = "") -> str:
     from conftest import TINY_MODEL, free_port
 
     return str(write_toml(
         f'model = "{TINY_MODEL}"\noutput_dir = "{tmp_path / "run"}"\nmax_steps = 3\nseq_len = 64\nmax_async_level = 1\n'
         f'[inference]\nport = {free_port()}\ndtype = "float32"\n{extra}'
-        "[orchestrator]\nprompts_per_step = 4\ngroup_size = 4\nmax_tokens = 10\ntop_p = 0.8\nrecord_kept_sets = true\n"
-        "[trainer]\ntorch_threads = 1\n"))
+        "[orchestrator.scheduling]\nprompts_per_step = 4\ngroup_size = 4\n"
+        "[orchestrator.sampling]\nmax_tokens = 10\ntop_p = 0.8\nrecord_kept_sets = true\n"
+        f"{orchestrator}[trainer]\ntorch_threads = 1\n"))
 
 
 def test_record_kept_sets_whose_sets_may_exceed_max_logprobs_is_refused_at_start_up(write_toml, tmp_path):
@@ -148,22 +154,68 @@ def test_record_kept_sets_whose_sets_may_exceed_max_logprobs_is_refused_at_start
     assert not (tmp_path / "run" / "logs" / "inference.log").exists()  # no engine started
 
 
-@pytest.mark.slow
-def test_a_run_recording_kept_sets_trains_on_the_samplers_own_sets(write_toml, tmp_path):
-    """rl run, three programs, max_async_level 1, top_p 0.8: every truncated loss token the
-    trainer scored was renormalised over the set the engine recorded (replayed 1.0), and none
-    of the sampled tokens was missing from its set (misses 0): orchestrator, batch and trainer
-    carry the sets to the right positions."""
+# The run also evaluates, as `rl run` does beside training: sampled (pass@k with k = samples = 2)
+# on a dataset and on an environment (a multi-turn text game the char-level model can play).
+EVALUATION = """[orchestrator.eval]
+samples = 2
+temperature = 1.0
+rows = 4
+[[orchestrator.eval.datasets]]
+name = "heldout"
+function = "tasks.reverse:dataset"
+reward = "tasks.reverse:reward"
+seed = 7
+[[orchestrator.eval.environments]]
+name = "letters"
+environment = "tasks.guess_letter:GuessLetter"
+"""
+
+
+@pytest.fixture(scope="module")
+def kept_set_run(tmp_path_factory):
+    """One `rl run` (three programs, max_async_level 1, top_p 0.8, kept sets recorded, evaluation
+    beside training) shared by the tests below: its metrics.jsonl records."""
     import json
     import subprocess
 
     from conftest import ROOT, rl_command
 
-    result = subprocess.run(rl_command("run", "@", reverse_run(write_toml, tmp_path, "max_logprobs = 30\n")),
+    tmp_path = tmp_path_factory.mktemp("kept_set_run")
+
+    def write_toml(text: str):
+        (tmp_path / "cfg.toml").write_text(text)
+        return tmp_path / "cfg.toml"
+
+    result = subprocess.run(rl_command("run", "@", reverse_run(write_toml, tmp_path, "max_logprobs = 30\n", EVALUATION)),
                             cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if r.get("program") == "trainer" and "sampling_mask_replayed_frac" in r]
+    return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_a_run_recording_kept_sets_trains_on_the_samplers_own_sets(kept_set_run):
+    """Every truncated loss token the trainer scored was renormalised over the set the engine
+    recorded (replayed 1.0), and none of the sampled tokens was missing from its set (misses 0):
+    orchestrator, batch and trainer carry the sets to the right positions."""
+    steps = [r for r in kept_set_run if r.get("program") == "trainer" and "sampling_mask_replayed_frac" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     for r in steps:
         assert r["truncated_frac"] > 0 and r["sampling_mask_replayed_frac"] == 1.0 and r["sampling_mask_miss_frac"] == 0.0, r
+
+
+@pytest.mark.slow
+def test_a_run_evaluates_its_datasets_and_environments_with_pass_at_k(kept_set_run):
+    """`rl run`'s own evaluation (program "eval" in metrics.jsonl): the starting weights and the
+    last version, each dataset and environment on its 4 rows with 2 samples a row. With n = k = 2,
+    pass@2 of a row is 1 if either sample was right, else 0, and pass@1 is the mean over the 8
+    samples (the accuracy): so rows * pass@2 and rows * 2 * pass@1 are whole numbers, and
+    pass@1 <= pass@2 <= min(1, 2 * pass@1)."""
+    evals = [r for r in kept_set_run if r.get("program") == "eval"]
+    assert [r["version"] for r in evals] == [0, 3], evals
+    for record in evals:
+        for name in ("heldout", "letters"):
+            rows, p1, p2 = (record[f"eval/{name}/{k}"] for k in ("rows", "pass@1", "pass@2"))
+            assert rows == 4 and record[f"eval/{name}/accuracy"] == p1, record
+            assert (rows * p2).is_integer() and (rows * 2 * p1).is_integer(), record
+            assert p1 <= p2 <= min(1.0, 2 * p1), record
+        assert record["eval/letters/failed"] == 0, record  # every episode played to its end

@@ -60,11 +60,11 @@ cpus = [0]
 [orchestrator]
 cpus = [0]
 servers.urls = ["http://{server_a}:{port}"]
-prompts_per_step = 8
-group_size = 8
-max_in_flight_groups = 16
-max_tokens = 12
-servers.request_timeout_s = 60
+scheduling.prompts_per_step = 8
+scheduling.group_size = 8
+scheduling.max_in_flight_groups = 16
+sampling.max_tokens = 12
+timeouts.request_s = 60
 
 [transport]
 kind = "zmq"

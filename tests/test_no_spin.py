@@ -3,15 +3,16 @@ ends with one line naming the culprit, why and the fix, instead of drawing rows 
 
 - At start-up (orchestrator/prompts/fit.py): prompts that leave no room for max_tokens within seq_len are
   refused by `rl orchestrator` / `rl run`, exit 2, before any engine starts.
-- At run time (orchestrator/reporting/streaks.py): rows skipped, groups filtered or failed
-  orchestrator.max_futile_streak times in a row, or no server in rotation for
+- At run time (orchestrator/streaks.py): rows skipped, groups filtered or failed
+  orchestrator.scheduling.max_futile_streak times in a row, or no server in rotation for
   servers.wait_timeout_s, stop `rl orchestrator` with one ERROR line and exit 1; the last
   checkpoint accounts for every row drawn (batched, pending, or skipped for being too long).
 
 The run-time stops run the real `rl orchestrator` against the stand-in server of
 tests/fake_inference.py (as its own process: `python tests/fake_inference.py PORT`), which a test
 can kill; rows skipped at run time are also shown on a real vLLM engine under `rl run`
-(test_rl_run_on_a_real_engine_stops_a_dataset_whose_later_rows_are_too_long).
+(test_rl_run_on_a_real_engine_stops_a_dataset_whose_later_rows_are_too_long), and the other three
+stops in tests/test_no_spin_vllm.py.
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, TINY_MODEL, free_port, rl_command
+
 from orchestrator.prompts.queue import decode_state
-from orchestrator.reporting.quiet_warning import QUIET_S
+from orchestrator.quiet_warning import QUIET_S
 from rl.batch import Batch
+from rl.orchestrator_config import MOVED
 from rl.rundir import RunDir
 
 pytestmark = pytest.mark.slow
@@ -87,7 +89,8 @@ def orchestrator_config(tmp: Path, url: str, async_level: int = 1, **orchestrato
     keys = {"servers.urls": [url], "servers.discover": False, "dataset": "spin_rows:rows",
             "reward": "fake_inference:reward", "prompts_per_step": 4, "group_size": 2, "max_in_flight_groups": 8,
             "max_tokens": 6, "max_futile_streak": STREAK, "trainer_timeout_s": 300, **orchestrator}
-    lines = [f"{k} = {json.dumps(v)}" for k, v in keys.items()]
+    # Flat keywords to their tables (dotted keys under [orchestrator]), as tests/orchestrator_tables.py does.
+    lines = [f"{MOVED.get(k, k)} = {json.dumps(v)}" for k, v in keys.items()]
     path = tmp / "cfg.toml"
     path.write_text(f'model = "{TINY_MODEL}"\noutput_dir = "{tmp / "run"}"\nseq_len = 64\nmax_steps = 40\n'
                     f"max_async_level = {async_level}\n[orchestrator]\n" + "\n".join(lines) + "\n")
@@ -202,7 +205,7 @@ def test_the_demo_at_a_seq_len_its_prompts_cannot_fit_is_refused_before_anything
     # The rows the run would draw first (shuffled): the first of them at 27 tokens is named.
     assert lines[0] == (f"rl {program}: dataset spell_backward: 64 of the first 64 prompts drawn leave less than "
                         "max_tokens (10) within seq_len (30); the longest is 27 tokens (reasoning_gym spell_backward "
-                        "row 9219), over the 20 a prompt may take: raise seq_len, lower orchestrator.max_tokens")
+                        "row 9219), over the 20 a prompt may take: raise seq_len, lower orchestrator.sampling.max_tokens")
     assert not out.exists()  # nothing written, no program started
 
 
@@ -215,13 +218,13 @@ def test_a_few_long_rows_among_short_ones_start_with_one_warning_half_are_refuse
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = tmp_path / "cfg.toml"
     cfg.write_text(f'model = "{TINY_MODEL}"\noutput_dir = "{tmp_path / "run"}"\nseq_len = 64\n[orchestrator]\n'
-                   f'max_tokens = 16\ndatasets = [{{path = "{tmp_path / "rows.jsonl"}", reward = "math_verify"}}]\n')
+                   f'sampling.max_tokens = 16\ndatasets = [{{path = "{tmp_path / "rows.jsonl"}", reward = "math_verify"}}]\n')
     result = subprocess.run(rl_command("orchestrator", "@", str(cfg), "--dry-run"), capture_output=True, text=True,
                             timeout=120, cwd=tmp_path)
     lines = result.stderr.strip().splitlines()
     said = [line for line in lines if f"dataset rows: {long_rows} of the first 64 prompts drawn leave less than " \
             "max_tokens (16) within seq_len (64); the longest is " in line]
-    assert len(said) == 1 and "raise seq_len, lower orchestrator.max_tokens" in said[0], result.stderr[-2000:]
+    assert len(said) == 1 and "raise seq_len, lower orchestrator.sampling.max_tokens" in said[0], result.stderr[-2000:]
     if refused:
         assert result.returncode == 2 and lines == said, result.stderr[-2000:]
     else:
@@ -247,12 +250,12 @@ def test_the_check_measures_the_ids_the_orchestrator_sends(tmp_path):
     """The same rendering code: the check's count equals the length of the prompt ids the
     orchestrator's Renderer and tool episodes make, row by row (a chat dataset with a system
     prompt, and the tool environment)."""
-    from orchestrator.rollout.groups import Rollouts
-    from rl.config import load_config
     from orchestrator.prompts.fit import measure, sample, tokenizer_of
+    from orchestrator.rollout.groups import Rollouts
     from orchestrator.rollout.tool_environment import ToolEpisodes
+    from rl.config import load_config
 
-    cfg, _ = load_config(["@", str(ROOT / "configs/demo.toml"), "--orchestrator.system_prompt", "Spell it backwards."])
+    cfg, _ = load_config(["@", str(ROOT / "configs/demo.toml"), "--orchestrator.prompts.system_prompt", "Spell it backwards."])
     rollouts = Rollouts(cfg, tokenizer_of(cfg.model), {}, None, None)
     ds = cfg.orchestrator.resolved_datasets()[0]
     rows = sample(cfg, ds, "orchestrator.dataset")
@@ -280,10 +283,10 @@ def test_the_check_measures_the_ids_the_orchestrator_sends(tmp_path):
 
 
 def test_a_useful_group_ends_the_streaks_it_concerns():
-    """The rule itself (orchestrator/reporting/streaks.py): rows of one dataset skipped do not count against
+    """The rule itself (orchestrator/streaks.py): rows of one dataset skipped do not count against
     another; a useful group of a dataset ends its streaks and the run's filtered streak; a dataset
     filtered while another fills batches does not stop the run."""
-    from orchestrator.reporting.streaks import Streaks
+    from orchestrator.streaks import Streaks
 
     streaks = Streaks(limit=3)
     for _ in range(10):  # two skips, then a useful group: never three in a row
@@ -298,7 +301,7 @@ def test_a_useful_group_ends_the_streaks_it_concerns():
     assert streaks.verdict is None
     streaks.hit("failed", "dataset a", "ValueError: no answer", "fix its reward")
     assert str(streaks.verdict) == ("dataset a: 3 groups in a row failed (none of its groups was scored between "
-                                    "them) (orchestrator.max_futile_streak = 3); last: ValueError: no answer; "
+                                    "them) (orchestrator.scheduling.max_futile_streak = 3); last: ValueError: no answer; "
                                     "stopping: fix its reward")
     never = Streaks(limit=0)
     for _ in range(1000):
@@ -310,7 +313,7 @@ def test_a_rendered_row_ends_a_skipped_streak_and_a_scored_group_a_failed_one():
     """Start-up fills every slot before any group finishes: with most rows unusable, skips come in
     long runs before the first group is batched. A row that made a request ends its dataset's skipped
     streak; a group scored (even filtered) ends its failed streak; neither ends the other's."""
-    from orchestrator.reporting.streaks import Streaks
+    from orchestrator.streaks import Streaks
 
     streaks = Streaks(limit=3)
     for _ in range(100):  # 87% of rows too long, none batched yet: never 3 skips without a rendered row
@@ -333,7 +336,7 @@ def test_failed_groups_stop_the_run_only_once_their_streak_lasted_its_span():
     """A reward endpoint restarting fails every group in milliseconds: the count alone would stop
     the run within a second. The failed streak must also have lasted its span (from config:
     MAX_ATTEMPTS x reward_timeout_s); a scored group in between starts it again."""
-    from orchestrator.reporting.streaks import Streaks
+    from orchestrator.streaks import Streaks
 
     now = [0.0]
     streaks = Streaks(limit=3, spans={"failed": 180.0}, clock=lambda: now[0])
@@ -351,7 +354,7 @@ def test_failed_groups_stop_the_run_only_once_their_streak_lasted_its_span():
     now[0] += 1.0
     streaks.hit("failed", "dataset a", "connection refused", "fix its reward")
     assert str(streaks.verdict).startswith("dataset a: 7 groups in a row failed (none of its groups was scored "
-                                           "between them) over 180 s (orchestrator.max_futile_streak = 3)")
+                                           "between them) over 180 s (orchestrator.scheduling.max_futile_streak = 3)")
     skips = Streaks(limit=3, spans={"failed": 180.0}, clock=lambda: now[0])
     for _ in range(3):  # no span for skips: rows too long do not pass with time
         skips.hit("skipped", "dataset a", "too long", "raise seq_len")
@@ -371,10 +374,10 @@ def test_the_orchestrator_derives_the_failed_span_from_its_timeouts():
 
 
 def test_a_repeated_warning_is_said_at_most_every_quiet_s_with_a_count():
-    """One helper (orchestrator/reporting/quiet_warning.py) for rewards, episodes and eval rows that fail alike."""
+    """One helper (orchestrator/quiet_warning.py) for rewards, episodes and eval rows that fail alike."""
     import logging
 
-    from orchestrator.reporting.quiet_warning import Quiet
+    from orchestrator.quiet_warning import Quiet
 
     said: list[str] = []
 
@@ -413,7 +416,7 @@ def test_rows_skipped_many_times_in_a_row_stop_the_run_with_one_line(tmp_path, s
     assert code == 1, text
     error = the_error(lines)
     assert f"dataset data: {STREAK} rows in a row could not be rendered within seq_len (none of its rows made a " \
-           f"request between them) (orchestrator.max_futile_streak = {STREAK}); last: dataset data, draw " in error, error
+           f"request between them) (orchestrator.scheduling.max_futile_streak = {STREAK}); last: dataset data, draw " in error, error
     assert "tokens leave no room to generate within seq_len 64; stopping: raise seq_len or shorten the prompts" in error
     skipped = [line for line in lines if "skipped" in line]
     batches = [line for line in lines if " batch " in line and " reward " in line]
@@ -446,9 +449,9 @@ def test_groups_all_filtered_for_zero_variance_stop_the_run_naming_the_reward_va
     assert code == 1, "\n".join(lines[-30:])
     error = the_error(lines)
     assert (f"dataset data: {STREAK} groups in a row filtered for zero reward variance "
-            f"(orchestrator.filter_zero_variance) (orchestrator.max_futile_streak = {STREAK}); last: every group got "
+            f"(orchestrator.scheduling.filter_zero_variance) (orchestrator.scheduling.max_futile_streak = {STREAK}); last: every group got "
             "the same low reward 0 (the highest seen: 0): unlearnable at temperature 1; stopping: ") in error, error
-    assert "orchestrator.filter_zero_variance = false (or orchestrator.max_futile_streak = 0)" in error
+    assert "orchestrator.scheduling.filter_zero_variance = false (or orchestrator.scheduling.max_futile_streak = 0)" in error
     run = RunDir(tmp_path / "run")
     assert not run.rollout_steps() and not run.checkpoint_steps("orchestrator")  # a restart begins at row 0
 
@@ -468,7 +471,7 @@ def test_a_reward_that_always_raises_stops_the_run_naming_it_and_its_error(tmp_p
     assert 1 <= len(requeued) <= 1 + took / QUIET_S, requeued
     error = the_error(lines)
     assert "dataset data: " in error and " groups in a row failed (none of its groups was scored between them) " \
-           "over " in error and f" s (orchestrator.max_futile_streak = {STREAK}); " \
+           "over " in error and f" s (orchestrator.scheduling.max_futile_streak = {STREAK}); " \
            "last: 2 of 2 rollouts failed, last: reward spin_rows:broken raised ValueError: no answer in this row; " \
            "stopping: fix its reward 'spin_rows:broken'" in error, error
     assert not RunDir(tmp_path / "run").rollout_steps()
@@ -488,7 +491,7 @@ def test_no_server_in_rotation_for_the_wait_timeout_stops_the_run_naming_it(tmp_
     lines, code = run_orchestrator(cfg, tmp_path, on_line=on_line)
     assert handed.is_set() and code == 1, "\n".join(lines[-30:])
     error = the_error(lines)
-    assert "no inference server in rotation for " in error and "(orchestrator.servers.wait_timeout_s): " \
+    assert "no inference server in rotation for " in error and "(orchestrator.timeouts.server_wait_s): " \
            f"{stand_in.url} (" in error and "stopping: restart or fix them" in error, error
     out = [line for line in lines if "out of rotation" in line]
     assert out and lines.index(out[0]) < lines.index(error)
@@ -507,8 +510,8 @@ def test_rl_run_on_a_real_engine_stops_a_dataset_whose_later_rows_are_too_long(t
     cfg.write_text(f'model = "{TINY_MODEL}"\noutput_dir = "{out}"\nseq_len = 64\nmax_steps = 40\n'
                    f'[inference]\nport = {free_port()}\ndtype = "float32"\n'
                    '[orchestrator]\ndataset = "spin_rows:rows"\nreward = "fake_inference:reward"\n'
-                   f"prompts_per_step = 4\ngroup_size = 2\nmax_tokens = 6\nmax_in_flight_groups = 8\n"
-                   f"max_futile_streak = {STREAK}\n"
+                   f"scheduling.prompts_per_step = 4\nscheduling.group_size = 2\nsampling.max_tokens = 6\n"
+                   f"scheduling.max_in_flight_groups = 8\nscheduling.max_futile_streak = {STREAK}\n"
                    "[trainer]\ntorch_threads = 1\n")
     result = subprocess.run(rl_command("run", "@", str(cfg)), cwd=tmp_path, env=env_with_tests(),
                             capture_output=True, text=True, timeout=480)
@@ -535,9 +538,9 @@ def test_rl_run_on_a_real_engine_stops_a_dataset_whose_later_rows_are_too_long(t
 def test_a_text_environment_row_whose_episode_raises_is_that_row_alone(tmp_path):
     """At run time such a row is one failed rollout, not a reason to refuse the run: it is left
     out of the measure; every episode measured is closed."""
-    from rl.config import load_config
     from orchestrator.prompts.fit import environment_fits
     from orchestrator.rollout.text_environment import TextEpisodes
+    from rl.config import load_config
 
     closed = []
 
@@ -574,15 +577,15 @@ def eval_config(tmp_path: Path, environment: bool, train_long: bool, eval_long: 
               f'datasets = [{{path = "{tmp_path / "train.jsonl"}", reward = "math_verify"}}]\n')
     cfg = tmp_path / "cfg.toml"
     cfg.write_text(f'model = "{TINY_MODEL}"\noutput_dir = "{tmp_path / "run"}"\nseq_len = 64\n[orchestrator]\n'
-                   f'max_tokens = 16\n{source}[orchestrator.eval]\n'
+                   f'sampling.max_tokens = 16\n{source}[orchestrator.eval]\n'
                    f'datasets = [{{path = "{tmp_path / "held.jsonl"}", reward = "math_verify"}}]\n')
     return cfg
 
 
 @pytest.mark.parametrize("environment", [False, True])
 def test_eval_datasets_are_measured_beside_an_environment_and_rl_eval_measures_only_them(tmp_path, environment):
-    from rl.config import ConfigError, load_config
     from orchestrator.preflight import eval_data, orchestrator_data
+    from rl.config import ConfigError, load_config
 
     cfg, _ = load_config(["@", str(eval_config(tmp_path, environment, train_long=False, eval_long=True))])
     for check in (orchestrator_data, eval_data):

@@ -6,9 +6,11 @@ sampled it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 
+import aiohttp
 import httpx
 import openai
 import pytest
@@ -16,8 +18,10 @@ import pytest
 from conftest import ROOT, rl_command
 from tasks.calculator import Calculator, rows
 from orchestrator.rollout.tool_functions import Tool
+from rl.inference_api import connector
 from rl.rundir import RunDir
 from test_end_to_end import launch_server, wait_healthy
+from test_inference_server import post, wait_running
 
 pytestmark = pytest.mark.slow
 
@@ -62,17 +66,19 @@ def test_tools_come_back_as_parsed_tool_calls(server):
             assert "<tool_call>" not in (choice.message.content or "")
     assert called >= 4, f"the tool model called calculate on {called} of 8 questions"
     # The calls go on as a conversation: the tool's result in a tool message, the final answer.
+    # Greedy decoding makes the first turn the same every run: the first held-out question is
+    # one the model answers with a call, so the follow-up always runs.
     messages = questions(1)[0]
     first = client(server).chat.completions.create(model=str(TOOL_MODEL), messages=messages, tools=TOOLS,
                                                   temperature=0, max_tokens=64).choices[0].message
-    if first.tool_calls:
-        call = first.tool_calls[0]
-        result = Calculator.tools[0](**json.loads(call.function.arguments))
-        messages += [first.model_dump(exclude_none=True),
-                     {"role": "tool", "tool_call_id": call.id, "content": result}]
-        final = client(server).chat.completions.create(model=str(TOOL_MODEL), messages=messages, tools=TOOLS,
-                                                      temperature=0, max_tokens=16).choices[0]
-        assert final.finish_reason == "stop" and final.message.content, final
+    assert first.tool_calls, f"greedy, the tool model answered the first question without a call: {first}"
+    call = first.tool_calls[0]
+    result = Calculator.tools[0](**json.loads(call.function.arguments))
+    messages += [first.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": result}]
+    final = client(server).chat.completions.create(model=str(TOOL_MODEL), messages=messages, tools=TOOLS,
+                                                  temperature=0, max_tokens=16).choices[0]
+    assert final.finish_reason == "stop" and final.message.content, final
 
 
 def test_token_ids_are_the_engines_and_answers_carry_their_version(server):
@@ -102,3 +108,36 @@ def test_a_parser_vllm_does_not_have_is_refused_at_start_up(tmp_path):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "inference.tool_call_parser 'no_such_parser': vLLM has no such tool-call parser" in lines[0]
+
+
+def test_the_two_version_headers_differ_when_an_update_lands_mid_answer(server):
+    """docs/tools.md: different headers mean an update landed while the answer generated. A chat
+    answer of N long choices (ignore_eos) is caught running on vLLM's gauge (it has arrived:
+    its start header is the old version), then an update in "keep" mode (the served weights
+    again under a new version: only the label moves) freezes it between two decode steps and
+    resumes it on the new one. If the update answered while the answer was still out, the
+    answer ended under the new version. An answer that finished first (a starved gauge poll)
+    is asked again, under the next version."""
+    n = 4
+
+    async def main():
+        async with aiohttp.ClientSession(connector=connector()) as s:
+            for version in range(1, 4):
+                answer = asyncio.create_task(asyncio.to_thread(
+                    client(server).chat.completions.with_raw_response.create,
+                    model=str(TOOL_MODEL), messages=questions(1)[0], n=n, temperature=1,
+                    max_tokens=96, extra_body={"ignore_eos": True}))
+                caught = await wait_running(s, server, lambda c: c == n, timeout=120, task=answer)
+                status, update = await post(s, f"{server}/update_weights",
+                                            {"path": str(TOOL_MODEL), "version": version, "mode": "keep"})
+                assert status == 200 and update["version"] == version, update
+                out_still = not answer.done()
+                raw = await answer
+                if caught is not None and out_still:
+                    return version, raw
+            raise AssertionError("3 answers finished before an update caught them running")
+
+    version, raw = asyncio.run(main())
+    assert raw.headers["x-asyncrl-version-start"] == str(version - 1)
+    assert raw.headers["x-asyncrl-version"] == str(version)
+    assert [c.finish_reason for c in raw.parse().choices] == ["length"] * n

@@ -39,7 +39,7 @@ task_config = {{ min_word_len = 3, max_word_len = 7 }}
 seed = 10000
 size = 20
 completion_key = "answer"
-[orchestrator]
+[orchestrator.sampling]
 max_tokens = 10
 [orchestrator.eval]
 rows = {rows}

@@ -276,7 +276,7 @@ class Orchestrator:
 
     def requeue_from(self, server: Server) -> None:
         """A server stopped answering (health check, heartbeat: its host died or is cut off): its
-        groups would finish late or never (servers.request_timeout_s), so their prompts go back to the
+        groups would finish late or never (timeouts.request_s), so their prompts go back to the
         queue now, for the servers still there. Aborts are best effort: it may be unreachable."""
         doomed = self.withdraw(lambda g: g.server is server)
         for g in doomed:

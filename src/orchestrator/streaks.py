@@ -26,12 +26,12 @@ Minimum span: a count alone cannot tell a cause that passes from one that does n
 come fast. A reward endpoint or teacher refusing connections while it restarts fails each group
 in milliseconds: 32 groups in flight retried 3 times make 200 failures in under a second. So
 `failed` also needs its streak to have lasted as long as the run would wait for a slow reward
-or teacher before calling it down (group_outcomes.futile_spans: MAX_ATTEMPTS x reward_timeout_s,
-servers.request_timeout_s for a teacher). Skips and filtered groups are verdicts on the data, not on
+or teacher before calling it down (group_outcomes.futile_spans: MAX_ATTEMPTS x timeouts.reward_s,
+timeouts.request_s for a teacher). Skips and filtered groups are verdicts on the data, not on
 something that restarts: counts alone.
 
 A dataset whose groups are filtered while another's fill batches does not stop the run (it may be
-mastered). Servers have a bound in time instead (none in rotation for servers.wait_timeout_s:
+mastered). Servers have a bound in time instead (none in rotation for timeouts.server_wait_s:
 orchestrator/servers/pool.py), with the same `Spinning` end. Prompts are not lost by a stop: those
 drawn since the last checkpoint go out again after a resume (orchestrator/checkpoint.py).
 """

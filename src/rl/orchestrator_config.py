@@ -354,7 +354,7 @@ class OrchestratorConfig(Section):
     reward_inline: bool = False
     """Call a sync reward function on the event loop instead of a worker thread: ~35% more groups
     per second when rewards are cheap (benchmarks/orchestrator_throughput.py), but a slow call
-    stalls all scheduling and reward_timeout_s can no longer cut it short."""
+    stalls all scheduling and timeouts.reward_s can no longer cut it short."""
 
     teacher: TeacherConfig = TeacherConfig()
     """An optional teacher model for on-policy distillation (`[orchestrator.teacher]`)."""

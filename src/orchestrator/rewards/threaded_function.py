@@ -35,7 +35,7 @@ class ThreadedReward(FunctionReward):
         return scores
 
     async def _threaded(self, job: _Job) -> list[Score | None]:
-        """The job's scores, or those before its first call to overrun reward_timeout_s plus
+        """The job's scores, or those before its first call to overrun timeouts.reward_s plus
         None for that one. The clock starts when a call starts, not when the job is queued: a
         job waiting behind slow or hung calls is not the reward's fault (hung threads are
         replaced, see _replace_hung_threads, so the wait is bounded)."""
@@ -58,7 +58,7 @@ class ThreadedReward(FunctionReward):
             raise
 
     def _replace_hung_threads(self) -> None:
-        """Once half the threads are stuck in calls past reward_timeout_s, start a fresh set and
+        """Once half the threads are stuck in calls past timeouts.reward_s, start a fresh set and
         move the queued jobs over. Half, not all: a reward hanging on some inputs would
         otherwise run on ever fewer threads (one at the end) before anything is done; the cost
         of acting early is only starting the threads. The hung threads are leaked either way

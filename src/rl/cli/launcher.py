@@ -275,6 +275,15 @@ def launch(cfg: RunConfig, argv: list[str]) -> int:
         code = 130
     finally:
         _stop(children)
+    if code == 130:
+        # The exit status must be ours. CPython 3.11 marks a KeyboardInterrupt as unhandled when it
+        # is raised inside code run from a string (exec/eval: the dataclasses and namedtuples a lazy
+        # import defines), even once caught above, and `python -m rl` then ends by re-sending
+        # itself SIGINT: exit -2, no traceback (test_launcher_signals, when the Ctrl-C landed
+        # there). Everything is stopped and said: leave without the interpreter's exit.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     if code == 0:
         summarize(run, console)
     return code
