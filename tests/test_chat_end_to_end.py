@@ -68,6 +68,7 @@ def chat_config(tmp_path, model, data) -> str:
 output_dir = "{out}"
 max_steps = 3
 seq_len = 96
+max_async_level = 1
 [inference]
 port = {free_port()}
 dtype = "float32"

@@ -145,7 +145,7 @@ def test_hopeless_groups_are_aborted_on_the_engine(long_server, tmp_path):
     cfg = orchestrator_config(root, url, model=model, seq_len=LONG_SEQ_LEN,
                               dataset="test_engine_stalls_vllm:rows", group_size=group_size,
                               prompts_per_step=2, max_in_flight_groups=4, max_off_policy_steps=1,
-                              in_flight_updates=True, servers={"request_timeout_s": 60}, max_steps=2)
+                              in_flight_updates=True, timeouts={"request_s": 60}, max_steps=2)
     RunDir(root).make()
     core = engine_core(proc)
     seen = {}
@@ -264,7 +264,7 @@ def test_a_reload_that_outlives_its_timeout_answers_504_and_the_server_recovers(
 
 
 def test_a_request_that_outlives_its_timeout_is_aborted_on_the_engine_and_requeued(server, tmp_path):
-    """The engine stops while groups generate: each request times out (servers.request_timeout_s 2), is
+    """The engine stops while groups generate: each request times out (timeouts.request_s 2), is
     aborted on the server while the engine still holds it, its prompt requeued, the server taken
     out of rotation; once the engine goes on, the server is back in rotation."""
     proc, url = server
@@ -272,7 +272,7 @@ def test_a_request_that_outlives_its_timeout_is_aborted_on_the_engine_and_requeu
     group_size = 4
     cfg = orchestrator_config(root, url, dataset="test_engine_stalls_vllm:only_long", group_size=group_size,
                               prompts_per_step=2, max_in_flight_groups=2,
-                              servers={"request_timeout_s": 2, "retry_max_s": 1})
+                              timeouts={"request_s": 2}, servers={"retry_max_s": 1})
     RunDir(root).make()
     core = engine_core(proc)
     warnings = Collect()

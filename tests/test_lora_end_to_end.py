@@ -35,7 +35,8 @@ def server(tmp_path_factory):
 
 
 def base_config(server, extra: str = "") -> str:
-    return (f'model = "{TINY_MODEL}"\noutput_dir = "{server["root"]}"\nseq_len = 64\n{extra}'
+    # max_async_level 1: the version bounds asserted below are its.
+    return (f'model = "{TINY_MODEL}"\noutput_dir = "{server["root"]}"\nseq_len = 64\nmax_async_level = 1\n{extra}'
             f'[inference]\nport = {server["port"]}\ndtype = "float32"\nmax_loras = 6\n'
             "[trainer]\ntorch_threads = 1\nkeep_rollouts = 50\ncheckpoint_every = 2\n" + LORA)
 

@@ -238,7 +238,7 @@ def test_hosts_share_only_the_run_directory_servers_join_and_leave_and_cuts_are_
         wait_for("steps on the second server alone", lambda: len(steps(run, "trainer")) >= before + 2, 180, all_logs)
 
         # The second server's link is cut while requests run on it: named within 30 s (its health
-        # check times out; its requests would only after servers.request_timeout_s), its groups in
+        # check times out; its requests would only after timeouts.request_s), its groups in
         # flight requeued, taken back once it answers again.
         mark, tree = len(read(orch_log)), hosts["server_b"].processes()
         wait_for(f"a request running on {url_b}", lambda: running(url_b) > 0, 300, all_logs, poll=0.05)

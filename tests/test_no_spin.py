@@ -5,7 +5,7 @@ ends with one line naming the culprit, why and the fix, instead of drawing rows 
   refused by `rl orchestrator` / `rl run`, exit 2, before any engine starts.
 - At run time (orchestrator/streaks.py): rows skipped, groups filtered or failed
   orchestrator.scheduling.max_futile_streak times in a row, or no server in rotation for
-  servers.wait_timeout_s, stop `rl orchestrator` with one ERROR line and exit 1; the last
+  timeouts.server_wait_s, stop `rl orchestrator` with one ERROR line and exit 1; the last
   checkpoint accounts for every row drawn (batched, pending, or skipped for being too long).
 
 The run-time stops run the real `rl orchestrator` against the stand-in server of
@@ -366,7 +366,7 @@ def test_the_orchestrator_derives_the_failed_span_from_its_timeouts():
 
     from orchestrator.group_outcomes import MAX_ATTEMPTS, futile_spans
 
-    o = SimpleNamespace(reward_timeout_s=60.0, servers=SimpleNamespace(request_timeout_s=300.0),
+    o = SimpleNamespace(timeouts=SimpleNamespace(reward_s=60.0, request_s=300.0),
                         teacher=SimpleNamespace(url=None))
     assert futile_spans(o) == {"failed": MAX_ATTEMPTS * 60.0}
     o.teacher.url = "http://teacher:8000"
@@ -479,8 +479,8 @@ def test_a_reward_that_always_raises_stops_the_run_naming_it_and_its_error(tmp_p
 
 def test_no_server_in_rotation_for_the_wait_timeout_stops_the_run_naming_it(tmp_path, stand_in):
     """The server dies after batch 2 (no trainer: batch 3 waits for version 1). Healing retries
-    it; with none in rotation for servers.wait_timeout_s the run stops naming it and its error."""
-    cfg = orchestrator_config(tmp_path, stand_in.url, **{"servers.wait_timeout_s": 6})
+    it; with none in rotation for timeouts.server_wait_s the run stops naming it and its error."""
+    cfg = orchestrator_config(tmp_path, stand_in.url, **{"timeouts.server_wait_s": 6})
     handed = threading.Event()
 
     def on_line(line: str) -> None:

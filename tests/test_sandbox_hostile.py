@@ -29,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # Another sandbox.py to drive, for checking that the suite fails with a protection removed.
-SANDBOX_FILE = os.environ.get("HOSTILE_SANDBOX_FILE", str(ROOT / "src" / "orchestrator" / "sandbox.py"))
+SANDBOX_FILE = os.environ.get("HOSTILE_SANDBOX_FILE", str(ROOT / "src" / "orchestrator" / "rollout" / "sandbox.py"))
 NOBODY = 65534
 CLONE_NEWUSER, PTRACE_ATTACH, IPC_CREAT, IPC_RMID = 0x10000000, 16, 0o1000, 0
 

@@ -35,6 +35,7 @@ from rl.batch import Batch
 from rl.config import RunConfig
 from rl.rundir import RunDir, mark_stable
 from rl.inference_api import connector
+from orchestrator_tables import grouped
 
 pytestmark = pytest.mark.slow
 
@@ -84,7 +85,8 @@ def make_config(root: Path, ports: list[int], **overrides) -> RunConfig:
         "scheduling": {"prompts_per_step": 4, "group_size": 2, "max_in_flight_groups": 10, "poll_interval_s": 0.005},
         "sampling": {"max_tokens": 6}, "timeouts": {"request_s": 30, "trainer_s": 30},
     }
-    for key, value in overrides.pop("orchestrator", {}).items():  # a table's keys join its defaults
+    # Flat keywords go to their tables (tests/orchestrator_tables.py); a table's keys join its defaults.
+    for key, value in grouped(overrides.pop("orchestrator", {})).items():
         orchestrator[key] = {**orchestrator[key], **value} if isinstance(value, dict) and key in orchestrator else value
     return RunConfig.model_validate({"model": str(TINY_MODEL), "output_dir": str(root), "seq_len": 64,
                                      "max_steps": 6, **overrides, "orchestrator": orchestrator})
@@ -439,7 +441,7 @@ def test_groups_spread_over_servers(tmp_path, server_count):
 
 
 def test_a_server_that_never_answers_ends_in_a_clear_timeout(tmp_path):
-    """Every request times out (servers.request_timeout_s), the server leaves rotation and is retried;
+    """Every request times out (timeouts.request_s), the server leaves rotation and is retried;
     with no batch possible the orchestrator gives up after trainer_timeout_s, saying what it
     waited for, rather than hanging."""
     stuck = FakeServer(lambda: 1000.0)

@@ -16,6 +16,7 @@ from tokenizers import Tokenizer
 from conftest import ROOT
 from test_end_to_end import launch_server, wait_healthy
 from rl.inference_api import connector
+from orchestrator_tables import grouped
 
 pytestmark = pytest.mark.slow
 
@@ -44,9 +45,9 @@ def play(url: str, prompts: int, group_size: int):
     from rl.config import RunConfig
     from rl.inference_api import InferenceClient
 
-    cfg = RunConfig.model_validate({"model": str(TOOL_MODEL), "seq_len": SEQ_LEN, "orchestrator": {
+    cfg = RunConfig.model_validate({"model": str(TOOL_MODEL), "seq_len": SEQ_LEN, "orchestrator": grouped({
         "environment": "tasks.calculator:Calculator", "max_turns": 3, "max_tokens": 64,
-        "group_size": group_size, "temperature": 1.0}})
+        "group_size": group_size, "temperature": 1.0})})
     seen = {}
 
     async def scenario():

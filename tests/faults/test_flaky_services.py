@@ -171,11 +171,12 @@ def test_a_server_answering_500_to_some_requests_keeps_its_place(tmp_path, caplo
 
 
 def test_requests_hanging_past_request_timeout_are_aborted_on_the_server(tmp_path, caplog):
-    """20% of server b's requests hang: after servers.request_timeout_s the orchestrator gives up on them
+    """20% of server b's requests hang: after timeouts.request_s the orchestrator gives up on them
     (counted in failed_requests, b out of rotation for a second), aborts them on b (freeing its
     slots; under "wait" updates a hung request also holds b's next weight update back) and
     requeues their prompts. max_async_level 4 keeps a hung group fresh for longer than the
-    timeout: cancelled as stale first, it would be aborted without ever timing out."""
+    timeout: cancelled as stale first, it would be aborted without ever timing out. Updates "wait"
+    (in_flight_updates off): the held-back update is what this case checks."""
     a, b = FakeServer(lambda: 0.002), FakeServer(lambda: 0.002, hang_rate=0.2)
     update_asked: list[float] = []  # when each /update_weights reached b
     update = b.update_weights
@@ -187,7 +188,8 @@ def test_requests_hanging_past_request_timeout_are_aborted_on_the_server(tmp_pat
     b.update_weights = recorded_update  # b.app() routes to it
     with caplog.at_level(logging.INFO, logger="orchestrator"):
         o = asyncio.run(run_scenario(tmp_path, [a, b], step_latency=lambda: 0.1, max_steps=15, max_async_level=4,
-                                     orchestrator={"servers": {"request_timeout_s": 0.3, "retry_max_s": 1}}))
+                                     orchestrator={"timeouts": {"request_s": 0.3}, "servers": {"retry_max_s": 1},
+                                                   "scheduling": {"in_flight_updates": False}}))
     check_rules(o)
     assert orchestrator_metrics(o, "failed_requests") > 0  # timeouts: b sends no error
     hung = [b.requests[i] for i in b.hung]
