@@ -98,7 +98,7 @@ def cost(args) -> None:
     import torch
 
     from trainer.loss import token_logprobs_and_entropy
-    from trainer.sampling_mask import Truncation
+    from trainer.sampling_mask import NO_TRUNCATION, Truncation
 
     torch.manual_seed(0)
     n, vocab = args.tokens, args.vocab
@@ -112,7 +112,7 @@ def cost(args) -> None:
         times = []
         for _ in range(args.repeat):
             logits = logits0.clone().requires_grad_(True)
-            trunc = None if setting is None else Truncation(
+            trunc = NO_TRUNCATION if setting is None else Truncation(
                 torch.full((1, n), setting[0]), torch.full((1, n), setting[1]), torch.zeros(1, n),
                 torch.ones(1, n, dtype=torch.bool))
             start = time.perf_counter()

@@ -14,6 +14,7 @@ from rl.batch import Batch
 from trainer.data import loss_weights, rank_micro_batches
 from trainer.logprob_head import LogprobHead, install
 from trainer.model import forward_logits, micro_batch_logprobs
+from trainer.sampling_mask import NO_TRUNCATION
 from samples import single_turn
 
 VOCAB = 512
@@ -59,7 +60,7 @@ def logprobs_and_grads(model, mbs, single_row: bool):
         lp, ent = micro_batch_logprobs(model, mb, torch.device("cpu"), single_row=single_row, truncation=trunc)
         mask = mb.loss_mask > 0
         (lp[mask] * mb.loss_weight[mask]).sum().backward()
-        out.append((lp[mask].detach(), ent[mask], trunc.misses if trunc is not None else 0.0))
+        out.append((lp[mask].detach(), ent[mask], trunc.misses))
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     return out, grads
 
@@ -86,7 +87,7 @@ def test_the_chunked_head_gives_the_plain_values_and_gradients(tied, layout):
     if tied:
         assert head.weight is chunked.get_input_embeddings().weight
     mbs = micro_batches(mixed_batch(), packed=layout != "padded")
-    assert any(mb.truncation(VOCAB) is not None for mb in mbs)
+    assert any(mb.truncation(VOCAB) is not NO_TRUNCATION for mb in mbs)
     single_row = layout == "packed_as_one_row"
     want, want_grads = logprobs_and_grads(plain, mbs, single_row)
     got, got_grads = logprobs_and_grads(chunked, mbs, single_row)

@@ -27,7 +27,7 @@ from rl.batch import Batch
 from rl.config import LossConfig
 from trainer.data import loss_weights, rank_micro_batches
 from trainer.loss import policy_loss, token_logprobs_and_entropy
-from trainer.sampling_mask import Truncation, kept_mask
+from trainer.sampling_mask import NO_TRUNCATION, Truncation, kept_mask
 from samples import single_turn, write_batch
 
 CHAT_MODEL = ROOT / "models" / "tiny-chat"
@@ -204,7 +204,7 @@ def trainer_view(model, batch: Batch, mask: bool) -> dict:
     tokens = kl = 0.0
     diffs, gaps, spreads, log_kept, log_possible, may_miss, largest = [], [], [], [], [], [], []
     for mb in mbs:
-        trunc = mb.truncation(vocab) if mask else None
+        trunc = mb.truncation(vocab) if mask else NO_TRUNCATION
         logits, gap = logits_and_gap(model, input_ids=mb.tokens, attention_mask=mb.attention_mask)
         with torch.no_grad():
             logprobs, _ = token_logprobs_and_entropy(logits, mb.tokens, mb.temperature, trunc)
@@ -321,8 +321,8 @@ def test_truncation_selects_only_truncated_loss_tokens():
             (mb,) = rank_micro_batches(batch, 0, 1, row_len=row_len, per_micro_batch=2, pad_id=0,
                                        weights=loss_weights(batch, "token", 0))
             trunc = mb.truncation(vocab=10)
-            assert (trunc is None) if want is None else int(trunc.select.sum()) == want
-            if trunc is not None:
+            assert (trunc is NO_TRUNCATION) if want is None else int(trunc.select.sum()) == want
+            if want is not None:
                 # Carried as float32: 0.8 rounded once, exactly.
                 assert float(trunc.top_p[trunc.select].max()) == float(torch.tensor(0.8, dtype=torch.float32))
 

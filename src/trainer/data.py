@@ -23,7 +23,7 @@ import torch.distributed as dist
 from rl.batch import Batch, BatchError
 from rl.transport import BatchReceiver
 from trainer.parallel import share_bytes
-from trainer.sampling_mask import Truncation, is_truncated
+from trainer.sampling_mask import NO_TRUNCATION, NoTruncation, Truncation, is_truncated
 
 
 def receive_batch(receiver: BatchReceiver | None, step: int, timeout_s: float,
@@ -97,12 +97,12 @@ class MicroBatch:
     routing: torch.Tensor | None = None
     routed: torch.Tensor | None = None
 
-    def truncation(self, vocab: int) -> Truncation | None:
+    def truncation(self, vocab: int) -> Truncation | NoTruncation:
         """The loss tokens of samples drawn from a truncated distribution, with their settings;
-        None when there are none (the common untruncated batch pays nothing)."""
+        NO_TRUNCATION when there are none (the common untruncated batch pays nothing)."""
         select = is_truncated(self.top_k, self.top_p, self.min_p, vocab) & (self.loss_mask > 0)
         if not bool(select.any()):
-            return None
+            return NO_TRUNCATION
         return Truncation(self.top_k, self.top_p, self.min_p, select, kept=self.kept)
 
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from trainer.sampling_mask import Truncation, renormalised
+from trainer.sampling_mask import NO_TRUNCATION, NoTruncation, Truncation
 
 log = logging.getLogger("trainer")
 
@@ -41,7 +41,7 @@ class TokenQuery:
     targets: Tensor  # int64: the token the position predicts (any id where not wanted)
     wanted: Tensor  # bool: positions whose logprob is needed
     temperature: Tensor  # float32: the logits are divided by it (the sampler's temperature)
-    truncation: Truncation | None = None  # same layout; its `select` within `wanted`
+    truncation: Truncation | NoTruncation = NO_TRUNCATION  # same layout; its `select` within `wanted`
     smoothing: float = 0.0  # label smoothing (rl sft): trainer/loss.py token_logprobs_and_entropy
     # wanted's flat indices, found on the host (trainer/model.py micro_batch_query); None: here
     where: Tensor | None = None
@@ -62,14 +62,6 @@ class LogprobHead(nn.Module):
         # tokens the kept sets lacked; replayed: positions renormalised over the sampler's
         # recorded set): a query without truncation never reads them, and never waits for them.
         self.counts = torch.zeros(2)
-
-    @property
-    def misses(self) -> float:
-        return float(self.counts[0])
-
-    @property
-    def replayed(self) -> float:
-        return float(self.counts[1])
 
     @contextmanager
     def asked(self, query: TokenQuery):
@@ -93,20 +85,14 @@ class LogprobHead(nn.Module):
         empty = where.numel() == 0
         if empty:
             where = where.new_zeros(1)
-        select = (q.truncation.select.reshape(-1)[where] if q.truncation is not None
-                  else torch.zeros_like(where, dtype=torch.bool))
-        trunc = None if q.truncation is None else [
-            x.reshape(-1)[where] for x in (q.truncation.top_k, q.truncation.top_p, q.truncation.min_p)] + [
-            None if q.truncation.kept is None else q.truncation.kept.reshape(-1, q.truncation.kept.shape[-1])[where]]
+        trunc = q.truncation.rows(where)
         h, targets, temperature = flat[where], q.targets.reshape(-1)[where], q.temperature.reshape(-1)[where]
         # Rebuild each chunk in the backward only when something needs its gradient.
         rebuild = torch.is_grad_enabled() and (h.requires_grad or self.weight.requires_grad)
         logprobs, entropies, counts = [], [], torch.zeros(2, device=flat.device)  # misses, replayed
         for i in range(0, h.shape[0], self.chunk_tokens):
             part = slice(i, i + self.chunk_tokens)
-            args = (h[part], self.weight, self.bias, targets[part], temperature[part], select[part],
-                    *([None if x is None else x[part] for x in trunc] if trunc is not None else [None] * 4),
-                    q.smoothing)
+            args = (h[part], self.weight, self.bias, targets[part], temperature[part], trunc.rows(part), q.smoothing)
             lp, ent, count = checkpoint(_chunk, *args, use_reentrant=False) if rebuild else _chunk(*args)
             logprobs.append(lp)
             entropies.append(ent)
@@ -120,8 +106,7 @@ class LogprobHead(nn.Module):
 
 
 def _chunk(h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: Tensor,
-           select: Tensor, top_k: Tensor | None, top_p: Tensor | None, min_p: Tensor | None,
-           kept: Tensor | None, smoothing: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+           truncation: Truncation | NoTruncation, smoothing: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     """(logprob, entropy, [misses, replayed]) of one chunk's positions: the same arithmetic as
     trainer/loss.py token_logprobs_and_entropy on the same rows (float32 after the matmul)."""
     scaled = F.linear(h, weight, bias).float() / temperature[:, None]
@@ -131,16 +116,7 @@ def _chunk(h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temp
         logprobs = (1 - smoothing) * logprobs + smoothing * logp_all.mean(-1)
     with torch.no_grad():
         entropy = -(logp_all.exp() * logp_all).sum(-1)
-    counts = torch.zeros(2, device=h.device)
-    if top_k is not None and bool(select.any()):
-        lp, ent, misses, replayed = renormalised(
-            scaled[select], targets[select],
-            Truncation(top_k[select], top_p[select], min_p[select], select, None if kept is None else kept[select]))
-        where = select.nonzero(as_tuple=True)
-        logprobs = logprobs.index_put(where, lp)
-        entropy = entropy.index_put(where, ent)
-        counts = torch.stack([misses, replayed]).float().to(h.device)
-    return logprobs, entropy, counts
+    return truncation.renormalise(scaled, targets, logprobs, entropy)
 
 
 def install(model: nn.Module, chunk_tokens: int) -> LogprobHead | None:

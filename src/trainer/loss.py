@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from rl.config import LossConfig
-from trainer.sampling_mask import Truncation, renormalised
+from trainer.sampling_mask import NO_TRUNCATION, NoTruncation, Truncation
 
 # exp(20) ~ 5e8 is far beyond any clip, cap or mask threshold, so clamping the log-ratio there
 # changes no decision; it keeps exp() finite (no inf * 0 = nan in the loss or its gradient).
@@ -51,7 +51,8 @@ class LossOutput:
 
 
 def token_logprobs_and_entropy(logits: Tensor, tokens: Tensor, temperature: float | Tensor,
-                               truncation: Truncation | None = None, smoothing: float = 0.0) -> tuple[Tensor, Tensor]:
+                               truncation: Truncation | NoTruncation = NO_TRUNCATION,
+                               smoothing: float = 0.0) -> tuple[Tensor, Tensor]:
     """logits [R, T, V] (any float dtype), tokens [R, T] int64, temperature a number or one per
     predicted token ([R, T-1], as MicroBatch.temperature: samples of one batch may be sampled at
     different temperatures). Returns (logprobs, entropy), both float32 [R, T-1]: the logprob of
@@ -75,17 +76,8 @@ def token_logprobs_and_entropy(logits: Tensor, tokens: Tensor, temperature: floa
         logprobs = (1 - smoothing) * logprobs + smoothing * logp_all.mean(-1)
     with torch.no_grad():
         entropy = -(logp_all.exp() * logp_all).sum(-1)
-    if truncation is not None and bool(truncation.select.any()):
-        sel = truncation.select.to(logits.device)
-        at = [x.to(logits.device)[sel] for x in (truncation.top_k, truncation.top_p, truncation.min_p)]
-        kept = None if truncation.kept is None else truncation.kept.to(logits.device)[sel]
-        lp, ent, misses, replayed = renormalised(scaled[sel], tokens[:, 1:][sel],
-                                                 Truncation(*at, select=sel, kept=kept))
-        # Out-of-place index_put: the full-vocabulary values elsewhere keep their gradient.
-        where = sel.nonzero(as_tuple=True)
-        logprobs = logprobs.index_put(where, lp)
-        entropy = entropy.index_put(where, ent)
-        truncation.misses, truncation.replayed = float(misses), float(replayed)
+    logprobs, entropy, counts = truncation.renormalise(scaled, tokens[:, 1:], logprobs, entropy)
+    truncation.counted(counts)
     return logprobs, entropy
 
 

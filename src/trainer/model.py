@@ -17,7 +17,7 @@ from trainer.lora import LoRA
 from trainer.loss import token_logprobs_and_entropy
 from trainer.parallel import apply_fsdp
 from trainer.routing_replay import routers
-from trainer.sampling_mask import Truncation
+from trainer.sampling_mask import NO_TRUNCATION, NoTruncation, Truncation
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -100,7 +100,8 @@ def forward_logits(model: torch.nn.Module, mb: MicroBatch, device: torch.device,
 
 
 def micro_batch_logprobs(model: torch.nn.Module, mb: MicroBatch, device: torch.device, single_row: bool,
-                         truncation: Truncation | None = None, smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                         truncation: Truncation | NoTruncation = NO_TRUNCATION,
+                         smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs, entropy) [R, T-1] of a micro-batch's tokens, each under its own sample's
     temperature (mb.temperature): the distribution the engine sampled it from, which a batch
     mixing datasets with different sampling settings makes differ from sample to sample. With
@@ -114,12 +115,11 @@ def micro_batch_logprobs(model: torch.nn.Module, mb: MicroBatch, device: torch.d
                                           truncation, smoothing)
     with head.asked(micro_batch_query(mb, device, truncation, smoothing)):
         out = forward_logits(model, mb, device, single_row)  # [R, T, 2]: (logprob, entropy)
-    if truncation is not None:
-        truncation.misses, truncation.replayed = head.misses, head.replayed
+    truncation.counted(head.counts)
     return out[:, :-1, 0], out[:, :-1, 1]
 
 
-def micro_batch_query(mb: MicroBatch, device: torch.device, truncation: Truncation | None,
+def micro_batch_query(mb: MicroBatch, device: torch.device, truncation: Truncation | NoTruncation,
                       smoothing: float = 0.0) -> TokenQuery:
     """The head's query for a micro-batch: at [r, t] the token t+1 of row r, wanted where the
     loss uses it. Per-predicted-token fields ([R, T-1]) get a last column that is never wanted.
@@ -129,9 +129,7 @@ def micro_batch_query(mb: MicroBatch, device: torch.device, truncation: Truncati
         return to_device(torch.cat([x, torch.full_like(x[:, :1], fill)], 1), device)
 
     wanted = torch.cat([mb.loss_mask > 0, torch.zeros_like(mb.loss_mask[:, :1], dtype=torch.bool)], 1)
-    trunc = None if truncation is None else Truncation(
-        widen(truncation.top_k, -1), widen(truncation.top_p, 1.0), widen(truncation.min_p, 0.0),
-        widen(truncation.select, False), None if truncation.kept is None else widen(truncation.kept, -1))
     return TokenQuery(targets=widen(mb.tokens[:, 1:], 0), wanted=to_device(wanted, device),
-                      temperature=widen(mb.temperature.float(), 1.0), truncation=trunc, smoothing=smoothing,
+                      temperature=widen(mb.temperature.float(), 1.0), truncation=truncation.mapped(widen),
+                      smoothing=smoothing,
                       where=to_device(wanted.reshape(-1).nonzero().squeeze(1), device))

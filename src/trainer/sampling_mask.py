@@ -23,6 +23,7 @@ sampler's own set, however stale the sample; the rebuild stays for tokens withou
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +38,8 @@ _CHUNK_ENTRIES = 1 << 24
 class Truncation:
     """Per predicted token ([R, T-1], as MicroBatch.temperature): the sampler's settings and
     which tokens to renormalise (`select`: truncated samples' loss tokens). `misses` is filled
-    in by token_logprobs_and_entropy: sampled tokens the rebuilt kept set did not contain."""
+    in by token_logprobs_and_entropy: sampled tokens the rebuilt kept set did not contain.
+    NoTruncation stands in where nothing is truncated."""
 
     top_k: Tensor  # int64; <= 0 or >= vocab: off
     top_p: Tensor  # float32; 1: off
@@ -46,6 +48,70 @@ class Truncation:
     kept: Tensor | None = None  # int [..., K]: the sampler's kept ids, -1 padded; none: rebuild
     misses: float = 0.0
     replayed: float = 0.0  # selected positions renormalised over a replayed set
+
+    def mapped(self, fn: Callable[[Tensor, int | float | bool], Tensor]) -> Truncation:
+        """fn(field, its "off" value) applied to each per-token field (e.g. padded, moved)."""
+        return Truncation(fn(self.top_k, -1), fn(self.top_p, 1.0), fn(self.min_p, 0.0), fn(self.select, False),
+                          None if self.kept is None else fn(self.kept, -1))
+
+    def rows(self, index: Tensor | slice) -> Truncation:
+        """The positions `index` picks from the flattened per-token fields (kept keeps its last dim)."""
+        return Truncation(*(x.reshape(-1)[index] for x in (self.top_k, self.top_p, self.min_p, self.select)),
+                          kept=None if self.kept is None else self.kept.reshape(-1, self.kept.shape[-1])[index])
+
+    def renormalise(self, scaled: Tensor, tokens: Tensor, logprobs: Tensor,
+                    entropy: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(logprobs, entropy, float32 [misses, replayed]): the full-vocabulary logprobs and
+        entropy (scaled's leading dims, tokens the predicted ids) with the selected positions'
+        recomputed over their kept sets. `select` is tested before it moves: the loss path's is
+        the host's copy, so asking costs no wait for the device."""
+        if not bool(self.select.any()):
+            return logprobs, entropy, logprobs.new_zeros(2)
+        sel = self.select.to(scaled.device)
+        at = [x.to(scaled.device)[sel] for x in (self.top_k, self.top_p, self.min_p)]
+        kept = None if self.kept is None else self.kept.to(scaled.device)[sel]
+        lp, ent, misses, replayed = renormalised(scaled[sel], tokens[sel], Truncation(*at, select=sel, kept=kept))
+        # Out-of-place index_put: the full-vocabulary values elsewhere keep their gradient.
+        where = sel.nonzero(as_tuple=True)
+        return (logprobs.index_put(where, lp), entropy.index_put(where, ent),
+                torch.stack([misses, replayed]).float())
+
+    def counted(self, counts: Tensor) -> None:
+        """Keep a forward's [misses, replayed] (read now: the host waits for the device)."""
+        self.misses, self.replayed = counts.tolist()
+
+    def sums(self) -> list[float]:
+        """[selected positions, misses, replayed]: what the step adds up over micro-batches."""
+        return [float(self.select.sum()), self.misses, self.replayed]
+
+
+class NoTruncation:
+    """A batch (or a setting) without truncation: every position keeps the full-vocabulary
+    logprob. Callers use it as they use Truncation, without asking; it builds no per-token
+    tensor and reads nothing back from the device, so an untruncated step pays nothing for the mask."""
+
+    misses = 0.0
+    replayed = 0.0
+
+    def mapped(self, fn: Callable[[Tensor, int | float | bool], Tensor]) -> NoTruncation:
+        return self
+
+    def rows(self, index: Tensor | slice) -> NoTruncation:
+        return self
+
+    def renormalise(self, scaled: Tensor, tokens: Tensor, logprobs: Tensor,
+                    entropy: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return logprobs, entropy, logprobs.new_zeros(2)
+
+    def counted(self, counts: Tensor) -> None:
+        pass
+
+    def sums(self) -> list[float]:
+        return [0.0, 0.0, 0.0]
+
+
+# Stateless, so one instance serves every caller (and default arguments).
+NO_TRUNCATION = NoTruncation()
 
 
 def is_truncated(top_k: Tensor, top_p: Tensor, min_p: Tensor, vocab: int) -> Tensor:

@@ -34,7 +34,7 @@ from trainer.policy import Policy
 from trainer.profiling import StepProfiler
 from trainer.publish import make_publisher
 from trainer.routing_replay import routing_for
-from trainer.sampling_mask import Truncation
+from trainer.sampling_mask import NO_TRUNCATION, NoTruncation, Truncation
 from trainer.tunings import TUNINGS, tuning_kind
 
 log = logging.getLogger("trainer")
@@ -241,7 +241,8 @@ class Trainer:
             if old <= keep_from:
                 remove_quietly(policy.run.rollout_dir(old))
 
-    def forward_logprobs(self, model: torch.nn.Module, mb: MicroBatch, truncation: Truncation | None = None,
+    def forward_logprobs(self, model: torch.nn.Module, mb: MicroBatch,
+                         truncation: Truncation | NoTruncation = NO_TRUNCATION,
                          smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
         return micro_batch_logprobs(model, mb, self.device, single_row=self.flash, truncation=truncation,
                                     smoothing=smoothing)
@@ -251,7 +252,7 @@ class Trainer:
         # The same per-token temperatures (and sampling mask, its kept set rebuilt from the
         # reference's own logits) as the policy's: the KL compares the two at the
         # distributions the samples were drawn from.
-        truncation = mb.truncation(self.vocab_size) if sampling_mask else None
+        truncation = mb.truncation(self.vocab_size) if sampling_mask else NO_TRUNCATION
         return self.tuning.reference_logprobs(lambda model: self.forward_logprobs(model, mb, truncation),
                                               self.reference)[0]
 
@@ -282,7 +283,7 @@ class Trainer:
             with self.routing_recorded(mb):
                 with self.tuning.active(policy.slot):
                     logprobs, entropy = self.forward_logprobs(
-                        self.model, mb, truncation if policy.cfg.trainer.sampling_mask else None)
+                        self.model, mb, truncation if policy.cfg.trainer.sampling_mask else NO_TRUNCATION)
                 self.routing.end_forward()
                 d = {k: to_device(v, self.device) for k, v in (
                     ("inference_logprobs", mb.inference_logprobs), ("advantages", mb.advantages),
@@ -293,9 +294,7 @@ class Trainer:
                 with self.tuning.active(policy.slot):
                     (out.loss * self.world).backward()
             sums += torch.cat([out.loss.detach()[None], out.stats]).double()
-            if truncation is not None:  # the host's own counts, and the head's (read only here)
-                mask_sums += torch.tensor([float(truncation.select.sum()), truncation.misses, truncation.replayed],
-                                          dtype=torch.float64)
+            mask_sums += torch.tensor(truncation.sums(), dtype=torch.float64)
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.params, policy.cfg.trainer.optim.max_grad_norm)
         policy.optimizer.step()
         policy.optimizer.zero_grad(set_to_none=True)
