@@ -47,7 +47,7 @@ from weight_sync_lora import model_for, start_server  # noqa: E402
 
 
 async def follow(run: RunDir, pool: ServerPool, version: int, poll_s: float) -> None:
-    """The orchestrator's loop (follow_weights, until_weights_due) for one version that is due."""
+    """The orchestrator's loop (WeightsFollower.follow, until_due: orchestrator/servers/weights_follower.py) for one version that is due."""
     while True:
         latest = run.latest_stable_weights()
         if latest is not None and latest > pool.version:

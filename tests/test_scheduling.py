@@ -514,7 +514,7 @@ def test_a_server_announced_in_the_run_directory_joins_on_the_current_version_an
     class Leaving(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:  # runs inside pool.remove, synchronously
             if "left the pool" in record.getMessage():
-                left.update(seq=orchestrator[0].seq, batches=len(run.rollout_steps()))
+                left.update(seq=orchestrator[0].flight.seq, batches=len(run.rollout_steps()))
 
     leaving = Leaving(logging.WARNING)
 

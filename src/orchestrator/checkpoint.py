@@ -14,6 +14,7 @@ A batch is never made twice, so no two copies of it can hold different prompts.
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 from orchestrator.preflight import orchestrator_state_refusal
 from orchestrator.prompts.queue import Prompt, decode_state, encode_state
@@ -24,15 +25,23 @@ from rl.transport import BatchSender
 log = logging.getLogger("orchestrator")
 
 
-def resume_point(run_dir: RunDir, sender: BatchSender) -> tuple[int, int, list[Prompt], dict | None, Batch | None]:
-    """(next step, data cursor, pending prompts, the curriculum's record, the checkpointed batch
-    to hand over again or None): a fresh start, or where the last checkpoint left off."""
+class ResumePoint(NamedTuple):
+    """Where a run goes on: a fresh start, or where the last checkpoint left off."""
+    next_step: int
+    cursor: int  # rows drawn so far
+    pending: list[Prompt]  # drawn, not in a batch: they go out first
+    curriculum: dict | None  # the curriculum's record
+    unsent: Batch | None  # the checkpointed batch, to hand over again
+
+
+def resume_point(run_dir: RunDir, sender: BatchSender) -> ResumePoint:
+    """Where the last checkpoint left off, or a fresh start."""
     saved = run_dir.checkpoint_steps("orchestrator")
     sender.discard_partial()
     if not saved:
         if refusal := orchestrator_state_refusal(run_dir):  # rl.cli.main refused it already
             raise SystemExit(refusal)
-        return 1, 0, [], None, None
+        return ResumePoint(1, 0, [], None, None)
     directory = run_dir.checkpoint_dir(saved[-1]) / "orchestrator"
     step, cursor, pending, curriculum = decode_state((directory / "state.json").read_bytes())
     delivered = max([0, *run_dir.rollout_steps(), run_dir.latest_stable_weights() or 0])
@@ -41,7 +50,7 @@ def resume_point(run_dir: RunDir, sender: BatchSender) -> tuple[int, int, list[P
         again = Batch.read(directory / "batch")
     log.info("resuming after batch %d from %s: %d rows drawn, %d pending prompts re-issued%s", step, directory,
              cursor, len(pending), f"; batch {step} handed over again" if again else "")
-    return step + 1, cursor, pending, curriculum, again
+    return ResumePoint(step + 1, cursor, pending, curriculum, again)
 
 
 def save_checkpoint(run_dir: RunDir, step: int, encoded: tuple[bytes, bytes], cursor: int, pending: list[Prompt],

@@ -3,3 +3,10 @@ by seed (dataset_mix.py), rendered by the model's chat template (chat.py) and to
 the queue (queue.py, the interface the scheduler draws from) hands out the next prompt, with
 prompts given back by cancelled groups first and rows skipped by the curriculum (curriculum.py).
 fit.py is the start-up check that the first prompts leave room for a completion."""
+
+# The station's interface, as the scheduling loop (orchestrator.py) uses it.
+from orchestrator.prompts.curriculum import Curriculum
+from orchestrator.prompts.dataset_mix import RowError
+from orchestrator.prompts.queue import Prompt, PromptQueue
+
+__all__ = ["Curriculum", "Prompt", "PromptQueue", "RowError"]

@@ -2,3 +2,8 @@
 metrics.jsonl and one status line; tracking.py feeds wandb/TensorBoard from metrics.jsonl. (The
 stop for a run that spins, orchestrator/streaks.py, and the bounded-rate warning,
 orchestrator/quiet_warning.py, sit at the top: every station uses them.)"""
+
+# The station's interface, as the scheduling loop (orchestrator.py) uses it.
+from orchestrator.reporting.batch_report import Counters, Reporting
+
+__all__ = ["Counters", "Reporting"]

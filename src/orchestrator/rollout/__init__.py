@@ -5,3 +5,9 @@ tool_functions.py, calls read by tool_parsers.py), agent_environment.py (an exte
 agent_endpoint.py) and verifiers_taskset.py; environment_base.py is what the environment kinds share,
 environment.py the protocol a user's environment class follows. advantages.py turns a group's rewards
 into advantages; sandbox.py runs model-written code. A new kind: a file and a line in registry.py."""
+
+# The station's interface, as the scheduling loop (orchestrator.py) uses it.
+from orchestrator.rollout.groups import Group, Rollouts
+from orchestrator.rollout.kind import Aborted
+
+__all__ = ["Aborted", "Group", "Rollouts"]
