@@ -204,3 +204,21 @@ def test_requests_hanging_past_request_timeout_are_aborted_on_the_server(tmp_pat
     for asked, r in held:
         assert not [c for c in changes if asked < c < r.finished], "b's version moved under a hung request"
         assert [c for c in changes if c >= r.finished], "the held update never took effect"
+
+
+def test_requests_hanging_under_in_flight_updates_go_stale_and_are_aborted(tmp_path):
+    """The same hanging server under in-flight updates (the default): nothing waits for b's hung
+    requests, so batches run ahead to max_async_level and each hung group goes stale after a few
+    steps of 0.1 s: it is cancelled (counted in `cancelled`, not in failed_requests), its requests
+    aborted on b, its prompt requeued. Even at the other case's request_s of 0.3 s, 6 of 7 hung
+    groups were cancelled within 0.12-0.22 s and none timed out (three runs); here request_s is
+    long, so a stale cancel (or the final stop) is the only way out."""
+    a, b = FakeServer(lambda: 0.002), FakeServer(lambda: 0.002, hang_rate=0.2)
+    o = asyncio.run(run_scenario(tmp_path, [a, b], step_latency=lambda: 0.1, max_steps=15, max_async_level=4,
+                                 orchestrator={"timeouts": {"request_s": 30}, "servers": {"retry_max_s": 1}}))
+    check_rules(o)
+    hung = [b.requests[i] for i in b.hung]
+    assert hung and all(r.aborted_at is not None and r.finished is not None for r in hung)
+    assert b.running == 0
+    assert orchestrator_metrics(o, "cancelled") > 0
+    assert orchestrator_metrics(o, "failed_requests") == 0  # none waited out its 30 s
