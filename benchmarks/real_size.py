@@ -88,7 +88,7 @@ def config(model: Path, scenario: str, args, seq_len: int) -> str:
              f"sampling.max_tokens = {args.max_tokens}", "sampling.temperature = 1.0",
              "timeouts.request_s = 3600", "timeouts.trainer_s = 7200"]
     if scenario == "tools":
-        lines += ['environment = "real_size_tools:ManyTools"', "max_turns = 2", ""]
+        lines += ["", "[orchestrator.environment]", 'class = "real_size_tools:ManyTools"', "max_turns = 2", ""]
     else:
         lines += ["", "[[orchestrator.datasets]]", 'name = "long"', 'path = "train.jsonl"',
                   'reward = "real_size_task:reward"', "", "[orchestrator.eval]", "rows = 2", f"every = {steps}",

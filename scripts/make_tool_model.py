@@ -57,7 +57,7 @@ from orchestrator.rollout.tool_functions import Tool, ToolError
 
 TOOLS = {t.name: t for t in map(Tool.from_function, Calculator.tools)}
 SCHEMAS = [t.schema for t in TOOLS.values()]
-MAX_TURNS = 3          # the RL config's orchestrator.max_turns
+MAX_TURNS = 3          # the RL config's orchestrator.environment.max_turns
 MAX_TURN_TOKENS = 64   # its max_tokens: a call turn takes at most 47 tokens with <|im_end|>
 SEQ_LEN = 256          # its seq_len: a whole tool episode takes at most 207 (prompt <= 135)
 MAX_MODEL_LEN = 512    # max_position_embeddings and the tokenizer's model_max_length

@@ -50,7 +50,7 @@ def test_a_growing_conversation_is_one_sample_and_edited_history_starts_another(
 
 
 def endpoint_and_tokenizer(max_tokens: int = 64, seq_len: int = 256):
-    cfg, _ = load_config(["@", str(ROOT / "configs" / "tools_demo.toml"), "--orchestrator.environment",
+    cfg, _ = load_config(["@", str(ROOT / "configs" / "tools_demo.toml"), "--orchestrator.environment.class",
                           "tasks.calculator_agent:CalculatorAgent", "--orchestrator.sampling.max_tokens",
                           str(max_tokens), "--seq_len", str(seq_len)])
     rollouts = Rollouts(cfg, load_tokenizer(cfg.model), {}, None, CalculatorAgent())
@@ -130,8 +130,9 @@ def test_an_agent_written_against_the_openai_client_trains_in_a_real_run(tmp_pat
     turns trained (mask 1) and the tool's answer between them context (mask 0)."""
     steps = 3
     out = tmp_path / "run"
-    result = subprocess.run(rl_command("run", "@", str(ROOT / "configs" / "tools_demo.toml"), "--orchestrator.environment",
-                                       "tasks.calculator_agent:CalculatorAgent", "--max_steps", str(steps),
+    result = subprocess.run(rl_command("run", "@", str(ROOT / "configs" / "tools_demo.toml"),
+                                       "--orchestrator.environment.class", "tasks.calculator_agent:CalculatorAgent",
+                                       "--max_steps", str(steps),
                                        "--output_dir", str(out), "--inference.port", str(free_port()),
                                        "--trainer.keep_rollouts", str(steps)),
                             capture_output=True, text=True, timeout=900, cwd=ROOT)

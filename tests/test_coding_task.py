@@ -157,8 +157,8 @@ def test_start_up_refuses_a_run_that_executes_code_without_isolation_unless_told
     assert preflight.executes_code(coding.reward) and preflight.executes_code(python)
     assert not preflight.executes_code(preflight.trackers)
     tool_run = RunConfig.model_validate({"model": str(TINY_MODEL), "orchestrator": {
-        "environment": "test_coding_task:PythonToolEnv"}})
-    assert preflight._code_runners(tool_run) == ["orchestrator.environment = 'test_coding_task:PythonToolEnv'"]
+        "environment": {"class": "test_coding_task:PythonToolEnv"}}})
+    assert preflight._code_runners(tool_run) == ["orchestrator.environment.class = 'test_coding_task:PythonToolEnv'"]
     if sandbox.Sandbox.isolation() is None:  # here: the line saying which isolation the run gets
         preflight.sandbox_isolation(_coding_run())
         assert "runs model-written code, isolated: bubblewrap" in capsys.readouterr().err

@@ -37,8 +37,13 @@ def test_off_policy_steps_default_to_async_level(write_toml):
     (["--max_steps", "many"], "config key max_steps"),
     (["--orchestrator.scheduling.max_off_policy_steps", "0", "--max_async_level", "2"], "must be >= max_async_level"),
     (["--orchestrator.scheduling.max_in_flight_groups", "2"], "orchestrator.scheduling.max_in_flight_groups"),
-    (["--orchestrator.environment", "m:E", "--orchestrator.reward", "m:r"],
-     "orchestrator.reward is unused when orchestrator.environment is set"),
+    (["--orchestrator.environment.class", "m:E", "--orchestrator.reward", "m:r"],
+     "orchestrator.reward is unused when orchestrator.environment.class is set"),
+    (["--orchestrator.environment.class", "m:E", "--orchestrator.datasets", '[{path = "d.jsonl"}]'],
+     "orchestrator.datasets is unused when orchestrator.environment.class is set"),
+    (["--orchestrator.environment.class", "not-a-spec"], "config key orchestrator.environment.class: expected"),
+    (["--orchestrator.environment.class_", "m:E"], "unknown config key: orchestrator.environment.class_"),
+    (["--orchestrator.environment.max_turns", "0"], "config key orchestrator.environment.max_turns"),
     (["--orchestrator.reward", ""], "nothing would score the rollouts"),
     (["--transport.kind", "pigeon"], "config key transport.kind"),
     (["--trainer.micro_batch_tokens", "100", "--seq_len", "256"], "trainer.micro_batch_tokens (100) must be >= seq_len"),
@@ -65,13 +70,13 @@ MOVED_VALUES = {"server_urls": ["http://h:1"], "discover_servers": False, "teach
                 "tool_parser": "m:Parser", "chat": "off", "chat_template": "t.jinja", "chat_template_kwargs": {},
                 "system_prompt": "s", "top_p": 0.5, "min_p": 0.5, "stop": ["x"], "record_kept_sets": True,
                 "normalize_advantages": True, "filter_zero_variance": True, "in_flight_updates": False,
-                "max_in_flight_groups": 20}
+                "max_in_flight_groups": 20, "environment_args": {}}
 
 
 @pytest.mark.parametrize("old, new", MOVED.items())
 def test_a_key_moved_into_an_orchestrator_table_is_refused_naming_its_new_place(write_toml, old, new):
     """A config written before [orchestrator]'s tables existed (servers, teacher, tools, overlong;
-    then prompts, sampling, scheduling, timeouts, checkpoints, issue 53): one line
+    then prompts, sampling, scheduling, timeouts, checkpoints, issue 53; then environment): one line
     saying where the key lives now, in the TOML file and as a flag; the new place loads."""
     value = MOVED_VALUES.get(old.rpartition(".")[2], 3)
     text = f'model = "m"\n[orchestrator]\n{old} = {json.dumps(value)}\n'
@@ -92,6 +97,83 @@ def test_overlong_as_a_string_is_refused_naming_its_table(write_toml):
         load_config(["@", str(write_toml('model = "m"\n[orchestrator]\noverlong = "mask"\n'))])
     cfg, _ = load_config(["@", str(write_toml('model = "m"\n')), "--orchestrator.overlong.mode", "mask"])
     assert cfg.orchestrator.overlong.mode == "mask"
+
+
+ENVIRONMENT_HINT = ('orchestrator.environment is a table now: write `class = "tasks.guess_letter:GuessLetter"` under '
+                    "[orchestrator.environment] (or --orchestrator.environment.class)")
+
+
+@pytest.mark.parametrize("argv", [
+    ['--orchestrator.environment=tasks.guess_letter:GuessLetter'],
+    ["--orchestrator.environment", "tasks.guess_letter:GuessLetter"],
+    # A table in the file, the old flag after it: still refused, not silently a string.
+    ["@", "TABLE", "--orchestrator.environment", "tasks.guess_letter:GuessLetter"],
+    ["@", "OLD"],
+    ["@", "OLD", "--orchestrator.environment.max_turns", "3"],  # the string in the file, a key of the table after it
+])
+def test_environment_as_a_string_is_refused_naming_its_table(write_toml, argv):
+    """orchestrator.environment was `module:Class` (with environment_args and max_turns beside it,
+    moved through MOVED); it is the [orchestrator.environment] table now, its class under `class`."""
+    files = {"TABLE": write_toml('[orchestrator.environment]\nmax_turns = 3\n', "table.toml"),
+             "OLD": write_toml('[orchestrator]\nenvironment = "tasks.guess_letter:GuessLetter"\n', "old.toml")}
+    argv = [str(files.get(a, a)) for a in argv]
+    with pytest.raises(ConfigError) as err:
+        load_config(["@", str(write_toml('model = "m"\n')), *argv])
+    assert str(err.value) == ENVIRONMENT_HINT
+
+
+def test_cli_refuses_environment_as_a_string_with_exit_2(write_toml):
+    result = run_rl("orchestrator", "@", str(write_toml('model = "m"\n')),
+                    "--orchestrator.environment=tasks.guess_letter:GuessLetter")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"rl orchestrator: {ENVIRONMENT_HINT}"], result.stderr
+
+
+def test_environment_table_loads_under_class_and_saves_back_the_same(write_toml):
+    """`class` is a Python keyword: the field is class_ with the alias `class`, its only name in
+    TOML, flags, the saved config and --help."""
+    from rl.cli.config_doc import render_toml
+
+    text = ('model = "m"\n[orchestrator.environment]\nclass = "tasks.guess_letter:GuessLetter"\n'
+            'args = {id = "x"}\nmax_turns = 4\n')
+    cfg, _ = load_config(["@", str(write_toml(text))])
+    env = cfg.orchestrator.environment
+    assert (env.class_, env.args, env.max_turns) == ("tasks.guess_letter:GuessLetter", {"id": "x"}, 4)
+    flags, _ = load_config(["@", str(write_toml('model = "m"\n', "bare.toml")),
+                            "--orchestrator.environment.class", "tasks.guess_letter:GuessLetter",
+                            "--orchestrator.environment.args", '{id = "x"}',
+                            "--orchestrator.environment.max_turns", "4"])
+    assert flags == cfg
+    saved = render_toml(cfg, omit_secrets=True)
+    assert 'class = "tasks.guess_letter:GuessLetter"' in saved and "class_" not in saved
+    again, _ = load_config(["@", str(write_toml(saved, "saved.toml"))])
+    assert again == cfg
+    assert "--orchestrator.environment.class TEXT" in run_rl("orchestrator", "--help").stdout
+
+
+@pytest.mark.parametrize("entry, old, new", [
+    ('environment = "tasks.calculator:Calculator"', "environment", "class"),
+    ('class = "tasks.calculator:Calculator"\nenvironment_args = {}', "environment_args", "args"),
+])
+def test_an_eval_environment_with_the_old_key_names_is_refused_naming_the_new(write_toml, entry, old, new):
+    text = f'model = "m"\n[[orchestrator.eval.environments]]\nname = "e"\n{entry}\n'
+    with pytest.raises(ConfigError) as err:
+        load_config(["@", str(write_toml(text))])
+    assert str(err.value) == (f"orchestrator.eval.environments: `{old}` is now `{new}` in each "
+                              "[[orchestrator.eval.environments]] entry, as under [orchestrator.environment]: "
+                              f"write `{new} = ...`")
+
+
+def test_an_eval_environment_takes_the_run_max_turns_unless_it_sets_its_own(write_toml):
+    text = ('model = "m"\n[orchestrator.environment]\nmax_turns = 5\n'
+            '[[orchestrator.eval.environments]]\nname = "a"\nclass = "tasks.calculator:Calculator"\nargs = {k = 1}\n'
+            '[[orchestrator.eval.environments]]\nname = "b"\nclass = "tasks.calculator:Calculator"\nmax_turns = 2\n')
+    cfg, _ = load_config(["@", str(write_toml(text))])
+    o = cfg.orchestrator
+    a, b = (o.for_eval_environment(spec).environment for spec in o.eval.environments)
+    assert (a.class_, a.args, a.max_turns) == ("tasks.calculator:Calculator", {"k": 1}, 5)
+    assert (b.class_, b.args, b.max_turns) == ("tasks.calculator:Calculator", {}, 2)
+    assert o.environment.class_ == ""  # the run itself still trains on its datasets
 
 
 @pytest.mark.parametrize("text, args, message", [

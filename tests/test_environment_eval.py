@@ -22,16 +22,17 @@ port = {port}
 dtype = "float32"
 [orchestrator]
 tools.parser = "hermes"
-max_turns = 3
 sampling.max_tokens = 64
 [orchestrator.eval]
 rows = 12
 [[orchestrator.eval.environments]]
 name = "builtin"
-environment = "tasks.calculator:Calculator"
+class = "tasks.calculator:Calculator"
+max_turns = 3
 [[orchestrator.eval.environments]]
 name = "agent"
-environment = "{agent}"
+class = "{agent}"
+max_turns = 3
 """
 
 
@@ -59,4 +60,4 @@ def test_an_environment_that_does_not_load_is_refused_at_start_up(tmp_path):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("rl eval: orchestrator.eval.environments agent: environment"), lines
+    assert len(lines) == 1 and lines[0].startswith("rl eval: orchestrator.eval.environments agent: class"), lines

@@ -68,7 +68,7 @@ def test_eval_datasets_beside_a_text_environment_render_and_stop_as_datasets_do(
 
     SEEN.clear()
     cfg = RunConfig.model_validate({"model": str(TINY_MODEL), "seq_len": 64, "orchestrator": {
-        "environment": "tasks.guess_letter:GuessLetter", "eval": {
+        "environment": {"class": "tasks.guess_letter:GuessLetter"}, "eval": {
             "rows": 2, "samples": 1, "datasets": [{"name": "d", "function": "tasks.reverse:dataset",
                                                    "reward": "test_evaluation:has_a", "max_tokens": 3}]}}})
     server = FakeServer()

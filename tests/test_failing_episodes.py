@@ -60,7 +60,7 @@ class FlakyAgent(CalculatorAgent):
 def agent_group(mode: str, doomed: int, **orchestrator):
     """(the rollouts, one group of group_size episodes of which `doomed` fail, on a scripted model)."""
     keys = [x for k, v in orchestrator.items() for x in (f"--orchestrator.scheduling.{k}", str(v))]
-    cfg, _ = load_config(["@", str(ROOT / "configs" / "tools_demo.toml"), "--orchestrator.environment",
+    cfg, _ = load_config(["@", str(ROOT / "configs" / "tools_demo.toml"), "--orchestrator.environment.class",
                           "tasks.calculator_agent:CalculatorAgent", *keys])
     agent = FlakyAgent(mode, doomed)
     rollouts = Rollouts(cfg, load_tokenizer(cfg.model), {}, None, agent)

@@ -395,7 +395,7 @@ def test_a_multi_turn_episode_on_real_vllm(server):
 
     url = server["url"]
     cfg = RunConfig.model_validate({"model": str(TINY_MODEL), "seq_len": SEQ_LEN, "orchestrator": {
-        "environment": "tasks.guess_letter:GuessLetter", "max_turns": 4, "sampling": {"max_tokens": 3},
+        "environment": {"class": "tasks.guess_letter:GuessLetter", "max_turns": 4}, "sampling": {"max_tokens": 3},
         "scheduling": {"group_size": 4}}})
     seen = {}
 

@@ -74,7 +74,7 @@ def test_the_chunked_head_replays_as_the_plain_path_does():
     kept[:3, 1] = (targets[:3] + 1) % VOCAB
     kept[3, :2] = torch.tensor([(int(targets[3]) + 1) % VOCAB, (int(targets[3]) + 2) % VOCAB])  # a miss
     settings = (torch.full((n,), 3), torch.full((n,), 0.9), torch.zeros(n))
-    lp, _, counts = _chunk(h, torch.eye(VOCAB), None, targets, torch.ones(n), select, *settings, kept)
+    lp, _, counts = _chunk(h, torch.eye(VOCAB), None, targets, torch.ones(n), Truncation(*settings, select, kept=kept))
     plain = Truncation(*(x[None] for x in settings), select[None], kept=kept[None])
     # token_logprobs_and_entropy predicts tokens[:, 1:] from logits[:, :-1]: shift by one.
     want, _ = token_logprobs_and_entropy(torch.cat([h, h[:1]])[None], torch.cat([targets[:1], targets])[None],
@@ -167,7 +167,7 @@ reward = "tasks.reverse:reward"
 seed = 7
 [[orchestrator.eval.environments]]
 name = "letters"
-environment = "tasks.guess_letter:GuessLetter"
+class = "tasks.guess_letter:GuessLetter"
 """
 
 

@@ -240,7 +240,7 @@ def test_a_tool_environment_whose_schemas_and_question_overflow_is_refused(tmp_p
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr[-2000:]
-    assert lines[0].startswith("rl orchestrator: orchestrator.environment = 'tasks.calculator:Calculator': "
+    assert lines[0].startswith("rl orchestrator: orchestrator.environment.class = 'tasks.calculator:Calculator': "
                                "64 of the first 64 prompts drawn leave less than max_tokens (64) within seq_len (128); "
                                "the longest is "), lines[0]
     assert "tool schemas" in lines[0] and not out.exists()
@@ -573,7 +573,7 @@ def eval_config(tmp_path: Path, environment: bool, train_long: bool, eval_long: 
     for name, long in (("train", train_long), ("held", eval_long)):
         rows = [{"prompt": f"q{i}" + (" word" * 40 if long else "")} for i in range(8)]
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    source = ('environment = "tasks.guess_letter:GuessLetter"\n' if environment else
+    source = ('environment.class = "tasks.guess_letter:GuessLetter"\n' if environment else
               f'datasets = [{{path = "{tmp_path / "train.jsonl"}", reward = "math_verify"}}]\n')
     cfg = tmp_path / "cfg.toml"
     cfg.write_text(f'model = "{TINY_MODEL}"\noutput_dir = "{tmp_path / "run"}"\nseq_len = 64\n[orchestrator]\n'

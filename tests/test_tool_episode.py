@@ -69,9 +69,9 @@ TOOL_TIMEOUT_S = 2
 
 
 def config(env: str = "test_tool_episode:Tools", seq_len: int = 4096, **orchestrator) -> RunConfig:
-    return RunConfig.model_validate({"model": str(CHAT_MODEL), "seq_len": seq_len, "orchestrator": {
-        "environment": env, "max_turns": 4, **grouped({"group_size": 2, "tool_timeout_s": TOOL_TIMEOUT_S,
-                                                       "max_tokens": 200, **orchestrator})}})
+    return RunConfig.model_validate({"model": str(CHAT_MODEL), "seq_len": seq_len, "orchestrator": grouped({
+        "environment": env, "max_turns": 4, "group_size": 2, "tool_timeout_s": TOOL_TIMEOUT_S, "max_tokens": 200,
+        **orchestrator})})
 
 
 class ScriptedModel:
@@ -283,7 +283,7 @@ def test_an_eval_environment_samples_with_the_evaluation_settings_not_the_runs(t
 
     cfg = config(temperature=1.0, top_k=5)
     rollouts = Rollouts(cfg, load_tokenizer(cfg.model), {}, None, Tools())
-    evaluation = EnvironmentEval(rollouts, EvalEnvironment(name="held", environment="test_tool_episode:Tools"),
+    evaluation = EnvironmentEval(rollouts, EvalEnvironment(name="held", **{"class": "test_tool_episode:Tools"}),
                                  EvalConfig(temperature=temperature, rows=2))
     sampling = evaluation.kind.sampling(None)
     assert (sampling.temperature, sampling.top_k) == (temperature, 5 if temperature else -1)

@@ -44,7 +44,7 @@ def call(name: str, arguments) -> str:
 def run(environment_args: dict, row: dict, script: list[str]):
     """One group of two episodes of the configured taskset, through the orchestrator's rollouts."""
     cfg = config(ENV, environment_args={"id": TINY, **environment_args})
-    env = VerifiersTaskset(**cfg.orchestrator.environment_args)
+    env = VerifiersTaskset(**cfg.orchestrator.environment.args)
     model = ScriptedModel(script)
     rollouts = Rollouts(cfg, load_tokenizer(cfg.model), {}, None, env)
     return model, asyncio.run(rollouts.group(Prompt(0, row), "g0", model))
@@ -173,7 +173,7 @@ def test_the_config_names_a_taskset_by_id():
 
 @pytest.mark.parametrize("args, message", [
     ({"id": "vf-no-such-taskset"}, "verifiers taskset 'vf-no-such-taskset' not found: no module 'vf_no_such_taskset'"),
-    ({"id": TINY, "num_taskz": 2}, f"verifiers taskset '{TINY}': environment_args {{'num_taskz': 2}} do not fit "
+    ({"id": TINY, "num_taskz": 2}, f"verifiers taskset '{TINY}': environment.args {{'num_taskz': 2}} do not fit "
                                    "its config TinyConfig: num_taskz: Extra inputs are not permitted"),
     ({"id": TINY, "differing_tools": True}, f"verifiers taskset '{TINY}': task 1 offers other tools than task 0 "
                                             "(calc_add, calc_mul, calc_sub vs calc_add, calc_mul)"),

@@ -54,11 +54,12 @@ def _takes(fn: Callable, key: str, spec: str, args: tuple, expected: str) -> Non
 
 def orchestrator_code(cfg: RunConfig) -> None:
     o = cfg.orchestrator
-    if o.environment:
-        built_environment(cfg, o.environment, o.environment_args, "orchestrator.environment")
+    if o.environment.class_:
+        built_environment(cfg, o.environment.class_, o.environment.args, "orchestrator.environment.class")
     for spec in o.eval.environments:
-        built_environment(cfg, spec.environment, spec.environment_args,
-                          f"orchestrator.eval.environments {spec.name}: environment", "its environment_args")
+        # Checked as the evaluation runs it: its class, args and max_turns in [orchestrator.environment]'s place.
+        built_environment(cfg.model_copy(update={"orchestrator": o.for_eval_environment(spec)}), spec.class_, spec.args,
+                          f"orchestrator.eval.environments {spec.name}: class", "its args")
     for ds, listed, _ in _datasets(cfg):  # beside an environment: its eval datasets
         if ds.spec.function:
             key = _function_key(ds, listed)
@@ -78,7 +79,7 @@ def kept_sets_fit(cfg: RunConfig) -> None:
         return
     config = model_config(cfg)
     vocab = int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size") or 0)
-    samplings = ([("orchestrator", o.sampling)] if o.environment else
+    samplings = ([("orchestrator", o.sampling)] if o.environment.class_ else
                  [(f"dataset {ds.name}" if o.datasets else "orchestrator", ds.sampling) for ds in o.resolved_datasets()])
     for where, s in samplings:
         truncated = s.top_k > 0 or s.top_p < 1 or s.min_p > 0
@@ -102,8 +103,8 @@ def _code_runners(cfg: RunConfig) -> list[str]:
     """The config keys whose code executes model-written code (executes_code)."""
     o = cfg.orchestrator
     found = []
-    for key, spec in [("orchestrator.environment", o.environment),
-                      *((f"orchestrator.eval.environments {e.name}", e.environment) for e in o.eval.environments)]:
+    for key, spec in [("orchestrator.environment.class", o.environment.class_),
+                      *((f"orchestrator.eval.environments {e.name}: class", e.class_) for e in o.eval.environments)]:
         if spec:
             env = load_callable(spec, key)
             tools = getattr(env, "tools", None)  # a class's list; a property where they are built (verifiers)
@@ -153,7 +154,7 @@ def orchestrator_data(cfg: RunConfig) -> None:
 
 
 def built_environment(cfg: RunConfig, spec: str, args: dict, key: str,
-                      args_key: str = "orchestrator.environment_args") -> None:
+                      args_key: str = "orchestrator.environment.args") -> None:
     """An environment loads, is built with its arguments, passes its kind's checks, and its first
     rows leave room for max_tokens."""
     env = load_callable(spec, key)
@@ -204,7 +205,7 @@ def _datasets(cfg: RunConfig, training: bool = True) -> list[tuple[Dataset, bool
     each with whether the config lists it (False: the one made from orchestrator.dataset, whose
     errors name that key) and how messages about its prompts name it."""
     o = cfg.orchestrator
-    train = o.resolved_datasets() if training and not o.environment else []
+    train = o.resolved_datasets() if training and not o.environment.class_ else []
     return [(ds, bool(o.datasets), f"dataset {ds.name}") for ds in train] + \
         [(ds, True, f"eval dataset {ds.name}") for ds in o.resolved_datasets(evaluation=True)]
 

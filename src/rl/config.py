@@ -677,7 +677,8 @@ def parse_args(argv: list[str]) -> tuple[dict, bool]:
             for part in parents:
                 node = node.setdefault(part, {})
                 if not isinstance(node, dict):
-                    raise ConfigError(f"--{key}: {part} is not a table")
+                    # (a key that is a table now, written the old way: its new place)
+                    raise ConfigError(moved_key(merged.get("orchestrator")) or f"--{key}: {part} is not a table")
             node[leaf] = _parse_value(value)
         else:
             raise ConfigError(f"unexpected argument {arg!r} (expected '@ file.toml' or --key value)")

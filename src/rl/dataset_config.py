@@ -174,12 +174,21 @@ class EvalEnvironment(Section):
 
     name: str = Field(min_length=1)
     """eval/<name>/... in metrics.jsonl."""
-    environment: str = Field(min_length=1)
-    """"module:Class", as orchestrator.environment (a tool, text or agent environment)."""
-    environment_args: dict[str, Any] = Field(default_factory=dict)
+    class_: str = Field(min_length=1, alias="class")
+    """"module:Class", as orchestrator.environment.class (a tool, text or agent environment)."""
+    args: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments it is built with."""
+    max_turns: int | None = Field(None, ge=1)
+    """Most model calls in one of its episodes; unset: orchestrator.environment.max_turns."""
     seed: int = 10000
     """The seed of its held-out rows (dataset(seed)): keep it clear of the training run's."""
+
+    @field_validator("class_")
+    @classmethod
+    def _class_form(cls, spec: str) -> str:
+        if not is_module_attr(spec):
+            raise ValueError("expected 'package.module:Class'")
+        return spec
 
 
 class EvalConfig(Section):
@@ -197,7 +206,8 @@ class EvalConfig(Section):
 
     environments: list[EvalEnvironment] = []
     """Environments evaluated too ([[orchestrator.eval.environments]]): episodes of their held-out
-    rows, greedy or sampled as below, with the run's max_turns, tools and parser."""
+    rows, greedy or sampled as below, with the run's tools and parser (and its
+    orchestrator.environment.max_turns unless an entry sets its own)."""
 
     samples: int = Field(1, ge=1, le=1024)
     """Completions per row: pass@k is reported for k = 1 and k = samples (unbiased estimator)."""

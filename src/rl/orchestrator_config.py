@@ -4,10 +4,10 @@ are, in tables that mirror the orchestrator's stations (docs/architecture.md): `
 composition, in-flight bounds, no-spin stops), `[orchestrator.timeouts]` (every bound the
 orchestrator waits under), `[orchestrator.checkpoints]`, `[orchestrator.servers]`,
 `[orchestrator.teacher]`, `[orchestrator.tools]`, `[orchestrator.sandbox]`, `[orchestrator.overlong]`,
-`[orchestrator.curriculum]`, beside `[[orchestrator.datasets]]` and `[orchestrator.eval]`
-(rl/dataset_config.py). What is rolled out stays at the top (dataset + reward, or datasets, or
-environment + environment_args + max_turns), with cpus. A dataset may set the sampling keys, flat,
-for its own rows.
+`[orchestrator.curriculum]`, `[orchestrator.environment]` (class, args, max_turns), beside
+`[[orchestrator.datasets]]` and `[orchestrator.eval]` (rl/dataset_config.py). What is rolled out
+stays at the top (dataset + reward, or datasets; or [orchestrator.environment]), with cpus. A
+dataset may set the sampling keys, flat, for its own rows.
 
 A config written before the tables existed is refused with one line that names the new place
 of the key (`moved_key`), not with a bare "unknown key".
@@ -15,14 +15,18 @@ of the key (`moved_key`), not with a bare "unknown key".
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, NonNegativeInt, field_validator, model_validator
 
 from rl.addresses import HttpUrl
 from rl.config_section import Section
 from rl.dataset_config import Dataset, DatasetConfig, EvalConfig, Sampling, check_reward_spec, is_module_attr
+
+if TYPE_CHECKING:
+    from rl.dataset_config import EvalEnvironment
 
 
 class ServersConfig(Section):
@@ -272,6 +276,30 @@ class TimeoutsConfig(Section):
     """Longest one tool call may take; past it the model is told the call timed out."""
 
 
+class EnvironmentConfig(Section):
+    """A multi-turn environment rolled out instead of datasets (orchestrator/rollout/environment.py):
+    it supplies its own rows and rewards."""
+
+    class_: str = Field("", alias="class")
+    """`module:Class` of a multi-turn environment (a tool, text or agent environment: see
+    orchestrator/rollout/environment.py); it supplies its own rows and rewards, so
+    orchestrator.dataset, reward and datasets are then unused. Empty: single-turn datasets."""
+
+    args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments the environment class is built with, e.g. {id = "my-taskset"} for
+    orchestrator.rollout.verifiers_taskset:VerifiersTaskset."""
+
+    max_turns: int = Field(8, ge=1)
+    """Most model calls in one multi-turn episode."""
+
+    @field_validator("class_")
+    @classmethod
+    def _class_form(cls, spec: str) -> str:
+        if spec and not is_module_attr(spec):
+            raise ValueError("expected 'package.module:Class'")
+        return spec
+
+
 class CheckpointsConfig(Section):
     keep: int = Field(2, ge=1)
     """Orchestrator checkpoints (step, data cursor, pending prompts) kept under checkpoints/."""
@@ -280,7 +308,7 @@ class CheckpointsConfig(Section):
 
 # Keys that moved, by their path under [orchestrator]: the old path and where it lives now
 # (moved_key). The first group became table keys (2026-11); the second grouped [orchestrator] by
-# the stations of the orchestrator (issue 53).
+# the stations of the orchestrator (issue 53); the last, the environment's keys.
 MOVED = {
     "server_urls": "servers.urls", "discover_servers": "servers.discover",
     "server_retry_max_s": "servers.retry_max_s", "teacher_url": "teacher.url", "teacher_coef": "teacher.coef",
@@ -298,7 +326,15 @@ MOVED = {
     "server_wait_timeout_s": "timeouts.server_wait_s", "servers.wait_timeout_s": "timeouts.server_wait_s",
     "tool_timeout_s": "timeouts.tool_s", "tools.timeout_s": "timeouts.tool_s",
     "keep_checkpoints": "checkpoints.keep",
+    "environment_args": "environment.args", "max_turns": "environment.max_turns",
 }
+
+# Keys that were a string and are a table now: the key the string became (moved_key; tests'
+# flat keywords, tests/orchestrator_tables.py).
+STRING_FORMS = {"environment": "class", "overlong": "mode"}
+
+# The keys of an [[orchestrator.eval.environments]] entry that were renamed with [orchestrator.environment]'s.
+EVAL_ENVIRONMENT_MOVED = {"environment": "class", "environment_args": "args"}
 
 
 def moved_key(orchestrator: Any) -> str | None:
@@ -306,6 +342,10 @@ def moved_key(orchestrator: Any) -> str | None:
     (None when there is none)."""
     if not isinstance(orchestrator, dict):
         return None
+    for table, key in STRING_FORMS.items():
+        if isinstance(orchestrator.get(table), str):
+            return (f"orchestrator.{table} is a table now: write `{key} = {json.dumps(orchestrator[table])}` under "
+                    f"[orchestrator.{table}] (or --orchestrator.{table}.{key})")
     for old, new in MOVED.items():
         table, _, key = old.rpartition(".")
         holder = orchestrator.get(table) if table else orchestrator
@@ -313,9 +353,14 @@ def moved_key(orchestrator: Any) -> str | None:
             new_table, _, new_key = new.rpartition(".")
             return (f"orchestrator.{old} is now orchestrator.{new}: write it as `{new_key} = ...` under "
                     f"[orchestrator.{new_table}] (or --orchestrator.{new})")
-    if isinstance(orchestrator.get("overlong"), str):
-        return (f"orchestrator.overlong is a table now: write `mode = \"{orchestrator['overlong']}\"` under "
-                "[orchestrator.overlong] (or --orchestrator.overlong.mode)")
+    evaluation = orchestrator.get("eval")
+    entries = evaluation.get("environments") if isinstance(evaluation, dict) else None
+    for entry in entries if isinstance(entries, list) else []:
+        for old, new in EVAL_ENVIRONMENT_MOVED.items():
+            if isinstance(entry, dict) and old in entry:
+                return (f"orchestrator.eval.environments: `{old}` is now `{new}` in each "
+                        f"[[orchestrator.eval.environments]] entry, as under [orchestrator.environment]: "
+                        f"write `{new} = ...`")
     return None
 
 
@@ -359,16 +404,9 @@ class OrchestratorConfig(Section):
     teacher: TeacherConfig = TeacherConfig()
     """An optional teacher model for on-policy distillation (`[orchestrator.teacher]`)."""
 
-    environment: str = ""
-    """`module:Class` of a multi-turn environment (see orchestrator/rollout/environment.py); it supplies
-    its own rows and rewards, so `dataset` and `reward` are then unused. Empty: single-turn."""
-
-    environment_args: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments the environment class is built with, e.g. {id = "my-taskset"} for
-    orchestrator.rollout.verifiers_taskset:VerifiersTaskset."""
-
-    max_turns: int = Field(8, ge=1)
-    """Most model calls in one multi-turn episode."""
+    environment: EnvironmentConfig = EnvironmentConfig()
+    """A multi-turn environment instead of datasets: its class, the arguments it is built with, and
+    the most model turns of an episode (`[orchestrator.environment]`)."""
 
     tools: ToolsConfig = ToolsConfig()
     """How a tool environment's calls are read and run (`[orchestrator.tools]`)."""
@@ -397,7 +435,7 @@ class OrchestratorConfig(Section):
     checkpoints: CheckpointsConfig = CheckpointsConfig()
     """The orchestrator's own checkpoints (`[orchestrator.checkpoints]`)."""
 
-    @field_validator("dataset", "environment")
+    @field_validator("dataset")
     @classmethod
     def _module_attr(cls, spec: str) -> str:
         if spec and not is_module_attr(spec):
@@ -411,10 +449,10 @@ class OrchestratorConfig(Section):
 
     @model_validator(mode="after")
     def _check_scoring(self) -> OrchestratorConfig:
-        if self.environment:
+        if self.environment.class_:
             for key in ("dataset", "reward", "datasets"):
                 if getattr(self, key):
-                    raise ValueError(f"orchestrator.{key} is unused when orchestrator.environment is set "
+                    raise ValueError(f"orchestrator.{key} is unused when orchestrator.environment.class is set "
                                      "(the environment supplies rows and rewards); remove one of them")
             return self
         if self.datasets and self.dataset is not None:
@@ -440,6 +478,14 @@ class OrchestratorConfig(Section):
                                  f"(dataset {d.name}: max_tokens {d.sampling.max_tokens}, overlong.buffer "
                                  f"{self.overlong.buffer})")
         return self
+
+    def for_eval_environment(self, spec: EvalEnvironment) -> OrchestratorConfig:
+        """These settings with an eval environment in [orchestrator.environment]'s place: its class
+        and args, its max_turns (unset: the run's). Not validated again: the run's datasets stay."""
+        environment = self.environment.model_copy(update={
+            "class_": spec.class_, "args": spec.args,
+            "max_turns": self.environment.max_turns if spec.max_turns is None else spec.max_turns})
+        return self.model_copy(update={"environment": environment})
 
     def resolved_datasets(self, evaluation: bool = False) -> list[Dataset]:
         """Every dataset with the orchestrator-level defaults applied (one from dataset/reward

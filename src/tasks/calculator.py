@@ -2,8 +2,8 @@
 question ("Calculate -9*-9-7.") that a tiny model cannot work out in its head, but can by
 copying the expression into the `calculate` tool and the tool's result into its answer.
 
-    [orchestrator]
-    environment = "tasks.calculator:Calculator"
+    [orchestrator.environment]
+    class = "tasks.calculator:Calculator"
     max_turns = 3
 
 One episode: user question -> assistant turn with a <tool_call> -> tool message with the result

@@ -2,8 +2,8 @@
 the official OpenAI client, as a user's own agent would be: the external-agent environment kind
 (orchestrator/rollout/agent_environment.py) trains the model inside this loop.
 
-    [orchestrator]
-    environment = "tasks.calculator_agent:CalculatorAgent"
+    [orchestrator.environment]
+    class = "tasks.calculator_agent:CalculatorAgent"
 """
 
 from __future__ import annotations

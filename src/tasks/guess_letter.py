@@ -1,10 +1,10 @@
 """Guess the letter: a multi-turn environment. The model guesses a secret letter; after each
 wrong guess the environment answers "up=" (the secret comes later in the alphabet) or "down="
-and the model guesses again, up to orchestrator.max_turns times. Binary search finds any letter in
+and the model guesses again, up to orchestrator.environment.max_turns times. Binary search finds any letter in
 five guesses, so the reward pays for finding it early.
 
-    [orchestrator]
-    environment = "tasks.guess_letter:GuessLetter"
+    [orchestrator.environment]
+    class = "tasks.guess_letter:GuessLetter"
     max_turns = 6
 
 Everything is lowercase letters and "=", the tiny char-level model's whole vocabulary.

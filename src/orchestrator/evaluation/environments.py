@@ -25,9 +25,8 @@ class EnvironmentEval:
         sampling = o.sampling.model_copy(update={
             "temperature": cfg.temperature, "top_p": o.sampling.top_p if sampled else 1.0,
             "top_k": o.sampling.top_k if sampled else -1, "min_p": o.sampling.min_p if sampled else 0.0})
-        settings = o.model_copy(update={"environment": spec.environment, "environment_args": spec.environment_args,
-                                        "sampling": sampling})
-        env = load_callable(spec.environment, f"orchestrator.eval.environments {spec.name}")(**spec.environment_args)
+        settings = o.for_eval_environment(spec).model_copy(update={"sampling": sampling})
+        env = load_callable(spec.class_, f"orchestrator.eval.environments {spec.name}: class")(**spec.args)
         self.kind = kind_of(env)(run.model_copy(update={"orchestrator": settings}), rollouts, rollouts.renderer, {}, env)
         self.name, self.samples = spec.name, cfg.samples
         # The same rows every time: a version's score is comparable with the one before.

@@ -167,7 +167,7 @@ def environment_fits(cfg: RunConfig, env, opening: Callable[[object], Opening], 
     tokenizer = tokenizer_of(cfg.model)
     if tokenizer is None:
         return
-    key = f"orchestrator.environment = {o.environment!r}"
+    key = f"orchestrator.environment.class = {o.environment.class_!r}"
     measure = opening(tokenizer)
     budget, longest = cfg.seq_len - o.sampling.max_tokens, Longest()
     try:

@@ -1,4 +1,4 @@
-"""The external-agent environment kind: `orchestrator.environment` names a class with
+"""The external-agent environment kind: `orchestrator.environment.class` names a class with
 dataset(seed) and an agent of the user's own, written against the official OpenAI client:
 
     class MyAgent:
@@ -70,7 +70,7 @@ class AgentEpisodes(EnvironmentKind):
                                       str(cfg.model))
         # An agent that neither asks nor answers: its turns' own bounds, and its tools' time.
         s = self.settings
-        self.timeout_s = s.max_turns * (s.timeouts.request_s + s.timeouts.tool_s)
+        self.timeout_s = s.environment.max_turns * (s.timeouts.request_s + s.timeouts.tool_s)
 
     async def episode(self, row: dict, eid: str, generate: Generate) -> Trajectory | None:
         await self.endpoint.start()
@@ -105,7 +105,7 @@ class AgentEpisodes(EnvironmentKind):
 
     @classmethod
     def start_up(cls, cfg: RunConfig, env) -> Callable[[object], Opening]:
-        key = f"orchestrator.environment = {cfg.orchestrator.environment!r}"
+        key = f"orchestrator.environment.class = {cfg.orchestrator.environment.class_!r}"
         if not inspect.iscoroutinefunction(getattr(env, "agent", None)):
             raise ConfigError(f"{key}: an agent environment's agent(row, access) must be an async def")
         if cfg.orchestrator.tools.parser not in PARSERS:

@@ -1,8 +1,8 @@
 """What a rollout is: single-turn (a prompt, n completions, a reward each) or a multi-turn
 episode in which the model is called several times (a game, tool calls).
 
-A multi-turn environment is a class named in the config (`orchestrator.environment =
-"module:Class"`), built with no arguments:
+A multi-turn environment is a class named in the config (`class = "module:Class"` under
+`[orchestrator.environment]`), built with that table's `args` (none by default):
 
     class MyEnv:
         def dataset(self, seed) -> Iterator[dict]:   # rows, JSON-able, same for the same seed

@@ -58,14 +58,14 @@ class EnvironmentKind(RolloutKind):
     def failed(self, eid: str, e: Exception) -> None:
         """An episode that failed on its own: said (through Quiet), recorded, None for its slot."""
         self.error = f"{type(e).__name__}: {e}"
-        self.quiet.warn(self.error, f"episode {eid} failed in {self.settings.environment}: {self.error}")
+        self.quiet.warn(self.error, f"episode {eid} failed in {self.settings.environment.class_}: {self.error}")
         return None
 
     def last_error(self, prompt) -> str:
         return self.error
 
     def culprit(self, prompt) -> str:
-        return f"orchestrator.environment = {self.settings.environment!r}"
+        return f"orchestrator.environment.class = {self.settings.environment.class_!r}"
 
     def failure_fix(self, prompt) -> str:
         return "fix the environment's reward or episodes (the error above)"

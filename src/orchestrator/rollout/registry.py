@@ -1,5 +1,5 @@
 """The registry of rollout kinds (orchestrator/rollout/kind.py): a new kind is a file with its
-class and one line here. A run's kind follows from its config: without orchestrator.environment
+class and one line here. A run's kind follows from its config: without orchestrator.environment.class
 its datasets; with one, the class it names is an external agent if it has `agent`, a tool
 environment if it declares `tools`, else a text environment (the protocols in
 orchestrator/rollout/environment.py)."""

@@ -1,4 +1,4 @@
-"""The datasets kind (no orchestrator.environment): a prompt rendered from a dataset's row, one
+"""The datasets kind (no orchestrator.environment.class): a prompt rendered from a dataset's row, one
 request of group_size completions, each scored by the dataset's reward (orchestrator/rewards/reward.py)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The text environment kind: `orchestrator.environment` names a class with dataset(seed) and
-episode(row) (orchestrator/rollout/environment.py). Each episode talks in raw text: its start, the
+"""The text environment kind: `orchestrator.environment.class` names a class with dataset(seed)
+and episode(row) (orchestrator/rollout/environment.py). Each episode talks in raw text: its start, the
 model's completion, the environment's observation, and so on; the model's ids are trained on,
 the rest is context."""
 
@@ -32,7 +32,7 @@ class TextEpisodes(EnvironmentKind):
             t.add(encode(episode.start()))
         except Exception as e:
             return self.failed(eid, e)
-        for turn_index in range(o.max_turns):
+        for turn_index in range(o.environment.max_turns):
             response = await generate(self.toolkit.request(f"{eid}-t{turn_index}", t.tokens, 1, self.env_sampling))
             sample = response.samples[0]
             if sample.finish_reason == "abort":
@@ -48,7 +48,7 @@ class TextEpisodes(EnvironmentKind):
             except Exception as e:
                 return self.failed(eid, e)
             t.reward += turn.reward
-            if turn.done or not turn.observation or turn_index == o.max_turns - 1:
+            if turn.done or not turn.observation or turn_index == o.environment.max_turns - 1:
                 break  # (a last observation no model turn answers would only cost tokens)
             observation = encode(turn.observation, add_special_tokens=False)
             if len(t.tokens) + len(observation) >= self.cfg.seq_len:

@@ -1,4 +1,4 @@
-"""The tool environment kind: `orchestrator.environment` names a class with `tools` (functions),
+"""The tool environment kind: `orchestrator.environment.class` names a class with `tools` (functions),
 dataset(seed) and reward(messages, row) (orchestrator/rollout/environment.py). Each of a group's episodes
 is a conversation through the chat template in which the model calls the tools
 (orchestrator/rollout/tool_episode.py runs one); the environment's reward scores the whole conversation."""
@@ -31,7 +31,8 @@ class ToolEpisodes(EnvironmentKind):
         tools = self.settings.tools
         self.tool_episode = ToolEpisode(
             env, env_tools(cfg, env), needed_template(cfg, renderer.template), toolkit.fast, toolkit.encode,
-            toolkit.decode, tool_parser(tools.parser), self.settings.timeouts.tool_s, self.settings.max_turns, cfg.seq_len)
+            toolkit.decode, tool_parser(tools.parser), self.settings.timeouts.tool_s,
+            self.settings.environment.max_turns, cfg.seq_len)
 
     async def episode(self, row: dict, eid: str, generate: Generate) -> Trajectory | None:
         """One tool-calling episode; None if the template or the reward failed (a tool's failure
@@ -77,7 +78,7 @@ def checked(cfg: RunConfig, env) -> tuple[ChatTemplate, list[dict]]:
     """A tool environment's tools describe themselves, it has a reward, its parser loads, and the
     chat template renders a tool call and its result as a continuation (orchestrator/rollout/tool_episode.py).
     Returns the template and the tools' schemas, for measuring its prompts."""
-    o, key = cfg.orchestrator, f"orchestrator.environment = {cfg.orchestrator.environment!r}"
+    o, key = cfg.orchestrator, f"orchestrator.environment.class = {cfg.orchestrator.environment.class_!r}"
     schemas = [t.schema for t in env_tools(cfg, env).values()]
     if not callable(getattr(env, "reward", None)):
         raise ConfigError(f"{key}: a tool environment needs a reward(messages, row) method")
@@ -104,13 +105,13 @@ def checked(cfg: RunConfig, env) -> tuple[ChatTemplate, list[dict]]:
 def env_tools(cfg: RunConfig, env) -> dict:
     """The environment's tools, loaded (a ConfigError naming the one that cannot describe itself)."""
     try:
-        return load_tools(env.tools, f"orchestrator.environment = {cfg.orchestrator.environment!r}: tools")
+        return load_tools(env.tools, f"orchestrator.environment.class = {cfg.orchestrator.environment.class_!r}: tools")
     except TypeError as e:
         raise ConfigError(str(e)) from None
 
 
 def needed_template(cfg: RunConfig, template: ChatTemplate | None) -> ChatTemplate:
     if template is None:
-        raise ConfigError(f"orchestrator.environment = {cfg.orchestrator.environment!r} has tools, which need a "
-                          f"chat template: {cfg.model} has none (set orchestrator.prompts.chat_template)")
+        raise ConfigError(f"orchestrator.environment.class = {cfg.orchestrator.environment.class_!r} has tools, "
+                          f"which need a chat template: {cfg.model} has none (set orchestrator.prompts.chat_template)")
     return template

@@ -1,8 +1,8 @@
 """A PrimeIntellect verifiers (v1, verifiers==0.4.0) taskset as an asyncrl tool environment:
 
-    [orchestrator]
-    environment = "orchestrator.rollout.verifiers_taskset:VerifiersTaskset"
-    environment_args = {id = "my-taskset", num_tasks = 100}   # id, then the taskset's config fields
+    [orchestrator.environment]
+    class = "orchestrator.rollout.verifiers_taskset:VerifiersTaskset"
+    args = {id = "my-taskset", num_tasks = 100}   # id, then the taskset's config fields
 
 `id` is resolved as verifiers resolves it (`vf.load_taskset`: the installed module `<id>` with
 - -> _, whose `__all__` exports one `vf.Taskset`); the other arguments are fields of that
@@ -109,7 +109,7 @@ class VerifiersTaskset:
         except Exception as e:
             raise ConfigError(f"{self.where}: loading its tasks failed: {_one_line(e)}") from None
         if not self.tasks:
-            raise ConfigError(f"{self.where} has no tasks (environment_args {taskset_args})")
+            raise ConfigError(f"{self.where} has no tasks (environment.args {taskset_args})")
         self.taskset = taskset
 
         first = self.tasks[0]
@@ -143,7 +143,7 @@ class VerifiersTaskset:
 
     def _load(self, vf, id: str, args: dict):
         if not isinstance(id, str) or not id:
-            raise ConfigError(f"orchestrator.environment_args.id = {id!r}: name a verifiers taskset")
+            raise ConfigError(f"orchestrator.environment.args.id = {id!r}: name a verifiers taskset")
         try:
             config_type = vf.taskset_config_type(id)
         except ModuleNotFoundError as e:
@@ -158,7 +158,7 @@ class VerifiersTaskset:
         try:
             config = config_type(id=id, **args)
         except Exception as e:
-            raise ConfigError(f"{self.where}: environment_args {args} do not fit its config "
+            raise ConfigError(f"{self.where}: environment.args {args} do not fit its config "
                               f"{config_type.__name__}: {_one_line(e)}") from None
         try:
             env_class = vf.environment_class(id)
@@ -200,7 +200,7 @@ class VerifiersTaskset:
         if stops:
             raise ConfigError(f"{self.where}: task {name} has stop predicates ({', '.join(stops)}), which "
                               "asyncrl's loop does not run (it stops at an answer without a tool call, "
-                              "orchestrator.max_turns or seq_len)")
+                              "orchestrator.environment.max_turns or seq_len)")
 
     def _tools(self, toolsets) -> list[Callable]:
         import verifiers.v1 as vf

@@ -24,6 +24,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from rl.config import RunConfig, to_toml_dict
+from rl.config_section import key_name
 from rl.rundir import RunDir, write_file_atomic
 
 
@@ -42,15 +43,16 @@ def _render(model: BaseModel, data: dict, prefix: str) -> list[str]:
     lines: list[str] = []
     tables: list[tuple[str, BaseModel, dict]] = []
     for name, field in type(model).model_fields.items():
-        value, unset = getattr(model, name), name not in data
+        key = key_name(name, field)
+        value, unset = getattr(model, name), key not in data
         if unset and value is not None:
             continue  # left out on purpose: a secret in a saved config
         if isinstance(value, BaseModel):
-            tables.append((f"{prefix}{name}", value, data[name]))
+            tables.append((f"{prefix}{key}", value, data[key]))
             continue
         lines += [f"# {line.strip()}" for line in (field.description or "").splitlines()]
         # Unset: a comment, with its docs (TOML has no null).
-        lines.append(f"# {name} = (unset)" if unset else f"{name} = {_inline(data[name])}")
+        lines.append(f"# {key} = (unset)" if unset else f"{key} = {_inline(data[key])}")
     for table, sub, subdata in tables:
         lines += ["", f"[{table}]"] + _render(sub, subdata, f"{table}.")
     return lines
@@ -97,12 +99,13 @@ def _table_help(cls: type[BaseModel], path: str, doc: str | None, sections: tupl
         lines += ["", f"[{path}]" if path else "top-level keys", *_wrap(doc, width, _INDENT)]
         for name, field in cls.model_fields.items():
             if _table(field) is None:
-                lines += _key_help(f"--{path}.{name}" if path else f"--{name}", field, width)
+                key = key_name(name, field)
+                lines += _key_help(f"--{path}.{key}" if path else f"--{key}", field, width)
         for name, field in cls.model_fields.items():
             if entry := _entries(field):
-                lines += _entries_help(entry, f"{path}.{name}", width, seen)
+                lines += _entries_help(entry, f"{path}.{key_name(name, field)}", width, seen)
     for name, field in cls.model_fields.items():
-        sub, sub_path = _table(field), f"{path}.{name}" if path else name
+        sub, sub_path = _table(field), f"{path}.{key_name(name, field)}" if path else key_name(name, field)
         if sub is not None and _leads_to(sub_path, sections):
             lines += _table_help(sub, sub_path, field.description or sub.__doc__, sections, width, seen)
     return lines
@@ -116,7 +119,7 @@ def _entries_help(cls: type[BaseModel], path: str, width: int, seen: dict[type, 
     seen[cls] = path
     lines = ["", f"[[{path}]]", *_wrap("Each entry takes:", width, _INDENT)]
     for name, field in cls.model_fields.items():
-        lines += _key_help(name, field, width)
+        lines += _key_help(key_name(name, field), field, width)
     return lines
 
 
