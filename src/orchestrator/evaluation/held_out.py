@@ -26,10 +26,9 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from orchestrator.evaluation.environments import EnvironmentEval
-from orchestrator.prompts.dataset_mix import RowError, Source
+from orchestrator.prompts import RowError, Source
 from orchestrator.quiet_warning import Quiet
-from orchestrator.rewards.registry import configured_sources
-from orchestrator.rewards.reward import combine
+from orchestrator.rewards import combine, configured_sources
 from orchestrator.rollout.groups import Rollouts
 from rl.config import RunConfig
 from rl.dataset_config import EvalConfig, Sampling

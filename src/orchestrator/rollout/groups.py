@@ -13,11 +13,8 @@ import aiohttp
 from tokenizers import Tokenizer
 
 from orchestrator.callables import load_callable
-from orchestrator.prompts.dataset_mix import Renderer, RowError, Source
-from orchestrator.prompts.queue import Prompt
-from orchestrator.prompts.tokenizer import load_tokenizer
-from orchestrator.rewards.registry import configured_sources
-from orchestrator.rewards.reward import Teacher
+from orchestrator.prompts import Prompt, Renderer, RowError, Source, load_tokenizer
+from orchestrator.rewards import Teacher, configured_sources
 from orchestrator.rollout.advantages import group_advantages
 from orchestrator.rollout.kind import Generate, RolloutKind, Trajectory, gather_or_cancel
 from orchestrator.rollout.registry import kind_of
