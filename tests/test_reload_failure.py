@@ -64,27 +64,69 @@ RELOAD_TIMEOUT_S = 3
 ATTEMPTS = 5  # long requests sent until the engine is seen holding one (held_by_stopped_engine)
 
 
-@pytest.fixture
-def setup(tmp_path, request):
-    """A server on a copy of the tiny model allowed SEQ_LEN positions, serving version 1; with
-    indirect parametrization, request.param is more of its [inference] config."""
-    model = tmp_path / "model"
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """One server at a time for the module, on a copy of the tiny model allowed SEQ_LEN positions:
+    a test that leaves it serving (a rollback) hands it on to the next, and only one that broke
+    it, failed, or asks for another [inference] config starts a new one (vLLM's start is most of
+    a case's time here)."""
+    tmp = tmp_path_factory.mktemp("reload")
+    model = tmp / "model"
     shutil.copytree(TINY_MODEL, model)
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": SEQ_LEN}))
-    run = RunDir(tmp_path / "run")
+    held = {}
+    try:
+        yield tmp, model, RunDir(tmp / "run"), held
+    finally:
+        if held:
+            held["proc"].stop()
+
+
+@pytest.fixture
+def setup(served, request):
+    """The module's server serving version 1 (fresh files for versions 1-3, whatever the last test
+    did to them); with indirect parametrization, request.param is more of its [inference] config.
+    Yields the server, its url, the versions and where this test's part of the server log begins
+    (the log runs on across tests: `since` reads this test's part)."""
+    tmp, model, run, held = served
+    extra = getattr(request, "param", "")
+    if held and (held["extra"] != extra or not still_serving(held["url"])):
+        held.pop("proc").stop()
+        held.clear()
+    for v in (1, 2, 3):
+        shutil.rmtree(run.weights_dir(v), ignore_errors=True)
     versions = {1: weights(run, model, 1, seed=1),
                 2: weights(run, model, 2, seed=2, misshapen=BAD),
                 3: weights(run, model, 3, seed=2)}
-    extra = getattr(request, "param", "")
-    proc, url = launch_server(tmp_path, "server", model, run.root, seq_len=SEQ_LEN, extra=extra)
-    try:
+    if not held:
+        proc, url = launch_server(tmp, "server", model, run.root, seq_len=SEQ_LEN, extra=extra)
+        held.update(proc=proc, url=url, extra=extra)
         wait_healthy(proc, url)
-        status, answer = asyncio.run(update(url, versions[1], 1))
-        assert status == 200, answer
-        yield proc, url, versions
-    finally:
-        proc.stop()
+    proc, url = held["proc"], held["url"]
+    offset = proc.log.stat().st_size
+    status, answer = asyncio.run(update(url, versions[1], 1))
+    assert status == 200, answer
+    failed = request.session.testsfailed
+    yield proc, url, versions, offset
+    if request.session.testsfailed != failed:  # a failed case may have left it in any state
+        held.pop("proc").stop()
+        held.clear()
+
+
+def still_serving(url: str) -> bool:
+    """/health answers 200: not broken (a broken server answers 503 for good)."""
+    async def ask():
+        async with aiohttp.ClientSession(connector=connector()) as s:
+            return (await health(s, url))[0]
+    return asyncio.run(ask()) == 200
+
+
+def since(proc, offset: int) -> str:
+    """The server's log from `offset` on: this test's part."""
+    with open(proc.log, "rb") as f:
+        f.seek(offset)
+        return f.read().decode(errors="replace")
 
 
 def weights(run: RunDir, model: Path, version: int, seed: int, misshapen: str | None = None) -> Path:
@@ -206,7 +248,7 @@ async def long_across_update(s: aiohttp.ClientSession, proc, url: str, path: Pat
 
 @pytest.mark.slow
 def test_a_reload_failing_half_way_rolls_back_to_the_version_served(setup):
-    proc, url, versions = setup
+    proc, url, versions, offset = setup
 
     async def scenario():
         async with aiohttp.ClientSession(connector=connector()) as s:
@@ -222,7 +264,7 @@ def test_a_reload_failing_half_way_rolls_back_to_the_version_served(setup):
     assert "Attempted to load weight (torch.Size([129])) into parameter (torch.Size([128]))" in answer, answer
     assert "rolled back: this server still serves version 1" in answer, answer
     # Half-way indeed: the worker had loaded layers of version 2 before the misshapen tensor.
-    log = proc.log.read_text()
+    log = since(proc, offset)
     loaded, kept = map(int, re.search(r"reload failed half-way: (\d+) layers had taken the new weights, "
                                       r"(\d+) keep their own", log).groups())
     assert loaded > 0 and kept > 0, (loaded, kept)
@@ -250,7 +292,7 @@ def test_a_reload_failing_half_way_rolls_back_to_the_version_served(setup):
 
 @pytest.mark.slow
 def test_a_failed_rollback_marks_the_server_broken(setup):
-    proc, url, versions = setup
+    proc, url, versions, offset = setup
     # Version 1's files gone (as a trainer's keep_weights would delete them): nothing to roll back to.
     (versions[1] / "model.safetensors").unlink()
 
@@ -271,7 +313,7 @@ def test_a_failed_rollback_marks_the_server_broken(setup):
     # (none, when the update came before its first step).
     assert long["finish_reason"] == "abort" and len(long["token_ids"]) < LONG["max_tokens"], long
     assert set(long["versions"]) <= {1}, long
-    assert "failed too" in proc.log.read_text()
+    assert "failed too" in since(proc, offset)
 
 
 @pytest.mark.slow
@@ -282,7 +324,7 @@ def test_an_overdue_reload_that_then_fails_marks_the_server_broken(setup):
     server answers 503 until the reload ends, so no rollback: the server is broken (before: it
     rolled back after the fact, and with a load that had timed out in vLLM's executor, the
     rollback took the first load's answer for its own)."""
-    proc, url, versions = setup
+    proc, url, versions, offset = setup
     core = engine_core(proc)
     core.send_signal(signal.SIGSTOP)
     try:
@@ -316,7 +358,7 @@ def test_an_overdue_reload_that_then_fails_marks_the_server_broken(setup):
         assert "the overdue reload of " in text and " as version 2 failed after " in text, text  # path: <path> to clients
         assert "Attempted to load weight (torch.Size([129])) into parameter (torch.Size([128]))" in text, text
         assert "the weights are no version's; restart this server" in text, text
-    log = proc.log.read_text()
+    log = since(proc, offset)
     assert "reload failed half-way" in log  # in the worker, after the 504
     assert "rolled back" not in log and "rolling back" not in log
 

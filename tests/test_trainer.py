@@ -205,16 +205,61 @@ def train_on_one_and_two_ranks(one: RunDir, two: RunDir, cfg_one: list[str], cfg
     assert_same_step(two, one, 2)
 
 
-def test_two_ranks_match_one_rank_and_move_policy_towards_positive_advantage(tmp_path, write_toml):
-    one, two = RunDir(tmp_path / "one"), RunDir(tmp_path / "two")
-    # Two ranks, with activation checkpointing: neither may change the maths.
-    train_on_one_and_two_ranks(one, two, ["@", config(write_toml, one, "one.toml")],
-                               ["@", config(write_toml, two, "two.toml")])
+# The trainer settings of the two tests below, which share one uninterrupted two-rank run (a
+# two-rank start is the costliest part of either; each had its own before): activation
+# checkpointing (it may not change the maths, and the killed run must use it too for its
+# weights to equal the uninterrupted run's bit for bit), lr 1e-3 with warm-up and cosine decay
+# (the resumed run must bring the schedule back), and for the killed run a checkpoint at step 3
+# and keep_rollouts = 1.
+STEPS = 6
+SHARED = ("[trainer]\ncheckpoint_every = 3\nkeep_rollouts = 1\nbatch_timeout_s = 120\nactivation_checkpointing = true\n"
+          "[trainer.optim]\nlr = 1e-3\nschedule = \"cosine\"\nwarmup_steps = 2\nmin_lr_ratio = 0.2\n")
+# Every step checkpointed and every checkpoint and version kept: the one-rank comparison reads
+# steps 1 and 2 of it, the killed run's versions 5 and 6.
+KEEP_ALL = ["--trainer.checkpoint_every", "1", "--trainer.keep_checkpoints", str(STEPS),
+            "--trainer.keep_weights", str(STEPS)]
 
-    for n in (1, 2):
+
+def shared_args(directory: Path, run: RunDir, name: str) -> list[str]:
+    base, extra = directory / f"{name}.toml", directory / f"{name}.extra.toml"
+    base.write_text(f'model = "{TINY_MODEL}"\noutput_dir = "{run.root}"\nmax_steps = {STEPS}\nseq_len = 32\n'
+                    "[trainer]\nmicro_batch_tokens = 40\ntorch_threads = 1\n")
+    extra.write_text(SHARED)
+    return ["@", str(base), "@", str(extra)]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> RunDir:
+    """Six steps on two ranks from the base model, never interrupted."""
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    whole = RunDir(tmp / "whole")
+    write_batches(whole, range(1, STEPS + 1))
+    run_trainer(torchrun(2), shared_args(tmp, whole, "whole") + KEEP_ALL)
+    return whole
+
+
+def test_two_ranks_match_one_rank_and_move_policy_towards_positive_advantage(tmp_path, uninterrupted):
+    """Two ranks (with activation checkpointing: neither may change the maths) against one: on
+    one rank, step 1 from the same start, then steps 2 on from the two-rank run's step-1
+    checkpoint (DCP reshards it), each step compared where both took it from the same state
+    (assert_same_step). Two independent runs would compare step 2 from weights that Adam's
+    first step already set apart by rounding (an entry with a gradient near zero moves by up to
+    lr either way)."""
+    two, one = uninterrupted, RunDir(tmp_path / "one")
+    write_batches(one, range(1, STEPS + 1))
+    args = shared_args(tmp_path, one, "one") + KEEP_ALL
+    run_trainer(rl_command("trainer"), args + ["--max_steps", "1"])  # step 1's lr is warm-up's, whatever max_steps
+    assert_same_step(two, one, 1)
+    shutil.rmtree(one.checkpoint_dir(1) / "trainer")
+    shutil.copytree(two.checkpoint_dir(1) / "trainer", one.checkpoint_dir(1) / "trainer")
+    log = run_trainer(rl_command("trainer"), args + ["--resume"])
+    assert "resumed from checkpoints/step_1: next batch is 2" in log, log[-3000:]
+    assert_same_step(two, one, 2)
+
+    for n in range(1, STEPS + 1):
         assert (two.weights_dir(n) / "STABLE").exists() and (two.weights_dir(n) / "config.json").exists()
     m1, m2 = trainer_metrics(one), trainer_metrics(two)
-    assert [m["step"] for m in m1] == [m["step"] for m in m2] == [1, 2]
+    assert [m["step"] for m in m1] == [m["step"] for m in m2] == list(range(1, STEPS + 1))
     # Step 1 is on-policy: trainer and "engine" agree to float32 rounding (write_batches' batch).
     assert m1[0]["mismatch_kl"] <= on_policy_kl_bound(([GOOD, BAD, LONG] * 4)[:-1]), m1[0]
 
@@ -228,23 +273,18 @@ def test_two_ranks_match_one_rank_and_move_policy_towards_positive_advantage(tmp
     assert gap(trained) > gap(base) + 0.5
 
 
-def test_killed_after_a_checkpoint_and_resumed_matches_an_uninterrupted_run(tmp_path, write_toml):
+def test_killed_after_a_checkpoint_and_resumed_matches_an_uninterrupted_run(tmp_path, uninterrupted):
     """Deterministic settings (fp32, one thread per rank): checkpoint at step 3, killed while
     waiting for batch 6, resumed: steps 4 and 5 are trained again from the batches kept on disk
     (keep_rollouts = 1 alone would have deleted batch 4) and step 6's weights equal the
     uninterrupted run's, so model, optimizer moments and LR schedule all came back."""
-    extra = ("[trainer]\ncheckpoint_every = 3\nkeep_rollouts = 1\nbatch_timeout_s = 120\n"
-             "[trainer.optim]\nlr = 1e-3\nschedule = \"cosine\"\nwarmup_steps = 2\nmin_lr_ratio = 0.2\n")
-    whole, cut = RunDir(tmp_path / "whole"), RunDir(tmp_path / "cut")
+    whole, cut = uninterrupted, RunDir(tmp_path / "cut")
 
     def cfg(run, name):
-        return ["@", config(write_toml, run, name), "@", str(write_toml(extra, name + ".extra.toml")),
-                "--max_steps", "6"]
-    write_batches(whole, range(1, 7))
-    run_trainer(torchrun(2), cfg(whole, "whole.toml"))
+        return shared_args(tmp_path, run, name)
 
     write_batches(cut, range(1, 6))  # batch 6 not there yet: the trainer waits for it after step 5
-    proc = subprocess.Popen(torchrun(2) + cfg(cut, "cut.toml"), env=ENV, start_new_session=True,
+    proc = subprocess.Popen(torchrun(2) + cfg(cut, "cut"), env=ENV, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 240
@@ -260,11 +300,11 @@ def test_killed_after_a_checkpoint_and_resumed_matches_an_uninterrupted_run(tmp_
     assert cut.rollout_steps() == [4, 5]  # what a resume from step 3 needs, and no more
 
     # Without --resume the trainer refuses the run directory; with it, it continues at step 4.
-    refused = subprocess.run(rl_command("trainer", *cfg(cut, "cut.toml")), capture_output=True, text=True,
+    refused = subprocess.run(rl_command("trainer", *cfg(cut, "cut")), capture_output=True, text=True,
                              timeout=120, env=ENV)
     assert refused.returncode != 0 and "--resume" in refused.stderr
     write_batches(cut, [6])
-    log = run_trainer(torchrun(2), cfg(cut, "cut.toml") + ["--resume"])
+    log = run_trainer(torchrun(2), cfg(cut, "cut") + ["--resume"])
     assert "resumed from checkpoints/step_3: next batch is 4" in log, log[-3000:]
 
     a, b = weights(whole, 6), weights(cut, 6)
@@ -378,8 +418,8 @@ def test_chunked_logprobs_and_an_offloaded_reference_train_as_the_plain_trainer_
     """trainer.logits_chunk_tokens (the head of trainer/logprob_head.py inside FSDP2's root
     forward, tied embeddings) and trainer.reference_offload (FSDP2 CPU offload of the KL
     reference; on this CPU-only machine the code path, not the memory), at a step where the
-    policy has moved away from the reference: a full-logits run trains steps 1-2 (lr 1e-2, KL
-    term on), then each variant resumes from that same step-2 checkpoint for step 3. Step 3's
+    policy has moved away from the reference: a full-logits run trains steps 1-3 (lr 1e-2, KL
+    term on), and each variant resumes from its step-2 checkpoint for step 3. Step 3's
     KL is clearly nonzero, and each run's equals the KL computed in float64 (transformers, the
     published step-2 weights against the base model, over batch 3's completions) to within what
     float32 rounding of the logprobs allows; loss, gradient norm, entropy, mismatch KL and ratio
@@ -390,24 +430,36 @@ def test_chunked_logprobs_and_an_offloaded_reference_train_as_the_plain_trainer_
                 "offloaded": "logits_chunk_tokens = 3\nreference_offload = true"}
     lr, coef = 1e-2, 0.1
 
-    def train(name: str, args: list[str]) -> None:
+    def train(name: str, args: list[str]) -> str:
         run = RunDir(tmp_path / name)
         extra = (f"[trainer]\n{variants[name]}\n[trainer.optim]\nlr = {lr}\n"
                  f"[trainer.loss]\nkl_coef = {coef}\nkl_target = \"reference\"\n")
         stderr = run_trainer(rl_command("trainer"), ["@", config(write_toml, run, f"{name}.toml"),
                                                      "@", str(write_toml(extra, f"{name}_extra.toml"))] + args)
         assert "changes its logits" not in stderr
+        return stderr
 
     full = RunDir(tmp_path / "full")
     write_batches(full, [1, 2, 3])
     batch3 = Batch.read(full.rollout_dir(3))
-    train("full", ["--max_steps", "2"])  # checkpoints at its last step
-    assert full.checkpoint_steps("trainer") == [2]
+    # Steps 1-3 in one process (a third trainer start, not a fourth: a resume from the step-2
+    # checkpoint restores the same state, RNG included), checkpointed at 2 and at its last step.
+    train("full", ["--max_steps", "3", "--trainer.checkpoint_every", "2"])
+    assert full.checkpoint_steps("trainer") == [2, 3]
     for name in ("chunked", "offloaded"):
-        shutil.copytree(full.root, tmp_path / name)
+        # The run as it was after step 2: step 3's checkpoint, version and record taken out.
+        run = RunDir(tmp_path / name)
+        shutil.copytree(full.root, run.root)
+        shutil.rmtree(run.checkpoint_dir(3))
+        shutil.rmtree(run.weights_dir(3))
+        lines = run.metrics.read_text().splitlines(keepends=True)
+        run.metrics.write_text("".join(line for line in lines if json.loads(line)["step"] != 3))
+        assert run.checkpoint_steps("trainer") == [2] and run.rollout_steps()[-1] == 3
     metrics = {}
     for name in variants:
-        train(name, ["--max_steps", "3", "--resume"])
+        if name != "full":
+            log = train(name, ["--max_steps", "3", "--resume"])
+            assert "resumed from checkpoints/step_2: next batch is 3" in log, log[-3000:]
         m = trainer_metrics(RunDir(tmp_path / name))
         assert [r["step"] for r in m] == [1, 2, 3]
         metrics[name] = m[-1]
@@ -419,17 +471,20 @@ def test_chunked_logprobs_and_an_offloaded_reference_train_as_the_plain_trainer_
     from float32_rounding import float64_logprobs
     from trainer.loss import _MAX_LOG_RATIO
 
-    def logprobs_and_errors(path, ids):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).double().eval()
+    def float64_model(path):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).double().eval()
+
+    def logprobs_and_errors(model, ids):
         lp, bound = float64_logprobs(model, ids)
         targets = torch.tensor(ids[1:])
         return lp[:-1][torch.arange(len(targets)), targets], 2 * bound[:-1]
 
+    policy, reference = float64_model(full.weights_dir(2)), float64_model(TINY_MODEL)  # loaded once, not per sample
     ks, bounds = [], []
     for s in batch3.sample_slices():
         ids, mask = batch3.tokens[s].tolist(), batch3.loss_mask[s].tolist()
-        pol, pol_err = logprobs_and_errors(full.weights_dir(2), ids)
-        ref, ref_err = logprobs_and_errors(TINY_MODEL, ids)
+        pol, pol_err = logprobs_and_errors(policy, ids)
+        ref, ref_err = logprobs_and_errors(reference, ids)
         for t in range(1, len(ids)):
             if mask[t]:
                 # Clamped as the loss clamps it (1-Lipschitz: the error bound below still holds).

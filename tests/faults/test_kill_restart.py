@@ -41,7 +41,7 @@ def server_port(tmp_path_factory):
 @pytest.fixture
 def real_run(server_port, request):
     tmp, port = server_port
-    run = RealRun(tmp, port, extra=getattr(request, "param", ""))
+    run = RealRun(tmp, port, **getattr(request, "param", {}))  # indirect: RealRun's keywords
     for child in run.run.root.iterdir():
         if child.name != "heartbeats":  # the server's own heartbeat lives there
             shutil.rmtree(child) if child.is_dir() else child.unlink()
@@ -74,50 +74,103 @@ def test_orchestrator_killed_mid_generation_is_reported_then_resumes(real_run):
     r.check_complete()
 
 
-@pytest.mark.parametrize("point", ["orchestrator.checkpointed", "batch.staged", "orchestrator.handed_over"])
-def test_orchestrator_killed_while_handing_a_batch_over_resumes_without_a_gap(real_run, point):
-    """Killed with batch 3 checkpointed but not written, or written but not renamed into place
+# The three points in one run (one trainer and orchestrator start for all three, not three of each):
+# each kill hits the orchestrator the previous kill's successor is, at the next batch.
+HANDOVER_KILLS = {"orchestrator.checkpointed": 2, "batch.staged": 3, "orchestrator.handed_over": 4}
+
+
+def test_orchestrator_killed_while_handing_a_batch_over_resumes_without_a_gap(real_run):
+    """Killed with batch k checkpointed but not written, or written but not renamed into place
     (it never existed: the restarted orchestrator hands the checkpointed bytes over), or handed
     over (it continues after it). Either way no prompt is used twice or lost (check_complete)."""
     r = real_run
-    trainer, orchestrator = r.start("trainer"), r.start("orchestrator", crash_at=f"{point}:3")
-    assert orchestrator.wait(240) == -signal.SIGKILL, orchestrator.tail()
-    assert 3 in r.run.checkpoint_steps("orchestrator")
-    if point == "batch.staged":
-        assert list(r.run.rollouts.glob(".step_3.*")), "the crash point was not inside the batch write"
-    assert (3 in r.run.rollout_steps()) == (point == "orchestrator.handed_over")
-    assert [rec["step"] for rec in r.records("orchestrator")] == [1, 2], "batch 3's record before its kill"
+    trainer = r.start("trainer")
+    for point, k in HANDOVER_KILLS.items():
+        orchestrator = r.start("orchestrator", crash_at=f"{point}:{k}")
+        assert orchestrator.wait(240) == -signal.SIGKILL, (point, orchestrator.tail())
+        assert k in r.run.checkpoint_steps("orchestrator"), point
+        if point == "batch.staged":
+            assert list(r.run.rollouts.glob(f".step_{k}.*")), "the crash point was not inside the batch write"
+        assert (k in r.run.rollout_steps()) == (point == "orchestrator.handed_over"), point
+        records = [rec["step"] for rec in r.records("orchestrator")]
+        assert records == list(range(1, k)), f"batch {k}'s record before its kill at {point}: {records}"
     orchestrator = r.start("orchestrator")
     r.finish(trainer, orchestrator)
-    r.check_complete()  # batch 3's record included, once
-    assert [rec.get("recovered") for rec in r.records("orchestrator")] == [None, None, True, None, None, None]
+    r.check_complete()  # each killed batch's record included, once
+    recovered = [rec.get("recovered") for rec in r.records("orchestrator")]
+    assert recovered == [True if step in HANDOVER_KILLS.values() else None for step in range(1, r.max_steps + 1)]
 
 
 # --- the trainer -----------------------------------------------------------------------------
 
 
-def test_trainer_killed_mid_weights_write_is_reported_then_resumes(real_run):
+# Four kills of the trainer in one run (one orchestrator start and one run for the four, not four
+# of each; steps cost well under a second each): at steps 3, 5, 6 and 7, and a step after them.
+CHAIN_STEPS = 8
+
+
+@pytest.mark.parametrize("real_run", [{"max_steps": CHAIN_STEPS}], ids=["chain"], indirect=True)
+def test_trainer_killed_at_any_point_resumes_and_ends_where_an_uninterrupted_trainer_does(real_run):
+    """Each kill hits the previous kill's successor:
+    - between steps 3 and 4, before its first checkpoint (checkpoint_every 50): --resume starts
+      again at step 1 from the base model on the kept batches, and keeps the versions the killed
+      trainer published as they are (its successors checkpoint every step, the run's config);
+    - mid weights write of version 5: reported by the orchestrator, resumed from step 4;
+    - with step 6 checkpointed but its metrics record not written: the resumed trainer writes the
+      record the checkpoint kept (marked recovered), so every step has exactly one;
+    - between steps 7 and 8: resumed at the next batch.
+    At the end a fresh trainer replaying the run's batches ends on the same weights."""
     r = real_run
-    trainer, orchestrator = r.start("trainer", crash_at="weights.staged:3"), r.start("orchestrator")
+    sparse = ("--trainer.checkpoint_every", "50")
+    trainer, orchestrator = r.start("trainer", *sparse, crash_at="trainer.after_step:3"), r.start("orchestrator")
+    assert trainer.wait(240) == -signal.SIGKILL, trainer.tail()
+    assert not r.run.checkpoint_steps("trainer")
+    published = {v: load_file(r.run.weights_dir(v) / "model.safetensors") for v in (1, 2, 3)}
+
+    silent = orchestrator.log.read_text(errors="replace").count("trainer silent for")  # the first kill's, if any
+    trainer = r.start("trainer", "--resume", crash_at="weights.staged:5")
     assert trainer.wait(240) == -signal.SIGKILL, trainer.tail()
     killed = time.monotonic()
-    assert (r.run.weights / ".step_3.tmp").is_dir() and 3 not in r.run.weight_steps()
-    r.wait_for("the orchestrator to report the trainer", lambda: in_log(orchestrator, "trainer silent for"),
+    assert in_log(trainer, "no checkpoint yet") and in_log(trainer, "replaying from step 1")
+    assert in_log(trainer, "version 3 was published before this trainer started: kept as it is")
+    assert (r.run.weights / ".step_5.tmp").is_dir() and 5 not in r.run.weight_steps()
+    r.wait_for("the orchestrator to report the trainer",
+               lambda: orchestrator.log.read_text(errors="replace").count("trainer silent for") > silent,
                timeout=45, watch=(orchestrator,))
     reported = time.monotonic() - killed
     print(f"reported after {reported:.1f} s")
     assert reported < REPORTED_WITHIN_S
+
+    trainer = r.start("trainer", "--resume", crash_at="trainer.checkpointed:6")
+    assert trainer.wait(240) == -signal.SIGKILL, trainer.tail()
+    assert in_log(trainer, "resumed from checkpoints/step_4: next batch is 5")
+    # Steps 1-3 redone, without a second record each: one record per step across the restarts.
+    assert [rec["step"] for rec in r.records("trainer")] == [1, 2, 3, 4, 5]
+
+    trainer = r.start("trainer", "--resume", crash_at="trainer.after_step:7")
+    assert trainer.wait(240) == -signal.SIGKILL, trainer.tail()
+    assert in_log(trainer, "resumed from checkpoints/step_6: next batch is 7")
+
     trainer = r.start("trainer", "--resume")
     r.finish(trainer, orchestrator)
-    assert in_log(trainer, "resumed from checkpoints/step_2")
-    r.check_complete()
+    assert in_log(trainer, "resumed from checkpoints/step_7: next batch is 8")
+    r.check_complete()  # trainer records 1..8, once each, in order; every batch kept
+    step6 = r.records("trainer")[5]
+    assert step6["recovered"] is True and step6["loss_tokens"] > 0 and "loss" in step6, step6
+    for v, tensors in published.items():  # kept, not rewritten under the servers
+        again = load_file(r.run.weights_dir(v) / "model.safetensors")
+        assert all(torch.equal(t, again[k]) for k, t in tensors.items()), f"version {v} changed"
+    r.check_replay()  # and the replayed and resumed steps led to the state an uninterrupted trainer has
+    health = httpx.get(f"{r.url}/health", timeout=10).json()
+    assert health["version"] == r.max_steps, health
 
 
-@pytest.mark.parametrize("real_run", ["", f'[transport]\nkind = "zmq"\naddress = "tcp://127.0.0.1:{free_port()}"\n'],
-                         ids=["filesystem", "zmq"], indirect=True)
+@pytest.mark.parametrize("real_run", [{"extra": f'[transport]\nkind = "zmq"\naddress = "tcp://127.0.0.1:{free_port()}"\n'}],
+                         ids=["zmq"], indirect=True)
 def test_trainer_killed_between_steps_resumes_at_the_next_batch(real_run):
     """Over ZMQ the batches queued for the dead trainer died with it: the orchestrator sees a new
-    trainer instance (its heartbeat) and sends every untrained batch again."""
+    trainer instance (its heartbeat) and sends every untrained batch again. (The same kill over
+    the filesystem transport: the test above, its last kill.)"""
     r = real_run
     trainer, orchestrator = r.start("trainer", crash_at="trainer.after_step:3"), r.start("orchestrator")
     assert trainer.wait(240) == -signal.SIGKILL, trainer.tail()
@@ -125,46 +178,6 @@ def test_trainer_killed_between_steps_resumes_at_the_next_batch(real_run):
     r.finish(trainer, orchestrator)
     assert in_log(trainer, "resumed from checkpoints/step_3: next batch is 4")
     r.check_complete()
-
-
-def test_trainer_killed_between_its_checkpoint_and_its_record_records_the_step_once(real_run):
-    """Killed with step 3 checkpointed but its metrics record not written: the resumed trainer
-    writes the record the checkpoint kept (marked recovered), so every step has exactly one."""
-    r = real_run
-    trainer, orchestrator = r.start("trainer", crash_at="trainer.checkpointed:3"), r.start("orchestrator")
-    assert trainer.wait(240) == -signal.SIGKILL, trainer.tail()
-    assert [rec["step"] for rec in r.records("trainer")] == [1, 2]
-    trainer = r.start("trainer", "--resume")
-    r.finish(trainer, orchestrator)
-    assert in_log(trainer, "resumed from checkpoints/step_3: next batch is 4")
-    r.check_complete()  # trainer records 1..6, once each, in order
-    step3 = r.records("trainer")[2]
-    assert step3["recovered"] is True and step3["loss_tokens"] > 0 and "loss" in step3, step3
-
-
-def test_trainer_killed_before_its_first_checkpoint_replays_from_the_base_model(real_run):
-    """No checkpoint yet (checkpoint_every 50): --resume starts again at step 1 from the base
-    model on the kept batches, and republishes exactly the versions the killed trainer did."""
-    r = real_run
-    sparse = ("--trainer.checkpoint_every", "50")
-    trainer, orchestrator = r.start("trainer", *sparse, crash_at="trainer.after_step:3"), r.start("orchestrator")
-    assert trainer.wait(240) == -signal.SIGKILL, trainer.tail()
-    assert not r.run.checkpoint_steps("trainer")
-    published = {v: load_file(r.run.weights_dir(v) / "model.safetensors") for v in (1, 2, 3)}
-    trainer = r.start("trainer", "--resume", *sparse)
-    r.finish(trainer, orchestrator)
-    assert in_log(trainer, "no checkpoint yet") and in_log(trainer, "replaying from step 1")
-    assert in_log(trainer, "version 3 was published before this trainer started: kept as it is")
-    # Steps 1-3 redone, without a second record each: one record per step across the restart.
-    steps = [rec["step"] for rec in r.records("trainer")]
-    assert steps == list(range(1, r.max_steps + 1)), steps
-    for v, tensors in published.items():  # kept, not rewritten under the servers
-        again = load_file(r.run.weights_dir(v) / "model.safetensors")
-        assert all(torch.equal(t, again[k]) for k, t in tensors.items()), f"version {v} changed"
-    assert r.run.rollout_steps() == list(range(1, r.max_steps + 1))
-    r.check_replay()  # and the replayed steps 1-3 led to the state an uninterrupted trainer has
-    health = httpx.get(f"{r.url}/health", timeout=10).json()
-    assert health["version"] == r.max_steps, health
 
 
 def test_a_damaged_batch_file_is_rejected_and_written_again(real_run):
