@@ -4,6 +4,7 @@ several runs on one trainer that never touch each other's adapter."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import time
 
@@ -15,8 +16,8 @@ from transformers import AutoModelForCausalLM
 
 from conftest import TINY_MODEL, rl_command
 from rl.rundir import RunDir
-from test_trainer import (BAD, ENV, GOOD, completion_logprob, run_trainer, torchrun, trainer_metrics,
-                          train_on_one_and_two_ranks, write_batches)
+from test_trainer import (BAD, ENV, GOOD, assert_same_step, completion_logprob, run_trainer, torchrun,
+                          trainer_metrics, write_batches)
 
 pytestmark = pytest.mark.slow
 
@@ -40,10 +41,54 @@ def assert_equal(a: dict, b: dict) -> None:
         assert torch.equal(a[k], b[k]), (k, float((a[k] - b[k]).abs().max()))
 
 
-def test_adapter_only_training_matches_across_ranks_and_loads_in_peft(tmp_path, write_toml):
-    one, two = RunDir(tmp_path / "one"), RunDir(tmp_path / "two")
-    train_on_one_and_two_ranks(one, two, ["@", lora_config(write_toml, one.root, "one.toml")],
-                               ["@", lora_config(write_toml, two.root, "two.toml")])
+# Two runs that several tests share (a trainer start, on two ranks above all, is what these tests
+# spend their time on): run a of the multi-run test trained alone on two ranks, and the same run on
+# one rank, 3 steps each at lr 2e-3 on write_batches' batches (4 prompts). Two ranks with
+# activation checkpointing: neither may change the maths (the adapter test's one-rank comparison),
+# and the multi-run trainer runs with it too, so that its run a sums exactly as this one does.
+# The runs compared with them (the resumed one-rank run, run b alone and in the multi-run
+# trainer) take the same setting.
+CHECKPOINTING = ["--trainer.activation_checkpointing", "true"]
+
+
+def shared_run(tmp_path_factory, name: str, cmd: list[str]) -> RunDir:
+    tmp = tmp_path_factory.mktemp(name)
+    run = RunDir(tmp / name)
+    write_batches(run, [1, 2, 3], prompts=4)
+
+    def write(text: str, file: str):
+        (tmp / file).write_text(text)
+        return tmp / file
+
+    cfg = lora_config(write, run.root, f"{name}.toml", max_steps=3, lr=2e-3)
+    # Every checkpoint kept (3): the one-rank comparison starts from step 1's.
+    run_trainer(cmd, ["@", cfg, *CHECKPOINTING, "--trainer.keep_checkpoints", "3"])
+    return run
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> RunDir:
+    return shared_run(tmp_path_factory, "two_ranks", torchrun(2))
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory) -> RunDir:
+    return shared_run(tmp_path_factory, "one_rank", rl_command("trainer"))
+
+
+def test_adapter_only_training_matches_across_ranks_and_loads_in_peft(tmp_path, write_toml, two_ranks, one_rank):
+    """Step 1 on one rank and on two from the same start; then step 2 on one rank from the
+    two-rank run's step-1 checkpoint (DCP reshards it), each step compared where both took it
+    from the same state (assert_same_step: two independent runs would compare step 2 from
+    weights that Adam's first step already set apart by rounding)."""
+    two, one = two_ranks, RunDir(tmp_path / "one")
+    assert_same_step(two, one_rank, 1)
+    write_batches(one, [1, 2])
+    shutil.copytree(two.checkpoint_dir(1) / "trainer", one.checkpoint_dir(1) / "trainer")
+    log = run_trainer(rl_command("trainer"), ["@", lora_config(write_toml, one.root, "one.toml"), *CHECKPOINTING,
+                                              "--resume"])
+    assert "resumed from checkpoints/step_1: next batch is 2" in log, log[-3000:]
+    assert_same_step(two, one, 2)
 
     # Only the adapter is published: a few KB instead of the model.
     files = sorted(p.name for p in one.weights_dir(2).iterdir())
@@ -62,14 +107,12 @@ def test_adapter_only_training_matches_across_ranks_and_loads_in_peft(tmp_path, 
     assert all(t.abs().max() > 0 for k, t in adapter(one, 2).items() if "lora_B" in k)
 
 
-def test_resumed_lora_run_matches_an_uninterrupted_one(tmp_path, write_toml):
-    whole, parts = RunDir(tmp_path / "whole"), RunDir(tmp_path / "parts")
-    for run in (whole, parts):
-        write_batches(run, [1, 2, 3])
-    run_trainer(rl_command("trainer"), ["@", lora_config(write_toml, whole.root, "whole.toml", max_steps=3)])
+def test_resumed_lora_run_matches_an_uninterrupted_one(tmp_path, write_toml, one_rank):
+    whole, parts = one_rank, RunDir(tmp_path / "parts")
+    write_batches(parts, [1, 2, 3])
     cfg = lora_config(write_toml, parts.root, "parts.toml", max_steps=3)
-    run_trainer(rl_command("trainer"), ["@", cfg, "--max_steps", "2"])
-    err = run_trainer(rl_command("trainer"), ["@", cfg, "--resume"])
+    run_trainer(rl_command("trainer"), ["@", cfg, *CHECKPOINTING, "--max_steps", "2"])
+    err = run_trainer(rl_command("trainer"), ["@", cfg, *CHECKPOINTING, "--resume"])
     assert "next batch is 3" in err
     # Adapter and AdamW moments came back: step 3 is bit-for-bit the uninterrupted one.
     whole3, parts3 = adapter(whole, 3), adapter(parts, 3)
@@ -87,14 +130,14 @@ def write_run(write_toml, root, name: str, lr: float, max_steps: int) -> RunDir:
     return run
 
 
-def test_runs_on_one_trainer_train_only_their_own_adapters_and_join_leave_or_fail_alone(tmp_path, write_toml):
+def test_runs_on_one_trainer_train_only_their_own_adapters_and_join_leave_or_fail_alone(tmp_path, write_toml,
+                                                                                          two_ranks):
     # The reference: each run trained alone by a single-run LoRA trainer (on two ranks too, so
-    # the gradient reductions round alike).
-    alone_a, alone_b = RunDir(tmp_path / "alone_a"), RunDir(tmp_path / "alone_b")
-    write_batches(alone_a, [1, 2, 3], prompts=4)
+    # the gradient reductions round alike; with activation checkpointing, as two_ranks, run a's).
+    alone_a, alone_b = two_ranks, RunDir(tmp_path / "alone_b")
     write_batches(alone_b, [1, 2], prompts=2)
-    run_trainer(torchrun(2), ["@", lora_config(write_toml, alone_a.root, "aa.toml", max_steps=3, lr=2e-3)])
-    run_trainer(torchrun(2), ["@", lora_config(write_toml, alone_b.root, "ab.toml", max_steps=2, lr=5e-3)])
+    ab = lora_config(write_toml, alone_b.root, "ab.toml", max_steps=2, lr=5e-3)
+    run_trainer(torchrun(2), ["@", ab, *CHECKPOINTING])
 
     root = tmp_path / "shared"
     a = write_run(write_toml, root, "a", lr=2e-3, max_steps=3)
@@ -109,7 +152,7 @@ def test_runs_on_one_trainer_train_only_their_own_adapters_and_join_leave_or_fai
     trainer_cfg = lora_config(write_toml, root, "trainer.toml", extra="")
     proc = subprocess.Popen(
         torchrun(2) + ["@", trainer_cfg, "--trainer.lora.multi_run", "true", "--trainer.lora.slots", "2",
-                       "--trainer.lora.idle_exit_s", "3"],
+                       "--trainer.lora.idle_exit_s", "3", *CHECKPOINTING],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
 
     def wait_for(path):

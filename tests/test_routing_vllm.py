@@ -60,9 +60,16 @@ def sampled(server) -> list[tuple[list[int], dict, RoutedExperts]]:
 def model64():
     from transformers import AutoModelForCausalLM
 
+    # One thread for the replaying forwards: each is a few tiny matrix products, and torch's
+    # default (a thread per core), next to the engine and the other workers on 2 cores, spends
+    # far more in its threads' spin-waits than in them (measured: 0.3-1 s a forward on a loaded
+    # machine against 0.015-0.02 s on one thread). Float64 either way: the bounds the tests
+    # compare with are float32 rounding's. Restored for the tests of other files on this worker.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     # "eager" experts: torch's grouped matmul (transformers' default here) has no float64.
-    return AutoModelForCausalLM.from_pretrained(MOE_MODEL, dtype=torch.float64,
-                                                experts_implementation="eager").eval()
+    yield AutoModelForCausalLM.from_pretrained(MOE_MODEL, dtype=torch.float64, experts_implementation="eager").eval()
+    torch.set_num_threads(threads)
 
 
 def test_every_position_the_engine_ran_has_its_experts(sampled):
@@ -185,15 +192,18 @@ def test_an_rl_run_replays_every_trained_token_and_reports_agreement_per_layer(w
     from rl.rundir import RunDir
 
     run = RunDir(tmp_path / "run")
+    # 4 steps: with max_async_level = 1, step n trains on samples of version n - 1 or later, so
+    # steps 2 to 4 train on what engines reloaded (and re-packed) 1 to 3 times recorded.
+    steps = 4
     cfg = write_toml(
-        f'model = "{MOE_MODEL}"\noutput_dir = "{run.root}"\nmax_steps = 8\nseq_len = 64\nmax_async_level = 1\n'
+        f'model = "{MOE_MODEL}"\noutput_dir = "{run.root}"\nmax_steps = {steps}\nseq_len = 64\nmax_async_level = 1\n'
         f'[inference]\nport = {free_port()}\ndtype = "float32"\nrecord_routing = true\n'
         "[orchestrator]\nscheduling.prompts_per_step = 4\nscheduling.group_size = 4\nsampling.max_tokens = 12\n"
         "[trainer]\ntorch_threads = 1\nrouting_replay = true\n")
     result = subprocess.run(rl_command("run", "@", str(cfg)), cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     trainer = [r for r in map(json.loads, run.metrics.read_text().splitlines()) if r.get("program") == "trainer"]
-    assert [r["step"] for r in trainer] == list(range(1, 9))
+    assert [r["step"] for r in trainer] == list(range(1, steps + 1))
     for r in trainer:
         assert r["routing_replayed_frac"] == 1.0
         layers = [r[f"routing_agreement/layer_{i}"] for i in range(4)]
