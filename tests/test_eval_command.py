@@ -40,28 +40,68 @@ seed = 10000
     return path
 
 
-def test_rl_eval_gives_the_same_greedy_numbers_for_the_same_weights(tmp_path):
-    """`--step all`: the model (step 0) on a fresh server, then step 1 (the same weights) reloaded
-    into it from a link in the server's scratch run."""
-    run = tmp_path / "run"
+def lora_adapter(root: Path) -> tuple[Path, Path]:
+    """A LoRA run's weights/step_3 (an adapter whose lora_B is random: peft starts it at zero, which
+    would change nothing) and the same adapter merged into the model's weights."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    published = root / "lora_run" / "weights" / "step_3"
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(CHAT_MODEL, dtype=torch.float32),
+                           LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    model.save_pretrained(published)
+    (published / "STABLE").touch()
+    merged = root / "merged"
+    model.merge_and_unload().save_pretrained(merged)
+    return published, merged
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory) -> dict:
+    """One `rl eval --step all` (one engine start) of a run whose weights/step_1 is the model
+    itself, step_2 is being written (no STABLE: not evaluated) and step_4 is the LoRA adapter of
+    the test below merged into the weights: what that test compares its adapter with, on this
+    server rather than on one of its own."""
+    tmp = tmp_path_factory.mktemp("eval_command")
+    adapter, merged = lora_adapter(tmp)
+    run = tmp / "run"
     published = run / "weights" / "step_1"
     shutil.copytree(CHAT_MODEL, published)
     (published / "STABLE").touch()
     (run / "weights" / "step_2").mkdir()  # being written: no STABLE, not evaluated
-    cfg = write_config(tmp_path / "cfg.toml", CHAT_MODEL, run)
+    shutil.copytree(merged, run / "weights" / "step_4")
+    (run / "weights" / "step_4" / "STABLE").touch()
+    cfg = write_config(tmp / "cfg.toml", CHAT_MODEL, run)
     result = subprocess.run(rl_command("eval", "@", str(cfg), "--step", "all"), capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "step 0:\n" in result.stdout and "step 2:" not in result.stdout, result.stdout
-    step_0, step_1 = result.stdout.split("step 0:\n")[1].split("step 1:\n")
-    assert step_0 == step_1 and "heldout/accuracy: " in step_0, result.stdout
     records = [json.loads(line) for line in (run / "evals.jsonl").read_text().splitlines()]
+    return {"run": run, "cfg": cfg, "stdout": result.stdout, "records": records, "adapter": adapter, "tmp": tmp}
+
+
+def test_rl_eval_gives_the_same_greedy_numbers_for_the_same_weights(full_run):
+    """`--step all`: the model (step 0) on a fresh server, then step 1 (the same weights) reloaded
+    into it from a link in the server's scratch run (then step 4, for the LoRA test)."""
+    run, cfg, stdout, records = full_run["run"], full_run["cfg"], full_run["stdout"], full_run["records"]
+    published = run / "weights" / "step_1"
+    assert "step 0:\n" in stdout and "step 2:" not in stdout, stdout
+    step_0, step_1 = stdout.split("step 0:\n")[1].split("step 4:\n")[0].split("step 1:\n")
+    assert step_0 == step_1 and "heldout/accuracy: " in step_0, stdout
     assert [(r["step"], r["version"], r["weights"]) for r in records] == [(0, 0, str(CHAT_MODEL)),
-                                                                           (1, 1, str(published))]
+                                                                           (1, 1, str(published)),
+                                                                           (4, 4, str(run / "weights" / "step_4"))]
     assert records[0]["eval/heldout/rows"] == 30 and 0 <= records[0]["eval/heldout/accuracy"] <= 1
     assert {k: v for k, v in records[0].items() if k.startswith("eval/")} == \
         {k: v for k, v in records[1].items() if k.startswith("eval/")}
-    assert published.joinpath("model.safetensors").stat().st_nlink == 1, "the link was left behind"
+    for step in (1, 4):
+        assert (run / "weights" / f"step_{step}" / "model.safetensors").stat().st_nlink == 1, "the link was left behind"
     assert not list((run / "eval").glob("server-*")), "the scratch server directory was left behind"
 
     never = subprocess.run(rl_command("eval", "@", str(cfg), "--step", "2"), capture_output=True, text=True,
@@ -69,43 +109,20 @@ def test_rl_eval_gives_the_same_greedy_numbers_for_the_same_weights(tmp_path):
     assert never.returncode == 2 and "--step 2: " in never.stderr and "no STABLE" in never.stderr
 
 
-def test_rl_eval_of_a_lora_step_loads_its_adapter_on_the_base_model(tmp_path):
+def test_rl_eval_of_a_lora_step_loads_its_adapter_on_the_base_model(full_run):
     """A LoRA run's weights/step_N is an adapter: `rl eval --step N` serves the base model with it,
-    and gets what the same adapter merged into the weights gets, which is not the base model's."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    run = tmp_path / "run"
-    published = run / "weights" / "step_3"
-    torch.manual_seed(0)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(CHAT_MODEL, dtype=torch.float32),
-                           LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]))
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # peft starts lora_B at zero, which would change nothing
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    model.save_pretrained(published)
-    (published / "STABLE").touch()
-    merged = tmp_path / "merged"
-    model.merge_and_unload().save_pretrained(merged)
-    for f in CHAT_MODEL.iterdir():  # the tokenizer and its template
-        if "token" in f.name or f.name == "chat_template.jinja":
-            shutil.copy(f, merged / f.name)
-
-    def evaluate(model_dir, *extra, steps: int = 1) -> list[dict]:
-        """The eval/ numbers of the last `steps` records the run wrote."""
-        cfg = write_config(tmp_path / "cfg.toml", model_dir, run)
-        result = subprocess.run(rl_command("eval", "@", str(cfg), *extra), capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, result.stderr[-3000:]
-        records = [json.loads(line) for line in (run / "evals.jsonl").read_text().splitlines()[-steps:]]
-        return [{k: v for k, v in record.items() if k.startswith("eval/") or k == "step"} for record in records]
-
+    and gets what the same adapter merged into the weights gets (step 4 of full_run, reloaded
+    into a server without LoRA), which is not the base model's."""
+    run = full_run["adapter"].parents[1]
+    cfg = write_config(full_run["tmp"] / "lora.toml", CHAT_MODEL, run)
     # One server: the base model (step 0), then step 3's adapter loaded by name.
-    base, lora = evaluate(CHAT_MODEL, "--trainer.lora.rank", "8", "--step", "3,0", steps=2)
-    (as_merged,) = evaluate(merged)
-    assert (base["step"], lora["step"], as_merged["step"]) == (0, 3, 0)
+    result = subprocess.run(rl_command("eval", "@", str(cfg), "--trainer.lora.rank", "8", "--step", "3,0"),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    base, lora, as_merged = ({k: v for k, v in record.items() if k.startswith("eval/") or k == "step"}
+                             for record in [*map(json.loads, (run / "evals.jsonl").read_text().splitlines()),
+                                            full_run["records"][-1]])
+    assert (base["step"], lora["step"], as_merged["step"]) == (0, 3, 4)
     # Merged weights and base + adapter agree to rounding; a greedy pick may flip where two
     # logits tie to the last bits, so one row of the 30 may score differently.
     assert abs(lora["eval/heldout/reward"] - as_merged["eval/heldout/reward"]) <= 1 / 30

@@ -178,13 +178,29 @@ def sampled_batch(url: str) -> Batch:
 
 
 @pytest.fixture(scope="module")
+def sampled(server) -> Batch:
+    """One sampled batch for the tests below: each only reads it (the trainer program's tests
+    write it to their own run)."""
+    return sampled_batch(server)
+
+
+@pytest.fixture(scope="module")
 def model():
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(CHAT_MODEL, dtype=torch.float32).eval()
+    # One thread for the test's own forwards (some 170 of them, each a few tiny matrix products):
+    # torch's default (a thread per core), next to the engine, the trainer program and the other
+    # workers on 2 cores, spends far more in its threads' spin-waits than in them (profiled on a
+    # loaded machine: 0.4 s a forward, 70 s of this file). The bounds compared with hold for any
+    # summation order, so the thread count changes nothing they assert. Restored for the tests
+    # of other files on this worker.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield AutoModelForCausalLM.from_pretrained(CHAT_MODEL, dtype=torch.float32).eval()
+    torch.set_num_threads(threads)
 
 
-def trainer_view(model, batch: Batch, mask: bool) -> dict:
+def trainer_view(model, batch: Batch, mask: bool, bounds: bool = True) -> dict:
     """What the trainer computes on the batch at step 1 (same weights as sampled): its
     micro-batches, logprobs with or without the mask, and the loss's mismatch_kl; and per loss
     token (in the same order) what float32 rounding allows:
@@ -197,7 +213,8 @@ def trainer_view(model, batch: Batch, mask: bool) -> dict:
     - "may_miss": the sampled token is not surely kept (a miss is possible);
     - "largest": the largest |scaled logit| (float32 log_softmax's rounding grows with it).
     The masked logprob here is then within 2 * gap + spread of the engine's (the token's logit,
-    the normaliser, and a kept set between the sure and the possible one on either side)."""
+    the normaliser, and a kept set between the sure and the possible one on either side).
+    bounds=False: "gap" only of these (the others are the same for either mask: one view's do)."""
     vocab = model.config.vocab_size
     mbs = rank_micro_batches(batch, 0, 1, row_len=None, per_micro_batch=8, pad_id=0,
                              weights=loss_weights(batch, "token", 0))
@@ -218,6 +235,9 @@ def trainer_view(model, batch: Batch, mask: bool) -> dict:
             assert float(mb.min_p[r, t]) == 0.0  # kept_bounds covers top_k and top_p only
             scaled = logits[r, t].double() / temperature
             g = float(gap[r, t]) / temperature
+            gaps.append(g)
+            if not bounds:
+                continue
             token = int(mb.tokens[r, t + 1])
             surely, possibly = kept_bounds(scaled, g, k, p)
             may_miss.append(not bool(surely[token]))
@@ -226,7 +246,6 @@ def trainer_view(model, batch: Batch, mask: bool) -> dict:
             kept[token] = True
             lse_surely, lse_possibly, lse_kept = (torch.logsumexp(scaled[m], 0) for m in (surely, possibly, kept))
             lse_all = torch.logsumexp(scaled, 0)
-            gaps.append(g)
             largest.append(float(scaled.abs().max()))
             spreads.append(float(lse_possibly - lse_surely))
             log_kept.append(float(lse_kept - lse_all))
@@ -244,9 +263,9 @@ def k3(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.slow
-def test_on_policy_mismatch_kl_is_rounding_with_the_mask_and_the_kept_mass_without(server, model):
-    batch = sampled_batch(server)
-    masked, full = trainer_view(model, batch, mask=True), trainer_view(model, batch, mask=False)
+def test_on_policy_mismatch_kl_is_rounding_with_the_mask_and_the_kept_mass_without(sampled, model):
+    batch = sampled
+    masked, full = trainer_view(model, batch, mask=True), trainer_view(model, batch, mask=False, bounds=False)
     assert masked["tokens"] >= 100, masked["tokens"]
     # With the mask, each logprob is the engine's to within what float32 rounding allows (wider
     # only at a token on a kept set's boundary), and mismatch_kl at most what those allow.
@@ -329,7 +348,7 @@ def test_truncation_selects_only_truncated_loss_tokens():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mask", [True, False])
-def test_the_trainer_program_masks_truncated_samples_and_warns_without(server, model, tmp_path, write_toml, mask):
+def test_the_trainer_program_masks_truncated_samples_and_warns_without(sampled, model, tmp_path, write_toml, mask):
     """Step 1 of `rl trainer` on a batch sampled with top_p/top_k: with the mask its
     mismatch_kl is rounding; without, it is the kept-mass bias, and the trainer warns, naming
     the cause."""
@@ -338,7 +357,7 @@ def test_the_trainer_program_masks_truncated_samples_and_warns_without(server, m
     from test_trainer import run_trainer, trainer_metrics
 
     run = RunDir(tmp_path / "run")
-    write_batch(sampled_batch(server), run.rollout_dir(1))
+    write_batch(sampled, run.rollout_dir(1))
     cfg = write_toml(f'model = "{CHAT_MODEL}"\noutput_dir = "{run.root}"\nmax_steps = 1\nseq_len = 128\n'
                      f"[trainer]\ntorch_threads = 1\nsampling_mask = {str(mask).lower()}\n")
     log = run_trainer(rl_command("trainer"), ["@", str(cfg)])

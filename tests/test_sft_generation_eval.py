@@ -89,7 +89,8 @@ def test_eval_generate_without_eval_datasets_exits_2_at_start_up(tmp_path):
 def test_a_killed_rl_sft_leaves_no_evaluator_or_server_behind(tmp_path):
     """rl sft SIGKILLed while its follower's server is up (step 0 evaluated, training going on):
     the follower, told by PR_SET_PDEATHSIG (or seeing its parent gone), stops its server and exits."""
-    cfg = config(tmp_path, BODY.format(rows=20), model=CHAT_MODEL, steps=100000)
+    # 2 rows: only that step 0 was evaluated matters here, not its numbers.
+    cfg = config(tmp_path, BODY.format(rows=2), model=CHAT_MODEL, steps=100000)
     log = tmp_path / "run" / "logs" / "eval.log"
     with open(tmp_path / "sft.log", "wb") as out:
         proc = subprocess.Popen(rl_command("sft", "@", str(cfg), "--inference.port", str(free_port())),
@@ -118,7 +119,8 @@ def test_a_killed_rl_sft_leaves_no_evaluator_or_server_behind(tmp_path):
 def test_an_evaluator_that_dies_is_named_in_one_line_and_training_goes_on(tmp_path):
     """The follower SIGKILLed after recording step 0 (a crash point): rl sft says so once, trains
     to the end, exits 0; the follower's server dies with it (PR_SET_PDEATHSIG)."""
-    cfg = config(tmp_path, BODY.format(rows=20), model=CHAT_MODEL, steps=4)
+    # 2 rows: only that step 0 was recorded matters here, not its numbers.
+    cfg = config(tmp_path, BODY.format(rows=2), model=CHAT_MODEL, steps=4)
     result = sft(cfg, "--inference.port", str(free_port()), env={"ASYNCRL_CRASH_AT": "eval.recorded:0"})
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line for line in result.stderr.splitlines() if "the generation evaluation exited" in line]
