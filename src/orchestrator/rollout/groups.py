@@ -76,8 +76,8 @@ class Rollouts:
     def from_config(cls, cfg: RunConfig, session: aiohttp.ClientSession) -> Rollouts:
         """A run's: its environment or datasets, its teacher if any."""
         o = cfg.orchestrator
-        env = o.environment
-        env = load_callable(env.class_, "orchestrator.environment.class")(**env.args) if env.class_ else None
+        spec = o.environment
+        env = load_callable(spec.class_, "orchestrator.environment.class")(**spec.args) if spec.class_ else None
         sources = {} if env else {s.name: s for s in configured_sources(cfg, session)}
         teacher = None
         if o.teacher.url:
