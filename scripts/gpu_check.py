@@ -78,7 +78,7 @@ ITEMS = [
     Item("trainer-1", 0, 600, "one `rl trainer` step on a synthetic batch"),
     Item("trainer-N", 1, 600, "one trainer step under torchrun on N ranks"),
     Item("broadcast", 2, 600, "weights broadcast trainer -> server, bit-exact against a file reload"),
-    Item("reload", 2, 600, "file reload on a real server: outputs change, equal a fresh load"),
+    Item("reload", 1, 600, "file reload on a real server: outputs change, equal a fresh load"),
     Item("lora", 1, 900, "a 2-step `rl run` with LoRA adapters"),
     Item("run", 1, 900, "a 3-step `rl run` (full fine-tuning, files delivery)"),
     Item("sft", 0, 900, "`rl sft`: held-out loss falls, SIGKILL and --resume, LoRA"),

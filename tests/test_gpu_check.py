@@ -23,7 +23,7 @@ CHAT_MODEL = ROOT / "models" / "tiny-chat"
 ITEMS = ["environment", "trainer-1", "trainer-N", "broadcast", "reload", "lora", "run", "sft", "placement",
          "shared-gpu", "reload-v2"]
 GPU_ONLY = ["placement", "shared-gpu", "reload-v2"]
-PORTS = 9  # trainer-N 1, broadcast 2, reload 2, lora 1, run 1, shared-gpu 1, reload-v2 1
+PORTS = 8  # trainer-N 1, broadcast 2, reload 1, lora 1, run 1, shared-gpu 1, reload-v2 1
 
 
 def gpu_check(tmp_path: Path, model: Path, *args: str, timeout: float) -> tuple[subprocess.CompletedProcess, dict]:

@@ -158,6 +158,11 @@ def test_engine_defaults_by_device():
     routing = cfg("--inference.record_routing", "true")
     assert device_defaults.eager(routing, gpu=True)  # graph replays would skip the routing capture
     assert not device_defaults.eager(cfg("--inference.enforce_eager", "false"), gpu=False)
+    # torch.compile off only where the engine is eager on CPU (a GPU engine compiles and captures
+    # graphs; a CPU engine asked to compile keeps it).
+    assert device_defaults.compile_off(plain, gpu=False) and not device_defaults.compile_off(plain, gpu=True)
+    assert not device_defaults.compile_off(routing, gpu=True)
+    assert not device_defaults.compile_off(cfg("--inference.enforce_eager", "false"), gpu=False)
     gpu_flags = vllm_args(plain, gpu=True)
     assert "--enforce-eager" not in gpu_flags and "--no-async-scheduling" not in gpu_flags
     assert "--enforce-eager" in vllm_args(plain, gpu=False)

@@ -49,7 +49,7 @@ def server(tmp_path_factory):
         # The engine's first batches are several times slower: keep them out of the timings.
         asyncio.run(_warm_up(url))
         yield {"url": url, "zero": str(zero), "model": str(TINY_MODEL), "first_completion": first,
-               "pid": proc.proc.pid}
+               "pid": proc.proc.pid, "log": proc.log}
     finally:
         proc.stop()
 
@@ -140,6 +140,14 @@ def test_a_cpu_engine_runs_its_worker_in_the_engine_core_on_the_bound_cores(serv
     bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     want = {int(c) for c in bind.split(",")} if bind else os.sched_getaffinity(0)
     assert set(core.cpu_affinity()) == want
+
+
+def test_an_eager_cpu_engine_runs_with_torch_compile_off(server):
+    """inference/device_defaults.py compile_off: the server starts vLLM with TORCH_COMPILE_DISABLE=1
+    (its first logprobs request would otherwise compile vLLM's rank helper with inductor), and
+    vLLM says it read it (the engine core's own environment is not readable: its process title
+    overwrites it)."""
+    assert "TORCH_COMPILE_DISABLE is set, disabling torch.compile" in server["log"].read_text(errors="replace")
 
 
 def test_generate_returns_tokens_logprobs_and_versions(server):

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from safetensors.numpy import load_file
 
 from conftest import ROOT, TINY_MODEL, rl_command
@@ -170,18 +171,32 @@ def test_bad_rows_are_counted_one_line_per_kind_and_a_dataset_without_usable_row
     assert len(lines) == 1 and lines[0].startswith("rl sft: sft.datasets chats: none of its first rows is usable")
 
 
-def test_a_run_killed_after_a_step_resumes_to_the_same_weights(tmp_path):
+# Checkpointed every step (step 1's checkpoint is what the two-rank test compares with); a
+# checkpoint changes nothing the run computes, so its weights are those of the killed run's too.
+UNINTERRUPTED = "checkpoint_every = 1\nkeep_checkpoints = 6\n" + REVERSE.replace("eval_every = 10", "eval_every = 0")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    """One 6-step one-rank run never interrupted, for the resume and two-rank tests (the learning
+    rate is constant, so its step 1 is a 1-step run's)."""
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    result = sft(config(tmp, UNINTERRUPTED, steps=6), env={"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return tmp / "run"
+
+
+def test_a_run_killed_after_a_step_resumes_to_the_same_weights(tmp_path, uninterrupted):
     """Checkpoint at step 3, SIGKILL after step 4, --resume: step 6's weights equal, bit for bit,
     those of a run never interrupted (the batches are a function of seed and step)."""
-    body = "checkpoint_every = 3\n" + REVERSE.replace("eval_every = 10", "eval_every = 0")
-    whole, killed = (config(tmp_path / name, body, steps=6) for name in ("whole", "killed"))
-    assert sft(whole).returncode == 0
-    crashed = sft(killed, env={"ASYNCRL_CRASH_AT": "trainer.after_step:4"})
+    killed = config(tmp_path / "killed", "checkpoint_every = 3\n" + REVERSE.replace("eval_every = 10", "eval_every = 0"),
+                    steps=6)
+    crashed = sft(killed, env={"ASYNCRL_CRASH_AT": "trainer.after_step:4", "OMP_NUM_THREADS": "1"})
     assert crashed.returncode == -9, crashed.stderr[-2000:]
-    resumed = sft(killed, "--resume")
+    resumed = sft(killed, "--resume", env={"OMP_NUM_THREADS": "1"})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from checkpoints/step_3" in resumed.stderr
-    a = load_file(tmp_path / "whole" / "run" / "weights" / "step_6" / "model.safetensors")
+    a = load_file(uninterrupted / "weights" / "step_6" / "model.safetensors")
     b = load_file(tmp_path / "killed" / "run" / "weights" / "step_6" / "model.safetensors")
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
     steps = [r["step"] for r in records(tmp_path / "killed" / "run", "trainer")]
@@ -200,19 +215,17 @@ def test_batches_are_a_function_of_seed_and_step_and_each_pass_sees_every_row_on
         assert sorted(a_rows[start:start + 7]) == list(range(7))
 
 
-def test_two_ranks_take_the_same_step_as_one(tmp_path):
+def test_two_ranks_take_the_same_step_as_one(tmp_path, uninterrupted):
     """One SFT step on two ranks (rank 0 prepares the data while rank 1 waits for it in the
-    rendezvous) equals the one-rank step within what summing in another order allows
+    rendezvous) equals the one-rank run's first step within what summing in another order allows
     (tests/test_trainer.py assert_same_step derives the bounds)."""
     from conftest import free_port
     from rl.rundir import RunDir
     from test_trainer import ENV, assert_same_step
 
-    body = "checkpoint_every = 1\n" + REVERSE.replace("eval_every = 10", "eval_every = 0")
-    one, two = config(tmp_path / "one", body, steps=1), config(tmp_path / "two", body, steps=1)
+    two = config(tmp_path / "two", UNINTERRUPTED, steps=1)
     two_ranks = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                  "--master-port", str(free_port()), "-m", "rl", "sft", "@", str(two)]
-    for cmd in (rl_command("sft", "@", str(one)), two_ranks):
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV)
-        assert result.returncode == 0, result.stderr[-3000:]
-    assert_same_step(RunDir(tmp_path / "two" / "run"), RunDir(tmp_path / "one" / "run"), 1)
+    result = subprocess.run(two_ranks, capture_output=True, text=True, timeout=600, env=ENV)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_step(RunDir(tmp_path / "two" / "run"), RunDir(uninterrupted), 1)

@@ -36,6 +36,16 @@ def eager(cfg: RunConfig, gpu: bool) -> bool:
     return not gpu or cfg.inference.record_routing
 
 
+def compile_off(cfg: RunConfig, gpu: bool) -> bool:
+    """Whether the engine runs with torch.compile off (TORCH_COMPILE_DISABLE=1): an eager CPU
+    engine. Its model is not compiled either way, but vLLM wraps a few helpers in torch.compile
+    of their own; the sampler's logprob ranks (batched_count_greater_than: an integer count the
+    eager op computes identically) are compiled by inductor at the first request that asks for
+    logprobs, every request here: 2.4 s of CPU (dynamo, inductor and a g++ probe per vector ISA)
+    at every server start, measured on the tiny model. vLLM reads the variable as -cc.mode=none."""
+    return not gpu and eager(cfg, gpu)
+
+
 def parallel_args(cfg: RunConfig) -> list[str]:
     """vLLM's parallelism flags for the server's GPUs: inference.tensor_parallel GPUs per replica,
     the rest of inference.gpus as data-parallel ranks. None when extra_args gives its own."""

@@ -28,7 +28,7 @@ from contextlib import asynccontextmanager
 import aiohttp
 
 from inference import orphans
-from inference.device_defaults import cpu_build, eager, parallel_args
+from inference.device_defaults import compile_off, cpu_build, eager, parallel_args
 from inference.routes import Routes
 from rl import quiet_tracker
 from rl.config import RunConfig
@@ -277,6 +277,8 @@ def main(cfg: RunConfig) -> int:
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         log.info("inference.record_routing: vLLM's V1 model runner (the routing recorder reads its layout of "
                  "each forward)")
+    if compile_off(cfg, gpu=not cpu_build()):  # before torch is imported: its dynamo config reads it then
+        os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
     restore_logging = keep_root_logging()  # before vLLM's imports touch it
     import uvloop
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args

@@ -15,10 +15,12 @@ from real_run import RealRun, gone, rl_run
 pytestmark = pytest.mark.slow
 
 
-def test_rl_run_stops_everything_naming_a_frozen_trainer_and_resume_finishes(tmp_path):
+def test_rl_run_stops_everything_naming_a_frozen_trainer_dies_with_its_programs_and_resume_finishes(tmp_path):
     """A frozen trainer (SIGSTOP: alive, silent) makes `rl run` stop every program within
-    seconds of the heartbeat timeout, exit non-zero naming it, and leave no process behind;
-    `rl run --resume` then finishes the run with every step trained once."""
+    seconds of the heartbeat timeout, exit non-zero naming it, and leave no process behind. The
+    `rl run --resume` after it is SIGKILLed itself once it trained a step more: it takes every
+    program with it. A second `--resume` finishes the run with every step trained once. (One run
+    for both stops: each round is a whole `rl run` start; a failing first stop hides the second.)"""
     r = RealRun(tmp_path, free_port())
     out = tmp_path / "rl_run.log"
     with rl_run(r, out) as launcher:
@@ -30,17 +32,17 @@ def test_rl_run_stops_everything_naming_a_frozen_trainer_and_resume_finishes(tmp
     assert "rl run: trainer silent for" in out.read_text(), out.read_text()
     for name, pid in children.items():
         assert gone(pid, timeout=5), f"{name} (pid {pid}) outlived rl run"
-    with rl_run(r, out, "--resume") as resumed:
-        assert resumed.wait(timeout=400) == 0, out.read_text()[-3000:]
-    r.check_complete(server_running=False)
 
-
-def test_a_killed_launcher_takes_every_program_with_it(tmp_path):
-    r = RealRun(tmp_path, free_port())
-    with rl_run(r, tmp_path / "rl_run.log") as launcher:
-        r.wait_for("step 1", lambda: r.trained() >= 1)
+    stopped_at = r.trained()
+    assert stopped_at < r.max_steps - 1, f"the frozen run trained {stopped_at} steps: none left to kill the launcher in"
+    with rl_run(r, out, "--resume") as launcher:
+        r.wait_for(f"step {stopped_at + 1}", lambda: r.trained() > stopped_at or launcher.poll() is not None)
         children = r.pids()
-        assert set(children) == {"inference", "trainer", "orchestrator"}, children
+        assert launcher.poll() is None and set(children) == {"inference", "trainer", "orchestrator"}, children
         launcher.kill()
     for name, pid in children.items():
         assert gone(pid, timeout=30), f"{name} (pid {pid}) outlived a SIGKILLed rl run"
+
+    with rl_run(r, out, "--resume") as resumed:
+        assert resumed.wait(timeout=400) == 0, out.read_text()[-3000:]
+    r.check_complete(server_running=False)
