@@ -184,3 +184,29 @@ def test_a_run_dies_with_the_process_that_started_it():
             break
         time.sleep(0.05)
     assert not run_s(), "a sandboxed process outlived the process that started it"
+
+
+def test_runs_cancelled_while_starting_end_and_leave_nothing_running(monkeypatch):
+    """A reward's timeout may cancel a run while asyncio starts its process, or waits for room:
+    the cancel returns and nothing of the run is left."""
+    from orchestrator.rollout.sandbox_budget import BUDGET
+
+    monkeypatch.setattr(BUDGET, "limit_mb", 10**6)  # all at once: many are starting when cancelled
+    code, mark = marked("import time; time.sleep(30)")
+
+    async def cancelled():
+        box = Sandbox(Limits(wall_s=60))
+        runs = [asyncio.ensure_future(box.run(code)) for _ in range(40)]
+        await asyncio.sleep(0.3)  # some started, some starting
+        for r in runs:
+            r.cancel()
+        async with asyncio.timeout(60):
+            done = await asyncio.gather(*runs, return_exceptions=True)
+        for _ in range(200):  # the starts still under way finish, and are killed
+            if not left_running(mark):
+                break
+            await asyncio.sleep(0.05)
+        return done
+
+    assert all(isinstance(r, asyncio.CancelledError) for r in asyncio.run(cancelled()))
+    assert not left_running(mark), "a run cancelled while starting was left running"

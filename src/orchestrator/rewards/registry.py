@@ -16,7 +16,6 @@ from orchestrator.rewards.http_endpoint import HttpReward
 from orchestrator.rewards.inline_function import InlineReward
 from orchestrator.rewards.reward import Reward
 from orchestrator.rewards.threaded_function import ThreadedReward
-from orchestrator.rollout.sandbox_budget import BUDGET
 from rl.config import RunConfig
 from rl.dataset_config import BUILTIN_REWARDS
 
@@ -40,7 +39,11 @@ def make_reward(spec: str, timeout_s: float, session: aiohttp.ClientSession | No
 def configured_sources(cfg: RunConfig, session: aiohttp.ClientSession, evaluation: bool = False) -> list[Source]:
     """The run's training datasets (or, `evaluation`, its eval datasets), each with its reward."""
     o = cfg.orchestrator
-    BUDGET.configure(o.sandbox.memory_mb)  # the reward calls scoring at once: their sandboxed runs fit it
+    # The reward calls scoring at once: their sandboxed runs fit the sandbox's memory. Imported
+    # here: orchestrator.rollout's package imports this one.
+    from orchestrator.rollout.sandbox_budget import BUDGET
+
+    BUDGET.configure(o.sandbox.memory_mb)
     sources = []
     for ds in o.resolved_datasets(evaluation):
         source = Source(ds, cfg.seed)
