@@ -113,14 +113,19 @@ def _delegated(here: Path) -> str | None:
     return None
 
 
-def _cleaned(bound: Bound) -> Bound:
-    """`bound`, its groups left by processes that died removed (empty: their runs died with them)."""
+def _cleaned(bound: Bound) -> Bound | str:
+    """`bound`, its groups left by processes that died removed (empty: their runs died with them),
+    once a group has been made and bounded there (a read-only mount, a container's policy: not)."""
     for top in {bound.memory, bound.pids}:
         for d in top.glob(f"{PREFIX}*"):
             with contextlib.suppress(ValueError, OSError):
                 pid = int(d.name[len(PREFIX):].split("-")[0])
                 if not Path(f"/proc/{pid}").exists():
                     d.rmdir()
+    try:
+        bound.make(64, 1).remove()
+    except OSError as e:
+        return f"cgroup v{bound.version} at {bound.memory}: cannot make a bounded group ({e.strerror})"
     return bound
 
 
