@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import types
+from pathlib import Path
 
 import pytest
 
@@ -78,31 +80,96 @@ def test_the_expected_values_never_enter_the_sandbox():
     assert score(code) == 0.0
 
 
+RIGHT = [c["expected"] for c in SHOUT["cases"]]  # what a forger would have to name
+TOTAL = {"prompt": "Write `total(xs)`.", "entry_point": "total",
+         "cases": [{"args": [xs], "expected": sum(xs)} for xs in ([1, 2], [3], [-4, 4, 9], [])]}
+# Each forgery: (its code, the row). The last ones write a document that names the right values
+# (the forger read the arguments, or the test's author gave them) and is wrong in one way only.
 FORGERIES = {
-    "the verdict line, then exit": "print('PASSED 1000/1', flush=True)\nimport os\nos._exit(0)",
-    "the verdict at exit": "import atexit\natexit.register(lambda: print('PASSED 4/4'))\nraise SystemExit",
-    "always equal": "class Any:\n    __eq__ = lambda self, other: True\ndef shout(s):\n    return Any()",
-    "a str subclass always equal": "class Any(str):\n    __eq__ = lambda self, other: True\n"
-                                    "    __hash__ = str.__hash__\ndef shout(s):\n    return Any('x')",
-    "exit early from the call": "import os\ndef shout(s):\n    os._exit(0)",
-    "exit early, cleanly": "raise SystemExit(0)",
-    # Patched serialiser, builtins and modules: whatever they write, it names no right value.
-    "patched json": "import json\njson.dumps = lambda *a, **k: '{\"results\": [{\"value\": true}]*4, \"passed\": 4}'\n"
-                    "def shout(s):\n    return 0",
-    "patched builtins": "import builtins\nbuiltins.type = lambda *a: str\nbuiltins.isinstance = lambda *a: True\n"
-                        "def shout(s):\n    return 0",
-    "patched sys.modules": "import sys, types\nfake = types.ModuleType('json')\n"
-                           "fake.dumps = lambda *a, **k: '{\"passed\": 4, \"total\": 4}'\nsys.modules['json'] = fake\n"
-                           "def shout(s):\n    return None",
-    "a document nested too deep to parse": "import os\nos.write(3, b'[' * 3000)\nos._exit(0)",
-    "a second document on the channel": "import os\nos.write(3, b'{\"results\": [{\"value\": \"A\"}]}')\n"
-                                        "def shout(s):\n    return s.upper()",
+    "the verdict line, then exit": ("print('PASSED 1000/1', flush=True)\nimport os\nos._exit(0)", SHOUT),
+    "the verdict at exit": ("import atexit\natexit.register(lambda: print('PASSED 4/4'))\nraise SystemExit", SHOUT),
+    "exit early from the call": ("import os\ndef shout(s):\n    os._exit(0)", SHOUT),
+    "exit early, cleanly": ("raise SystemExit(0)", SHOUT),
+    "patched builtins": ("import builtins\nbuiltins.type = lambda *a: str\nbuiltins.isinstance = lambda *a: True\n"
+                         "def shout(s):\n    return 0", SHOUT),
+    "patched sys.modules": ("import sys, types\nfake = types.ModuleType('json')\n"
+                            "fake.dumps = lambda *a, **k: '{\"passed\": 4, \"total\": 4}'\nsys.modules['json'] = fake\n"
+                            "def shout(s):\n    return None", SHOUT),
+    "a document nested too deep to parse": ("import os\nos.write(3, b'[' * 3000)\nos._exit(0)", SHOUT),
+    "a second document on the channel": ("import os\nos.write(3, b'{\"results\": [{\"value\": \"A\"}]}')\n"
+                                         "def shout(s):\n    return s.upper()", SHOUT),
+    # One guard each:
+    "the right document, then a crash": (f"import json, os\nos.write(3, json.dumps({{'results': "
+                                         f"[{{'value': v}} for v in {RIGHT!r}]}}).encode())\nos._exit(1)", SHOUT),
+    "patched json": (f"import json\n_dumps = json.dumps\njson.dumps = lambda *a, **k: _dumps("
+                     f"{{'results': [{{'value': v}} for v in {RIGHT!r}], 'passed': 4}})\ndef shout(s):\n    return 0", SHOUT),
+    "one result too many": (f"import json\n_dumps = json.dumps\njson.dumps = lambda *a, **k: _dumps("
+                            f"{{'results': [{{'value': v}} for v in {RIGHT!r} + ['?']]}})\ndef shout(s):\n    return 0",
+                            SHOUT),
+    "a result that is also an error": (f"import json\n_dumps = json.dumps\njson.dumps = lambda *a, **k: _dumps("
+                                       f"{{'results': [{{'value': v, 'error': 'X'}} for v in {RIGHT!r}]}})\n"
+                                       "def shout(s):\n    return 0", SHOUT),
+    "floats for ints": ("def total(xs):\n    return float(sum(xs))", TOTAL),
+    "always equal": ("class Any(int):\n    __eq__ = lambda self, other: True\n    __hash__ = int.__hash__\n"
+                     "def total(xs):\n    return Any(sum(xs))", TOTAL),
+    "a str subclass always equal": ("class Any(str):\n    __eq__ = lambda self, other: True\n"
+                                    "    __hash__ = str.__hash__\ndef shout(s):\n    return Any(s.upper())", SHOUT),
+}
+# Each guard of tasks/coding.py, removed: (the source it changes, what it becomes, the forgeries it alone stops).
+GUARDS = {
+    "a clean exit": ('if result.outcome == "ok" else None', "", {"the right document, then a crash"}),
+    "one field": ("type(doc) is dict and len(doc) == 1", "type(doc) is dict", {"patched json"}),
+    "one result per case": ("or len(results) != n ", "", {"one result too many"}),
+    "a value, not an error": ('set(r) == {"value"}', '"value" in r', {"a result that is also an error"}),
+    "exact types outside": ("    if type(value) is not type(expected):\n        return False\n", "",
+                            {"floats for ints"}),
+    "exact types in the harness": ("def _plain(v, depth=0):\n", "def _plain(v, depth=0):\n    return v\n",
+                                   {"always equal", "a str subclass always equal"}),
 }
 
 
+@pytest.fixture(scope="module")
+def forged_scores() -> dict[str | None, dict[str, float]]:
+    """Each forgery's score through coding.reward as it is (None), and with each guard removed."""
+    source = Path(coding.__file__).read_text()
+    modules = {None: coding}
+    for guard, (old, new, _) in GUARDS.items():
+        assert source.count(old) == 1, f"{guard}: {old!r} not once in tasks/coding.py"
+        module = types.ModuleType(f"coding_without_{len(modules)}")
+        exec(compile(source.replace(old, new), coding.__file__, "exec"), module.__dict__)
+        modules[guard] = module
+
+    async def all_scores():
+        runs = {}  # a program is run once, whichever verdicts read it
+
+        async def scored(module, code, row):
+            cases = module.cases_of(row)
+            text = module.program(code, row["entry_point"], [c["args"] for c in cases])
+            if text not in runs:
+                runs[text] = asyncio.ensure_future(coding.SANDBOX.run(text))
+            return module.verdict(await runs[text], cases)
+
+        keys = [(g, f) for g in modules for f in FORGERIES]
+        # Every run to its end before anything is raised: runs cancelled by asyncio.run's shutdown
+        # while starting can hang it (asyncio 3.11, issue 60's report).
+        values = await asyncio.gather(*(scored(modules[g], *FORGERIES[f]) for g, f in keys), return_exceptions=True)
+        return dict(zip(keys, values))
+
+    found = asyncio.run(all_scores())
+    return {g: {f: found[g, f] for f in FORGERIES} for g in modules}
+
+
 @pytest.mark.parametrize("name", FORGERIES)
-def test_a_forged_verdict_scores_zero(name):
-    assert score(FORGERIES[name]) == 0.0
+def test_a_forged_verdict_scores_zero(name, forged_scores):
+    assert forged_scores[None][name] == 0.0
+
+
+@pytest.mark.parametrize("guard", GUARDS)
+def test_each_guard_alone_stops_a_forgery_of_its_own(guard, forged_scores):
+    """Removed, the guard lets its own forgeries score, and only those: each is stopped by the
+    guard docs/tools.md names for it, not by an accident earlier on."""
+    turned = {f for f, s in forged_scores[guard].items() if s > 0}
+    assert turned == GUARDS[guard][2], turned
 
 
 def test_a_reward_outside_its_range_fails_that_rollout_and_is_said_once(caplog):

@@ -184,3 +184,77 @@ def test_a_run_dies_with_the_process_that_started_it():
             break
         time.sleep(0.05)
     assert not run_s(), "a sandboxed process outlived the process that started it"
+
+
+def test_runs_cancelled_while_starting_end_and_leave_nothing_running(monkeypatch):
+    """A reward's timeout may cancel a run while asyncio starts its process, or waits for room:
+    the cancel returns and nothing of the run is left."""
+    from orchestrator.rollout.sandbox_budget import BUDGET
+
+    monkeypatch.setattr(BUDGET, "limit_mb", 10**6)  # all at once: many are starting when cancelled
+    code, mark = marked("import time; time.sleep(30)")
+
+    async def cancelled():
+        box = Sandbox(Limits(wall_s=60))
+        runs = [asyncio.ensure_future(box.run(code)) for _ in range(40)]
+        await asyncio.sleep(0.3)  # some started, some starting
+        for r in runs:
+            r.cancel()
+        async with asyncio.timeout(60):
+            done = await asyncio.gather(*runs, return_exceptions=True)
+        for _ in range(200):  # the starts still under way finish, and are killed
+            if not left_running(mark):
+                break
+            await asyncio.sleep(0.05)
+        return done
+
+    assert all(isinstance(r, asyncio.CancelledError) for r in asyncio.run(cancelled()))
+    assert not left_running(mark), "a run cancelled while starting was left running"
+
+
+@isolated
+def test_the_scratch_disk_holds_a_file_of_scratch_mb_and_scratch_mb_in_all():
+    """docs/tools.md's scratch-disk row: one file stops at the file-size limit (File too large),
+    files together at the tmpfs's size (No space left on device)."""
+    code = ("import os\n"
+            "def fill(name, mb):\n"
+            "    try:\n"
+            "        with open(name, 'wb') as f:\n"
+            "            f.write(b'0' * (mb << 20))\n"
+            "        return 'wrote'\n"
+            "    except OSError as e:\n"
+            "        return e.strerror\n"
+            "print(fill('big', 200), os.path.getsize('big') >> 20)\n"
+            "os.remove('big')\n"
+            "print(fill('a', 40), fill('b', 40))\n")
+    result = run(code, scratch_mb=64)
+    assert result.outcome == "ok", result
+    assert result.stdout.splitlines() == ["File too large 64", "wrote No space left on device"], result.stdout
+
+
+@isolated
+def test_open_files_stop_at_the_limit():
+    code = ("files = []\n"
+            "try:\n"
+            "    while True:\n"
+            "        files.append(open('/dev/null'))\n"
+            "except OSError as e:\n"
+            "    print(len(files), e.strerror)\n")
+    result = run(code, open_files=32)
+    n, error = result.stdout.split(" ", 1)
+    assert error.strip() == "Too many open files" and 24 <= int(n) < 32, result.stdout  # 3 standard, a few of Python's
+
+
+@isolated
+def test_no_core_dumps_and_the_limit_cannot_be_raised():
+    code = ("import os, resource\n"
+            "print(resource.getrlimit(resource.RLIMIT_CORE), flush=True)\n"
+            "try:\n"
+            "    resource.setrlimit(resource.RLIMIT_CORE, (2**20, 2**20))\n"
+            "    print('raised')\n"
+            "except (ValueError, OSError) as e:\n"
+            "    print('refused', flush=True)\n"
+            "os.abort()\n")
+    result = run(code)
+    assert result.stdout.splitlines() == ["(0, 0)", "refused"], result
+    assert (result.exit_code, result.outcome) == (-6, "killed"), result  # SIGABRT, and no core written

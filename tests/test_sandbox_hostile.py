@@ -6,8 +6,13 @@ then that a sandboxed program cannot reach it, and what the program left behind.
 
 The driver below is this file run as a script (standard library only): once as root, once as
 `nobody` through setpriv with the system's python3 (CI runs as root; the project's interpreter may
-lie under /root). Each mode runs all cases at once, a few seconds in all. On a machine where
+lie under /root). It runs from a copy, this file and the sandbox's modules in a directory of
+their own that anyone may read, so that `nobody` reaches them wherever the checkout lies (a root
+home is 0700). Each mode runs all cases at once, a few seconds in all. On a machine where
 bubblewrap cannot isolate, the cases are skipped, saying why (start-up refuses such a run).
+
+Each layer against nested user namespaces is shown to hold alone: the driver runs on copies of
+the sandbox with one layer removed, and only that layer's case turns.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import os
 import platform
 import shutil
 import signal
+import select
 import socket
 import subprocess
 import sys
@@ -27,9 +33,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-# Another sandbox.py to drive, for checking that the suite fails with a protection removed.
-SANDBOX_FILE = os.environ.get("HOSTILE_SANDBOX_FILE", str(ROOT / "src" / "orchestrator" / "rollout" / "sandbox.py"))
+ROOT = Path(os.environ.get("HOSTILE_REPO", Path(__file__).resolve().parents[1]))  # the copy's: where it came from
+# The sandbox's modules to drive: another directory of them, for checking that the suite fails
+# with a protection removed (HOSTILE_SANDBOX_DIR=...).
+SANDBOX_DIR = Path(os.environ.get("HOSTILE_SANDBOX_DIR", ROOT / "src" / "orchestrator" / "rollout"))
 NOBODY = 65534
 CLONE_NEWUSER, PTRACE_ATTACH, IPC_CREAT, IPC_RMID = 0x10000000, 16, 0o1000, 0
 
@@ -145,6 +152,7 @@ out(**found)
 import ctypes
 status = dict(line.split(':\\t', 1) for line in open('/proc/self/status').read().splitlines() if ':\\t' in line)
 libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
 nested = libc.unshare(0x10000000) == 0 and 'made' or os.strerror(ctypes.get_errno())
 writes = {}
 for path in ('/proc/sys/kernel/hostname', '/escape', '/usr/escape'):
@@ -155,6 +163,24 @@ for path in ('/proc/sys/kernel/hostname', '/escape', '/usr/escape'):
 out(hostname=open('/proc/sys/kernel/hostname').read().strip(), no_new_privs=status['NoNewPrivs'].strip(),
     seccomp=status['Seccomp'].strip(), caps=status['CapEff'].strip(), user_namespace=nested, writes=writes)
 """,
+    "user namespaces through clone": """
+import ctypes, signal, struct
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+
+def made(pid):
+    if pid == 0:  # the child, in its new user namespace
+        os._exit(0)
+    if pid < 0:
+        return os.strerror(ctypes.get_errno())
+    os.waitpid(pid, 0)
+    return 'made'
+
+# clone(CLONE_NEWUSER | SIGCHLD) like fork; clone3 with struct clone_args {flags, ..., exit_signal}
+args = ctypes.create_string_buffer(struct.pack('=11Q', 0x10000000, 0, 0, 0, signal.SIGCHLD, 0, 0, 0, 0, 0, 0))
+out(clone=made(libc.syscall(56, 0x10000000 | signal.SIGCHLD, 0, 0, 0, 0)),
+    clone3=made(libc.syscall(435, args, 88)))
+""",
 }
 PRELUDE = "import json, os, sys\nC = json.loads(sys.stdin.read())\n" \
           "def out(**found):\n    print(json.dumps(found), flush=True)\n"
@@ -164,11 +190,25 @@ PRELUDE = "import json, os, sys\nC = json.loads(sys.stdin.read())\n" \
 
 
 def _sandbox_module():
-    spec = importlib.util.spec_from_file_location("hostile_sandbox", SANDBOX_FILE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    """The sandbox from the copy beside this file (orchestrator/rollout/sandbox*.py), not the
+    checkout's: the copy is what `nobody` can read."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    return importlib.import_module("orchestrator.rollout.sandbox")
+
+
+def _copied(sandbox_dir: Path, into: Path) -> Path:
+    """This file and the sandbox's modules copied into `into`, readable by anyone: the driver's
+    script, and the package it imports (empty __init__ files: nothing else of the project)."""
+    package = into / "orchestrator" / "rollout"
+    package.mkdir(parents=True)
+    for name in ("orchestrator/__init__.py", "orchestrator/rollout/__init__.py"):
+        (into / name).write_text("")
+    for module in sandbox_dir.glob("sandbox*.py"):
+        shutil.copy(module, package / module.name)
+    shutil.copy(__file__, into / "hostile_driver.py")
+    for path in (into, *into.rglob("*")):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return into / "hostile_driver.py"
 
 
 def _alive(marker: str) -> int:
@@ -196,8 +236,8 @@ class Canaries:
         self.secret = f"hostile-canary-{os.getpid()}-{time.time_ns()}"
         self.run_file = run_dir / "rollouts.jsonl"
         self.run_file.write_text(self.secret)
-        self.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", self.secret],
-                                        env={"CANARY": self.secret})
+        self.process = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)",
+                                         self.secret], env={"CANARY": self.secret}, stdout=subprocess.PIPE)
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.abstract = socket.socket(socket.AF_UNIX)
         self.abstract.bind("\0" + self.secret)
@@ -214,12 +254,16 @@ class Canaries:
         self.mq_fd = self.libc.mq_open(self.mq.encode(), os.O_CREAT | os.O_RDWR, 0o600, small)
         self.fd = os.open(self.run_file, os.O_WRONLY | os.O_APPEND)
         os.set_inheritable(self.fd, True)  # what a careless parent would hand on
-        self.files = [str(ROOT / "pyproject.toml"), str(self.run_file), str(run_dir), "/root", "/home",
-                      str(ROOT / "src"), "/etc/passwd", "/bin/sh"]  # the host's accounts, a shell
+        here = Path(__file__).resolve().parent  # the copy the driver runs from: readable by whoever runs it
+        repository = [str(ROOT / "pyproject.toml"), str(ROOT / "src")] if os.access(ROOT / "src", os.R_OK) else []
+        self.files = [*repository, str(here / "orchestrator" / "rollout" / "sandbox.py"), str(here), str(self.run_file),
+                      str(run_dir), "/root", "/home", "/etc/passwd", "/bin/sh"]  # the host's accounts, a shell
 
     def outside(self) -> dict:
         """The canaries as the host sees them: each there."""
-        time.sleep(0.2)  # the canary process has started (its environ is readable once it runs)
+        # The canary process runs (its environ is readable once it does): it says so.
+        ready, _, _ = select.select([self.process.stdout], [], [], 60)
+        assert ready and self.process.stdout.readline() == b"up\n", "the canary process did not start in 60 s"
         connected = {}
         for name, family, address in (("loopback", socket.AF_INET, self.listener.getsockname()),
                                       ("abstract", socket.AF_UNIX, "\0" + self.secret),
@@ -242,6 +286,7 @@ class Canaries:
     def close(self) -> None:
         self.process.kill()
         self.process.wait()
+        self.process.stdout.close()
         for s in (self.listener, self.abstract, self.unix):
             s.close()
         self.libc.shmctl(self.shm, IPC_RMID, None)
@@ -249,7 +294,7 @@ class Canaries:
         os.close(self.fd)
 
 
-def drive() -> dict:
+def drive(cases: list[str]) -> dict:
     sandbox = _sandbox_module()
     if why := sandbox.Sandbox.isolation():
         return {"skip": why}
@@ -261,10 +306,10 @@ def drive() -> dict:
         box = sandbox.Sandbox(sandbox.Limits(wall_s=20))
 
         async def all_cases():
-            runs = [box.run(PRELUDE + code, json.dumps(context)) for code in CASES.values()]
+            runs = [box.run(PRELUDE + CASES[name], json.dumps(context)) for name in cases]
             return await asyncio.gather(*runs)
 
-        for name, result in zip(CASES, asyncio.run(all_cases())):
+        for name, result in zip(cases, asyncio.run(all_cases())):
             lines = result.stdout.strip().splitlines()
             found[name] = {"outcome": result.outcome, "stderr": result.stderr[-500:],
                            "inside": json.loads(lines[-1]) if lines else None}
@@ -279,25 +324,34 @@ def drive() -> dict:
 # --- the tests ------------------------------------------------------------------------------------
 
 
+def _driven(mode: str, sandbox_dir: Path = SANDBOX_DIR, cases: tuple[str, ...] = tuple(CASES)) -> dict:
+    """The driver's findings in `mode` ("root", "user") against the sandbox in `sandbox_dir`."""
+    import pytest
+
+    if mode == "root" and os.geteuid() != 0:
+        return {"skip": "not root: the root mode needs CI's root"}
+    with tempfile.TemporaryDirectory(prefix="hostile-driver-") as into:
+        script = _copied(sandbox_dir, Path(into))
+        argv = [sys.executable, str(script), "--driver", *cases]
+        if mode == "user" and os.geteuid() == 0:  # drop to nobody; the project's python may lie under /root
+            python = shutil.which("python3", path="/usr/bin:/bin")
+            if python is None or shutil.which("setpriv") is None:
+                pytest.skip("no /usr/bin/python3 or setpriv to run the driver as nobody")
+            argv = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", python,
+                    str(script), "--driver", *cases]
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the copy's package, not the checkout's
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd="/",
+                              env={**env, "HOSTILE_REPO": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
 def _report(mode: str) -> dict:
-    """The driver's findings in `mode` ("root", "user"), run once per session and kept."""
+    """The driver's findings in `mode`, run once per session and kept."""
     import pytest
 
     if mode not in _reports:
-        if mode == "root" and os.geteuid() != 0:
-            _reports[mode] = {"skip": "not root: the root mode needs CI's root"}
-        else:
-            argv = [sys.executable, __file__, "--driver"]
-            if mode == "user" and os.geteuid() == 0:  # drop to nobody; the project's python may lie under /root
-                python = shutil.which("python3", path="/usr/bin:/bin")
-                if python is None or shutil.which("setpriv") is None:
-                    pytest.skip("no /usr/bin/python3 or setpriv to run the driver as nobody")
-                argv = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", python,
-                        __file__, "--driver"]
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd="/",
-                                  env={**os.environ, "HOSTILE_SANDBOX_FILE": SANDBOX_FILE})
-            assert done.returncode == 0, done.stderr[-3000:]
-            _reports[mode] = json.loads(done.stdout)
+        _reports[mode] = _driven(mode)
     report = _reports[mode]
     if "skip" in report:
         pytest.skip(report["skip"])
@@ -310,6 +364,8 @@ _reports: dict[str, dict] = {}
 def pytest_generate_tests(metafunc):
     if "mode" in metafunc.fixturenames:
         metafunc.parametrize("mode", ["root", "user"])
+    if "layer" in metafunc.fixturenames:
+        metafunc.parametrize("layer", list(LAYERS))
 
 
 def needs_seccomp() -> None:
@@ -393,13 +449,50 @@ def test_no_privileges_no_nested_namespaces_nothing_writable_but_scratch(mode):
     report, found = _report(mode), inside(mode, "privileges")
     assert report["outside"]["no_new_privs"] == "0"  # the host's process may gain privileges; the sandbox's not
     assert (found["no_new_privs"], found["seccomp"], found["caps"]) == ("1", "2", "0000000000000000"), found
-    assert found["user_namespace"] == "Operation not permitted"
+    assert found["user_namespace"] == "Operation not permitted"  # unshare: the seccomp filter
     # /proc/sys is there (it reads it) and the host's root owns it: not the namespace's root's to change.
     assert found["writes"] == {"/proc/sys/kernel/hostname": "Permission denied",
                                "/escape": "Read-only file system", "/usr/escape": "Read-only file system"}
     assert found["hostname"] == "sandbox"
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["--driver"]:
+def test_no_user_namespace_through_clone_or_clone3(mode):
+    """What the seccomp filter cannot see (clone3's flags lie in memory) bwrap's --disable-userns
+    refuses: the user namespace count inside is 0."""
+    found = inside(mode, "user namespaces through clone")
+    assert found == {"clone": "No space left on device", "clone3": "No space left on device"}, found
+
+
+# Each layer against nested user namespaces, removed alone from a copy of the sandbox: the case it
+# holds turns, and only that one.
+LAYERS = {
+    "seccomp's unshare": ("sandbox_bwrap.py", "161, 272, 308,", "161, 308,",
+                          {"privileges": ("user_namespace", "No space left on device")}),
+    "--disable-userns": ("sandbox_bwrap.py", 'argv.append("--disable-userns")', "pass",
+                         {"user namespaces through clone": ("clone", "made")}),
+}
+
+
+def test_each_layer_against_nested_user_namespaces_holds_alone(layer, tmp_path):
+    needs_seccomp()
+    module, old, new, turned = LAYERS[layer]
+    for path in SANDBOX_DIR.glob("sandbox*.py"):
+        text = path.read_text()
+        if path.name == module:
+            assert text.count(old) == 1, f"{old!r} not once in {module}"
+            text = text.replace(old, new)
+        (tmp_path / path.name).write_text(text)
+    cases = ("privileges", "user namespaces through clone")
+    whole, without = _report("root"), _driven("root", tmp_path, cases)
+    for case in cases:
+        if case in turned:
+            key, value = turned[case]
+            assert whole[case]["inside"][key] != value, whole[case]  # the whole sandbox holds ...
+            assert without[case]["inside"][key] == value, (layer, without[case])  # ... and this layer did
+        else:
+            assert without[case]["inside"] == whole[case]["inside"], (layer, case, without[case])
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--driver"]:
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    print(json.dumps(drive()))
+    print(json.dumps(drive(sys.argv[2:] or list(CASES))))

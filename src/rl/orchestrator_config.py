@@ -79,6 +79,13 @@ class SandboxConfig(Section):
     the code running with limits only (unsafe, said once at start-up); where bubblewrap works,
     runs are isolated all the same."""
 
+    memory_mb: int = Field(4096, ge=64)
+    """The memory all of the orchestrator's sandboxed runs at once may hold (coding rewards scored
+    a group at a time, python tool calls): a run waits until its worst case fits beside the others
+    (orchestrator/rollout/sandbox_budget.py). Its worst case is its own total where the host gives
+    cgroups (1024 MB for tasks.coding), else its address space times its processes (16 x 512 MB):
+    the start-up line says which."""
+
 
 class OverlongConfig(Section):
     mode: Literal["keep", "mask", "penalty"] = "keep"

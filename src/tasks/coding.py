@@ -32,7 +32,7 @@ import random
 import re
 from collections.abc import Iterator
 
-from orchestrator.rollout.sandbox import Limits, Sandbox
+from orchestrator.rollout.sandbox import Limits, RunResult, Sandbox
 
 SANDBOX = Sandbox(Limits(wall_s=10, cpu_s=5, memory_mb=512, output_bytes=4096))
 FENCE = re.compile(r"```(?:python|py)?\n(.*?)```", re.DOTALL)
@@ -176,6 +176,13 @@ def answer_code(completion: str) -> str:
 async def reward(prompt: str, completion: str, row: dict) -> float:
     cases = cases_of(row)
     result = await SANDBOX.run(program(answer_code(completion), row["entry_point"], [c["args"] for c in cases]))
+    return verdict(result, cases)
+
+
+def verdict(result: RunResult, cases: list[dict]) -> float:
+    """The share of cases whose returned value is the expected one, from a run that exited cleanly
+    with exactly the harness's document on its channel; else 0. Each guard here and in the
+    harness stops a forgery of its own (tests/test_coding_task.py removes each in turn)."""
     values = returned(result.stdout, len(cases)) if result.outcome == "ok" else None
     if values is None:
         return 0.0

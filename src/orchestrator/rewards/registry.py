@@ -39,6 +39,11 @@ def make_reward(spec: str, timeout_s: float, session: aiohttp.ClientSession | No
 def configured_sources(cfg: RunConfig, session: aiohttp.ClientSession, evaluation: bool = False) -> list[Source]:
     """The run's training datasets (or, `evaluation`, its eval datasets), each with its reward."""
     o = cfg.orchestrator
+    # The reward calls scoring at once: their sandboxed runs fit the sandbox's memory. Imported
+    # here: orchestrator.rollout's package imports this one.
+    from orchestrator.rollout.sandbox_budget import BUDGET
+
+    BUDGET.configure(o.sandbox.memory_mb)
     sources = []
     for ds in o.resolved_datasets(evaluation):
         source = Source(ds, cfg.seed)
