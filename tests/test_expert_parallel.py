@@ -174,3 +174,92 @@ def test_a_wrong_dispatch_fails_the_comparison(two_ranks, fault):
     experts: the comparison the test above passes fails, in logprobs and in gradients."""
     worst = {k: max(rank[f"qwen3/{fault}"][k] for rank in two_ranks) for k in ("logprob", "grad")}
     assert worst["logprob"] > 10 and worst["grad"] > 10, worst
+
+
+# --- the real trainer at EP=2 ---------------------------------------------------------------------
+
+PROMPT = [3, 4, 5, 29]
+COMPLETIONS = ([5, 4, 3, 1], [9, 9, 9, 1], [5, 4, 3, 7, 8, 9, 10, 11, 12, 1])
+
+
+def write_moe_batches(run, steps) -> None:
+    """Batches for models/tiny-moe with the base model's logprobs (step 1 on-policy) and a routing
+    record of random expert pairs at every fed-forward position, so replay, not the router,
+    decides each token's experts."""
+    import numpy as np
+
+    from rl.batch import Batch
+    from samples import single_turn, write_batch
+
+    base = tiny_moe()
+    layers, top_k, experts = base.config.num_hidden_layers, base.config.num_experts_per_tok, base.config.num_experts
+    rng = np.random.default_rng(0)
+    for n in steps:
+        samples = []
+        for i, completion in enumerate(COMPLETIONS * 3):
+            ids = torch.tensor([PROMPT + completion])
+            with torch.no_grad():
+                lp = torch.log_softmax(base(input_ids=ids).logits[0, :-1], -1)
+            per_token = lp[torch.arange(ids.shape[1] - 1), ids[0, 1:]][len(PROMPT) - 1:].tolist()
+            s = single_turn(PROMPT, completion, per_token, [0] * len(completion), reward=0.5,
+                            advantage=(0.5, -0.5, 0.25)[i % 3] * (-1) ** n)
+            s.routed_experts = np.stack([np.stack([rng.permutation(experts)[:top_k] for _ in range(layers)])
+                                         for _ in s.tokens]).astype(np.uint8)
+            s.routed = np.ones(len(s.tokens), np.uint8)
+            s.routed[-1] = 0  # the last token is never fed forward: no record
+            samples.append(s)
+        write_batch(Batch.from_samples(n, samples[:-1]), run.rollout_dir(n))  # odd count: ranks differ
+
+
+def trainer_args(tmp_path: Path, run, name: str, extra: list[str] = ()) -> list[str]:
+    cfg = tmp_path / f"{name}.toml"
+    cfg.write_text(f'model = "{TINY_MOE}"\noutput_dir = "{run.root}"\nmax_steps = 2\nseq_len = 32\n'
+                   "[inference]\nrecord_routing = true\n"
+                   "[trainer]\nmicro_batch_tokens = 40\ntorch_threads = 1\nrouting_replay = true\n"
+                   "checkpoint_every = 1\nkeep_checkpoints = 2\nkeep_weights = 2\nactivation_checkpointing = true\n"
+                   "[trainer.optim]\nlr = 1e-3\n")
+    return ["@", str(cfg), *extra]
+
+
+def safetensors_layout(path: Path) -> dict:
+    """name -> (dtype, shape) from a weights directory's safetensors header."""
+    import struct
+
+    with open(path / "model.safetensors", "rb") as f:
+        header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    return {k: (v["dtype"], v["shape"]) for k, v in header.items() if k != "__metadata__"}
+
+
+@pytest.mark.slow
+def test_the_trainer_at_ep2_steps_checkpoints_publishes_and_resumes_as_without_ep(tmp_path):
+    """Two ranks at trainer.parallel.expert = 2 (routing replay on, activation checkpointing: the
+    all-to-alls run again in backward) against one rank: step 1 from the same start equal within
+    tests/test_trainer.py's derived bounds (loss, gradient norm, each gradient entry, the weights),
+    read from both DCP checkpoints, which hold the same full tensors by the same names; the
+    published weights the same HF names, dtypes and shapes; and an EP=2 run resumed from its
+    step-1 checkpoint (in the one-rank run's directory) publishes step 2 bit for bit as the
+    uninterrupted EP run did."""
+    from rl.rundir import RunDir
+    from test_trainer import assert_same_step, run_trainer, torchrun, trainer_metrics, weights
+
+    ep, one = RunDir(tmp_path / "ep"), RunDir(tmp_path / "one")
+    for run in (ep, one):
+        write_moe_batches(run, [1, 2])
+    expert = ["--trainer.parallel.expert", "2"]
+    log = run_trainer(torchrun(2), trainer_args(tmp_path, ep, "ep", expert))
+    run_trainer(rl_command("trainer"), trainer_args(tmp_path, one, "one", ["--max_steps", "1"]))
+    assert_same_step(ep, one, 1)
+    assert safetensors_layout(ep.weights_dir(1)) == safetensors_layout(one.weights_dir(1))
+    replayed = [m["routing_replayed_frac"] for m in trainer_metrics(ep)]
+    assert replayed == [1.0, 1.0], replayed  # every trained token's experts were the record's
+
+    shutil.rmtree(one.checkpoint_dir(1) / "trainer")
+    shutil.copytree(ep.checkpoint_dir(1) / "trainer", one.checkpoint_dir(1) / "trainer")
+    log = run_trainer(torchrun(2), trainer_args(tmp_path, one, "one", expert + ["--resume"]))
+    assert "resumed from checkpoints/step_1: next batch is 2" in log, log[-3000:]
+    a, b = weights(ep, 2), weights(one, 2)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert not torch.equal(weights(ep, 1)["model.layers.0.mlp.experts.gate_up_proj"],
+                           a["model.layers.0.mlp.experts.gate_up_proj"])
