@@ -176,6 +176,28 @@ def test_a_wrong_dispatch_fails_the_comparison(two_ranks, fault):
     assert worst["logprob"] > 10 and worst["grad"] > 10, worst
 
 
+
+@pytest.mark.parametrize("model, expert, world, says", [
+    ("tiny-reverse", 2, "2", "trainer.parallel.expert = 2: model = {model} is not a mixture-of-experts model"),
+    ("tiny-moe", 3, "3", "trainer.parallel.expert = 3 does not divide the 4 experts per MoE layer of model = {model}"),
+    ("tiny-moe", 4, "2", "trainer.parallel.expert = 4 on 2 trainer ranks: expert parallelism is built for an expert "
+                         "group of every rank"),
+])
+def test_an_expert_split_the_model_or_the_ranks_cannot_take_is_refused_in_one_line(tmp_path, monkeypatch, model,
+                                                                                    expert, world, says):
+    from typer.testing import CliRunner
+
+    from rl.cli.main import app
+
+    path = ROOT / "models" / model
+    monkeypatch.setenv("WORLD_SIZE", world)  # as torchrun sets it for each rank's own start-up checks
+    result = CliRunner().invoke(app, ["trainer", "--model", str(path), "--output_dir", str(tmp_path / "out"),
+                                      "--trainer.parallel.expert", str(expert), "--dry-run"])
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1, result.stderr
+    assert says.format(model=path) in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()
+
 # --- the real trainer at EP=2 ---------------------------------------------------------------------
 
 PROMPT = [3, 4, 5, 29]
