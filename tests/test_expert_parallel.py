@@ -82,18 +82,19 @@ def record(model, tokens: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.
     g = torch.Generator().manual_seed(100 + rank)
     rows = torch.stack([torch.randperm(router.num_experts, generator=g)[:router.top_k]
                         for _ in range(tokens.numel() * layers)])
-    routed = torch.rand(tokens.shape, generator=g) < 0.75
+    routed = torch.rand(tuple(tokens.shape), generator=g) < 0.75
     return rows.reshape(*tokens.shape, layers, router.top_k), routed
 
 
-def compare(build, rank: int, world: int, fault: str, replay: bool) -> dict:
+def compare(build, rank: int, world: int, fault: str, replay: bool, device: torch.device = torch.device("cpu")) -> dict:
     """Max over this rank's positions of |EP - exact| / bound (logprobs), and over every gradient
-    entry of |EP - one model| / (GRAD_SHARE x the largest entry), with `fault` put into the dispatch."""
+    entry of |EP - one model| / (GRAD_SHARE x the largest entry), with `fault` put into the dispatch.
+    `device`: a GPU under NCCL (scripts/gpu_check_expert_parallel.py)."""
     from trainer import expert_parallel
     from trainer.parallel import apply_fsdp
     from trainer.routing_replay import RoutingReplay
 
-    plain = build()
+    plain = build().to(device)
     exact, ep = copy.deepcopy(plain).double(), copy.deepcopy(plain)
     exact.set_experts_implementation("eager")  # grouped_mm has no float64
     placement, shard_rows = expert_parallel.placement, expert_parallel.shard_rows
@@ -105,8 +106,8 @@ def compare(build, rank: int, world: int, fault: str, replay: bool) -> dict:
         expert_parallel.apply_expert_parallel(ep, dist.group.WORLD)
         apply_fsdp(ep, torch.float32)
         g = torch.Generator().manual_seed(rank)
-        tokens = torch.randint(2, plain.config.vocab_size, (2, 12), generator=g)
-        coef = torch.randn(2, 11, generator=g, dtype=torch.float64)
+        tokens = torch.randint(2, plain.config.vocab_size, (2, 12), generator=g).to(device)
+        coef = torch.randn(2, 11, generator=g, dtype=torch.float64).to(device)
         routing, routed = record(plain, tokens, rank)
         trained = torch.ones(tokens.shape, dtype=torch.bool)
         out = {}
