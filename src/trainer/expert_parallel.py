@@ -2,9 +2,10 @@
 MoE layer's experts, and each token's hidden state travels to the ranks holding its experts and
 back, by two all-to-alls over the group per layer (docs/moe.md, "Expert parallelism").
 
-Why: under FSDP2 alone every rank all-gathers every expert of a layer for its forward, so a
-layer's whole expert set sits in each rank's memory in turn and crosses the network twice per
-step, though each token uses top_k of them. Here a rank's expert shard never leaves it; what moves
+Why: under FSDP2 alone every rank all-gathers every expert of a layer for its forward (and again
+for its backward, then reduce-scatters their gradient), so a layer's whole expert set sits in each
+rank's memory in turn and crosses the network three times per step, though each token uses top_k
+of them. Here a rank's expert shard never leaves it; what moves
 is top_k hidden states per token.
 
 What stays as without EP:
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 
 
@@ -80,10 +82,12 @@ def shard_rows(shard: int, per_rank: int) -> slice:
     return slice(shard * per_rank, (shard + 1) * per_rank)
 
 
-def apply_expert_parallel(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
+def apply_expert_parallel(model: torch.nn.Module, group: dist.ProcessGroup, mesh: DeviceMesh | None = None) -> None:
     """Keep this rank's 1/EP of every MoE layer's experts (as DTensor shards of the full tensors)
     and route their forward through the group. Before FSDP2 (trainer/parallel.py apply_fsdp,
-    which leaves these parameters to EP: `sharded_params`)."""
+    which leaves these parameters to EP: `sharded_params`). `mesh`: the 1-D mesh FSDP2 shards
+    the other parameters over, whose ranks in order are the group's (default: FSDP2's default,
+    the world)."""
     ep = dist.get_world_size(group)
     if ep == 1:
         return
@@ -94,7 +98,7 @@ def apply_expert_parallel(model: torch.nn.Module, group: dist.ProcessGroup) -> N
     device = next(model.parameters()).device
     # Equal to FSDP2's default mesh (same ranks, device type, no names): DTensor ops (AdamW's
     # foreach step, the gradient norm) mix the two meshes' tensors only where the meshes are equal.
-    mesh = init_device_mesh(device.type, (world,))
+    mesh = mesh if mesh is not None else init_device_mesh(device.type, (world,))
     shard = dist.get_rank(group)
     for experts in moe_experts(model):
         total = experts.gate_up_proj.shape[0]
