@@ -259,9 +259,9 @@ def test_the_trainer_at_ep2_steps_checkpoints_publishes_and_resumes_as_without_e
     all-to-alls run again in backward) against one rank: step 1 from the same start equal within
     tests/test_trainer.py's derived bounds (loss, gradient norm, each gradient entry, the weights),
     read from both DCP checkpoints, which hold the same full tensors by the same names; the
-    published weights the same HF names, dtypes and shapes; and an EP=2 run resumed from its
-    step-1 checkpoint (in the one-rank run's directory) publishes step 2 bit for bit as the
-    uninterrupted EP run did."""
+    published weights the same HF names, dtypes and shapes; the EP step-1 checkpoint resumed on one
+    rank without EP takes step 2 as the EP run did (within the same bounds); and an EP=2 run
+    resumed from it publishes step 2 bit for bit as the uninterrupted EP run did."""
     from rl.rundir import RunDir
     from test_trainer import assert_same_step, run_trainer, torchrun, trainer_metrics, weights
 
@@ -276,8 +276,13 @@ def test_the_trainer_at_ep2_steps_checkpoints_publishes_and_resumes_as_without_e
     replayed = [m["routing_replayed_frac"] for m in trainer_metrics(ep)]
     assert replayed == [1.0, 1.0], replayed  # every trained token's experts were the record's
 
-    shutil.rmtree(one.checkpoint_dir(1) / "trainer")
-    shutil.copytree(ep.checkpoint_dir(1) / "trainer", one.checkpoint_dir(1) / "trainer")
+    flat = RunDir(tmp_path / "flat")  # the one-rank run's directory again, to resume without EP
+    shutil.copytree(one.root, flat.root)
+    for run in (one, flat):
+        shutil.rmtree(run.checkpoint_dir(1) / "trainer")
+        shutil.copytree(ep.checkpoint_dir(1) / "trainer", run.checkpoint_dir(1) / "trainer")
+    run_trainer(rl_command("trainer"), trainer_args(tmp_path, flat, "flat", ["--resume"]))
+    assert_same_step(ep, flat, 2)  # the EP checkpoint loaded without EP: DCP reshards the experts
     log = run_trainer(torchrun(2), trainer_args(tmp_path, one, "one", expert + ["--resume"]))
     assert "resumed from checkpoints/step_1: next batch is 2" in log, log[-3000:]
     a, b = weights(ep, 2), weights(one, 2)
