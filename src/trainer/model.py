@@ -12,6 +12,7 @@ from rl.config import RunConfig
 from trainer import packed_attention
 from trainer.compiled_layers import compile_layers, compile_wanted
 from trainer.data import MicroBatch, to_device
+from trainer.expert_parallel import apply_expert_parallel, expert_group
 from trainer.logprob_head import LogprobHead, TokenQuery, install
 from trainer.lora import LoRA
 from trainer.loss import token_logprobs_and_entropy
@@ -71,6 +72,8 @@ def load_model(cfg: RunConfig, device: torch.device, trainable: bool, lora_slots
     install(model, cfg.trainer.logits_chunk_tokens)
     if compile_wanted(cfg.trainer.compile, device.type, lora is not None, bool(routers(model))):
         compile_layers(model)
+    if cfg.trainer.parallel.expert > 1:
+        apply_expert_parallel(model, expert_group(cfg.trainer.parallel.expert))
     apply_fsdp(model, _DTYPES[dtype], offload=not trainable and cfg.trainer.reference_offload)
     return model, lora
 

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from trainer.expert_parallel import sharded_params
+
 
 def init_distributed(timeout_s: float) -> torch.device:
     """`timeout_s` bounds every collective. Over ZMQ the other ranks sit in a broadcast while
@@ -41,9 +43,10 @@ def apply_fsdp(model: torch.nn.Module, compute_dtype: torch.dtype, offload: bool
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     # Pinned host memory makes the copies asynchronous; it needs an accelerator.
     policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
+    ignored = sharded_params(model)  # expert shards stay where expert parallelism put them
     for layer in model.model.layers:
-        fully_shard(layer, mp_policy=mp, offload_policy=policy)
-    fully_shard(model, mp_policy=mp, offload_policy=policy)
+        fully_shard(layer, mp_policy=mp, offload_policy=policy, ignored_params=ignored)
+    fully_shard(model, mp_policy=mp, offload_policy=policy, ignored_params=ignored)
 
 
 def share_bytes(data: bytes | None, device: torch.device) -> bytes:

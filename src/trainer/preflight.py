@@ -4,13 +4,14 @@ can bind its endpoints, and the run directory's state suits a fresh start or --r
 
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
 
 from rl.config import ConfigError, RunConfig
 from rl.gpu_placement import ids_check
-from rl.preflight import (bindable, cores, is_rank0, mixture_of_experts, model_config, output_dir, safetensors_header,
-                          seq_len_fits, weight_files)
+from rl.preflight import (bindable, cores, is_rank0, mixture_of_experts, model_config, output_dir, routed_experts,
+                          safetensors_header, seq_len_fits, weight_files)
 from rl.rundir import RunDir
 from rl.transports import receiver_endpoint
 
@@ -102,6 +103,28 @@ def routing_replay(cfg: RunConfig) -> None:
                           "true (the engine's record is what replay replays)")
 
 
+def expert_parallel(cfg: RunConfig) -> None:
+    """trainer.parallel.expert splits each MoE layer's experts evenly over that many ranks, which
+    (for now: trainer/expert_parallel.py) are all the trainer's ranks. The world size is known
+    here under torchrun (each rank checks); `rl run`'s own check of the mesh against the ranks it
+    starts is trainer.parallel's."""
+    ep = cfg.trainer.parallel.expert
+    if ep == 1:
+        return
+    experts = routed_experts(model_config(cfg))
+    if not experts:
+        raise ConfigError(f"trainer.parallel.expert = {ep}: model = {cfg.model} is not a mixture-of-experts model")
+    if experts % ep:
+        raise ConfigError(f"trainer.parallel.expert = {ep} does not divide the {experts} experts per MoE layer of "
+                          f"model = {cfg.model}")
+    world = os.environ.get("WORLD_SIZE")
+    if world is not None and int(world) != ep:
+        raise ConfigError(f"trainer.parallel.expert = {ep} on {world} trainer ranks: expert parallelism is built for "
+                          "an expert group of every rank (data or context ranks beside it are not): use "
+                          f"trainer.parallel.expert = {world} or start {ep} ranks")
+
+
 CHECKS = (cores("trainer"), ids_check("trainer"), output_dir, model_for_training,
-          mixture_of_experts("trainer.routing_replay"), routing_replay, trainer_attention, trainer_run_state,
+          mixture_of_experts("trainer.routing_replay"), routing_replay, expert_parallel, trainer_attention,
+          trainer_run_state,
           trainer_endpoints)

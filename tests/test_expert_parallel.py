@@ -1,0 +1,293 @@
+"""Expert parallelism (trainer.parallel.expert, trainer/expert_parallel.py) on gloo with real
+processes: two ranks each holding half of every MoE layer's experts compute the logprobs and
+gradients one unsharded model computes, within float32 rounding's bound, with routing replay
+deciding the dispatch; a dispatch that sends tokens to the wrong experts, or shards that hold the
+wrong experts, fail the same comparison; and the real trainer at EP=2 takes the step the one-rank
+trainer takes, checkpoints in the same DCP layout, publishes the same HF tensors, and continues
+exactly from its checkpoint."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+from conftest import ROOT, free_port, rl_command
+from float32_rounding import logit_error
+
+TINY_MOE = ROOT / "models" / "tiny-moe"
+# Per MoE layer on a logit's path: q/k/v, scores, values, o, the router, gate/up, down, the
+# weighted sum of top_k outputs (float32_rounding.py's derivation, two more products than dense).
+MOE_LOGIT_ERROR = logit_error(8)
+# tests/test_trainer.py assert_same_step: reordering a float32 sum of n <= ~400 terms moves it by
+# < 3e-5 of their magnitude; a gradient entry is compared within 1e-4 of the largest entry, and a
+# wrongly dispatched token moves entries by a large share of it.
+GRAD_SHARE = 1e-4
+FAULTS = ("none", "misrouted", "misplaced")
+
+
+def qwen2_moe() -> torch.nn.Module:
+    """A random Qwen2-MoE (shared expert beside 4 routed ones), built in-process."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2MoeConfig(vocab_size=30, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                            max_position_embeddings=64, tie_word_embeddings=False)
+    model = Qwen2MoeForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, 0.5)  # clear margins: no near-ties for rounding to flip
+    return model.float()
+
+
+def tiny_moe() -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(TINY_MOE, dtype=torch.float32)
+
+
+def logprobs_with_bound(model, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs of the next tokens [R, T-1], float32 rounding's bound on each: twice the logit's,
+    MOE_LOGIT_ERROR x max_i sum_j |E_ij h_j| at the head's input h; the bound is meaningful for
+    a float64 model's exact values)."""
+    head = model.get_output_embeddings()
+    seen = []
+    hook = head.register_forward_hook(lambda m, i, o: seen.append(i[0]))
+    try:
+        logits = model(input_ids=tokens, use_cache=False).logits
+    finally:
+        hook.remove()
+    lp = torch.log_softmax(logits.double(), -1)[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0]
+    weight = head.weight.full_tensor() if hasattr(head.weight, "full_tensor") else head.weight
+    scale = torch.einsum("vh,rth->rtv", weight.detach().abs().double(), seen[0].detach().abs().double()).amax(-1)
+    return lp, 2 * MOE_LOGIT_ERROR * scale[:, :-1]
+
+
+def record(model, tokens: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A routing record unlike the model's own choice: two distinct random experts per position and
+    layer, three positions in four recorded (the rest keep the router's choice)."""
+    from trainer.routing_replay import routers
+
+    layers, (_, router) = len(routers(model)), routers(model)[0]
+    g = torch.Generator().manual_seed(100 + rank)
+    rows = torch.stack([torch.randperm(router.num_experts, generator=g)[:router.top_k]
+                        for _ in range(tokens.numel() * layers)])
+    routed = torch.rand(tuple(tokens.shape), generator=g) < 0.75
+    return rows.reshape(*tokens.shape, layers, router.top_k), routed
+
+
+def compare(build, rank: int, world: int, fault: str, replay: bool, device: torch.device = torch.device("cpu")) -> dict:
+    """Max over this rank's positions of |EP - exact| / bound (logprobs), and over every gradient
+    entry of |EP - one model| / (GRAD_SHARE x the largest entry), with `fault` put into the dispatch.
+    `device`: a GPU under NCCL (scripts/gpu_check_expert_parallel.py)."""
+    from trainer import expert_parallel
+    from trainer.parallel import apply_fsdp
+    from trainer.routing_replay import RoutingReplay
+
+    plain = build().to(device)
+    exact, ep = copy.deepcopy(plain).double(), copy.deepcopy(plain)
+    exact.set_experts_implementation("eager")  # grouped_mm has no float64
+    placement, shard_rows = expert_parallel.placement, expert_parallel.shard_rows
+    if fault == "misrouted":  # each token to the right local index on the next rank
+        expert_parallel.placement = lambda ids, n: ((ids // n + 1) % world, ids % n)
+    if fault == "misplaced":  # each rank holding the next rank's experts
+        expert_parallel.shard_rows = lambda shard, n: shard_rows((shard + 1) % world, n)
+    try:
+        expert_parallel.apply_expert_parallel(ep, dist.group.WORLD)
+        apply_fsdp(ep, torch.float32)
+        g = torch.Generator().manual_seed(rank)
+        tokens = torch.randint(2, plain.config.vocab_size, (2, 12), generator=g).to(device)
+        coef = torch.randn(2, 11, generator=g, dtype=torch.float64).to(device)
+        routing, routed = record(plain, tokens, rank)
+        trained = torch.ones(tokens.shape, dtype=torch.bool)
+        out = {}
+        for name, model in (("exact", exact), ("plain", plain), ("ep", ep)):
+            replayer = RoutingReplay(model, replay=replay)
+            with replayer.recorded(routing, routed, trained):
+                lp, bound = logprobs_with_bound(model, tokens)
+                if name != "exact":
+                    ((lp * coef).sum() * (world if name == "ep" else 1)).backward()
+            out[name] = lp.detach(), bound
+        grads = {}
+        for name, p in plain.named_parameters():
+            dist.all_reduce(p.grad)  # the one model's gradient of the summed loss over both ranks' tokens
+            grads[name] = p.grad
+        largest = max(float(g.abs().max()) for g in grads.values())
+        grad_ratio = 0.0
+        for name, p in ep.named_parameters():
+            ep_grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            grad_ratio = max(grad_ratio, float((ep_grad - grads[name]).abs().max()) / (GRAD_SHARE * largest))
+        exact_lp, bound = out["exact"]
+        return {"logprob": float(((out["ep"][0] - exact_lp).abs() / bound).max()),
+                "plain_logprob": float(((out["plain"][0] - exact_lp).abs() / bound).max()),
+                "grad": grad_ratio, "expert_rows": [int(p.to_local().shape[0]) for p in
+                                                    expert_parallel.sharded_params(ep)]}
+    finally:
+        expert_parallel.placement, expert_parallel.shard_rows = placement, shard_rows
+
+
+def worker(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        results = {f"qwen3/{fault}": compare(tiny_moe, rank, world, fault, replay=True) for fault in FAULTS}
+        results["qwen3/own_routing"] = compare(tiny_moe, rank, world, "none", replay=False)
+        results["qwen2"] = compare(qwen2_moe, rank, world, "none", replay=False)
+        Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("ep")
+    mp.spawn(worker, args=(2, free_port(), str(out)), nprocs=2)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize("case", ["qwen3/none", "qwen3/own_routing", "qwen2"])
+def test_two_expert_ranks_compute_the_one_models_logprobs_and_gradients(two_ranks, case):
+    """Qwen3-MoE (models/tiny-moe, with routing replay deciding the dispatch, and with its own
+    routing) and Qwen2-MoE (a shared expert beside the routed ones): each rank holds 2 of 4
+    experts per layer, and both ranks' logprobs are as close to the float64 model's as float32
+    rounding allows, the gradients (summed over both ranks' tokens) as close to one model's."""
+    for rank in two_ranks:
+        r = rank[case]
+        assert r["expert_rows"] and set(r["expert_rows"]) == {2}, r
+        assert r["plain_logprob"] <= 1.0, r  # the bound holds for the unsharded model itself
+        assert r["logprob"] <= 1.0 and r["grad"] <= 1.0, r
+
+
+@pytest.mark.parametrize("fault", ["misrouted", "misplaced"])
+def test_a_wrong_dispatch_fails_the_comparison(two_ranks, fault):
+    """Tokens sent to the right shard index on the wrong rank, or each rank holding the other's
+    experts: the comparison the test above passes fails, in logprobs and in gradients."""
+    worst = {k: max(rank[f"qwen3/{fault}"][k] for rank in two_ranks) for k in ("logprob", "grad")}
+    assert worst["logprob"] > 10 and worst["grad"] > 10, worst
+
+
+
+@pytest.mark.parametrize("model, expert, world, says", [
+    ("tiny-reverse", 2, "2", "trainer.parallel.expert = 2: model = {model} is not a mixture-of-experts model"),
+    ("tiny-moe", 3, "3", "trainer.parallel.expert = 3 does not divide the 4 experts per MoE layer of model = {model}"),
+    ("tiny-moe", 4, "2", "trainer.parallel.expert = 4 on 2 trainer ranks: expert parallelism is built for an expert "
+                         "group of every rank"),
+])
+def test_an_expert_split_the_model_or_the_ranks_cannot_take_is_refused_in_one_line(tmp_path, monkeypatch, model,
+                                                                                    expert, world, says):
+    from typer.testing import CliRunner
+
+    from rl.cli.main import app
+
+    path = ROOT / "models" / model
+    monkeypatch.setenv("WORLD_SIZE", world)  # as torchrun sets it for each rank's own start-up checks
+    result = CliRunner().invoke(app, ["trainer", "--model", str(path), "--output_dir", str(tmp_path / "out"),
+                                      "--trainer.parallel.expert", str(expert), "--dry-run"])
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1, result.stderr
+    assert says.format(model=path) in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()
+
+# --- the real trainer at EP=2 ---------------------------------------------------------------------
+
+PROMPT = [3, 4, 5, 29]
+COMPLETIONS = ([5, 4, 3, 1], [9, 9, 9, 1], [5, 4, 3, 7, 8, 9, 10, 11, 12, 1])
+
+
+def write_moe_batches(run, steps) -> None:
+    """Batches for models/tiny-moe with the base model's logprobs (step 1 on-policy) and a routing
+    record of random expert pairs at every fed-forward position, so replay, not the router,
+    decides each token's experts."""
+    import numpy as np
+
+    from rl.batch import Batch
+    from samples import single_turn, write_batch
+
+    base = tiny_moe()
+    layers, top_k, experts = base.config.num_hidden_layers, base.config.num_experts_per_tok, base.config.num_experts
+    rng = np.random.default_rng(0)
+    for n in steps:
+        samples = []
+        for i, completion in enumerate(COMPLETIONS * 3):
+            ids = torch.tensor([PROMPT + completion])
+            with torch.no_grad():
+                lp = torch.log_softmax(base(input_ids=ids).logits[0, :-1], -1)
+            per_token = lp[torch.arange(ids.shape[1] - 1), ids[0, 1:]][len(PROMPT) - 1:].tolist()
+            s = single_turn(PROMPT, completion, per_token, [0] * len(completion), reward=0.5,
+                            advantage=(0.5, -0.5, 0.25)[i % 3] * (-1) ** n)
+            s.routed_experts = np.stack([np.stack([rng.permutation(experts)[:top_k] for _ in range(layers)])
+                                         for _ in s.tokens]).astype(np.uint8)
+            s.routed = np.ones(len(s.tokens), np.uint8)
+            s.routed[-1] = 0  # the last token is never fed forward: no record
+            samples.append(s)
+        write_batch(Batch.from_samples(n, samples[:-1]), run.rollout_dir(n))  # odd count: ranks differ
+
+
+def trainer_args(tmp_path: Path, run, name: str, extra: list[str] = ()) -> list[str]:
+    cfg = tmp_path / f"{name}.toml"
+    cfg.write_text(f'model = "{TINY_MOE}"\noutput_dir = "{run.root}"\nmax_steps = 2\nseq_len = 32\n'
+                   "[inference]\nrecord_routing = true\n"
+                   "[trainer]\nmicro_batch_tokens = 40\ntorch_threads = 1\nrouting_replay = true\n"
+                   "checkpoint_every = 1\nkeep_checkpoints = 2\nkeep_weights = 2\nactivation_checkpointing = true\n"
+                   "[trainer.optim]\nlr = 1e-3\n")
+    return ["@", str(cfg), *extra]
+
+
+def safetensors_layout(path: Path) -> dict:
+    """name -> (dtype, shape) from a weights directory's safetensors header."""
+    import struct
+
+    with open(path / "model.safetensors", "rb") as f:
+        header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    return {k: (v["dtype"], v["shape"]) for k, v in header.items() if k != "__metadata__"}
+
+
+@pytest.mark.slow
+def test_the_trainer_at_ep2_steps_checkpoints_publishes_and_resumes_as_without_ep(tmp_path):
+    """Two ranks at trainer.parallel.expert = 2 (routing replay on, activation checkpointing: the
+    all-to-alls run again in backward) against one rank: step 1 from the same start equal within
+    tests/test_trainer.py's derived bounds (loss, gradient norm, each gradient entry, the weights),
+    read from both DCP checkpoints, which hold the same full tensors by the same names; the
+    published weights the same HF names, dtypes and shapes; the EP step-1 checkpoint resumed on one
+    rank without EP takes step 2 as the EP run did (within the same bounds); and an EP=2 run
+    resumed from it publishes step 2 bit for bit as the uninterrupted EP run did."""
+    from rl.rundir import RunDir
+    from test_trainer import assert_same_step, run_trainer, torchrun, trainer_metrics, weights
+
+    ep, one = RunDir(tmp_path / "ep"), RunDir(tmp_path / "one")
+    for run in (ep, one):
+        write_moe_batches(run, [1, 2])
+    expert = ["--trainer.parallel.expert", "2"]
+    log = run_trainer(torchrun(2), trainer_args(tmp_path, ep, "ep", expert))
+    run_trainer(rl_command("trainer"), trainer_args(tmp_path, one, "one", ["--max_steps", "1"]))
+    assert_same_step(ep, one, 1)
+    assert safetensors_layout(ep.weights_dir(1)) == safetensors_layout(one.weights_dir(1))
+    replayed = [m["routing_replayed_frac"] for m in trainer_metrics(ep)]
+    assert replayed == [1.0, 1.0], replayed  # every trained token's experts were the record's
+
+    flat = RunDir(tmp_path / "flat")  # the one-rank run's directory again, to resume without EP
+    shutil.copytree(one.root, flat.root)
+    for run in (one, flat):
+        shutil.rmtree(run.checkpoint_dir(1) / "trainer")
+        shutil.copytree(ep.checkpoint_dir(1) / "trainer", run.checkpoint_dir(1) / "trainer")
+    run_trainer(rl_command("trainer"), trainer_args(tmp_path, flat, "flat", ["--resume"]))
+    assert_same_step(ep, flat, 2)  # the EP checkpoint loaded without EP: DCP reshards the experts
+    log = run_trainer(torchrun(2), trainer_args(tmp_path, one, "one", expert + ["--resume"]))
+    assert "resumed from checkpoints/step_1: next batch is 2" in log, log[-3000:]
+    a, b = weights(ep, 2), weights(one, 2)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert not torch.equal(weights(ep, 1)["model.layers.0.mlp.experts.gate_up_proj"],
+                           a["model.layers.0.mlp.experts.gate_up_proj"])
