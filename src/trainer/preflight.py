@@ -9,8 +9,8 @@ from pathlib import Path
 
 from rl.config import ConfigError, RunConfig
 from rl.gpu_placement import ids_check
-from rl.preflight import (bindable, cores, is_rank0, mixture_of_experts, model_config, output_dir, safetensors_header,
-                          seq_len_fits, weight_files)
+from rl.preflight import (bindable, cores, is_rank0, metrics_endpoint, mixture_of_experts, model_config, output_dir,
+                          safetensors_header, seq_len_fits, weight_files)
 from rl.rundir import RunDir
 from rl.transports import receiver_endpoint
 
@@ -102,6 +102,6 @@ def routing_replay(cfg: RunConfig) -> None:
                           "true (the engine's record is what replay replays)")
 
 
-CHECKS = (cores("trainer"), ids_check("trainer"), output_dir, model_for_training,
+CHECKS = (cores("trainer"), metrics_endpoint("trainer"), ids_check("trainer"), output_dir, model_for_training,
           mixture_of_experts("trainer.routing_replay"), routing_replay, trainer_attention, trainer_run_state,
           trainer_endpoints)

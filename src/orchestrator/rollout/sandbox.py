@@ -62,6 +62,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from orchestrator.reporting import prometheus
+
 SLOTS = range(61000, 61256)  # user ids of sandboxed runs as root (no account needs to exist)
 SLOT_WAIT_S = 120.0  # all taken (more concurrent runs than SLOTS): wait this long for one
 LOCKS = Path(tempfile.gettempdir()) / "asyncrl-sandbox"
@@ -170,6 +172,7 @@ class Sandbox:
         if isolated and code_ is not None and 128 < code_ < 160:
             code_ = -(code_ - 128)  # bwrap's report of a program killed by that signal
         outcome = _outcome(code_, stderr, timed_out, flooded)
+        prometheus.SANDBOX_RUNS.labels(outcome).inc()
         return RunResult(stdout, stderr, code_, outcome, isolated, truncated)
 
 
