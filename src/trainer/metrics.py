@@ -58,8 +58,8 @@ class TrainerMetrics:
         self.loss = Gauge(p + "loss", "Last step's loss.", registry=r)
         self.grad_norm = Gauge(p + "grad_norm", "Last step's gradient norm (before clipping).", registry=r)
         self.entropy = Gauge(p + "entropy", "Last step's mean entropy of the policy on its tokens.", registry=r)
-        self.mismatch_kl = Gauge(p + "mismatch_kl", "Last step's mismatch KL, k3 KL(pi_inference, pi_trainer) on the sampled tokens.",
-                                 registry=r)
+        self.mismatch_kl = Gauge(p + "mismatch_kl", "Last step's mismatch KL, k3 KL(pi_inference, pi_trainer) on the "
+                                 "sampled tokens.", registry=r)
         self.kl_bound = Gauge(p + "mismatch_kl_bound", "The config's trainer.mismatch_kl_warn (0: none).", registry=r)
         self.tokens_per_s = Gauge(p + "tokens_per_second", "Last step's tokens trained per second of step time.",
                                   registry=r)
