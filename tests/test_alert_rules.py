@@ -74,4 +74,5 @@ def test_the_cases_catch_a_broken_rule(tmp_path, replacement):
         doc["groups"][0]["rules"][index]["expr"] = replacement
         (tmp_path / RULES.name).write_text(yaml.safe_dump(doc))
         result = promtool_test(tmp_path)
-        assert result.returncode != 0 and f"alertname: {rule['alert']}," in result.stdout + result.stderr, (rule["alert"], result.stderr)
+        caught = result.returncode != 0 and f"alertname: {rule['alert']}," in result.stdout + result.stderr
+        assert caught, (rule["alert"], result.stdout, result.stderr)

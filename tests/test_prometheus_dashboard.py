@@ -81,4 +81,5 @@ def test_every_query_names_exported_metrics_of_the_chosen_run():
         named = names_in(expr)
         assert named and named <= exported, (expr, named - exported)
         # Every selector is narrowed to the runs picked on the page.
-        assert len(re.findall(r'run=~"\$run"', expr)) == len(re.findall(r"(?:asyncrl_\w+|vllm:[\w:]+|up)\{", expr)), expr
+        selectors = re.findall(r"(?:asyncrl_\w+|vllm:[\w:]+|up)\{", expr)
+        assert len(re.findall(r'run=~"\$run"', expr)) == len(selectors), expr

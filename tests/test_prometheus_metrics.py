@@ -130,8 +130,8 @@ def test_mfu_only_where_the_peak_is_known(monkeypatch):
     from trainer.metrics import peak_flops
 
     cuda = torch.device("cuda", 0)
-    for name, peak in (("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA A100-SXM4-80GB", 312e12),
-                       ("NVIDIA GeForce RTX 4090", None)):
+    for name, peak in (("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
+                       ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA GeForce RTX 4090", None)):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
         assert peak_flops(cuda, "bfloat16") == peak, name
     assert peak_flops(cuda, "float32") is None
@@ -169,7 +169,8 @@ def test_weight_updates_counted_by_kind_and_refusal(tmp_path):
     assert count("weight_updates_total", kind="broadcast") == before["broadcast"] + 1
     assert count("weight_updates_total", kind="full") == before["full"] + 1
     assert count("reload_seconds_count") == reloads + 4
-    refused, failed = count("weight_updates_refused_total", code="409"), count("weight_updates_failed_total", code="504")
+    refused = count("weight_updates_refused_total", code="409")
+    failed = count("weight_updates_failed_total", code="504")
     for code in (409, 504):
         with pytest.raises(HTTPException):
             asyncio.run(m.timed_update(lambda code=code: refuse(code), delta))
@@ -225,8 +226,8 @@ def test_a_taken_metrics_port_stops_the_start(tmp_path, program):
         port = held.getsockname()[1]
         # The trainer's local rank 1 takes metrics_port + 1.
         asked, env = (port, {}) if program == "orchestrator" else (port - 1, {"LOCAL_RANK": "1"})
-        result = subprocess.run(rl_command(program, "@", str(ROOT / "configs" / "reverse_demo.toml"),
-                                           "--output_dir", str(tmp_path / "run"), f"--{program}.metrics_port", str(asked)),
+        result = subprocess.run(rl_command(program, "@", str(ROOT / "configs" / "reverse_demo.toml"), "--output_dir",
+                                           str(tmp_path / "run"), f"--{program}.metrics_port", str(asked)),
                                 capture_output=True, text=True, timeout=120, env={**os.environ, **env})
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"{program}.metrics_port: cannot listen on 127.0.0.1:{port}" in result.stderr, result.stderr[-2000:]

@@ -68,7 +68,8 @@ def wait_for(what: str, check, procs: dict[str, subprocess.Popen], logs: Path, t
         except httpx.HTTPError:
             pass
         time.sleep(1)
-    raise AssertionError(f"{what} not within {timeout:.0f} s:\n{tail(logs / 'rl-run.log')}\n{tail(logs / 'prometheus.log')}")
+    raise AssertionError(f"{what} not within {timeout:.0f} s:\n{tail(logs / 'rl-run.log')}\n"
+                         f"{tail(logs / 'prometheus.log')}")
 
 
 def tail(path: Path) -> str:

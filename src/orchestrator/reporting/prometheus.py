@@ -69,7 +69,7 @@ TRAINER_WAIT = _counter("trainer_wait_seconds", "Time spent waiting for the trai
 GROUP_WAIT = _counter("group_wait_seconds", "Time spent waiting for enough groups for a batch.")
 HANDOVER = _histogram("handover_seconds", "Time to hand a batch over to the trainer (write or send).")
 WEIGHT_UPDATE = _histogram("weight_update_seconds", "Time to bring every server to a new version.")
-REWARD_SECONDS = _histogram("reward_seconds", "Latency of one group's reward call.")
+REWARD_SECONDS = _histogram("reward_seconds", "Latency of one group's reward call (single-turn datasets).")
 REQUEST_SECONDS = _histogram("request_seconds", "Latency of one inference request (a group's or a turn's).")
 SANDBOX_RUNS = _counter("sandbox_runs", "Model-written programs run in the sandbox, by outcome "
                                         "(ok, error, timeout, cpu, memory, output, killed).", ("outcome",))
