@@ -29,7 +29,7 @@ RULES = ROOT / "deploy" / "prometheus" / "asyncrl_rules.yml"
 # handed over, a step trained, tokens generated (vLLM's own counter).
 ARRIVED = {
     "inference": ("asyncrl_inference_weight_version > 0", "vllm:generation_tokens_total > 0",
-                  "asyncrl_inference_weight_updates_total > 0"),
+                  'asyncrl_inference_weight_updates_total{kind="full"} > 0'),
     "orchestrator": ("asyncrl_orchestrator_step > 0", "asyncrl_orchestrator_servers_in_rotation == 1",
                      "asyncrl_orchestrator_request_seconds_count > 0", "asyncrl_orchestrator_run_dir_free_bytes > 0"),
     "trainer": ("asyncrl_trainer_step > 0", "asyncrl_trainer_loss", "asyncrl_trainer_publish_seconds_count > 0"),
