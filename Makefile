@@ -28,6 +28,11 @@ install: $(VENV)/.installed
 	@command -v bwrap > /dev/null || apt-get install -y -q bubblewrap > /dev/null 2>&1 || \
 		(apt-get update -q > /dev/null 2>&1 && apt-get install -y -q bubblewrap > /dev/null 2>&1) || \
 		echo "bubblewrap not installed (sudo apt-get install bubblewrap): runs that execute model-written code refuse to start without it (docs/tools.md)"
+	@# Prometheus and promtool: the alert rules' tests (promtool test rules) and the real scrape of an rl run
+	@# (tests/test_prometheus_scrape.py); those tests skip where it is missing. docs/observability.md.
+	@command -v promtool > /dev/null || apt-get install -y -q prometheus > /dev/null 2>&1 || \
+		(apt-get update -q > /dev/null 2>&1 && apt-get install -y -q prometheus > /dev/null 2>&1) || \
+		echo "prometheus not installed (sudo apt-get install prometheus): the alert-rule and scrape tests skip"
 
 demo: install
 	rm -rf runs/demo

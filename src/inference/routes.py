@@ -22,11 +22,12 @@ from starlette.middleware import Middleware
 
 from inference.access import WeightRoots, guard
 from inference.adapters import Adapters
+from inference import metrics
 from inference.generation import Generations
 from inference.openai_versions import VersionHeaders
 from inference.reload import ServedWeights
 from rl.config import RunConfig
-from rl.inference_api import ROUTES, Route, resolve_token
+from rl.inference_api import ROUTES, Route, UpdateWeightsRequest, resolve_token
 
 
 def validation_message(errors: list[dict]) -> str:
@@ -78,6 +79,7 @@ class Routes:
     """Our routes and the parts of the server that answer them; the engine arrives with attach."""
 
     def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
         self.token = resolve_token(cfg.inference.api_token)
         self.roots = WeightRoots(cfg)
         # Chosen once: the engine either was started with LoRA or was not (server.vllm_args).
@@ -100,7 +102,7 @@ class Routes:
             "health": self.health,
             "generate": self.generations.generate,
             "abort": self.generations.abort,
-            "update_weights": self.weights.update_weights,
+            "update_weights": self.update_weights,
             "init_broadcaster": self.weights.init_broadcaster,
             "broadcaster": self.weights.broadcaster,
             "load_lora_adapter": self.adapters.load_lora_adapter,
@@ -117,6 +119,10 @@ class Routes:
                                  response_model=route.response or dict, description=route.about)
         return router
 
+    async def update_weights(self, body: UpdateWeightsRequest) -> dict:
+        """ServedWeights.update_weights, timed and counted for Prometheus (inference/metrics.py)."""
+        return await metrics.timed_update(lambda: self.weights.update_weights(body), self.roots.local(body.path))
+
     async def health(self) -> dict:
         self.weights.check_not_overdue()
         await self.engine.check_health()
@@ -126,6 +132,7 @@ class Routes:
 
     def attach(self, app: FastAPI, engine) -> None:
         self.engine = self.generations.engine = self.weights.engine = self.adapters.engine = engine
+        metrics.attach(self.cfg, self.generations)  # beside vLLM's on /metrics
         before = len(app.router.routes)
         app.include_router(self.router())
         # Ours first, so /health answers with the version instead of vLLM's empty 200.

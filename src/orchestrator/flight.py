@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from orchestrator.async_rule import is_fresh, oldest_usable_version
 from orchestrator.group_outcomes import GroupOutcomes
 from orchestrator.prompts import Curriculum, Prompt, PromptQueue, RowError
-from orchestrator.reporting import Counters
+from orchestrator.reporting import Counters, prometheus
 from orchestrator.rollout import Aborted, Group, Rollouts
 from orchestrator.servers import Server, ServerPool, WeightDelivery
 from rl.inference_api import GenerateRequest, GenerateResponse, InferenceError
@@ -81,7 +82,9 @@ class Flight:
             g.requests.add(request.request_id)
             self.pool.begin(g.server)
             try:
+                sent = time.monotonic()
                 response = await g.server.client.generate(request, self.settings.timeouts.request_s)
+                prometheus.REQUEST_SECONDS.observe(time.monotonic() - sent)
                 self.pool.succeeded(g.server)
                 return response
             except InferenceError:

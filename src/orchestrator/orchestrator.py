@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 
 import aiohttp
 
@@ -161,13 +162,15 @@ class Orchestrator:
         # From here on new groups are meant for the next batch (the send below yields to them).
         self.next_step = step + 1
         # The prompts drawn but not in this batch go out again after a resume.
+        sending = time.monotonic()
         batch = await self.hand_over.send(step, groups, self.queue.cursor, self.flight.pending(),
                                           self.curriculum.state() if self.curriculum else None)
+        handover_s = time.monotonic() - sending
         await self.cancel_hopeless()
         await self.notify()
         c = self.flight.take_counters()
         self.reporting.report(batch, groups, c, trainer_wait, group_wait, len(self.in_flight), len(self.finished),
-                              self.curriculum.report() if self.curriculum else {})
+                              self.curriculum.report() if self.curriculum else {}, handover_s)
         if c.skipped_rows:
             log.warning("%d row(s) skipped since the previous batch (first: %s)", c.skipped_rows, c.first_skip)
 

@@ -20,7 +20,7 @@ from orchestrator.sft.data import sft_setup
 from rl.config import ConfigError, RunConfig
 from rl.dataset_config import BUILTIN_REWARDS, Dataset
 from rl.inference_api import kept_set_bound
-from rl.preflight import cores, model_config, output_dir, seq_len_fits, tokenizer_files
+from rl.preflight import cores, metrics_endpoint, model_config, output_dir, seq_len_fits, tokenizer_files
 from rl.rundir import RunDir
 
 
@@ -230,8 +230,8 @@ def _sample(cfg: RunConfig, ds: Dataset, listed: bool) -> list[tuple[object, str
     return rows
 
 
-CHECKS = (cores("orchestrator"), output_dir, model_for_scoring, orchestrator_code, sandbox_isolation,
-          orchestrator_data, kept_sets_fit, trackers, orchestrator_run_state)
+CHECKS = (cores("orchestrator"), metrics_endpoint("orchestrator"), output_dir, model_for_scoring, orchestrator_code,
+          sandbox_isolation, orchestrator_data, kept_sets_fit, trackers, orchestrator_run_state)
 # `rl eval`: its own server's checks (inference/preflight.py SERVING), then these.
 EVAL_CHECKS = (orchestrator_code, sandbox_isolation, eval_data)
 # `rl sft`: its data step's, beside the trainer's own (rl/cli/main.py).

@@ -314,6 +314,14 @@ class TrainerConfig(Section):
     starts one rank per GPU (under torchrun when there are several). Empty under `rl run`: the
     GPUs inference.gpus leaves (rl/gpu_placement.py)."""
 
+    metrics_port: int = Field(0, ge=0, le=65535)
+    """Serve Prometheus metrics: the rank of local rank r on port metrics_port + r of its host
+    (http://metrics_host:<port>/metrics), each writing output_dir/prometheus/trainer-<host>-<port>.json
+    for Prometheus' file_sd (docs/observability.md); 0: off."""
+
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics ports bind (see orchestrator.metrics_host)."""
+
     loss: LossConfig = LossConfig()
     """Policy-gradient loss."""
 

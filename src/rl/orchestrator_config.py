@@ -379,6 +379,15 @@ class OrchestratorConfig(Section):
     cpus: list[NonNegativeInt] = []
     """Cores this program and everything it starts may run on; empty: all (see inference.cpus)."""
 
+    metrics_port: int = Field(0, ge=0, le=65535)
+    """Serve Prometheus metrics at http://metrics_host:metrics_port/metrics and write
+    output_dir/prometheus/orchestrator-<host>-<port>.json for Prometheus' file_sd
+    (docs/observability.md); 0: off."""
+
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics port binds; 0.0.0.0 for a Prometheus on another host (the metrics
+    reveal rewards and timings, nothing that acts on the run)."""
+
     servers: ServersConfig = ServersConfig()
     """The inference servers: where they are, and how long to wait on them
     (`[orchestrator.servers]`)."""

@@ -164,6 +164,18 @@ def bindable(key: str, host: str, port: int) -> None:
                               "choose another port or stop what holds it") from None
 
 
+def metrics_endpoint(program: str) -> Check:
+    """The program's Prometheus port ([<program>] metrics_port; the trainer's local rank r takes
+    port + r), when on."""
+    def check(cfg: RunConfig) -> None:
+        section = getattr(cfg, program)
+        if section.metrics_port:
+            rank = int(os.environ.get("LOCAL_RANK", "0")) if program == "trainer" else 0
+            bindable(f"{program}.metrics_port", section.metrics_host, section.metrics_port + rank)
+
+    return check
+
+
 def cores(program: str) -> Check:
     def check(cfg: RunConfig) -> None:
         placement.check(f"{program}.cpus", getattr(cfg, program).cpus)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from rl.config import ConfigError, RunConfig
 from rl.gpu_placement import ids_check
-from rl.preflight import (bindable, cores, is_rank0, mixture_of_experts, model_config, output_dir, routed_experts,
-                          safetensors_header, seq_len_fits, weight_files)
+from rl.preflight import (bindable, cores, is_rank0, metrics_endpoint, mixture_of_experts, model_config, output_dir,
+                          routed_experts, safetensors_header, seq_len_fits, weight_files)
 from rl.rundir import RunDir
 from rl.transports import receiver_endpoint
 
@@ -124,7 +124,6 @@ def expert_parallel(cfg: RunConfig) -> None:
                           f"trainer.parallel.expert = {world} or start {ep} ranks")
 
 
-CHECKS = (cores("trainer"), ids_check("trainer"), output_dir, model_for_training,
+CHECKS = (cores("trainer"), metrics_endpoint("trainer"), ids_check("trainer"), output_dir, model_for_training,
           mixture_of_experts("trainer.routing_replay"), routing_replay, expert_parallel, trainer_attention,
-          trainer_run_state,
-          trainer_endpoints)
+          trainer_run_state, trainer_endpoints)

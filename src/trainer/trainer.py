@@ -27,6 +27,7 @@ from trainer import checkpoint
 from trainer.compute_dtype import cpu_flags, resolve_dtype, slow_bf16_warning
 from trainer.data import MicroBatch, loss_weights, rank_micro_batches, receive_batch, to_device
 from trainer.loss import STATS, policy_loss
+from trainer.metrics import TrainerMetrics
 from trainer.model import load_model, micro_batch_logprobs
 from trainer.optim import build_optimizer
 from trainer.parallel import init_distributed
@@ -54,6 +55,7 @@ class Trainer:
         # next batch: the collective timeout must outlast both (rank 0 reports its own timeouts).
         self.device = init_distributed(cfg.trainer.batch_timeout_s + cfg.weight_sync.timeout_s + 1800)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.metrics = TrainerMetrics(cfg, self.rank, self.device)  # served with trainer.metrics_port
         torch.manual_seed(cfg.seed)
         if cfg.trainer.torch_threads:
             torch.set_num_threads(cfg.trainer.torch_threads)
@@ -182,6 +184,7 @@ class Trainer:
             "max_staleness": int(step - 1 - batch.versions.min()), **stats,
             **({"run": cfg.run_name} if cfg.run_name else {}),
         }
+        self.metrics.step(record, self.model, self.dtype)
         ckpt_s = 0.0
         every = cfg.trainer.checkpoint_every
         if every and (step % every == 0 or step == cfg.max_steps):

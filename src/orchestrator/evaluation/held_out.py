@@ -28,6 +28,7 @@ import aiohttp
 from orchestrator.evaluation.environments import EnvironmentEval
 from orchestrator.prompts import RowError, Source
 from orchestrator.quiet_warning import Quiet
+from orchestrator.reporting import prometheus
 from orchestrator.rewards import combine, configured_sources
 from orchestrator.rollout.groups import Rollouts
 from rl.config import RunConfig
@@ -186,6 +187,7 @@ class EvaluationRunner:
             return
         record["version_end"] = server.version  # a long evaluation may see the next version land
         self.run_dir.append_metrics(record)
+        prometheus.evaluated(record)
         scores = ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in record.items()
                            if k.startswith("eval/") and not k.endswith("/rows"))
         log.info("eval of version %d (step %d): %s (%.1f s)", version, step, scores, record["eval_s"])

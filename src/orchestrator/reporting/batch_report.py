@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from orchestrator.reporting import prometheus
 from orchestrator.reporting.tracking import Tracker
 from rl.batch import Batch
 from rl.config import RunConfig
@@ -53,12 +54,13 @@ class Reporting:
         self.per_dataset = per_dataset  # several datasets: each one's mean reward too
         t = cfg.tracking
         self.tracker = Tracker(cfg) if t.wandb or t.tensorboard else None
+        prometheus.start(cfg, lambda: len(pool.servers), lambda: len(pool.in_rotation))  # with metrics_port
 
     def report(self, batch: Batch, groups: list[Group], c: Counters, trainer_wait: float, group_wait: float,
-               in_flight: int, buffered: int, extra: dict | None = None) -> None:
+               in_flight: int, buffered: int, extra: dict | None = None, handover_s: float = 0.0) -> None:
         """`c`: the counters since the previous batch; `in_flight`, `buffered`: groups
         generating, and finished but not in a batch yet; `extra`: more of the step's metrics
-        (the curriculum's)."""
+        (the curriculum's); `handover_s`: how long the batch took to hand over."""
         elapsed = max(time.monotonic() - c.started, 1e-9)
         step = batch.step
         servers = max(len(self.pool.in_rotation), 1)
@@ -66,7 +68,8 @@ class Reporting:
             **batch_record(batch),
             "tokens_per_s": c.model_tokens / elapsed,
             "wait_s": trainer_wait + group_wait, "trainer_wait_frac": trainer_wait / elapsed,
-            "group_wait_s": group_wait, "inference_idle_frac": self.pool.take_idle_s() / (elapsed * servers),
+            "group_wait_s": group_wait, "handover_s": handover_s,
+            "inference_idle_frac": self.pool.take_idle_s() / (elapsed * servers),
             "cancelled": c.cancelled, "failed": c.failed, "failed_requests": c.failed_requests,
             "filtered": c.filtered, "dropped_stale": c.dropped_stale, "requeued": c.requeued,
             "in_flight": in_flight, "buffered": buffered,
@@ -81,6 +84,7 @@ class Reporting:
             **(extra or {}),
         }
         self.run_dir.append_metrics(record)
+        prometheus.batch_reported(record, c.model_tokens, handover_s)
         log.info("batch %d reward %.3f staleness %.2f (max %d) %.0f tok/s | waited trainer %.2fs groups %.2fs "
                  "| in-flight %d idle %.0f%% | cancelled %d failed %d filtered %d stale %d truncated %d",
                  step, record["reward_mean"], record["staleness_mean"], record["staleness_max"],

@@ -69,7 +69,12 @@ from orchestrator.rollout.sandbox_limits import Limits, confine
 from orchestrator.rollout.sandbox_supervise import namespace_gone, outcome_of, supervise
 from orchestrator.rollout.sandbox_users import SLOTS, free_slot
 
-__all__ = ["SLOTS", "Limits", "RunResult", "Sandbox"]
+__all__ = ["SLOTS", "Limits", "RunResult", "Sandbox", "OUTCOME_LISTENERS"]
+
+# Who hears each run's outcome: the orchestrator's Prometheus counter (orchestrator/main.py adds
+# it). A list rather than an import, so that the sandbox's modules import nothing of the
+# orchestrator and run alone: tests/test_sandbox_hostile.py runs a copy of them as nobody.
+OUTCOME_LISTENERS: list = []
 
 
 @dataclass
@@ -181,5 +186,8 @@ class Sandbox:
         if isolated and code_ is not None and 128 < code_ < 160:
             code_ = -(code_ - 128)  # bwrap's report of a program killed by that signal
         oom = group is not None and group.oom_killed()
-        return RunResult(stdout, stderr, code_, outcome_of(code_, stderr, timed_out, flooded, oom), isolated, truncated,
+        outcome = outcome_of(code_, stderr, timed_out, flooded, oom)
+        for hear in OUTCOME_LISTENERS:
+            hear(outcome)
+        return RunResult(stdout, stderr, code_, outcome, isolated, truncated,
                          group.peak_mb() if group is not None else None)

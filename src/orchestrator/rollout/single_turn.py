@@ -3,10 +3,12 @@ request of group_size completions, each scored by the dataset's reward (orchestr
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 from orchestrator.prompts.dataset_mix import Renderer, Source, mix
 from orchestrator.prompts.queue import Prompt
+from orchestrator.reporting import prometheus
 from orchestrator.rewards.reward import combine
 from orchestrator.rollout.kind import Aborted, Generate, RolloutKind, Toolkit, Trajectory
 from rl.config import RunConfig
@@ -40,8 +42,10 @@ class SingleTurn(RolloutKind):
         if any(s.finish_reason == "abort" for s in response.samples):
             raise Aborted(gid)
         completions = self.toolkit.decode_all([s.token_ids for s in response.samples])
+        scoring = time.monotonic()
         scores = (await source.reward.score(text, completions, prompt.row) if source.reward
                   else [0.0] * len(completions))
+        prometheus.REWARD_SECONDS.observe(time.monotonic() - scoring)
         out = []
         for s, score in zip(response.samples, scores):
             if score is None:
