@@ -84,8 +84,18 @@ os._exit(rc if rc >= 0 else 128 - rc)
 '''
 
 SCONTROL = """#!/bin/sh
-[ "$1 $2" = "show hostnames" ] || { echo "fake scontrol: $*" >&2; exit 1; }
-for n in $FAKE_NODES; do echo "$n"; done
+case "$1 $2 $3" in
+  "show hostnames "*) for n in $FAKE_NODES; do echo "$n"; done ;;
+  "show node -o") for n in $FAKE_NODES; do echo "NodeName=$n Arch=x86_64 NodeAddr=$n NodeHostName=$n"; done ;;
+  *) echo "fake scontrol: $*" >&2; exit 1 ;;
+esac
+"""
+
+# The job stops its steps with `scancel --signal=TERM <job id>`: SIGTERM to every step's program.
+SCANCEL = """#!/bin/sh
+[ "$1" = "--signal=TERM" ] && [ "$2" = "$SLURM_JOB_ID" ] || { echo "fake scancel: $*" >&2; exit 1; }
+for g in $(cat "$FAKE_SRUN_LOG.pgids" 2>/dev/null); do kill -TERM "-$g" 2>/dev/null; done
+exit 0
 """
 
 
@@ -96,6 +106,7 @@ def cluster(tmp_path):
     bin_dir.mkdir()
     (bin_dir / "srun").write_text(SRUN.format(python=sys.executable))
     (bin_dir / "scontrol").write_text(SCONTROL)
+    (bin_dir / "scancel").write_text(SCANCEL)
     for shim in bin_dir.iterdir():
         shim.chmod(0o755)
     submit = tmp_path / "submit"
