@@ -143,10 +143,11 @@ class SlurmCluster:
         return dict(f.split("=", 1) for f in out.stdout.split() if "=" in f) if out.returncode == 0 else {}
 
     def steps(self, job_id: str) -> dict[str, list[str]]:
-        """The job's running steps: step name -> [step id, nodes]."""
+        """The job's running steps but its batch script: step name -> [step id, nodes]."""
         out = self.run("squeue", "-h", "-s", "-j", job_id, "-o", "%i %j %N", check=False)
         return {name: [sid, nodes] for sid, name, nodes in
-                (line.split() for line in out.stdout.splitlines() if len(line.split()) == 3)}
+                (line.split() for line in out.stdout.splitlines() if len(line.split()) == 3)
+                if not sid.endswith(".batch")}
 
     def wait_state(self, job_id: str, states: set[str], timeout_s: float) -> str:
         deadline = time.monotonic() + timeout_s

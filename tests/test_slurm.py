@@ -192,7 +192,7 @@ def test_script_has_the_sbatch_lines_and_is_valid_bash(write_toml, tmp_path):
     script = out.stdout
     sbatch = re.findall(r"^#SBATCH (.*)$", script, re.M)
     assert sbatch == ["--job-name=rev", "--nodes=4", "--ntasks-per-node=1", "--time=2:00:00",
-                      "--output=%x-%j.out", "--partition=gpu", "--account=rl", "--gpus-per-node=4",
+                      "--output=%x-%j.out", "--open-mode=append", "--partition=gpu", "--account=rl", "--gpus-per-node=4",
                       "--exclusive", "--mem=0"]
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
     assert "do-not-embed-me" not in script

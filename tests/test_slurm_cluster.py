@@ -143,11 +143,15 @@ def test_job_trains_across_nodes_and_a_requeued_job_resumes_exactly(cluster, wri
     first = records(run, "trainer")
     assert len(first) < max_steps, "the run ended before its server was killed"
     cluster.run("scontrol", "requeue", job)
+    # SLURM holds a requeued job back (BeginTime, ~2 min in 22.05): released at once here.
+    cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
     cluster.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, RUN_TIMEOUT_S + 120)
     out = job_output(tmp_path, run, job)
     info = cluster.job(job)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", out
     assert info["Restarts"] == "1", info
+    # Both attempts' messages are in the job's output file (appended, not truncated by the requeue).
+    assert f"step {server} exited with code 137 before the run ended" in out, out
     assert "requeued (restart 1): the trainer resumes" in out
     # Every step's records once: nothing lost, nothing repeated across the two attempts.
     assert records(run, "trainer") == list(range(1, max_steps + 1)), out
