@@ -41,8 +41,9 @@ class SlurmCluster:
     """`nodes` slurmd daemons n1..nN, one partition; `env` is what sbatch/srun/squeue need."""
 
     def __init__(self, root: Path, nodes: int, cpus: int = 2, memory_mb: int = 4096,
-                 kill_wait_s: int = 10):
+                 kill_wait_s: int = 10, cred_expire_s: int = 30):
         self.root, self.cpus, self.memory_mb, self.kill_wait_s = root, cpus, memory_mb, kill_wait_s
+        self.cred_expire_s = cred_expire_s
         self.name = f"asyncrl{os.getpid() % 100000}x{time.monotonic_ns() % 100000}"
         self.nodes = [f"n{i + 1}" for i in range(nodes)]
         self.addrs = {n: f"127.0.0.{21 + i}" for i, n in enumerate(self.nodes)}
@@ -95,7 +96,10 @@ class SlurmCluster:
             f"SlurmctldHost={socket.gethostname()}(127.0.0.1)",
             f"SlurmctldPort={free_port()}",
             "SlurmUser=root", "SlurmdUser=root",
-            "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={self.socket}",
+            # cred_expire (120 s by default) is also how long SLURM holds a requeued job back:
+            # until then slurmd refuses its new credential ("Job credential revoked").
+            "AuthType=auth/munge", "CredType=cred/munge",
+            f"AuthInfo=socket={self.socket},cred_expire={self.cred_expire_s}",
             f"StateSaveLocation={r / 'state'}", f"SlurmdSpoolDir={r / 'spool'}/%n",
             f"SlurmctldPidFile={r / 'slurmctld.pid'}", f"SlurmdPidFile={r / 'slurmd-%n.pid'}",
             f"SlurmctldLogFile={r / 'slurmctld.log'}", f"SlurmdLogFile={r / 'slurmd-%n.log'}",

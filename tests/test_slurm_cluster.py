@@ -48,7 +48,7 @@ def cluster(tmp_path_factory):
 def config(write_toml, run: Path, max_steps: int) -> tuple[Path, str]:
     """The config, and the name of its server's step on n1."""
     port = free_port()
-    return write_toml(
+    return (write_toml(
         f'model = "{TINY_MODEL}"\noutput_dir = "{run}"\nmax_steps = {max_steps}\nseq_len = 64\n'
         f'[inference]\nport = {port}\ndtype = "float32"\n'
         f'[transport]\nkind = "zmq"\naddress = "tcp://127.0.0.1:{free_port()}"\n'
@@ -56,7 +56,8 @@ def config(write_toml, run: Path, max_steps: int) -> tuple[Path, str]:
         "[orchestrator.sampling]\nmax_tokens = 12\n"
         "[trainer]\ntorch_threads = 1\ncheckpoint_every = 2\n"
         "[slurm]\ninference_nodes = 1\ntrainer_nodes = 2\ngpus_per_node = 0\njob_name = \"rl-test\"\n"
-        f'rendezvous_port = {free_port()}\ntime_limit = "30:00"\n'), f"inference-n1-{port}"
+        f'rendezvous_port = {free_port()}\ntime_limit = "30:00"\nsetup = ["touch setup-ran"]\n'),
+            f"inference-n1-{port}")
 
 
 def submit(cluster: SlurmCluster, cfg: Path, submit_dir: Path) -> str:
@@ -143,13 +144,14 @@ def test_job_trains_across_nodes_and_a_requeued_job_resumes_exactly(cluster, wri
     first = records(run, "trainer")
     assert len(first) < max_steps, "the run ended before its server was killed"
     cluster.run("scontrol", "requeue", job)
-    # SLURM holds a requeued job back (BeginTime, ~2 min in 22.05): released at once here.
-    cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
-    cluster.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, RUN_TIMEOUT_S + 120)
+    # SLURM holds a requeued job back for the credentials' lifetime (cred_expire).
+    cluster.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"},
+                       RUN_TIMEOUT_S + 2 * cluster.cred_expire_s + 60)
     out = job_output(tmp_path, run, job)
     info = cluster.job(job)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", out
     assert info["Restarts"] == "1", info
+    assert (tmp_path / "setup-ran").exists()  # slurm.setup ran, in the submit directory
     # Both attempts' messages are in the job's output file (appended, not truncated by the requeue).
     assert f"step {server} exited with code 137 before the run ended" in out, out
     assert "requeued (restart 1): the trainer resumes" in out
