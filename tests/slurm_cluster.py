@@ -175,6 +175,14 @@ class SlurmCluster:
                 continue
         return pids
 
+    def job_processes_after(self, wait_s: float) -> list[int]:
+        """job_processes() once none is left, or after wait_s (SLURM reaps a step's processes
+        asynchronously, up to KillWait after its end)."""
+        deadline = time.monotonic() + wait_s
+        while (pids := self.job_processes()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return pids
+
     def log(self, name: str) -> str:
         path = self.root / f"{name}.log"
         return path.read_text(errors="replace") if path.exists() else ""
