@@ -24,6 +24,8 @@ $(VENV)/.installed: pyproject.toml
 
 # bubblewrap isolates model-written code (src/orchestrator/rollout/sandbox.py). Not fatal where it cannot be
 # installed (not root, not Debian/Ubuntu): a run that executes such code then says how at start-up.
+# slurm-wlm (slurmctld, slurmd, sbatch/srun, munge): tests/test_slurm_cluster.py starts a SLURM
+# cluster of its own with it (docs/slurm.md); skipped where it cannot be installed.
 install: $(VENV)/.installed
 	@command -v bwrap > /dev/null || apt-get install -y -q bubblewrap > /dev/null 2>&1 || \
 		(apt-get update -q > /dev/null 2>&1 && apt-get install -y -q bubblewrap > /dev/null 2>&1) || \
@@ -33,6 +35,9 @@ install: $(VENV)/.installed
 	@command -v promtool > /dev/null || apt-get install -y -q prometheus > /dev/null 2>&1 || \
 		(apt-get update -q > /dev/null 2>&1 && apt-get install -y -q prometheus > /dev/null 2>&1) || \
 		echo "prometheus not installed (sudo apt-get install prometheus): the alert-rule and scrape tests skip"
+	@(command -v slurmctld || test -x /usr/sbin/slurmctld) > /dev/null || apt-get install -y -q slurm-wlm > /dev/null 2>&1 || \
+		(apt-get update -q > /dev/null 2>&1 && apt-get install -y -q slurm-wlm > /dev/null 2>&1) || \
+		echo "slurm-wlm not installed (sudo apt-get install slurm-wlm): tests/test_slurm_cluster.py is skipped (docs/slurm.md)"
 
 demo: install
 	rm -rf runs/demo

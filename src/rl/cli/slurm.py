@@ -105,8 +105,9 @@ def _sbatch_lines(cfg: RunConfig) -> list[str]:
     s = cfg.slurm
     lines = [f"--job-name={s.job_name}", f"--nodes={s.inference_nodes + s.trainer_nodes}",
              "--ntasks-per-node=1", f"--time={s.time_limit}",
-             # The run directory is only known to the job; this file gets the job's own messages.
-             "--output=%x-%j.out"]
+             # The run directory is only known to the job; this file gets the job's own messages,
+             # appended: a requeued job (same id) would otherwise truncate why the last try failed.
+             "--output=%x-%j.out", "--open-mode=append"]
     if s.partition:
         lines.append(f"--partition={s.partition}")
     if s.account:
