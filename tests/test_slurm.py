@@ -326,3 +326,16 @@ def test_configs_that_cannot_work_on_a_cluster_are_refused(write_toml, tmp_path,
     out = render(big_config(write_toml, tmp_path / "run"), *extra)
     assert out.returncode == 2
     assert len(out.stderr.strip().splitlines()) == 1 and message in out.stderr, out.stderr
+
+
+def test_submit_without_sbatch_is_a_one_line_error(write_toml, tmp_path):
+    """`rl slurm --submit` where no sbatch is on PATH: one line naming --submit, exit 2, nothing
+    printed as a script (the real submission: tests/test_slurm_cluster.py)."""
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    env = {**os.environ, "PATH": str(bare)}
+    out = subprocess.run(rl_command("slurm", "@", str(big_config(write_toml, tmp_path / "run")), "--submit"),
+                         capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert out.stdout == ""
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "--submit: sbatch is not on PATH" in out.stderr

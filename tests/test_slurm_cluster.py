@@ -61,13 +61,15 @@ def config(write_toml, run: Path, max_steps: int) -> tuple[Path, str]:
 
 
 def submit(cluster: SlurmCluster, cfg: Path, submit_dir: Path) -> str:
-    out = subprocess.run(rl_command("slurm", "@", str(cfg)), capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    script = submit_dir / "job.sbatch"
-    script.write_text(out.stdout)
+    """`rl slurm --submit` from submit_dir: the real sbatch takes the job (its output lands there)."""
     # The steps run `python`: the job's PATH (sbatch passes the environment on) has this venv first.
-    env = {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    return cluster.run("sbatch", "--parsable", str(script), cwd=submit_dir, env=env).stdout.strip().split(";")[0]
+    env = {**cluster.env, "PATH": f"{Path(sys.executable).parent}:{cluster.env.get('PATH', os.environ['PATH'])}"}
+    out = subprocess.run(rl_command("slurm", "@", str(cfg), "--submit"), capture_output=True, text=True,
+                         timeout=180, cwd=submit_dir, env=env)
+    assert out.returncode == 0, out.stderr
+    job = out.stdout.strip()
+    assert job.isdigit() and f"submitted job {job}" in out.stderr, (out.stdout, out.stderr)
+    return job
 
 
 def watch_steps(cluster: SlurmCluster, job: str, names: set[str], timeout_s: float) -> dict[str, list[str]]:

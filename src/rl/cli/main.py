@@ -256,18 +256,28 @@ def run(ctx: typer.Context) -> None:
 
 @app.command(cls=ProgramCommand, context_settings=_ARGS)
 def slurm(ctx: typer.Context) -> None:
-    """Print an sbatch script that runs this config on a SLURM cluster (see docs/slurm.md)."""
-    cfg = resolve(ctx.args, "slurm")
-    from rl.cli.slurm import SlurmError, render
+    """Print an sbatch script that runs this config on a SLURM cluster (see docs/slurm.md); with
+    --submit, hand it to sbatch instead (the job starts in the current directory) and print its id."""
+    argv = list(ctx.args)
+    submitting = "--submit" in argv
+    if submitting:
+        argv.remove("--submit")
+    cfg = resolve(argv, "slurm")
+    from rl.cli.slurm import SlurmError, render, submit
 
     try:
         script, notes = render(cfg)
+        job = submit(script) if submitting else None
     except SlurmError as e:
         typer.echo(f"rl slurm: {e}", err=True)
         raise typer.Exit(2) from None
     for note in notes:
         typer.echo(f"rl slurm: {note}", err=True)
-    typer.echo(script, nl=False)
+    if job is None:
+        typer.echo(script, nl=False)
+    else:
+        typer.echo(f"rl slurm: submitted job {job} (squeue -j {job}; its output: *-{job}.out here)", err=True)
+        typer.echo(job)
 
 
 @app.command("eval", cls=ProgramCommand, context_settings=_ARGS)

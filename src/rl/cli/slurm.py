@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ipaddress
 import shlex
+import shutil
+import subprocess
 from importlib import resources
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -174,3 +176,21 @@ def render(cfg: RunConfig) -> tuple[str, list[str]]:
                  f"server(s) each), {s.trainer_nodes} for the trainer ({values['nproc_per_node']} "
                  "rank(s) each) and the orchestrator; submit with: sbatch <this script>")
     return script, notes
+
+
+def submit(script: str) -> str:
+    """Hands the job to the real sbatch (`rl slurm --submit`) and returns its id. The script goes
+    on stdin, so the job starts in the current directory and writes its output there, as
+    `sbatch job.sbatch` from here would; SLURM_CONF and the rest of the environment pass on."""
+    sbatch = shutil.which("sbatch")
+    if sbatch is None:
+        raise SlurmError("--submit: sbatch is not on PATH (run it on a login node of the cluster, or leave "
+                         "--submit out and hand the printed script to sbatch yourself)")
+    try:
+        done = subprocess.run([sbatch, "--parsable"], input=script, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        raise SlurmError("--submit: sbatch did not answer within 120 s (is slurmctld up? `sinfo` says)") from None
+    if done.returncode != 0:
+        why = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        raise SlurmError(f"--submit: sbatch refused the job: {why}")
+    return done.stdout.strip().split(";")[0]  # --parsable: "id" or "id;cluster"
