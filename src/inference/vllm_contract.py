@@ -296,7 +296,8 @@ USES: tuple[Use, ...] = (
     *_flags("--ssl-certfile", (f"{SERVER}:announce_when_ready",), "https or http for the readiness probe"),
     # --- the engine client's calls (reload.py, generation.py, adapters.py, routes.py) --------
     Use(ENGINE, "AsyncLLM.collective_rpc", CLASS_ATTR, "both",
-        (f"{ALL_WORKERS}:every_worker", f"{GEN}:Generations.attach_routing", f"{ROUTES}:Routes.start_recording_routing"),
+        (f"{ALL_WORKERS}:every_worker", f"{GEN}:Generations.attach_routing",
+         f"{ROUTES}:Routes.start_recording_routing"),
         "runs the worker extension's methods on every worker", ("timeout", "args")),
     Use(CORE_CLIENT, "AsyncMPClient.call_utility_all_async", CLASS_ATTR, "both", (f"{ALL_WORKERS}:every_worker",),
         "each engine's answers to a utility call: every data-parallel rank's workers, where collective_rpc "
@@ -311,8 +312,10 @@ USES: tuple[Use, ...] = (
     Use("vllm.config.parallel", "ParallelConfig.world_size", INSTANCE_ATTR, "both",
         (f"{RELOAD}:ServedWeights.workers",),
         "workers of the engine (tensor x pipeline parallel), each one broadcast rank"),
-    Use(ENGINE, "AsyncLLM.engine_core", INSTANCE_ATTR, "both", (f"{RELOAD}:ServedWeights.pause", f"{ALL_WORKERS}:every_worker"),
-        "the engine core client, paused directly (pause_generation sleeps 20 ms more), asked for every engine's answers"),
+    Use(ENGINE, "AsyncLLM.engine_core", INSTANCE_ATTR, "both",
+        (f"{RELOAD}:ServedWeights.pause", f"{ALL_WORKERS}:every_worker"),
+        "the engine core client, paused directly (pause_generation sleeps 20 ms more), asked for every "
+        "engine's answers"),
     Use(CORE_CLIENT, "AsyncMPClient.pause_scheduler_async", CLASS_ATTR, "both", (f"{RELOAD}:ServedWeights.pause",),
         "stops the scheduler between two steps for a reload", ("mode", "clear_cache")),
     Use(ENGINE, "AsyncLLM.pause_generation", CLASS_ATTR, "both", (f"{RELOAD}:ServedWeights.pause",),
@@ -468,7 +471,8 @@ USES: tuple[Use, ...] = (
         (f"{EXT}:WeightReloadExtension._asyncrl_tied_lm_head",),
         "a causal LM's output layer (Qwen2's, as every model the project serves), tied or not"),
     Use("vllm.model_executor.layers.vocab_parallel_embedding", "Module.quant_method", ASSIGNED_ATTR, "both",
-        (f"{EXT}:WeightReloadExtension._asyncrl_tied_lm_head",), "the lm_head's method, whose packing a tied one needs"),
+        (f"{EXT}:WeightReloadExtension._asyncrl_tied_lm_head",),
+        "the lm_head's method, whose packing a tied one needs"),
     Use("transformers.models.qwen2.configuration_qwen2", "PretrainedConfig.tie_word_embeddings", ASSIGNED_ATTR, "both",
         (f"{EXT}:WeightReloadExtension._asyncrl_tied_lm_head",),
         "transformers' own: whether the text model ties its lm_head (vLLM's hf_text_config is that config)"),
