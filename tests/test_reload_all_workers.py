@@ -15,7 +15,8 @@ tested on a real server in test_weight_delta.py and test_weight_delta_broadcast.
 - A data-parallel server: engine 1's refusal is seen (vLLM's DP client answers collective_rpc
   with engine 0's workers only).
 - A full broadcast version whose tensors do not match its digest is refused before any worker
-  loads it, the sender is told, one line says so; the next good version loads.
+  loads it, the sender is told, one line says so; the next good version loads. A broadcast delta
+  one worker refuses loads on no worker either.
 """
 
 from __future__ import annotations
@@ -250,6 +251,41 @@ def test_a_full_broadcast_version_not_matching_its_digest_is_refused_on_every_wo
         assert "sender" not in box, box
         assert [w.loaded for w in workers] == [[wd.checksum(good)]] * 2
         assert [w._asyncrl_held()[1:] for w in workers] == [[2, wd.checksum(good)]] * 2
+        # A delta by broadcast that worker 1 refuses (its base differs in memory): worker 0 does
+        # not load it either, and puts its base's own values back.
+        new = {k: v for k, v in step_tensors(2).items() if k != "lm_head.weight"}
+        own = workers[1]._asyncrl_base.tensors[EMBED][0, 0].item()
+        workers[1]._asyncrl_base.tensors[EMBED][0, 0] += 1.0
+        directory, manifest, changes = broadcast_delta(run, 3, good, new)
+        sender = threading.Thread(target=send, args=(manifest, changes))
+        sender.start()
+        detail = refused(weights, directory, 3)
+        sender.join(60)
+        assert [w.loaded for w in workers] == [[wd.checksum(good)]] * 2
+        assert "has checksum" in detail and "worker 1; 1 of 2 workers refused, none loaded it" in detail, detail
+        assert "failed to load on rank 1" in box.pop("sender")
+        assert wd.checksum(workers[0]._asyncrl_base.tensors) == wd.checksum(good)
+        workers[1]._asyncrl_base.tensors[EMBED][0, 0] = own
+        directory, manifest, changes = broadcast_delta(run, 4, good, new)
+        sender = threading.Thread(target=send, args=(manifest, changes))
+        sender.start()
+        update(weights, directory, 4)
+        sender.join(60)
+        assert "sender" not in box, box
+        assert [w.loaded[-1] for w in workers] == [wd.checksum(new)] * 2
     finally:
         group.close()
     assert (run.weights_dir(2) / STABLE).exists()
+
+
+def broadcast_delta(run: RunDir, version: int, base: dict, new: dict) -> tuple[Path, bc.Manifest, dict]:
+    """weights/step_<version> as the BroadcastPublisher writes a delta against version 2 (`base`)."""
+    directory = run.weights_dir(version)
+    directory.mkdir(parents=True)
+    entries, changes = wd.encode(base, new)
+    delta = wd.Manifest("run", version, 2, wd.checksum(base), wd.checksum(new), entries)
+    (directory / wd.MANIFEST).write_bytes(delta.to_json())
+    manifest = bc.make_manifest(version, changes, 1 << 20)
+    (directory / bc.MANIFEST).write_bytes(manifest.to_json())
+    mark_stable(directory)
+    return directory, manifest, changes
