@@ -41,7 +41,7 @@ from rl import broadcast as bc
 from rl import weight_delta as wd
 from rl.config import RunConfig
 from rl.inference_api import InitBroadcasterRequest, UpdateWeightsRequest
-from rl.rundir import STABLE, RunDir, mark_stable
+from rl.rundir import RunDir, mark_stable
 from test_weight_delta import EMBED, publisher, step_tensors
 
 
@@ -210,72 +210,92 @@ def broadcast_version(run: RunDir, version: int, tensors: dict, checksum: str) -
     return directory, manifest
 
 
+class Broadcast:
+    """Two stand-in workers joined to a real gloo broadcast group (ranks 1 and 2) through the
+    server's /init_broadcaster, and the trainer's side of it (rank 0) in this process."""
+
+    def __init__(self, tmp_path):
+        self.run = RunDir(tmp_path / "run")
+        self.run.make()
+        address = f"127.0.0.1:{free_port()}"
+        self.workers = [Worker(0), Worker(1)]
+        self.weights = served(self.run, Engine(self.workers), kind="broadcast", address=address, timeout_s=60)
+        box: dict = {}
+        host = threading.Thread(target=lambda: box.update(group=bc.host_group(address, 60, "cpu")))
+        host.start()
+        joined = asyncio.run(self.weights.init_broadcaster(InitBroadcasterRequest(address=address, rank_offset=1,
+                                                                                  world_size=3)))
+        host.join(60)
+        assert joined["ranks"] == [1, 2]
+        self.group = box["group"]
+
+    def update(self, directory: Path, version: int, manifest: bc.Manifest, tensors: dict) -> tuple[str, str]:
+        """Send `tensors` while the server updates to `version`: the refusal's detail ("" when it
+        loaded) and the sender's error ("" when every receiver loaded it)."""
+        box: dict = {}
+
+        def send():
+            try:
+                bc.send_version(self.group, manifest, tensors)
+            except bc.BroadcastError as e:
+                box["sender"] = str(e)
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        try:
+            update(self.weights, directory, version)
+            detail = ""
+        except HTTPException as e:
+            assert e.status_code == 409, e.detail
+            detail = e.detail
+            assert "\n" not in detail
+        sender.join(60)
+        return detail, box.get("sender", "")
+
+
 def test_a_full_broadcast_version_not_matching_its_digest_is_refused_on_every_worker(tmp_path):
-    run = RunDir(tmp_path / "run")
-    run.make()
-    address = f"127.0.0.1:{free_port()}"
-    workers = [Worker(0), Worker(1)]
-    weights = served(run, Engine(workers), kind="broadcast", address=address, timeout_s=60)
-    box: dict = {}
-    host = threading.Thread(target=lambda: box.update(group=bc.host_group(address, 60, "cpu")))
-    host.start()
-    joined = asyncio.run(weights.init_broadcaster(InitBroadcasterRequest(address=address, rank_offset=1,
-                                                                         world_size=3)))
-    host.join(60)
-    assert joined["ranks"] == [1, 2]
-    group = box["group"]
+    b = Broadcast(tmp_path)
     good = {k: v for k, v in step_tensors(1).items() if k != "lm_head.weight"}
     damaged = {k: v.clone() for k, v in good.items()}
     damaged[EMBED][0, 0] += 1.0  # what arrives is not what the digest names
-
-    def send(manifest, tensors):
-        try:
-            bc.send_version(group, manifest, tensors)
-        except bc.BroadcastError as e:
-            box["sender"] = str(e)
-
     try:
-        directory, manifest = broadcast_version(run, 1, damaged, wd.checksum(good))
-        sender = threading.Thread(target=send, args=(manifest, damaged))
-        sender.start()
-        detail = refused(weights, directory, 1)
-        sender.join(60)
+        directory, manifest = broadcast_version(b.run, 1, damaged, wd.checksum(good))
+        detail, sender = b.update(directory, 1, manifest, damaged)
+        assert [w.loaded for w in b.workers] == [[], []]
         assert "arrived by broadcast with checksum" in detail and "refused before loading" in detail, detail
         assert "none loaded it" in detail and "still serves version 0" in detail, detail
-        assert "failed to load on rank 1" in box.pop("sender") and [w.loaded for w in workers] == [[], []]
-        directory, manifest = broadcast_version(run, 2, good, wd.checksum(good))
-        sender = threading.Thread(target=send, args=(manifest, good))
-        sender.start()
-        update(weights, directory, 2)
-        sender.join(60)
-        assert "sender" not in box, box
-        assert [w.loaded for w in workers] == [[wd.checksum(good)]] * 2
-        assert [w._asyncrl_held()[1:] for w in workers] == [[2, wd.checksum(good)]] * 2
-        # A delta by broadcast that worker 1 refuses (its base differs in memory): worker 0 does
-        # not load it either, and puts its base's own values back.
-        new = {k: v for k, v in step_tensors(2).items() if k != "lm_head.weight"}
+        assert "failed to load on rank 1" in sender, sender
+        directory, manifest = broadcast_version(b.run, 2, good, wd.checksum(good))
+        assert b.update(directory, 2, manifest, good) == ("", "")
+        assert [w.loaded for w in b.workers] == [[wd.checksum(good)]] * 2
+        assert [w._asyncrl_held()[1:] for w in b.workers] == [[2, wd.checksum(good)]] * 2
+    finally:
+        b.group.close()
+
+
+def test_a_broadcast_delta_one_worker_refuses_loads_on_no_worker(tmp_path):
+    b = Broadcast(tmp_path)
+    good = {k: v for k, v in step_tensors(1).items() if k != "lm_head.weight"}
+    new = {k: v for k, v in step_tensors(2).items() if k != "lm_head.weight"}
+    workers = b.workers
+    try:
+        directory, manifest = broadcast_version(b.run, 2, good, wd.checksum(good))
+        assert b.update(directory, 2, manifest, good) == ("", "")
+        # Worker 1's base differs in memory from the version its digest names.
         own = workers[1]._asyncrl_base.tensors[EMBED][0, 0].item()
         workers[1]._asyncrl_base.tensors[EMBED][0, 0] += 1.0
-        directory, manifest, changes = broadcast_delta(run, 3, good, new)
-        sender = threading.Thread(target=send, args=(manifest, changes))
-        sender.start()
-        detail = refused(weights, directory, 3)
-        sender.join(60)
-        assert [w.loaded for w in workers] == [[wd.checksum(good)]] * 2
+        directory, manifest, changes = broadcast_delta(b.run, 3, good, new)
+        detail, sender = b.update(directory, 3, manifest, changes)
+        assert [w.loaded for w in workers] == [[wd.checksum(good)]] * 2  # worker 0 did not load it
         assert "has checksum" in detail and "worker 1; 1 of 2 workers refused, none loaded it" in detail, detail
-        assert "failed to load on rank 1" in box.pop("sender")
+        assert "failed to load on rank 1" in sender, sender
         assert wd.checksum(workers[0]._asyncrl_base.tensors) == wd.checksum(good)
         workers[1]._asyncrl_base.tensors[EMBED][0, 0] = own
-        directory, manifest, changes = broadcast_delta(run, 4, good, new)
-        sender = threading.Thread(target=send, args=(manifest, changes))
-        sender.start()
-        update(weights, directory, 4)
-        sender.join(60)
-        assert "sender" not in box, box
+        directory, manifest, changes = broadcast_delta(b.run, 4, good, new)
+        assert b.update(directory, 4, manifest, changes) == ("", "")
         assert [w.loaded[-1] for w in workers] == [wd.checksum(new)] * 2
     finally:
-        group.close()
-    assert (run.weights_dir(2) / STABLE).exists()
+        b.group.close()
 
 
 def broadcast_delta(run: RunDir, version: int, base: dict, new: dict) -> tuple[Path, bc.Manifest, dict]:
