@@ -309,3 +309,20 @@ def broadcast_delta(run: RunDir, version: int, base: dict, new: dict) -> tuple[P
     (directory / bc.MANIFEST).write_bytes(manifest.to_json())
     mark_stable(directory)
     return directory, manifest, changes
+
+
+def test_a_round_left_staged_is_dropped_before_the_next_is_staged(tmp_path):
+    """A round the server never finished (it died between stage and commit) leaves a delta
+    patched into the worker's base: the next stage drops it first, then rebuilds, so the commit
+    loads exactly the version (before: the late drop put the base's values back under the new
+    round's rebuilt tensors, and the commit loaded the base's values as the new version)."""
+    run = versions(tmp_path)
+    worker = Worker(0)
+    assert worker.asyncrl_stage_full(str(run.weights_dir(1))) == {}
+    worker.asyncrl_commit()
+    assert worker.asyncrl_stage_delta(str(run.weights_dir(2))) == {}
+    assert worker.asyncrl_stage_delta(str(run.weights_dir(2))) == {}  # the server asks again
+    answer = worker.asyncrl_commit()
+    assert worker.loaded == [checksum_of(run, 1), checksum_of(run, 2)]
+    assert answer["checksum"] == checksum_of(run, 2)
+    assert wd.checksum(worker._asyncrl_base.tensors) == checksum_of(run, 1)  # the base's own values

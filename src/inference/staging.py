@@ -55,10 +55,11 @@ class Staged:
         return {"refused": self.refused} if self.refused else {}
 
 
-def stage(worker, staged: Staged) -> dict:
-    """Hold `staged` on the worker, dropping whatever an earlier round left there."""
+def stage(worker, make: Callable[..., Staged], arg: str) -> dict:
+    """Hold what make(worker, arg) stages on the worker; whatever an earlier round left there is
+    dropped first (a delta's base patched by it would not rebuild the next one)."""
     discard(worker)
-    worker._asyncrl_staged = staged
+    staged = worker._asyncrl_staged = make(worker, arg)
     return staged.answer()
 
 

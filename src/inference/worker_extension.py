@@ -44,7 +44,7 @@ class WeightReloadExtension:
         {"refused": why} (an answer, not an error: vLLM would log a traceback for it)."""
         from inference import staging
 
-        return staging.stage(self, staging.full_files(self, path))
+        return staging.stage(self, staging.full_files, path)
 
     def asyncrl_stage_delta(self, path: str) -> dict:
         """The version the delta at `path` describes, rebuilt from the base (held in memory, or
@@ -53,14 +53,14 @@ class WeightReloadExtension:
         the changed values are read from `path`."""
         from inference import staging
 
-        return staging.stage(self, staging.delta_files(self, path))
+        return staging.stage(self, staging.delta_files, path)
 
     def asyncrl_stage_broadcast(self, manifest_path: str) -> dict:
         """A version arriving by the trainer's broadcast (staging.broadcast says what is received
         and checked before the commit); the sender learns at commit or discard whether it loaded."""
         from inference import staging
 
-        return staging.stage(self, staging.broadcast(self, manifest_path))
+        return staging.stage(self, staging.broadcast, manifest_path)
 
     def asyncrl_commit(self) -> dict:
         """Load the version staged (every worker passed its checks): {"base": the base held,
