@@ -215,3 +215,25 @@ def test_an_rl_run_replays_every_trained_token_and_reports_agreement_per_layer(w
     # 128 x 2^-24 x 10 ~ 1e-4, against logits ~1 apart: ties that close are ~1e-4 of positions. A
     # record filed under the wrong request or position would agree by chance only (1 in 6 pairs).
     assert trainer[0]["routing_agreement"] >= 0.99
+
+
+@pytest.mark.parametrize("parallel", [["--inference.extra_args", '["--data-parallel-size", "2"]'],
+                                      ["--inference.extra_args", '["-dp", "3"]']], ids=["long-flag", "short-flag"])
+def test_recording_with_several_data_parallel_ranks_is_refused_at_start(tmp_path, parallel):
+    """vLLM's data-parallel MoE layers route every rank's tokens together, and its DP client answers
+    collective_rpc with rank 0's workers only (inference/preflight.py routing_into_data_parallel
+    says where in vLLM's source): rows would be lost or wrong, so the server refuses to start, in
+    one line, exit 2, before any engine."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "rl", "inference", "--model", str(MOE_MODEL), "--output_dir",
+                          str(tmp_path / "run"), "--inference.record_routing", "true", *parallel, "--dry-run"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if "inference.record_routing" in line]
+    assert len(lines) == 1 and "data-parallel ranks" in lines[0] and "rank 0's workers only" in lines[0], out.stderr
+    ok = subprocess.run([sys.executable, "-m", "rl", "inference", "--model", str(MOE_MODEL), "--output_dir",
+                         str(tmp_path / "run"), "--inference.record_routing", "true", "--dry-run"],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, (ok.stdout, ok.stderr)

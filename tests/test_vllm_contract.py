@@ -26,8 +26,8 @@ import pytest
 
 from conftest import ROOT
 from inference import vllm_contract as contract
-from inference.vllm_contract import (CLASS_ATTR, CLI, CLI_FLAG, ENV, INSTANCE_ATTR, KINDS, MODEL_RUNNER, MODULE_ATTR,
-                                     RUNNERS, SOURCE_TEXT, USES, WORKER, Receiver, Use)
+from inference.vllm_contract import (ASSIGNED_ATTR, CLASS_ATTR, CLI, CLI_FLAG, ENV, INSTANCE_ATTR, KINDS, MODEL_RUNNER,
+                                     MODULE_ATTR, RUNNERS, SOURCE_TEXT, USES, WORKER, Receiver, Use)
 
 # --- the checker: does one entry hold on the installed vLLM? -----------------------------------
 
@@ -44,6 +44,8 @@ def problem(use: Use) -> str | None:
         if use.kind == SOURCE_TEXT:
             spec = importlib.util.find_spec(use.module)
             return None if use.name in Path(spec.origin).read_text() else f"not in {spec.origin}"
+        if use.kind == ASSIGNED_ATTR:
+            return assigned_problem(use)
         if use.module in (MODEL_RUNNER, WORKER):
             table = contract.RUNNER_CLASSES if use.module == MODEL_RUNNER else contract.WORKER_CLASSES
             found = [f"{spec}: {p}" for spec in table[use.runners] if (p := member_problem(load(spec), use))]
@@ -54,6 +56,22 @@ def problem(use: Use) -> str | None:
         return member_problem(module_attr(use.module, owner), use)
     except Exception as e:  # a module that does not import, a class gone: the entry fails with it
         return f"{type(e).__name__}: {e}"
+
+
+def assigned_problem(use: Use) -> str | None:
+    """An ASSIGNED_ATTR entry: the module's own source assigns `<something>.<attr> = ...`, or one
+    of its classes declares `attr` as a field."""
+    spec = importlib.util.find_spec(use.module)
+    attr = use.name.rpartition(".")[2]
+    for n in ast.walk(ast.parse(Path(spec.origin).read_text())):
+        targets = (n.targets if isinstance(n, ast.Assign)
+                   else [n.target] if isinstance(n, (ast.AugAssign, ast.AnnAssign)) else [])
+        if any(isinstance(t, ast.Attribute) and t.attr == attr for t in targets):
+            return None
+        if isinstance(n, ast.ClassDef) and attr in {t.target.id for t in n.body
+                                                    if isinstance(t, ast.AnnAssign) and isinstance(t.target, ast.Name)}:
+            return None
+    return f"{spec.origin} assigns no .{attr}"
 
 
 def load(spec: str):
@@ -266,24 +284,169 @@ def names_member(use: Use, owner: str, attr: str) -> bool:
     if owner == CLI:
         return use.kind == CLI_FLAG and dest(use.name) == attr
     module, _, cls = owner.partition(":")
+    if contract.foreign(owner):
+        # Not vLLM's class (a torch Module or Parameter, a dict of ours): vLLM sets the attribute.
+        return use.kind == ASSIGNED_ATTR and use.name == f"{cls}.{attr}"
     return use.module == module and use.name == (f"{cls}.{attr}" if cls else attr)
 
 
-def unlisted_accesses(receiver: Receiver, source: str, uses=USES) -> list[str]:
-    """Attributes of the vLLM object `receiver` names that no entry listing its file covers; our
-    own names (OWN_PREFIXES, and for `self` in a class what the class defines) aside."""
+def on_foreign_class(owner: str, attr: str) -> bool:
+    """A foreign owner's own attribute (nn.Module.modules, dict.get): no entry needed."""
+    return contract.foreign(owner) and hasattr(load(owner), attr)
+
+
+def target_names(target: ast.AST) -> list[str]:
+    if isinstance(target, ast.Name):
+        return [target.id]
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return [n for e in target.elts for n in target_names(e)]
+    if isinstance(target, ast.Starred):
+        return target_names(target.value)
+    return []
+
+
+# Builtins whose result is (or holds) what their first argument gives.
+PASS_THROUGH = ("getattr", "next", "iter", "list", "dict", "tuple", "sorted", "reversed", "enumerate", "zip")
+
+
+class Reached:
+    """Within one function (or a module's or class's own statements): the vLLM objects the
+    receivers name there, and every expression reached from one: an attribute, call, subscript
+    or await of it, a name assigned from it, a loop variable over it. Attributes of ours (an
+    OWN_PREFIXES name, what our class sets on self) lead to our objects, not vLLM's."""
+
+    def __init__(self, unit: ast.AST, roots: dict[str, Receiver], own: set[str]):
+        self.unit, self.roots, self.own = unit, roots, own
+        self.names: set[str] = set()
+        changed = True
+        while changed:
+            changed = False
+            for target, value in self.assignments():
+                if self.reached(value):
+                    new = set(target_names(target)) - self.names - set(roots)
+                    self.names |= new
+                    changed = changed or bool(new)
+
+    def assignments(self):
+        for n in ast.walk(self.unit):
+            if isinstance(n, ast.Assign):
+                yield from ((t, n.value) for t in n.targets)
+            elif isinstance(n, (ast.AnnAssign, ast.NamedExpr)) and n.value is not None:
+                yield n.target, n.value
+            elif isinstance(n, (ast.For, ast.AsyncFor, ast.comprehension)):
+                yield n.target, n.iter
+            elif isinstance(n, (ast.With, ast.AsyncWith)):
+                yield from ((i.optional_vars, i.context_expr) for i in n.items if i.optional_vars is not None)
+
+    def ours(self, node: ast.Attribute) -> bool:
+        return node.attr.startswith(contract.OWN_PREFIXES) or (
+            isinstance(node.value, ast.Name) and node.value.id == "self" and node.attr in self.own)
+
+    def foreign_step(self, value: ast.AST, attr: str | None) -> bool:
+        """Whether stepping off `value` by `attr` (None: indexing) leaves vLLM's reach: `value`
+        is a foreign receiver holding no vLLM objects (a tensor, an array, a torch module: not a
+        container), and the step is its class's own (a tensor's slice, .to, .numpy, .modules)."""
+        r = self.roots.get(ast.unparse(value))
+        return (r is not None and contract.foreign(r.owner) and r.owner.startswith(("torch", "numpy"))
+                and (attr is None or on_foreign_class(r.owner, attr)))
+
+    def reached(self, node: ast.AST) -> bool:
+        while True:
+            if ast.unparse(node) in self.roots or (isinstance(node, ast.Name) and node.id in self.names):
+                return True
+            if isinstance(node, ast.Attribute):
+                if self.ours(node) or self.foreign_step(node.value, node.attr):
+                    return False
+                node = node.value
+            elif isinstance(node, ast.Subscript):
+                if self.foreign_step(node.value, None):
+                    return False
+                node = node.value
+            elif isinstance(node, (ast.Await, ast.Starred)):
+                node = node.value
+            elif isinstance(node, ast.Call):
+                if isinstance(node.func, ast.Name):
+                    if node.func.id not in PASS_THROUGH or not node.args:
+                        return False  # a function of ours: its result is ours
+                    named = node.args[1] if len(node.args) > 1 else None
+                    if (node.func.id == "getattr" and isinstance(named, ast.Constant) and isinstance(named.value, str)
+                            and (named.value.startswith(contract.OWN_PREFIXES)
+                                 or ast.unparse(node.args[0]) == "self" and named.value in self.own)):
+                        return False  # getattr(self, "_asyncrl_base"): ours
+                    node = node.args[0]
+                else:
+                    node = node.func
+            else:
+                return False
+
+    def accesses(self) -> list[tuple[ast.AST, str, int]]:
+        """(object, attribute, line) for each attribute read or set on an object reached from a
+        vLLM object, or named by getattr, hasattr or setattr on one."""
+        out = []
+        for n in ast.walk(self.unit):
+            if isinstance(n, ast.Attribute) and self.reached(n.value) and not self.ours(n):
+                out.append((n.value, n.attr, n.lineno))
+            elif (isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                  and n.func.id in ("getattr", "hasattr", "setattr") and len(n.args) >= 2 and self.reached(n.args[0])
+                  and isinstance(n.args[1], ast.Constant) and isinstance(n.args[1].value, str)
+                  and not n.args[1].value.startswith(contract.OWN_PREFIXES)):
+                out.append((n.args[0], n.args[1].value, n.lineno))
+        return out
+
+
+def units(tree: ast.Module):
+    """(dotted name, node, the class it is a method of) for each function and method, and
+    ("", node, None) for the module's and each class's own statements."""
+    loose = []
+    for stmt in tree.body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield stmt.name, stmt, None
+        elif isinstance(stmt, ast.ClassDef):
+            for inner in stmt.body:
+                if isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    yield f"{stmt.name}.{inner.name}", inner, stmt
+                else:
+                    loose.append(inner)
+        else:
+            loose.append(stmt)
+    yield "", ast.Module(body=loose, type_ignores=[]), None
+
+
+def applies(receiver: Receiver, dotted: str) -> bool:
+    return receiver.scope == "" or dotted == receiver.scope or dotted.startswith(f"{receiver.scope}.")
+
+
+def unlisted_accesses(path: str, source: str, receivers=None, uses=USES) -> list[str]:
+    """Attributes read off the vLLM objects the receivers of `path` name, and off everything
+    reached from them, that no entry listing `path` covers. An object reached from a vLLM object
+    (a call's result, a loop variable over one) that no receiver names is itself reported: the
+    receivers must say what it is, so that no name on it goes unchecked."""
+    receivers = [r for r in (contract.RECEIVERS if receivers is None else receivers) if r.path == path]
     tree = ast.parse(source)
-    node = find(tree, receiver.scope) if receiver.scope else tree
-    where = f"{receiver.path} {receiver.scope or '(module)'}"
-    if node is None:
-        return [f"RECEIVERS: {where} is not defined"]
-    own = assigned_in(node) if receiver.expr == "self" and isinstance(node, ast.ClassDef) else set()
-    accesses = read_off(node, receiver.expr)
-    if not accesses:
-        return [f"RECEIVERS: nothing is read off {receiver.expr} in {where}: fix or drop the receiver"]
-    return [f"{receiver.path}:{line} {receiver.expr}.{attr} ({receiver.owner})" for attr, line in accesses
-            if not attr.startswith(contract.OWN_PREFIXES) and attr not in own
-            and not any(names_member(u, receiver.owner, attr) and receiver.path in files_of(u) for u in uses)]
+    out = []
+    for r in receivers:
+        node = find(tree, r.scope) if r.scope else tree
+        if node is None:
+            out.append(f"RECEIVERS: {r.path} {r.scope} is not defined")
+        elif not read_off(node, r.expr) and not any(isinstance(n, (ast.Attribute, ast.Subscript))
+                                                    and ast.unparse(n.value) == r.expr for n in ast.walk(node)):
+            out.append(f"RECEIVERS: nothing is read off {r.expr} in {r.path} {r.scope or '(module)'}: fix or drop "
+                       "the receiver")
+    for dotted, unit, cls in units(tree):
+        roots = {r.expr: r for r in receivers if applies(r, dotted)}
+        if not roots:
+            continue
+        reached = Reached(unit, roots, assigned_in(cls) if cls is not None else set())
+        for obj, attr, line in reached.accesses():
+            key = ast.unparse(obj)
+            r = roots.get(key)
+            if r is None:
+                out.append(f"{path}:{line} {key}.{attr}: {key} is reached from a vLLM object, and no receiver says "
+                           "what it is")
+            elif not on_foreign_class(r.owner, attr) and not any(
+                    names_member(u, r.owner, attr) and path in files_of(u) for u in uses):
+                out.append(f"{path}:{line} {key}.{attr} ({r.owner})")
+    return sorted(set(out))
 
 
 def assigned_in(cls: ast.ClassDef) -> set[str]:
@@ -350,7 +513,8 @@ def test_every_vllm_import_is_listed():
 
 
 def test_every_attribute_read_off_a_vllm_object_is_listed():
-    missing = [m for r in contract.RECEIVERS for m in unlisted_accesses(r, (ROOT / r.path).read_text())]
+    paths = sorted({r.path for r in contract.RECEIVERS})
+    missing = [m for path in paths for m in unlisted_accesses(path, (ROOT / path).read_text())]
     assert not missing, ("vLLM attributes our code uses with no entry (listing that file) in "
                          "src/inference/vllm_contract.py USES:\n" + "\n".join(missing))
 
@@ -395,8 +559,9 @@ def test_the_coverage_checks_report_what_is_unlisted():
     engine = Receiver(here, "f", "self.engine", contract.ASYNC_LLM)
     source = "def f(self):\n    self.engine.collective_rpc()\n    getattr(self.engine, 'new_thing')\n"
     listed = (Use("vllm.v1.engine.async_llm", "AsyncLLM.collective_rpc", CLASS_ATTR, "both", (f"{here}:f",), "x"),)
-    assert unlisted_accesses(engine, source, listed) == [f"{here}:3 self.engine.new_thing ({contract.ASYNC_LLM})"]
-    assert unlisted_accesses(Receiver(here, "g", "self.engine", contract.ASYNC_LLM), source, listed)
+    unlisted = [f"{here}:3 self.engine.new_thing ({contract.ASYNC_LLM})"]
+    assert unlisted_accesses(here, source, [engine], listed) == unlisted
+    assert unlisted_accesses(here, source, [Receiver(here, "g", "self.engine", contract.ASYNC_LLM)], listed)
     assert unlisted_env(here, "os.environ['VLLM_NEW'] = '1'\n", ()) == [f"{here}:1 VLLM_NEW"]
     assert unlisted_flags(here, "ARGS = ['--new-flag', '1', '-x']\n", (), ()) == [f"{here}:1 --new-flag",
                                                                                   f"{here}:1 -x"]
@@ -408,3 +573,94 @@ def test_the_used_in_check_reports_a_stale_place():
     assert stale_places(Use(contract.CLI_ARGS, "--no-such-flag", CLI_FLAG, "both", (real,), "not used there"))
     assert stale_places(Use("vllm", "x", MODULE_ATTR, "both", ("src/inference/server.py:no_such_def",), "gone"))
     assert stale_places(Use("vllm", "x", MODULE_ATTR, "both", ("src/no_such_file.py:f",), "gone"))
+
+
+def test_the_coverage_check_follows_chains_from_vllm_objects():
+    """A name read off what a vLLM object gives (a call's result, a loop variable over one) is
+    checked too: an unlisted one fails, and so does an object reached from a vLLM object that no
+    receiver names (issue 60: get_model().no_such_vllm_thing and tensor.no_such_loader passed)."""
+    path = contract.EXT
+    source = (ROOT / path).read_text()
+    assert not unlisted_accesses(path, source)
+    reload_line = "        repack_cpu_experts(self.model_runner.get_model())\n"
+    loader_line = "                tensor.weight_loader = layerwise._get_original_loader(tensor)\n"
+    assert reload_line in source and loader_line in source
+    mutated = source.replace(reload_line, reload_line + "        self.model_runner.get_model().no_such_vllm_thing\n", 1)
+    mutated = mutated.replace(loader_line, loader_line + "                tensor.no_such_loader(tensor)\n")
+    mutated = mutated.replace(loader_line, loader_line + "                other = layerwise.LAYERWISE_INFO.get(layer)\n"
+                                                         "                other.y\n")
+    found = unlisted_accesses(path, mutated)
+    assert any("self.model_runner.get_model().no_such_vllm_thing (torch.nn:Module)" in f for f in found), found
+    assert any("tensor.no_such_loader (torch.nn:Parameter)" in f for f in found), found
+    assert any("other.y: other is reached from a vLLM object, and no receiver says what it is" in f
+               for f in found), found
+    assert len(found) == 3, found
+    # Without its entry, the loader vLLM sets on a parameter is unlisted too.
+    uses = tuple(u for u in USES if u.name != "Parameter.weight_loader")
+    assert [f for f in unlisted_accesses(path, source, uses=uses) if "tensor.weight_loader" in f], "not checked"
+
+
+def test_a_data_parallel_client_answers_collective_rpc_with_engine_0_only():
+    """What all_workers.every_worker is for, pinned on vLLM's own classes: AsyncLLM.collective_rpc
+    goes through the engine core client's call_utility_async, which the data-parallel client
+    (DPLBAsyncMPClient) sends to every engine and answers with engine 0's list; its
+    call_utility_all_async answers with every engine's, which every_worker flattens."""
+    import asyncio
+
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.core_client import DPLBAsyncMPClient
+
+    from inference.all_workers import every_worker
+
+    client = object.__new__(DPLBAsyncMPClient)
+    calls = []
+
+    async def call_utility_all_async(method, *args):
+        calls.append((method, args))
+        return [["engine 0 worker 0", "engine 0 worker 1"], ["engine 1 worker 0", "engine 1 worker 1"]]
+
+    client.call_utility_all_async = call_utility_all_async
+    engine = object.__new__(AsyncLLM)
+    engine.engine_core = client
+    assert asyncio.run(engine.collective_rpc("m", timeout=5, args=(1,))) == ["engine 0 worker 0", "engine 0 worker 1"]
+    assert asyncio.run(every_worker(engine, "m", 5, (1,))) == ["engine 0 worker 0", "engine 0 worker 1",
+                                                               "engine 1 worker 0", "engine 1 worker 1"]
+    assert calls == [("collective_rpc", ("m", 5, (1,), None))] * 2
+
+
+def test_the_version_label_is_attached_after_the_pause_drained():
+    """What the per-token versions rely on (reload.py switch_to labels the weights while paused),
+    pinned on vLLM's engine core: a "keep" pause completes only once no batch is queued (async
+    scheduling's batch in flight is drained first), and each step's outputs take the label the
+    core holds when they are processed, after the model ran. So every output processed before
+    the pause completed carries the old label, every one after it the new."""
+    from collections import deque
+
+    from vllm.v1.core.sched.interface import PauseState
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.engine.core import EngineCore, EngineCoreProc
+
+    scheduler = object.__new__(Scheduler)
+    scheduler._pause_state, scheduler.finished_req_ids = PauseState.UNPAUSED, set()
+    scheduler.connector = scheduler.ec_connector = None
+    core = object.__new__(EngineCoreProc)
+    core.scheduler, core.engines_running, core._idle_state_callbacks = scheduler, False, []
+    core.batch_queue = deque(["a batch in flight"])
+    finished = []
+    core._finish_pause = finished.append
+    pending = core.pause_scheduler(mode="keep", clear_cache=False)
+    # Held requests do not keep a "keep" pause from completing; the queued batch does.
+    assert scheduler.get_num_unfinished_requests() == 0 and not scheduler.has_requests()
+    assert pending is not None and not pending.done() and finished == []
+    core.batch_queue.pop()  # its output processed (with the label still the old one)
+    assert not core.has_work()
+    core._notify_idle_state_callbacks()
+    assert pending.done() and finished == [False]
+    core.set_weight_version("7")
+    outputs = {0: EngineCoreOutputs()}
+    core._attach_weight_version(outputs)
+    assert outputs[0].weight_version == "7"
+    for step in (EngineCore.step, EngineCore.step_with_batch_queue):
+        code = inspect.getsource(step)
+        assert code.index("update_from_output(") < code.index("self._attach_weight_version("), step.__name__

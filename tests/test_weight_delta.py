@@ -1,15 +1,17 @@
 """Weight deltas through files (`[weight_sync] delta = true`; rl/weight_delta.py, trainer/deltas.py,
-inference/reload.py DeltaFiles, worker_extension.py asyncrl_apply_delta).
+inference/reload.py DeltaFiles, staging.py delta_files).
 
 - The format: encode + rebuild give back every bit (bf16 and float32, -0.0 and NaN included).
 - The trainer's FilePublisher writes a full version, then deltas against it, a full one again
   every full_every versions; keep_weights keeps every base a kept delta needs; a trainer killed
   while writing a delta leaves nothing a server would load.
 - One real vLLM server (CPU) takes a chain of deltas: it then serves exactly what a full reload
-  of the same version serves (greedy tokens and logprobs, and the rebuilt tensors' checksum is
-  the full file's); a server holding another base catches up through the base's files; a delta
-  whose base is missing, damaged or another run's, or whose values were tampered with, is
-  refused with one line, and the server goes on serving its version.
+  of the same version serves (greedy tokens and logprobs, and the checksum the server computed
+  of the tensors it rebuilt is the full file's); a server holding another base catches up
+  through the base's files; a delta whose base is missing, damaged, another run's, other bytes
+  than its digest names or without a readable digest, or whose values were tampered with, is
+  refused with one line, and the server goes on serving its version. A server with
+  weight_sync.delta = false refuses a delta before the update lock.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -276,9 +279,12 @@ def test_a_chain_of_deltas_serves_exactly_what_a_full_reload_serves(server):
     full = greedy(url)
     assert chain[-1] == full  # the same tokens and the same logprobs, to the bit
     assert chain[0] != v1 and chain[-1] != chain[0]
-    # The tensors: the worker loads only what matches version 4's checksum, which is the full file's.
-    full_tensors = load_file(run.weights_dir(5) / "model.safetensors")
-    assert wd.read_manifest(run.weights_dir(4)).checksum == wd.checksum(full_tensors)
+    # The tensors: the checksum the worker computed of what it rebuilt and loaded (its log line)
+    # is the full file's.
+    rebuilt = re.search(r"version 4 rebuilt from version 1 \+ \d+ changed values in [\d.]+ s, loaded in [\d.]+ s "
+                        r"\(checksum ([0-9a-f]{16})\)", log)
+    assert rebuilt, log[-3000:]
+    assert rebuilt.group(1) == wd.checksum(load_file(run.weights_dir(5) / "model.safetensors"))
 
 
 @pytest.mark.slow
@@ -340,6 +346,18 @@ def test_faulty_deltas_are_refused_with_one_line_and_the_server_keeps_serving(se
     changes[key] = changes[key] + 1.0
     save_file(changes, tampered / wd.TENSORS)
     answers["tampered"] = update(url, tampered, 24)
+    # Other bytes: this run's version 1, but not the bytes its digest names (the base's checksum
+    # in the delta is another one).
+    other = refused_delta(server, 28, 1)
+    m = wd.read_manifest(other)
+    (other / wd.MANIFEST).write_bytes(wd.Manifest(m.run_id, 28, 1, "0" * 16, m.checksum, m.tensors).to_json())
+    answers["other bytes"] = update(url, other, 28)
+    # No readable digest: a base that is a version (STABLE) whose digest.json is not one.
+    unreadable = run.weights_dir(29)
+    shutil.copytree(run.weights_dir(1), unreadable)
+    against = refused_delta(server, 30, 29)
+    (unreadable / wd.DIGEST).write_text("{not json")
+    answers["no digest"] = update(url, against, 30)
     # Killed while writing: the staging directory never becomes a version.
     staged = run.weights / ".step_25.tmp"
     shutil.copytree(run.weights_dir(4), staged)
@@ -348,8 +366,11 @@ def test_faulty_deltas_are_refused_with_one_line_and_the_server_keeps_serving(se
     for case, (status, text) in answers.items():
         assert status in (404, 409), (case, status, text)
         assert "\n" not in detail(text), (case, text)
-    for case in ("missing", "other run", "damaged", "tampered"):
+    for case in ("missing", "other run", "damaged", "tampered", "other bytes", "no digest"):
         assert wd.REFUSED in answers[case][1], (case, answers[case])
+    assert answers["other bytes"][0] == 409 and "it is against version 1 with checksum 0000000000000000" in \
+        answers["other bytes"][1] and "holds version 1 with checksum" in answers["other bytes"][1], answers
+    assert answers["no digest"][0] == 409 and f"has no readable {wd.DIGEST}" in answers["no digest"][1], answers
     assert "version 19, is missing" in answers["missing"][1]
     assert "belongs to run other" in answers["other run"][1]
     assert "is damaged" in answers["damaged"][1] and "still serves version 4" in answers["damaged"][1]
@@ -361,3 +382,32 @@ def test_faulty_deltas_are_refused_with_one_line_and_the_server_keeps_serving(se
     status, text = update(url, refused_delta(server, 27, 1), 27)
     assert status == 200, text
     assert greedy(url) == before  # version 4's values again, as version 27
+
+
+def test_a_server_with_delta_off_refuses_a_delta_before_the_update_lock(tmp_path):
+    """weight_sync.delta = false: no base is kept to rebuild from, so a delta directory is refused
+    with one line before the update lock (before any engine call: this server has none)."""
+    import asyncio
+
+    from fastapi import HTTPException
+
+    from inference.access import WeightRoots
+    from inference.adapters import AdaptersOff
+    from inference.generation import Generations
+    from inference.reload import ServedWeights
+    from rl.inference_api import UpdateWeightsRequest
+
+    run = RunDir(tmp_path / "run")
+    run.make()
+    pub, policy = publisher(run)
+    for step in (1, 2):
+        pub.deliver(policy, step, step_tensors(step))
+    cfg = RunConfig.model_validate({"model": str(TINY_MODEL), "output_dir": str(run.root)})
+    assert not cfg.weight_sync.delta
+    weights = ServedWeights(cfg, WeightRoots(cfg), Generations(cfg.seq_len, AdaptersOff(None, 0)))
+    body = UpdateWeightsRequest(path=str(run.weights_dir(2)), version=2, mode="wait")
+    with pytest.raises(HTTPException) as e:
+        asyncio.run(weights.update_weights(body))
+    assert e.value.status_code == 409 and "\n" not in e.value.detail
+    assert "holds a weight delta, but this server's weight_sync.delta is false" in e.value.detail, e.value.detail
+    assert str(run.weights_dir(2)) in e.value.detail and not weights.lock.locked()

@@ -5,6 +5,7 @@ what a full reload of the same tensors serves."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from types import SimpleNamespace
@@ -95,8 +96,18 @@ def test_a_real_server_takes_deltas_by_broadcast_bit_for_bit(tmp_path):
     assert still == (by_files, 4)
     assert outputs[3] == by_files  # the same tokens and logprobs: the same weights
     assert outputs[2] != outputs[1] and outputs[3] != outputs[2]
-    # Only the changed values went over the wire: version 3's buckets against version 1's.
-    full, delta = (bc.read_manifest(run.weights_dir(n)).total_bytes for n in (1, 3))
+    # Only the changed values went over the wire: the bytes the server's worker received (counted
+    # from what its collectives filled, in its log) for version 3 against version 1's, which
+    # hold every tensor of the model.
+    log = proc.log.read_text(errors="replace")
+    full = re.search(r"received version 1 by broadcast, checked against its digest, loaded in [\d.]+ s "
+                     r"\(checksum ([0-9a-f]{16}), (\d+) bytes received\)", log)
+    delta = re.search(r"version 3 rebuilt from version 1 \+ \d+ changed values received by broadcast, loaded in "
+                      r"[\d.]+ s \(checksum ([0-9a-f]{16}), (\d+) bytes received\)", log)
+    assert full and delta, log[-3000:]
+    tensors = {k: v for k, v in step_tensors(1).items() if k != "lm_head.weight"}
+    assert full.group(1) == wd.checksum(tensors) and int(full.group(2)) >= sum(t.nbytes for t in tensors.values())
+    assert delta.group(1) == wd.checksum({k: v for k, v in step_tensors(3).items() if k != "lm_head.weight"})
     manifest = wd.read_manifest(run.weights_dir(3))
-    assert manifest.base_version == 1 and delta < 0.2 * full, (delta, full)
+    assert manifest.base_version == 1 and 0 < int(delta.group(2)) < 0.2 * int(full.group(2)), (delta, full)
     assert (run.weights_dir(1) / wd.DIGEST).exists() and not (run.weights_dir(3) / wd.DIGEST).exists()

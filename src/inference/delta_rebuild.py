@@ -1,17 +1,13 @@
 """The workers' side of weight deltas (rl/weight_delta.py): the full version a worker keeps as
 its base, and a version rebuilt from it, checked against its checksum before anything is loaded.
-worker_extension.py's methods call these; every refusal (DeltaRefused) comes before the engine is
-touched.
+staging.py calls these; every refusal (DeltaRefused) comes before any worker touches the engine.
 """
 
 from __future__ import annotations
 
-import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-
-log = logging.getLogger("vllm.asyncrl")
 
 
 def raise_refused(why: str):
@@ -59,7 +55,8 @@ class BaseVersion:
 @contextmanager
 def rebuilt(base: BaseVersion, manifest, changes: dict):
     """Within the block, the base's tensors hold the version, checked against its checksum
-    (refused when they differ); the base's own values are back after it (weight_delta.patched)."""
+    (refused when they differ): yields (tensors, the checksum this worker computed of them). The
+    base's own values are back after it (weight_delta.patched)."""
     from rl import weight_delta as wd
 
     with wd.patched(base.tensors, manifest, changes) as tensors:
@@ -67,45 +64,4 @@ def rebuilt(base: BaseVersion, manifest, changes: dict):
         if got != manifest.checksum:
             raise_refused(f"version {manifest.version} rebuilt from version {manifest.base_version} has checksum "
                           f"{got}, its manifest says {manifest.checksum}")
-        yield tensors
-
-
-class BroadcastVersion:
-    """One version arriving by broadcast: the full tensors, streamed into the reload as they come
-    (and kept as the base when the directory has a digest), or a delta's changed values, all
-    received first, then rebuilt like a delta from files."""
-
-    def __init__(self, directory: Path, incoming):
-        self.directory, self.incoming = directory, incoming
-
-    def load(self, worker) -> None:
-        from rl import weight_delta as wd
-
-        if (self.directory / wd.MANIFEST).is_file():
-            manifest = wd.read_manifest(self.directory)
-            base = getattr(worker, "_asyncrl_base", None)
-            if base is None or base.digest != manifest.base:
-                raise_refused(f"version {manifest.version} is a delta against version {manifest.base_version}, "
-                              f"which this worker does not hold (a broadcast base cannot be read back)")
-            with rebuilt(base, manifest, dict(self.incoming.tensors())) as tensors:
-                worker._asyncrl_load_tensors(iter(tensors.items()))
-            return
-        keep = (self.directory / wd.DIGEST).is_file()
-        kept: dict = {}
-
-        def tensors():
-            for name, t in self.incoming.tensors():
-                if keep:
-                    # On CPU a view into its bucket's own buffer (no copy); from a GPU, host memory.
-                    kept[name] = t if t.device.type == "cpu" else t.cpu()
-                yield name, t
-
-        worker._asyncrl_load_tensors(tensors())
-        if keep:
-            digest = wd.Digest.read(self.directory)
-            if wd.checksum(kept) == digest.checksum:
-                worker._asyncrl_base = BaseVersion(digest, kept)
-            else:
-                worker._asyncrl_base = None
-                log.warning("version %d arrived with another checksum than its digest: not kept as a base",
-                            digest.version)
+        yield tensors, got

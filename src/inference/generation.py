@@ -164,7 +164,9 @@ class Generations:
 
     async def attach_routing(self, gen: Generation, results: list[tuple[GeneratedSample, object]]) -> None:
         """Each sample's routed experts, taken from the workers once its engine request ended (one
-        call for the n samples; worker 0's record: every worker runs the same routers)."""
+        call for the n samples; worker 0's record: every tensor-parallel worker runs the same
+        routers, and a server records with one data-parallel rank only: preflight.py
+        routing_into_data_parallel)."""
         taken = (await self.engine.collective_rpc("asyncrl_take_routing", args=(gen.engine_ids,)))[0]
         for engine_id, (sample, _) in zip(gen.engine_ids, results):
             rows = taken.get(engine_id)

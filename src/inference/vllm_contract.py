@@ -21,7 +21,11 @@ INSTANCE_ATTR = "instance attribute"  # assigned to self.<attr> in the class (or
 ENV = "env variable"  # a key of vllm.envs.environment_variables
 CLI_FLAG = "CLI flag"  # an option of `vllm serve`'s parser (make_arg_parser); "--flag=value": value in its choices
 SOURCE_TEXT = "source text"  # a literal the project relies on appears in the module's source
-KINDS = (MODULE_ATTR, CLASS_ATTR, INSTANCE_ATTR, ENV, CLI_FLAG, SOURCE_TEXT)
+# "Type.attr": the module's source assigns `<something>.attr = ...` (or a class of it declares the
+# field): an attribute vLLM puts on an object that is not its own class (a torch Parameter's
+# weight_loader, a model's torchao flag), or a foreign config's field.
+ASSIGNED_ATTR = "attribute vLLM assigns"
+KINDS = (MODULE_ATTR, CLASS_ATTR, INSTANCE_ATTR, ENV, CLI_FLAG, SOURCE_TEXT, ASSIGNED_ATTR)
 
 RUNNERS = ("v1", "v2", "both", "cpu")
 # Placeholders for `module`: the entry is checked on each class RUNNER_CLASSES / WORKER_CLASSES
@@ -65,11 +69,20 @@ class Use:
 CLI = "<vllm serve args>"  # parsed `vllm serve` arguments: attribute = a CLI_FLAG's dest
 
 
+def foreign(owner: str) -> bool:
+    """A receiver's owner that is no vLLM class ("torch.nn:Module", "builtins:dict"): attributes of
+    that class need no entry, any other one an ASSIGNED_ATTR entry "Class.attr"."""
+    return owner not in (MODEL_RUNNER, WORKER, CLI) and not owner.startswith("vllm")
+
+
 @dataclass(frozen=True)
 class Receiver:
     """In `path` (within `scope`, a dotted def/class name; "" the whole file) the expression
     `expr` is a vLLM object of `owner` ("module:Class", "module:" for a module, MODEL_RUNNER,
-    WORKER or CLI): each attribute read or set on it, or named in getattr/hasattr, needs an entry."""
+    WORKER or CLI), or an object reached from one (a call's result, a loop variable over one) of
+    a `foreign` owner: each attribute read or set on it, or named in getattr/hasattr, needs an
+    entry. The test follows every chain from a receiver (attributes, calls, subscripts, names
+    assigned from them): an object reached so that no receiver names is reported."""
 
     path: str
     scope: str
@@ -80,6 +93,7 @@ class Receiver:
 SERVER, DEVICE = "src/inference/server.py", "src/inference/device_defaults.py"
 EXT, ROUTING = "src/inference/worker_extension.py", "src/inference/routing_capture.py"
 GEN, RELOAD = "src/inference/generation.py", "src/inference/reload.py"
+ALL_WORKERS = "src/inference/all_workers.py"
 ADAPTERS, ROUTES = "src/inference/adapters.py", "src/inference/routes.py"
 KEPT, PREFLIGHT = "src/inference/kept_sets.py", "src/inference/preflight.py"
 PLACEMENT, GPU_PLACEMENT = "src/rl/placement.py", "src/rl/gpu_placement.py"
@@ -96,8 +110,13 @@ RECEIVERS = (
     Receiver(GEN, "", "self.engine.model_config", "vllm.config.model:ModelConfig"),
     Receiver(GEN, "Generations.tagged", "final", "vllm.outputs:RequestOutput"),
     Receiver(GEN, "Generations.tagged", "c", "vllm.outputs:CompletionOutput"),
+    Receiver(GEN, "Generations.tagged", "c.logprobs[j][t]", "vllm.logprobs:Logprob"),
+    Receiver(GEN, "Generations.tagged", "d[t]", "vllm.logprobs:Logprob"),
+    # Our worker methods' answers, through collective_rpc.
+    Receiver(GEN, "Generations.attach_routing", "taken", "builtins:dict"),
     Receiver(GEN, "token_versions", "span", "vllm.outputs:WeightVersionSpan"),
-    Receiver(RELOAD, "", "engine", ASYNC_LLM),
+    Receiver(ALL_WORKERS, "", "engine", ASYNC_LLM),
+    Receiver(ALL_WORKERS, "every_worker", "core", "vllm.v1.engine.core_client:AsyncMPClient"),
     Receiver(RELOAD, "ServedWeights.pause", "core", "vllm.v1.engine.core_client:AsyncMPClient"),
     Receiver(RELOAD, "", "self.engine.vllm_config", "vllm.config.vllm:VllmConfig"),
     Receiver(RELOAD, "", "self.engine.vllm_config.parallel_config", "vllm.config.parallel:ParallelConfig"),
@@ -113,6 +132,9 @@ RECEIVERS = (
     Receiver(EXT, "WeightReloadExtension", "self", WORKER),
     Receiver(EXT, "", "self.model_runner", MODEL_RUNNER),
     Receiver(EXT, "", "self.model_runner.model_config", "vllm.config.model:ModelConfig"),
+    Receiver(EXT, "", "self.model_runner.get_model()", "torch.nn:Module"),
+    Receiver(EXT, "", "self.model_runner.model_config.hf_text_config", "transformers:PretrainedConfig"),
+    Receiver(EXT, "WeightReloadExtension._asyncrl_tied_lm_head", "lm_head", "torch.nn:Module"),
     Receiver(EXT, "WeightReloadExtension._asyncrl_fix_tied_lm_head", "lm_head.quant_method",
              "vllm.model_executor.layers.vocab_parallel_embedding:UnquantizedEmbeddingMethod"),
     Receiver(EXT, "repack_cpu_experts", "module", MOE_RUNNER),
@@ -124,12 +146,19 @@ RECEIVERS = (
     Receiver(EXT, "repack_cpu_experts", "experts",
              "vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts"),
     Receiver(EXT, "_end_interrupted_reload", "layerwise", f"{LAYERWISE}:"),
+    Receiver(EXT, "_end_interrupted_reload", "model", "torch.nn:Module"),
+    Receiver(EXT, "_end_interrupted_reload", "layerwise.LAYERWISE_INFO", "weakref:WeakKeyDictionary"),
+    Receiver(EXT, "_end_interrupted_reload", "layerwise.LOADING_LAYERS", "weakref:WeakSet"),
+    Receiver(EXT, "_end_interrupted_reload", "layerwise.get_layer_tensors(layer)", "builtins:dict"),
+    Receiver(EXT, "_end_interrupted_reload", "tensor", "torch.nn:Parameter"),
     Receiver(EXT, "_end_interrupted_reload", "info",
              "vllm.model_executor.model_loader.reload.types:LayerReloadingInfo"),
     Receiver(ROUTING, "", "worker", WORKER),
     Receiver(ROUTING, "", "runner", MODEL_RUNNER),
     Receiver(ROUTING, "", "runner.input_batch", "vllm.v1.worker.gpu_input_batch:InputBatch"),
     Receiver(ROUTING, "", "runner.query_start_loc", "vllm.v1.utils:CpuGpuBuffer"),
+    Receiver(ROUTING, "bind", "runner.query_start_loc.np", "numpy:ndarray"),
+    Receiver(ROUTING, "bind", "runner.positions", "torch:Tensor"),
     Receiver(ROUTING, "RoutingRecorder.bound_to", "m", MOE_RUNNER),
     Receiver(ROUTING, "RoutingRecorder.bound_to", "m.router",
              "vllm.model_executor.layers.fused_moe.router.fused_moe_router:FusedMoERouter"),
@@ -267,9 +296,15 @@ USES: tuple[Use, ...] = (
     *_flags("--ssl-certfile", (f"{SERVER}:announce_when_ready",), "https or http for the readiness probe"),
     # --- the engine client's calls (reload.py, generation.py, adapters.py, routes.py) --------
     Use(ENGINE, "AsyncLLM.collective_rpc", CLASS_ATTR, "both",
-        (f"{RELOAD}:FilesReload.load", f"{RELOAD}:refusable", f"{RELOAD}:ServedWeights.init_broadcaster",
-         f"{GEN}:Generations.attach_routing", f"{ROUTES}:Routes.start_recording_routing"),
+        (f"{ALL_WORKERS}:every_worker", f"{GEN}:Generations.attach_routing",
+         f"{ROUTES}:Routes.start_recording_routing"),
         "runs the worker extension's methods on every worker", ("timeout", "args")),
+    Use(CORE_CLIENT, "AsyncMPClient.call_utility_all_async", CLASS_ATTR, "both", (f"{ALL_WORKERS}:every_worker",),
+        "each engine's answers to a utility call: every data-parallel rank's workers, where collective_rpc "
+        "answers with rank 0's (tests/test_vllm_contract.py pins both)"),
+    Use("vllm.v1.engine.core", "EngineCore.collective_rpc", CLASS_ATTR, "both", (f"{ALL_WORKERS}:every_worker",),
+        "the utility every_worker names, called with (method, timeout, args, kwargs)",
+        ("method", "timeout", "args", "kwargs"), via="the utility name \"collective_rpc\""),
     Use(ENGINE, "AsyncLLM.vllm_config", INSTANCE_ATTR, "both", (f"{RELOAD}:ServedWeights.workers",),
         "the engine's parallel config: how many broadcast ranks its workers are"),
     Use("vllm.config.vllm", "VllmConfig.parallel_config", INSTANCE_ATTR, "both", (f"{RELOAD}:ServedWeights.workers",),
@@ -277,8 +312,10 @@ USES: tuple[Use, ...] = (
     Use("vllm.config.parallel", "ParallelConfig.world_size", INSTANCE_ATTR, "both",
         (f"{RELOAD}:ServedWeights.workers",),
         "workers of the engine (tensor x pipeline parallel), each one broadcast rank"),
-    Use(ENGINE, "AsyncLLM.engine_core", INSTANCE_ATTR, "both", (f"{RELOAD}:ServedWeights.pause",),
-        "the engine core client, paused directly (pause_generation sleeps 20 ms more)"),
+    Use(ENGINE, "AsyncLLM.engine_core", INSTANCE_ATTR, "both",
+        (f"{RELOAD}:ServedWeights.pause", f"{ALL_WORKERS}:every_worker"),
+        "the engine core client, paused directly (pause_generation sleeps 20 ms more), asked for every "
+        "engine's answers"),
     Use(CORE_CLIENT, "AsyncMPClient.pause_scheduler_async", CLASS_ATTR, "both", (f"{RELOAD}:ServedWeights.pause",),
         "stops the scheduler between two steps for a reload", ("mode", "clear_cache")),
     Use(ENGINE, "AsyncLLM.pause_generation", CLASS_ATTR, "both", (f"{RELOAD}:ServedWeights.pause",),
@@ -296,7 +333,7 @@ USES: tuple[Use, ...] = (
         "how the label reaches the engine core, which tags each step's output with it",
         via="AsyncLLM.update_weight_version"),
     Use("vllm.v1.executor.multiproc_executor", "Worker failed with error", SOURCE_TEXT, "both",
-        (f"{RELOAD}:may_still_run",), "tells a worker's error answer from a timed-out call still running"),
+        (f"{ALL_WORKERS}:may_still_run",), "tells a worker's error answer from a timed-out call still running"),
     Use(ENGINE, "AsyncLLM.generate", CLASS_ATTR, "both", (f"{GEN}:Generations.sample",),
         "runs one engine request from token ids", ("lora_request",)),
     Use(ENGINE, "AsyncLLM.add_lora", CLASS_ATTR, "both", (f"{ADAPTERS}:Adapters.add",), "loads a LoRA adapter"),
@@ -425,8 +462,20 @@ USES: tuple[Use, ...] = (
           "the reload's per-layer state, put back after a failed reload")
       for a in ("LAYERWISE_INFO", "LOADING_LAYERS", "get_layer_tensors", "_place_kernel_tensors",
                 "_get_original_loader")),
-    Use(LAYERWISE, "_original_do_torchao_reload", SOURCE_TEXT, "both", (f"{EXT}:_end_interrupted_reload",),
-        "the torchao flag the reload swaps and a failed one must restore"),
+    *(Use(LAYERWISE, f"Module.{a}", ASSIGNED_ATTR, "both", (f"{EXT}:_end_interrupted_reload",),
+          "the torchao flag the reload sets aside on the model, which a failed reload must put back")
+      for a in ("_do_torchao_reload", "_original_do_torchao_reload")),
+    Use(LAYERWISE, "Parameter.weight_loader", ASSIGNED_ATTR, "both", (f"{EXT}:_end_interrupted_reload",),
+        "the reload wraps each parameter's loader to buffer what arrives; a failed one gets its own back"),
+    Use("vllm.model_executor.models.qwen2", "Module.lm_head", ASSIGNED_ATTR, "both",
+        (f"{EXT}:WeightReloadExtension._asyncrl_tied_lm_head",),
+        "a causal LM's output layer (Qwen2's, as every model the project serves), tied or not"),
+    Use("vllm.model_executor.layers.vocab_parallel_embedding", "Module.quant_method", ASSIGNED_ATTR, "both",
+        (f"{EXT}:WeightReloadExtension._asyncrl_tied_lm_head",),
+        "the lm_head's method, whose packing a tied one needs"),
+    Use("transformers.models.qwen2.configuration_qwen2", "PretrainedConfig.tie_word_embeddings", ASSIGNED_ATTR, "both",
+        (f"{EXT}:WeightReloadExtension._asyncrl_tied_lm_head",),
+        "transformers' own: whether the text model ties its lm_head (vLLM's hf_text_config is that config)"),
     Use(LAYERWISE, "%s: Failed to load weights", SOURCE_TEXT, "both", (f"{EXT}:NothingToLoad.MESSAGE",),
         "the warning the filter drops for layers with nothing to load"),
     Use(LAYERWISE, "logger = init_logger(__name__)", SOURCE_TEXT, "both", (f"{EXT}:NothingToLoad.LOGGER",),

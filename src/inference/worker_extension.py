@@ -6,7 +6,6 @@ state lives in attributes read with getattr.
 from __future__ import annotations
 
 import logging
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -36,56 +35,45 @@ class WeightReloadExtension:
             self.reload_weights(weights_path=path)
         repack_cpu_experts(self.model_runner.get_model())
 
-    def asyncrl_reload_full(self, path: str) -> dict:
-        """With weight_sync.delta: asyncrl_reload_weights, keeping the version in host memory as
-        the base later deltas are rebuilt from (when its directory has a digest: the trainer
-        publishes deltas against it). The files are read and checked against their digest
-        before the engine is touched (a damaged version is refused, the engine left as it was);
-        vLLM's own reload then reads them again, from the page cache. Returns {"base": the base
-        held} or {"refused": why} (a refusal is an answer, not an error: vLLM would log a
-        traceback for it, and the server must know that nothing was loaded)."""
-        from inference.delta_rebuild import BaseVersion
-        from rl import weight_delta as wd
+    # --- versions checked on every worker before any loads (inference/staging.py) ---------
 
-        try:
-            base = BaseVersion.read(path) if (Path(path) / wd.DIGEST).is_file() else None
-        except wd.DeltaRefused as e:
-            return {"refused": str(e)}
-        self.asyncrl_reload_weights(path)
-        if base is not None:
-            self._asyncrl_base = base
-        return {"base": self._asyncrl_held()}
+    def asyncrl_stage_full(self, path: str) -> dict:
+        """With weight_sync.delta: the full version at `path`, read and checked against its
+        digest before the engine is touched (kept as the base later deltas are rebuilt from);
+        vLLM's own reload reads the files again at commit, from the page cache. {} or
+        {"refused": why} (an answer, not an error: vLLM would log a traceback for it)."""
+        from inference import staging
 
-    def asyncrl_apply_delta(self, path: str) -> dict:
-        """Load the version the delta at `path` describes: rebuild its full tensors from the base
-        (held in memory, or read from its sibling directory and kept), check them against the
-        version's checksum, then reload every weight from them exactly as from the full file
-        (the same loader, the same bytes). Any mismatch raises DeltaRefused before the engine is
-        touched (returned as {"refused": why}). Only the changed values are read from `path`."""
-        from safetensors.torch import load_file
+        return staging.stage(self, staging.full_files, path)
 
-        from inference.delta_rebuild import rebuilt as rebuild
-        from rl import weight_delta as wd
+    def asyncrl_stage_delta(self, path: str) -> dict:
+        """The version the delta at `path` describes, rebuilt from the base (held in memory, or
+        read from its sibling directory) and checked against the version's checksum; loaded at
+        commit from memory exactly as from the full file (the same loader, the same bytes). Only
+        the changed values are read from `path`."""
+        from inference import staging
 
-        start = time.perf_counter()
-        manifest = wd.read_manifest(path)
-        rebuilt = None
-        try:
-            base = self._asyncrl_base_for(manifest, wd.base_dir(path, manifest))
-            # The base holds the version only inside this block (in place: no copy of the model).
-            with rebuild(base, manifest, load_file(Path(path) / wd.TENSORS)) as tensors:
-                rebuilt = time.perf_counter()
-                self._asyncrl_load_tensors(iter(tensors.items()))
-        except wd.DeltaRefused as e:
-            if rebuilt is not None:
-                raise  # from the load, not the checks: not a refusal
-            return {"refused": str(e)}  # as in asyncrl_reload_full
-        self._asyncrl_base = base
-        log.info("version %d rebuilt from version %d + %d changed values in %.3f s, loaded in %.3f s",
-                 manifest.version, manifest.base_version, manifest.changed, rebuilt - start,
-                 time.perf_counter() - rebuilt)
-        return {"base": self._asyncrl_held(), "checksum": manifest.checksum,
-                "rebuild_s": rebuilt - start, "load_s": time.perf_counter() - rebuilt}
+        return staging.stage(self, staging.delta_files, path)
+
+    def asyncrl_stage_broadcast(self, manifest_path: str) -> dict:
+        """A version arriving by the trainer's broadcast (staging.broadcast says what is received
+        and checked before the commit); the sender learns at commit or discard whether it loaded."""
+        from inference import staging
+
+        return staging.stage(self, staging.broadcast, manifest_path)
+
+    def asyncrl_commit(self) -> dict:
+        """Load the version staged (every worker passed its checks): {"base": the base held,
+        and the checksum this worker computed, the bytes it received, seconds}."""
+        from inference import staging
+
+        return staging.commit(self)
+
+    def asyncrl_discard(self) -> dict:
+        """Drop the version staged (some worker refused it)."""
+        from inference import staging
+
+        return staging.discard(self)
 
     def _asyncrl_load_tensors(self, tensors) -> None:
         """Reload every weight from (name, tensor) pairs, as asyncrl_reload_weights does from files."""
@@ -203,50 +191,6 @@ class WeightReloadExtension:
         self._asyncrl_group = bc.join_group(address, rank, world_size, timeout_s, self.device,
                                             who=f"{who} worker {self.rank}")
         return rank
-
-    def asyncrl_receive_weights(self, manifest_path: str) -> dict:
-        """Like asyncrl_reload_weights, with the tensors streaming in from the trainer's
-        broadcast instead of files: each bucket is received when vLLM's loader reaches it. A
-        delta's changed values are all received first (BroadcastVersion); a delta whose base
-        this worker does not hold is {"refused": why}, the sender told it failed here."""
-        from inference.delta_rebuild import BroadcastVersion
-        from rl import broadcast as bc
-        from rl import weight_delta as wd
-
-        group = getattr(self, "_asyncrl_group", None)
-        if group is None:
-            raise RuntimeError("this worker is not in a broadcast group (POST /init_broadcaster first)")
-        if getattr(self, "_asyncrl_broken", None):
-            raise RuntimeError(f"the broadcast group is out of step since an earlier failure "
-                               f"({self._asyncrl_broken}); restart the servers and the trainer")
-        with open(manifest_path, "rb") as f:
-            manifest = bc.Manifest.from_json(f.read())
-        NothingToLoad.install(self.model_runner.get_model(), self._asyncrl_tied_lm_head())
-        start = time.perf_counter()
-        try:
-            incoming = bc.Incoming(group, manifest)
-        except Exception as e:
-            self._asyncrl_broken = str(e)
-            raise
-        ok, refused = False, None
-        try:
-            BroadcastVersion(Path(manifest_path).parent, incoming).load(self)
-            ok = True
-        except wd.DeltaRefused as e:
-            refused = str(e)
-        finally:
-            # Runs after a failed load too: the sender is told (its error names this worker)
-            # and the next version's collectives still line up.
-            try:
-                incoming.finish(ok)
-            except Exception as e:
-                self._asyncrl_broken = str(e)
-                raise
-        if refused:
-            return {"refused": refused}
-        log.info("received version %d by broadcast (%d buckets, %.1f MB) in %.3f s", manifest.version,
-                 len(manifest.buckets), manifest.total_bytes / 2**20, time.perf_counter() - start)
-        return {}
 
 
 def repack_cpu_experts(model) -> int:

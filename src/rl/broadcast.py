@@ -604,6 +604,9 @@ class Incoming:
 
         self.group, self.manifest = group, manifest
         self.received = 0
+        # Counted from what the collectives filled, not from the manifest: what a receiver says
+        # it received (tests/test_weight_delta_broadcast.py compares a delta's with a full one's).
+        self.received_bytes = 0
         header = torch.zeros(5, dtype=torch.int64, device=group.device)
         group.broadcast(header, f"header of version {manifest.version}")
         got, want = header.tolist(), _header(manifest).tolist()
@@ -622,6 +625,7 @@ class Incoming:
         buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.group.device)
         self.group.broadcast(buf, f"bucket {i + 1}/{len(self.manifest.buckets)} of version {self.manifest.version}")
         self.received += 1
+        self.received_bytes += buf.numel() * buf.element_size()
         return unpack_bucket(bucket, buf)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
