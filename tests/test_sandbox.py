@@ -230,10 +230,11 @@ BUDGET.configure(10**7)  # every run starts at once: none waits for room
 def marked_processes():
     found = 0
     for proc in Path("/proc").iterdir():
-        try:
-            found += proc.name.isdigit() and proc.name != str(os.getpid()) and mark in (proc / "cmdline").read_text(errors="replace")
-        except OSError:
-            pass
+        if proc.name.isdigit() and proc.name != str(os.getpid()):  # this one's command line holds the mark too
+            try:
+                found += mark in (proc / "cmdline").read_text(errors="replace")
+            except OSError:
+                pass
     return found
 
 
