@@ -7,7 +7,9 @@ root and as a user."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -210,6 +212,80 @@ def test_runs_cancelled_while_starting_end_and_leave_nothing_running(monkeypatch
 
     assert all(isinstance(r, asyncio.CancelledError) for r in asyncio.run(cancelled()))
     assert not left_running(mark), "a run cancelled while starting was left running"
+
+
+# A process that starts RUNS at once and returns after STEPS turns of its event loop: asyncio.run
+# then cancels the runs, as they start (STEPS 1: the processes exist, asyncio has not yet connected
+# their pipes) or later. It prints how many marked processes ran at that point, then "shut down".
+SHUTDOWN_WHILE_STARTING = """
+import asyncio, os, sys
+from pathlib import Path
+from orchestrator.rollout.sandbox import Limits, Sandbox
+from orchestrator.rollout.sandbox_budget import BUDGET
+
+runs, steps, wall_s, code, mark = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5]
+BUDGET.configure(10**7)  # every run starts at once: none waits for room
+
+
+def marked_processes():
+    found = 0
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and proc.name != str(os.getpid()):  # this one's command line holds the mark too
+            try:
+                found += mark in (proc / "cmdline").read_text(errors="replace")
+            except OSError:
+                pass
+    return found
+
+
+async def main():
+    box = Sandbox(Limits(wall_s=wall_s))
+    for _ in range(runs):
+        asyncio.ensure_future(box.run(code))
+    for _ in range(steps):
+        await asyncio.sleep(0)
+    print(marked_processes(), flush=True)
+
+asyncio.run(main())
+print("shut down", flush=True)
+"""
+
+
+@pytest.mark.parametrize("steps", [1, 3, 40])
+def test_a_shutdown_while_runs_start_ends_before_their_clock_and_leaves_nothing(steps):
+    """asyncio.run returning while runs start their processes cancels them: the shutdown ends
+    (asyncio's own subprocesses hung here forever: a start cancelled before its pipes were
+    connected is never woken), sooner than the runs' wall clock would have stopped them, and
+    nothing of any run is left running, nor its cgroup."""
+    from orchestrator.rollout.sandbox_cgroup import PREFIX, Bound
+
+    runs, wall_s = 32, 30.0
+    code, mark = marked("import time; time.sleep(3600)")  # longer than anything here waits
+    child = subprocess.Popen([sys.executable, "-c", SHUTDOWN_WHILE_STARTING, str(runs), str(steps), str(wall_s),
+                              code, mark], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    try:
+        started = int(child.stdout.readline())  # the cancel point (start-up itself is not timed)
+        try:
+            child.wait(timeout=wall_s)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"asyncio.run's shutdown, cancelling {runs} runs as they start, still hung after the "
+                        f"runs' own wall clock ({wall_s:.0f} s)")
+    finally:
+        child.kill()
+        child.wait()
+        rest = child.stdout.read()
+        child.stdout.close()
+        leftovers = [pid for pid in left_running(mark) if pid != child.pid]
+        for pid in leftovers:  # a failed run of this test leaves nothing either
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert started >= runs, started  # each run's process existed when the cancellation came
+    assert (child.returncode, rest) == (0, "shut down\n")
+    assert not leftovers, "a run cancelled by the shutdown was left running"
+    bound = Bound.detect()
+    if isinstance(bound, Bound):
+        assert not list(bound.memory.glob(f"{PREFIX}{child.pid}-*")), "a cancelled run's cgroup was left"
 
 
 @isolated

@@ -54,9 +54,9 @@ sandbox_cgroup.py (the run's total), sandbox_budget.py (runs at once), sandbox_s
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import os
+import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -176,13 +176,16 @@ class Sandbox:
         lim, isolated = self.limits, scratch is None
         env = {"PATH": "/usr/bin:/bin", "HOME": scratch or "/tmp", "TMPDIR": scratch or "/tmp", "LANG": "C.UTF-8",
                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
-        proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            env=env, cwd=scratch or "/", start_new_session=True, pass_fds=fds,
-            preexec_fn=lambda: confine(lim, uid, group))
-        code_, stdout, stderr, timed_out, flooded, truncated = await supervise(proc, lim, stdin)
-        if info is not None:
-            await namespace_gone(info)
+        # Popen, not an asyncio subprocess: sandbox_supervise.py says why. No await lies between
+        # the start and the try, so a cancellation always finds the run in supervise's hands.
+        proc = subprocess.Popen(argv, bufsize=0, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=env, cwd=scratch or "/", start_new_session=True,
+                                pass_fds=fds, preexec_fn=lambda: confine(lim, uid, group))
+        try:
+            code_, stdout, stderr, timed_out, flooded, truncated = await supervise(proc, lim, stdin)
+        finally:
+            if info is not None:
+                await namespace_gone(info)
         if isolated and code_ is not None and 128 < code_ < 160:
             code_ = -(code_ - 128)  # bwrap's report of a program killed by that signal
         oom = group is not None and group.oom_killed()
