@@ -218,17 +218,26 @@ def per_document_attention(q: Tensor, k: Tensor, v: Tensor, cu_seq_lens: Tensor,
     one document with no mask, a block of several with a block-diagonal causal mask of its own
     size. A block holds no more tokens than the longest document (nor than `most`), so its mask
     is at most that document's length squared, whatever the row's length, and never a row's."""
-    lengths = getattr(cu_seq_lens, "host_lengths", None) or cu_seq_lens.diff().tolist()
     gqa = k.shape[1] != q.shape[1]
-    parts, at = [], 0
-    for block in mask_blocks(lengths, min(most, max(lengths))):
-        size = sum(block)
-        qb, kb, vb = (x[at:at + size].transpose(0, 1)[None] for x in (q, k, v))
-        mask = None if len(block) == 1 else block_mask(block, q.device)
-        parts.append(torch.nn.functional.scaled_dot_product_attention(
-            qb, kb, vb, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=gqa)[0].transpose(0, 1))
-        at += size
+    parts = [torch.nn.functional.scaled_dot_product_attention(
+        *(x[at:at + size].transpose(0, 1)[None] for x in (q, k, v)), attn_mask=mask, is_causal=mask is None,
+        scale=scaling, enable_gqa=gqa)[0].transpose(0, 1) for at, size, mask in block_plan(cu_seq_lens, q.device, most)]
     return torch.cat(parts)
+
+
+def block_plan(cu_seq_lens: Tensor, device: torch.device, most: int) -> list[tuple[int, int, Tensor | None]]:
+    """(start, tokens, mask or None) per block, computed once per forward: every decoder layer gets
+    the same boundaries object, which keeps the plan (as it keeps the host's lengths)."""
+    cached = getattr(cu_seq_lens, "block_plan", None)
+    if cached is not None and cached[0] == most:
+        return cached[1]
+    lengths = getattr(cu_seq_lens, "host_lengths", None) or cu_seq_lens.diff().tolist()
+    plan, at = [], 0
+    for block in mask_blocks(lengths, min(most, max(lengths))):
+        plan.append((at, sum(block), None if len(block) == 1 else block_mask(block, device)))
+        at += sum(block)
+    cu_seq_lens.block_plan = (most, plan)
+    return plan
 
 
 def block_mask(block: list[int], device: torch.device) -> Tensor:
