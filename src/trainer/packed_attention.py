@@ -43,11 +43,12 @@ MASK_BLOCK_TOKENS = 1024
 @dataclass(frozen=True)
 class Kernel:
     """How torch's varlen flash kernel is called on this torch, decided from its signature:
-    `causal`, the keyword that makes it causal (2.11+: window_size = (-1, 0); 2.10: is_causal);
-    `gqa`, how a query head finds its key/value head: "flag" (2.13+ refuses Hq != Hkv unless
-    enable_gqa), "native" (2.11/2.12 take Hkv heads and flash's kernel maps each query head to
-    its group), "expand" (the KV heads repeated first: cuDNN's varlen path, which 2.10 took on
-    Blackwell, has no GQA)."""
+    `causal`, the keyword that makes it causal (2.11 and 2.13: window_size = (-1, 0); the module's
+    first form took is_causal); `gqa`, how a query head finds its key/value head: "flag" (2.13
+    refuses Hq != Hkv unless enable_gqa), "native" (2.11 has no such argument and passes Hkv heads
+    to aten's flash kernel, which maps each query head to its group), "expand" (the KV heads
+    repeated first: where varlen._should_use_cudnn says cuDNN runs, which has no GQA; some
+    versions said so on capability 10)."""
     causal: tuple[str, object]
     gqa: str
 
@@ -81,7 +82,7 @@ def installed_kernel(device_index: int | None = None) -> Kernel | None:
     except ImportError:
         return None
     cudnn = getattr(varlen, "_should_use_cudnn", None)
-    uses_cudnn = bool(cudnn(device_index or 0)) if cudnn is not None and device_index is not None else False
+    uses_cudnn = bool(cudnn(device_index)) if cudnn is not None and device_index is not None else False
     return kernel_for(set(inspect.signature(varlen.varlen_attn).parameters), uses_cudnn)
 
 
