@@ -3,7 +3,7 @@ samples of 128-1024 tokens (78,276 with its seed) through `Trainer.train_step`, 
 (FSDP2 on one rank, the chunked logprob head, trainer.dtype auto: bfloat16 on CUDA), on random
 Qwen2.5-0.5B- and 1.5B-shaped models built from their config (no download), per variant:
 
-    sdpa_8k                  today's path: sdpa (block-diagonal [T, T] mask per packed row), eager
+    sdpa_8k                  sdpa (block-diagonal [T, T] mask per packed row: what auto ran before issue 60), eager
     sdpa_compile_8k          the same with trainer.compile (each decoder layer compiled)
     varlen_{8k,16k,32k}      trainer.attention = "varlen" (torch's own varlen flash kernel), eager
     varlen_compile_{8k,16k,32k}   varlen and compiled: the fast setting
@@ -74,6 +74,16 @@ VARIANTS = {
 TRL_SAMPLES_PER_MICRO_BATCH = 8
 
 
+def kernel_line(attention: str, device: torch.device, dtype: str) -> str | None:
+    """What "varlen" ran as (trainer/packed_attention.py's start-up line): the flash kernel and how
+    this torch takes GQA, or SDPA per block."""
+    if attention != "varlen":
+        return None
+    from trainer import packed_attention
+
+    return packed_attention.describe(device, torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+
+
 def workload_batch(tiny: bool, vocab: int):
     samples, lo, hi, _, _ = WORKLOAD["tiny" if tiny else "full"]
     return random_batch(samples, lo, hi, vocab, seed=51)
@@ -102,7 +112,7 @@ def run_variant(args) -> None:
         "variant": args.variant, "tokens": int(batch.lengths.sum()), "params": params, "step_s": min(times),
         "steps_s": times, "warmup_s": warmup_s, "peak_gib": peak_gb(device) * 1e9 / 2 ** 30,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "dtype": dtype,
-        "attention": attention}))
+        "attention": attention, "kernel": kernel_line(attention, device, dtype)}))
 
 
 def variant_trainer(args):
@@ -163,6 +173,8 @@ def table(results: list[dict], peak_tflops: float | None) -> str:
         mfu = f"{6 * r['params'] * rate / (peak_tflops * 1e12):6.1%}" if peak_tflops else "     -"
         lines.append(f"{r['shape']:6} {r['variant']:24} {r['attention']:10} {r['dtype'][:9]:9} {r['step_s']:7.2f} "
                      f"{rate:9,.0f} {mfu} {r['peak_gib']:9.1f}  {r['warmup_s']:.0f}")
+    kernels = sorted({r["kernel"] for r in results if r.get("kernel")})
+    lines += [f"varlen ran as: {k}" for k in kernels]
     return "\n".join(lines)
 
 

@@ -23,13 +23,16 @@ Items, each in a process of its own with a timeout, its logs under --out/<item>/
   shared-gpu   a 2-step `rl run` on one GPU: the trainer starts once the server serves
   reload-v2    an in-flight reload on vLLM's V2 model runner (a GPU build's default, async
                scheduling on): every token's version exact (GPU only, like the two above)
+  memory-share a 2-step `rl run` on one shared GPU with a KL reference model: the memory each
+               program reaches against rl/gpu_placement.py's model of it (GPU only)
 
 Each is PASS, FAIL (one line why, and the log to read) or SKIP (why); exit code 1 when one
 FAILed. docs/performance.md ("The GPU check") describes the items and shows a CPU report.
 
 This file runs the items and reports; the items themselves are in gpu_check_items.py (environment,
 trainer, lora, run, and the context all share), gpu_check_serving.py (broadcast, reload: a real
-server) and gpu_check_sft.py (sft), the process trees and their memory in gpu_check_processes.py.
+server), gpu_check_sft.py (sft), gpu_check_placement.py (placement, shared-gpu, reload-v2) and
+gpu_check_memory.py (memory-share), the process trees and their memory in gpu_check_processes.py.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from pathlib import Path
 from gpu_check_items import (CheckFailed, Context, check_environment, check_lora, check_run, check_trainer,
                              first_line, last_line, package_version)
 from gpu_check_processes import PeakMemory, become_subreaper, clean_up, descendants, nvidia_smi
+from gpu_check_memory import check_memory_share
 from gpu_check_placement import check_placement, check_reload_v2, check_shared_gpu
 from gpu_check_serving import check_broadcast, check_reload
 from gpu_check_sft import check_sft
@@ -85,8 +89,9 @@ ITEMS = [
     Item("placement", 0, 300, "`rl run --dry-run`: the GPUs the server and the trainer get"),
     Item("shared-gpu", 1, 900, "a 2-step `rl run` on one GPU: the trainer starts once the server serves"),
     Item("reload-v2", 1, 600, "an in-flight reload on vLLM's V2 runner: every token's version exact"),
+    Item("memory-share", 1, 900, "a shared GPU's memory: each program against the placement's model"),
 ]
-GPU_ONLY = ("placement", "shared-gpu", "reload-v2")  # issue 51's GPU path: nothing to check on CPU
+GPU_ONLY = ("placement", "shared-gpu", "reload-v2", "memory-share")  # issue 51's GPU path: nothing to check on CPU
 NAMES = [i.name for i in ITEMS]
 
 
@@ -330,6 +335,7 @@ CHECKS = {
     "placement": check_placement,
     "shared-gpu": check_shared_gpu,
     "reload-v2": check_reload_v2,
+    "memory-share": check_memory_share,
 }
 
 

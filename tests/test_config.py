@@ -73,7 +73,39 @@ MOVED_VALUES = {"server_urls": ["http://h:1"], "discover_servers": False, "teach
                 "max_in_flight_groups": 20, "environment_args": {}}
 
 
-@pytest.mark.parametrize("old, new", MOVED.items())
+# The keys that moved, written out here rather than read from MOVED: a key dropped from MOVED (or
+# sent somewhere else) fails its case instead of silently leaving the test.
+OLD_KEYS = {
+    "server_urls": "servers.urls", "discover_servers": "servers.discover", "server_retry_max_s": "servers.retry_max_s",
+    "teacher_url": "teacher.url", "teacher_coef": "teacher.coef", "tool_parser": "tools.parser",
+    "overlong_buffer": "overlong.buffer", "overlong_penalty": "overlong.penalty",
+    "chat": "prompts.chat", "chat_template": "prompts.chat_template",
+    "chat_template_kwargs": "prompts.chat_template_kwargs", "system_prompt": "prompts.system_prompt",
+    "max_tokens": "sampling.max_tokens", "temperature": "sampling.temperature", "top_p": "sampling.top_p",
+    "top_k": "sampling.top_k", "min_p": "sampling.min_p", "stop": "sampling.stop",
+    "record_kept_sets": "sampling.record_kept_sets",
+    "prompts_per_step": "scheduling.prompts_per_step", "group_size": "scheduling.group_size",
+    "min_group_episodes": "scheduling.min_group_episodes",
+    "normalize_advantages": "scheduling.normalize_advantages",
+    "filter_zero_variance": "scheduling.filter_zero_variance",
+    "max_in_flight_groups": "scheduling.max_in_flight_groups",
+    "max_off_policy_steps": "scheduling.max_off_policy_steps", "in_flight_updates": "scheduling.in_flight_updates",
+    "poll_interval_s": "scheduling.poll_interval_s", "max_futile_streak": "scheduling.max_futile_streak",
+    "reward_timeout_s": "timeouts.reward_s", "trainer_timeout_s": "timeouts.trainer_s",
+    "request_timeout_s": "timeouts.request_s", "servers.request_timeout_s": "timeouts.request_s",
+    "server_wait_timeout_s": "timeouts.server_wait_s", "servers.wait_timeout_s": "timeouts.server_wait_s",
+    "tool_timeout_s": "timeouts.tool_s", "tools.timeout_s": "timeouts.tool_s",
+    "keep_checkpoints": "checkpoints.keep",
+    "environment_args": "environment.args", "max_turns": "environment.max_turns",
+}
+
+
+def test_every_moved_key_is_listed_here():
+    """A key MOVED gains gets a case here too (OLD_KEYS is the test's own list)."""
+    assert set(MOVED) <= set(OLD_KEYS), sorted(set(MOVED) - set(OLD_KEYS))
+
+
+@pytest.mark.parametrize("old, new", OLD_KEYS.items())
 def test_a_key_moved_into_an_orchestrator_table_is_refused_naming_its_new_place(write_toml, old, new):
     """A config written before [orchestrator]'s tables existed (servers, teacher, tools, overlong;
     then prompts, sampling, scheduling, timeouts, checkpoints, issue 53; then environment): one line

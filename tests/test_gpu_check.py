@@ -7,8 +7,10 @@ from __future__ import annotations
 import importlib
 import json
 import shutil
+import os
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -21,8 +23,8 @@ pytestmark = pytest.mark.slow
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
 CHAT_MODEL = ROOT / "models" / "tiny-chat"
 ITEMS = ["environment", "trainer-1", "trainer-N", "broadcast", "reload", "lora", "run", "sft", "placement",
-         "shared-gpu", "reload-v2"]
-GPU_ONLY = ["placement", "shared-gpu", "reload-v2"]
+         "shared-gpu", "reload-v2", "memory-share"]
+GPU_ONLY = ["placement", "shared-gpu", "reload-v2", "memory-share"]
 PORTS = 8  # trainer-N 1, broadcast 2, reload 1, lora 1, run 1, shared-gpu 1, reload-v2 1
 
 
@@ -130,3 +132,40 @@ def test_gpu_machines_skip_what_they_cannot_run_and_place_programs_on_their_gpus
     parsed = RunConfig.model_validate(tomllib.loads(cfg.read_text()))
     assert parsed.trainer.dtype == parsed.inference.dtype == "bfloat16" and parsed.trainer.lora.rank == 8
     assert parsed.inference.gpu_memory_utilization == 0.35 and parsed.inference.port == 8400
+
+
+def test_the_memory_share_item_compares_each_program_with_the_model(tmp_path):
+    """memory-share's decisions without a GPU: a process counts with the program its ancestor
+    below the launcher names (real processes here), the model's figures are the placement's, and
+    a program beyond its modelled memory fails the item naming it."""
+    load_script()
+    import gpu_check_memory as mem
+
+    from rl import gpu_placement as gp
+    from rl.config import load_config
+
+    script = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import time; time.sleep(60)'])"
+    rank = subprocess.Popen([sys.executable, "-c", script, "-m", "trainer"])
+    try:
+        for _ in range(200):
+            grandchildren = Path(f"/proc/{rank.pid}/task/{rank.pid}/children").read_text().split()
+            if grandchildren:
+                break
+            time.sleep(0.05)
+        assert mem.program_of(int(grandchildren[0]), os.getpid()) == "trainer"
+        assert mem.program_of(rank.pid, os.getpid()) == "trainer"
+        assert mem.program_of(os.getpid(), os.getpid()) is None
+    finally:
+        rank.kill()
+        rank.wait()
+    config = tmp_path / "run.toml"
+    config.write_text(f'model = "{CHAT_MODEL}"\n[trainer.loss]\nkl_coef = 0.01\n')
+    model = mem.modelled(config, 79.2)
+    cfg = load_config(["@", str(config)])[0]
+    shape = gp.model_shape(CHAT_MODEL)
+    assert model["share"] == gp.plan(cfg, ("0",), 79.2, shape).memory_share
+    assert model["trainer_gib"] == sum(gp.trainer_need(cfg, shape).values()) + gp.CUDA_CONTEXT_GIB
+    within = {"trainer": model["trainer_gib"] * 0.9, "server": model["server_gib"] * 0.9, "gpu": 70.0}
+    assert mem.verdict(within, model)[0]
+    ok, line = mem.verdict({**within, "trainer": model["trainer_gib"] + 1}, model)
+    assert not ok and line.startswith("trainer reached")

@@ -22,6 +22,15 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY_MODEL = ROOT / "models" / "tiny-reverse"
 
 
+@pytest.fixture(autouse=True)
+def nothing_leaks():
+    """Every test leaves the placement's environment as it found it (checked after monkeypatch's undo)."""
+    keys = (gp.PLACED_ENV, "CUDA_VISIBLE_DEVICES")
+    before = {k: os.environ.get(k) for k in keys}
+    yield
+    assert {k: os.environ.get(k) for k in keys} == before, "a test left the placement's environment changed"
+
+
 def cfg(*overrides: str):
     return load_config(["--model", str(TINY_MODEL), *overrides])[0]
 
@@ -71,25 +80,125 @@ def test_tensor_parallel_divides_the_servers_gpus_into_replicas():
         gp.plan(cfg("--inference.extra_args", '["--tensor-parallel-size", "2"]'), ids(8))
 
 
+# Qwen2.5's shapes (config.json), their parameters and their largest tensor (the embedding, bfloat16).
+QWEN_0_5B = gp.ModelShape(params=494_032_768, layers=24, hidden=896, kv_width=128, intermediate=4864, vocab=151_936,
+                          largest_tensor_bytes=151_936 * 896 * 2)
+QWEN_1_5B = gp.ModelShape(params=1_543_714_304, layers=28, hidden=1536, kv_width=256, intermediate=8960,
+                          vocab=151_936, largest_tensor_bytes=151_936 * 1536 * 2)
+QWEN_7B = gp.ModelShape(params=7_615_616_512, layers=28, hidden=3584, kv_width=512, intermediate=18944,
+                        vocab=152_064, largest_tensor_bytes=152_064 * 3584 * 2)
+H200, H100 = 139.8, 79.2  # GiB, as torch reports them
+
+
 def test_a_shared_gpu_leaves_the_trainer_room():
-    # 0.5B parameters, full fine-tuning: 16 bytes each with 25% headroom = 9.3 GiB of an 80 GiB GPU.
-    plan = gp.plan(cfg(), ids(1), total_gib=80, params=500_000_000)
-    need = 500_000_000 * 16 * 1.25 / 2**30
-    assert plan.memory_share == 0.88 and plan.memory_share <= 1 - need / 80
-    assert plan.overrides()[-2:] == ["--inference.gpu_memory_utilization", "0.88"]
+    plan = gp.plan(cfg(), ids(1), total_gib=H100, shape=QWEN_0_5B)
+    need = sum(gp.outside_the_server(cfg(), QWEN_0_5B).values())
+    assert 0.1 < plan.memory_share <= 1 - need / H100 < plan.memory_share + 0.01
+    assert plan.overrides()[-2:] == ["--inference.gpu_memory_utilization", f"{plan.memory_share:.2f}"]
     # A small model: vLLM's own 0.9, never more.
-    assert gp.plan(cfg(), ids(1), total_gib=80, params=1_000_000).memory_share == 0.9
+    tiny = gp.model_shape(TINY_MODEL)
+    assert gp.plan(cfg(), ids(1), total_gib=H100, shape=tiny).memory_share == 0.9
     # A given share that fits is kept (no override), one that does not is refused naming it.
-    assert gp.plan(cfg("--inference.gpu_memory_utilization", "0.5"), ids(1), 80, 500_000_000).memory_share is None
-    with pytest.raises(ConfigError, match=r"^inference\.gpu_memory_utilization = 0\.9 leaves the trainer 8\.0 GiB"):
-        gp.plan(cfg("--inference.gpu_memory_utilization", "0.9"), ids(1), 80, 500_000_000)
+    assert gp.plan(cfg("--inference.gpu_memory_utilization", "0.3"), ids(1), H100, QWEN_0_5B).memory_share is None
+    with pytest.raises(ConfigError, match=r"^inference\.gpu_memory_utilization = 0\.9 leaves 7\.9 GiB of the shared "
+                                          r"GPU's 79 GiB, and beside the server it needs ~\d+\.\d GiB \(0\.49B "
+                                          r"parameters; GiB: weights and optimizer 7\.4, optimizer step 1\.8"):
+        gp.plan(cfg("--inference.gpu_memory_utilization", "0.9"), ids(1), H100, QWEN_0_5B)
     # 7B on one 80 GiB GPU with full fine-tuning cannot share; with LoRA it can.
-    with pytest.raises(ConfigError, match=r"^trainer\.gpus: the trainer needs ~130\.4 GiB"):
-        gp.plan(cfg(), ids(1), 80, 7_000_000_000)
-    lora = gp.plan(cfg("--trainer.lora.rank", "8"), ids(1), 80, 7_000_000_000)
-    assert 0.5 < lora.memory_share < 0.9
-    # Memory unknown (no nvidia-smi): the config's share as it is.
+    with pytest.raises(ConfigError, match=r"^trainer\.gpus: beside the server the shared GPU's 79 GiB must hold ~"):
+        gp.plan(cfg(), ids(1), H100, QWEN_7B)
+    lora = gp.plan(cfg("--trainer.lora.rank", "8", "--trainer.activation_checkpointing", "true"), ids(1), H100, QWEN_7B)
+    assert 0.3 < lora.memory_share < 0.9
+    # Memory unknown (no GPU torch can see): the config's share as it is.
     assert gp.plan(cfg(), ids(1)).memory_share is None
+
+
+def gib(n: float) -> float:
+    return n / 2**30
+
+
+def test_the_shared_share_leaves_what_the_trainer_holds_by_its_config():
+    """Issue 60's case: 1.5B on an H200 with a KL reference model. Beside the server's share the
+    GPU keeps, counted here from the shape alone: float32 weights, gradients and AdamW's moments
+    (16 B a parameter), AdamW's foreach temporaries at the step (4 B), the reference in bfloat16
+    (2 B), two CUDA contexts, the reload's copy of the embedding, and the activations of the
+    micro-batch's tokens in bfloat16, at least its layers' inputs (what checkpointing keeps)."""
+    kl = ["--trainer.loss.kl_coef", "0.01"]
+    p = QWEN_1_5B.params
+    for extra in ([], ["--trainer.activation_checkpointing", "true"],
+                  ["--trainer.activation_checkpointing", "true", "--trainer.micro_batch_tokens", "32768"]):
+        config = cfg(*kl, *extra)
+        share = gp.plan(config, ids(1), H200, QWEN_1_5B).memory_share
+        tokens = config.trainer.micro_batch_tokens
+        floor = (gib(p * (16 + 4 + 2)) + 2 * gp.CUDA_CONTEXT_GIB + gib(QWEN_1_5B.largest_tensor_bytes)
+                 + gib(2 * tokens * QWEN_1_5B.hidden * QWEN_1_5B.layers))
+        assert (1 - share) * H200 >= floor, (extra, share, floor)
+    # Each part of the config moves the share the way it moves the trainer's memory.
+    def share(*extra):
+        return gp.shared_memory_share(cfg(*extra), H200, QWEN_1_5B)
+    assert share(*kl) < share()  # the reference model
+    assert share(*kl, "--trainer.loss.kl_target", "inference") == share()  # no reference model then
+    assert share(*kl, "--trainer.reference_offload", "true") > share(*kl)
+    assert share("--trainer.micro_batch_tokens", "16384") < share() < share("--trainer.activation_checkpointing", "true")
+    with pytest.raises(ConfigError, match=r"^trainer\.gpus: .*activations \d+"):  # 32k tokens without checkpointing
+        share(*kl, "--trainer.micro_batch_tokens", "32768")
+    assert share("--trainer.lora.rank", "8", *kl) > share()  # LoRA: no optimizer state, its base is the reference
+    need = gp.trainer_need(cfg(*kl), QWEN_1_5B)
+    assert need["reference model"] == pytest.approx(gib(2 * p)) and need["optimizer step"] == pytest.approx(gib(4 * p))
+    two = gp.trainer_need(cfg("--trainer.micro_batch_tokens", "16384"), QWEN_1_5B)
+    assert two["activations"] == pytest.approx(2 * gp.trainer_need(cfg(), QWEN_1_5B)["activations"])
+    # Two trainer ranks sharing two GPUs with the server: each holds half the sharded state.
+    halves = gp.trainer_need(cfg(), QWEN_1_5B, ranks=2)
+    assert halves["weights and optimizer"] == pytest.approx(gib(16 * p) / 2)
+    outside = gp.outside_the_server(cfg(), QWEN_1_5B)
+    assert outside["reload's largest tensor"] == gib(151_936 * 1536 * 2)
+    assert outside["CUDA contexts"] == 2 * gp.CUDA_CONTEXT_GIB
+
+
+def test_model_shape_from_config_and_headers():
+    import safetensors.torch
+
+    shape = gp.model_shape(TINY_MODEL)
+    tensors = safetensors.torch.load_file(next(TINY_MODEL.glob("*.safetensors")))
+    assert shape.params == gp.model_params(TINY_MODEL) == sum(t.numel() for t in tensors.values())
+    assert shape.largest_tensor_bytes == max(t.numel() * t.element_size() for t in tensors.values())
+    assert (shape.layers, shape.hidden, shape.kv_width, shape.intermediate) == (4, 128, 64, 384)
+
+
+class FakeCuda:
+    """torch.cuda as a process sees it with two visible devices of different sizes."""
+
+    def __init__(self, sizes_gib):
+        self.sizes = sizes_gib
+
+    def is_available(self):
+        return bool(self.sizes)
+
+    def device_count(self):
+        return len(self.sizes)
+
+    def get_device_properties(self, index):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(total_memory=int(self.sizes[index] * 2**30))
+
+
+def test_gpu_memory_is_torchs_view_of_the_visible_devices(monkeypatch):
+    """The shared GPU's memory, by its index among the visible devices (torch's numbering follows
+    CUDA_VISIBLE_DEVICES; nvidia-smi's lists the machine's GPU 0)."""
+    fake = FakeCuda([H100, H200])
+    assert gp.torch_memory_gib(fake, 1) == pytest.approx(H200) and gp.torch_memory_gib(fake, 0) == pytest.approx(H100)
+    assert gp.torch_memory_gib(fake, 2) is None and gp.torch_memory_gib(FakeCuda([]), 0) is None
+    # The real probe in its child process: this machine's torch sees no GPU.
+    assert gp.gpu_memory_gib(0) is None
+    # rl run's check asks for the shared GPU (here the second visible), not the first.
+    asked = []
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setattr(gp, "gpu_memory_gib", lambda index=0: asked.append(index) or gp.torch_memory_gib(fake, index))
+    plan = gp.check(cfg("--inference.gpus", "[0,1]", "--trainer.gpus", "[1]"))
+    assert asked == [1] and plan.shared == (1,) and plan.memory_share == 0.9  # the tiny model on 140 GiB
+    asked.clear()
+    assert gp.check(cfg()).memory_share is None and asked == []  # a GPU each: nothing to size
 
 
 def test_refusals_on_the_placement():
@@ -136,7 +245,10 @@ def test_visible_gpus_follow_cuda_visible_devices_then_the_driver(tmp_path):
 
 def test_a_program_started_by_hand_applies_its_own_gpus(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
-    monkeypatch.delenv(gp.PLACED_ENV, raising=False)
+    # setenv first: delenv of an absent key records nothing, and apply()'s PLACED_ENV = 1 would
+    # outlive the test in this worker, turning off later children's placement checks.
+    monkeypatch.setenv(gp.PLACED_ENV, "")
+    monkeypatch.delenv(gp.PLACED_ENV)
     gp.apply(cfg("--trainer.gpus", "[1,3]"), "trainer")
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "5,7"
     # Placed already (by `rl run`, or just now): indices are not mapped a second time.

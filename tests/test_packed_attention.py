@@ -203,11 +203,14 @@ def test_compile_auto_is_on_for_cuda_full_fine_tuning_only():
 
 
 @pytest.mark.parametrize("dtype, device, capability, flash, want", [
-    ("float32", "cpu", None, False, "sdpa"), ("bfloat16", "cpu", None, False, "sdpa"),
-    ("float32", "cuda", (9, 0), False, "sdpa"), ("bfloat16", "cuda", (9, 0), False, "varlen"),
-    ("bfloat16", "cuda", (9, 0), True, "flash_attention_2"), ("bfloat16", "cuda", (7, 5), False, "sdpa"),
+    ("float32", "cpu", None, False, "varlen"), ("bfloat16", "cpu", None, False, "varlen"),
+    ("float32", "cuda", (9, 0), False, "varlen"), ("bfloat16", "cuda", (9, 0), False, "varlen"),
+    ("bfloat16", "cuda", (9, 0), True, "flash_attention_2"), ("bfloat16", "cuda", (7, 5), True, "varlen"),
+    ("float32", "cuda", (9, 0), True, "varlen"),
 ])
-def test_attention_auto(monkeypatch, dtype, device, capability, flash, want):
+def test_attention_auto_never_picks_a_masked_kernel(monkeypatch, dtype, device, capability, flash, want):
+    """auto: flash-attn's kernel where it runs, else varlen (the flash kernel or SDPA per document):
+    never sdpa, whose packed rows get a [T, T] mask."""
     import transformers.utils
 
     monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: flash)
@@ -256,3 +259,166 @@ def test_flash_attention_2_needs_bfloat16_or_auto():
     assert RunConfig.model_validate({"model": "m", "trainer": {"attention": "flash_attention_2"}}).trainer.dtype == "auto"
     with pytest.raises(ValueError, match='trainer.attention = "flash_attention_2" needs trainer.dtype'):
         RunConfig.model_validate({"model": "m", "trainer": {"attention": "flash_attention_2", "dtype": "float32"}})
+
+
+# --- no [T, T] mask for packed rows (issue 63, item 5) ----------------------------------------
+
+
+def sdpa_calls(monkeypatch) -> list[tuple[int, int, int]]:
+    """Every SDPA call from here on, as (query length, key length, mask elements: 0 without one)."""
+    calls, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def recorded(q, k, v, attn_mask=None, *args, **kwargs):
+        calls.append((q.shape[-2], k.shape[-2], 0 if attn_mask is None else attn_mask[0, 0].numel()
+                      if attn_mask.dim() == 4 else attn_mask.numel()))
+        return sdpa(q, k, v, attn_mask, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
+    return calls
+
+
+def test_auto_builds_no_row_sized_mask_for_packed_rows(tiny, group, monkeypatch):
+    """The trainer's own forward (auto on this CPU: varlen) on packed rows (~120 wide): no SDPA call
+    sees a mask or keys beyond the micro-batch's longest sample, forward and backward (activation
+    checkpointing recomputes the forward); sdpa, measured the same way, gets a [T, T] mask per row."""
+    mbs = micro_batches(packed=True)
+    width = min(mb.tokens.shape[1] for mb in mbs)
+    longest = max(max(packed_attention.document_lengths(mb.position_ids, None, mb.tokens.shape)) for mb in mbs)
+    assert longest < width  # rows hold several samples: a row-sized block would be a [T, T] mask
+    for checkpointing in (False, True):
+        model = load(tiny, attention="auto", activation_checkpointing=checkpointing)
+        assert model.config._attn_implementation == "varlen"
+        calls = sdpa_calls(monkeypatch)
+        scored(model, mbs)
+        monkeypatch.undo()
+        assert calls and all(keys <= longest and mask <= longest ** 2 for _, keys, mask in calls), calls
+        assert any(mask for _, _, mask in calls)  # short samples did share blocks
+    calls = sdpa_calls(monkeypatch)
+    scored(load(tiny, attention="sdpa"), mbs, grad=False)
+    assert any(mask == rows * rows >= width * width for rows, _, mask in calls)
+
+
+def test_long_documents_run_alone_without_a_mask(monkeypatch):
+    """A 3000-token document beside short ones: it runs alone and causal; the short ones share
+    blocks of at most MASK_BLOCK_TOKENS; nothing holds a mask of the row's size."""
+    lengths = [40, 3000, 300, 500, 700, 8]
+    assert packed_attention.mask_blocks(lengths) == [[40], [3000], [300, 500], [700, 8]]
+    assert packed_attention.mask_blocks([5, 5, 5], most=10) == [[5, 5], [5]]
+    q, k, v = torch.randn(sum(lengths), 4, 8), torch.randn(sum(lengths), 2, 8), torch.randn(sum(lengths), 2, 8)
+    calls = sdpa_calls(monkeypatch)
+    packed_attention.per_document_attention(q, k, v, packed_attention.boundaries(lengths, CPU)["cu_seq_lens_q"],
+                                            None)
+    assert calls == [(40, 40, 0), (3000, 3000, 0), (800, 800, 800 ** 2), (708, 708, 708 ** 2)]
+
+
+def attention_bound(q, k, v, mask, scale: float):
+    """How far a float32 SDPA of float32 inputs may be from the exact output, per element
+    [H, N, D]: the scores s = scale q.k are off by E <= gamma(D + 1) scale sum_d |q_d k_d| (the
+    scaling one more rounding); softmax turns a shift of every score by at most E, the rounding of
+    s - max (U * 2 max|s|), exp's own error (2 ULPS U) and the quotient (U) into a relative error of
+    each weight, twice for numerator and normaliser, the normaliser's sum gamma(n); the weighted
+    sum of values adds gamma(n); a blockwise (online) softmax rescales its running sums once per
+    block, each an exp and a product: at most n blocks. All relative to sum_j p_j |v_j|, p the exact
+    weights (to first order). q [H, N, D] (k, v repeated to H heads), mask [N, N] boolean."""
+    from float32_rounding import ULPS, gamma
+
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    n, dim = mask.sum(-1).max().item(), q.shape[-1]
+    s = scale * q64 @ k64.transpose(-1, -2)
+    magnitude = (scale * q64.abs() @ k64.abs().transpose(-1, -2)).masked_fill(~mask, 0)
+    shift = gamma(dim + 1) * magnitude.amax(-1, keepdim=True)
+    largest = s.masked_fill(~mask, 0).abs().amax(-1, keepdim=True)
+    p = torch.softmax(s.masked_fill(~mask, float("-inf")), -1)
+    relative = (2 * (2 * shift + 2 * U * largest + 2 * ULPS * U + U) + gamma(n) + gamma(n)
+                + n * 2 * (2 * ULPS * U + U))
+    return p @ v64, relative * (p @ v64.abs())
+
+
+def test_blocks_equal_the_masked_row_within_float32_rounding():
+    """per_document_attention (blocks and single documents) against SDPA with the row's
+    block-diagonal mask: each within attention_bound of the exact (float64) output, so within the
+    sum of the two bounds of each other; the same with one boundary dropped fails."""
+    torch.manual_seed(3)
+    lengths = [7, 30, 1, 50, 12, 28]  # one row of 128, documents as packing leaves them
+    width, heads, kv, dim = sum(lengths), 4, 2, 16
+    q, k, v = torch.randn(width, heads, dim), torch.randn(width, kv, dim), torch.randn(width, kv, dim) * 3
+    cu = packed_attention.boundaries(lengths, CPU)["cu_seq_lens_q"]
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    mask = (doc[:, None] == doc[None, :]) & torch.ones(width, width, dtype=torch.bool).tril()
+    kh, vh = (x.transpose(0, 1).repeat_interleave(heads // kv, 0) for x in (k, v))
+    exact, bound = attention_bound(q.transpose(0, 1), kh, vh, mask, dim ** -0.5)
+    masked = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
+        enable_gqa=True)[0]
+    assert ((masked.double() - exact).abs() <= bound).all()
+    for most in (1, 40, packed_attention.MASK_BLOCK_TOKENS):  # one document per call; blocks; one block
+        got = packed_attention.per_document_attention(q, k, v, cu, None, most=most).transpose(0, 1)
+        assert ((got.double() - exact).abs() <= bound).all(), most
+        assert ((got - masked).abs() <= 2 * bound).all(), most
+    merged = packed_attention.boundaries([7 + 30, 1, 50, 12, 28], CPU)["cu_seq_lens_q"]
+    wrong = packed_attention.per_document_attention(q, k, v, merged, None).transpose(0, 1)
+    assert not ((wrong - masked).abs() <= 2 * bound).all()
+
+
+# --- which varlen kernel runs, decided from torch's signature (issue 60, item 5) -----------------
+
+
+def test_the_kernel_is_called_as_each_torch_signature_allows(monkeypatch):
+    """2.13's varlen_attn refuses Hq != Hkv without enable_gqa; 2.11's has no such argument and
+    passes the KV heads to flash's kernel (GQA native); a cuDNN path (no GQA) gets them expanded;
+    an is_causal-style signature is made causal that way. (The signatures themselves are pinned in
+    tests/test_torch_contract.py.)"""
+    from torch.nn.attention import varlen
+
+    from test_torch_contract import TORCH_2_11_VARLEN, params
+
+    installed, seen = params(varlen.varlen_attn), []
+    monkeypatch.setattr(varlen, "varlen_attn", lambda q, k, v, *args, **kw: seen.append((k, v, args, kw)) or q)
+    q, k, v = torch.randn(10, 4, 8), torch.randn(10, 2, 8), torch.randn(10, 2, 8)
+    cu = packed_attention.boundaries([4, 6], CPU)["cu_seq_lens_q"]
+    for parameters, cudnn, heads, keywords in [
+        (installed, False, 2, {"window_size": (-1, 0), "enable_gqa": True}),
+        (TORCH_2_11_VARLEN, False, 2, {"window_size": (-1, 0)}),
+        (TORCH_2_11_VARLEN, True, 4, {"window_size": (-1, 0)}),
+        (TORCH_2_11_VARLEN - {"window_size"} | {"is_causal"}, False, 2, {"is_causal": True}),
+    ]:
+        kernel = packed_attention.kernel_for(parameters, cudnn)
+        packed_attention.flash_varlen(q, k, v, cu, 6, 0.5, kernel)
+        got_k, got_v, args, kw = seen.pop()
+        assert got_k.shape[1] == got_v.shape[1] == heads and args == (cu, cu, 6, 6)
+        assert kw == {"scale": 0.5, **keywords}, kernel
+        if heads == 4:  # each query head's KV head as transformers' repeat_kv pairs them
+            assert torch.equal(got_k[:, 1], k[:, 0]) and torch.equal(got_k[:, 2], k[:, 1])
+    assert packed_attention.kernel_for(TORCH_2_11_VARLEN - {"window_size"}, False) is None
+    assert packed_attention.kernel_for(TORCH_2_11_VARLEN - {"scale"}, False) is None
+
+
+def test_the_start_up_line_says_which_kernel_runs(monkeypatch, caplog):
+    """With the device faked: on an H100-class GPU in bfloat16 the flash kernel (as this torch takes
+    GQA), on a Turing GPU or in float32 SDPA per document, saying why."""
+    for cache in (packed_attention.describe, packed_attention.announce, packed_attention.ampere,
+                  packed_attention.installed_kernel):
+        cache.cache_clear()
+    capability = {"value": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability["value"])
+    cuda = torch.device("cuda", 0)
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        packed_attention.register(cuda, torch.bfloat16)
+        packed_attention.register(cuda, torch.bfloat16)  # the reference model: said once
+        packed_attention.register(cuda, torch.float32)
+        capability["value"] = (7, 5)
+        packed_attention.ampere.cache_clear()
+        packed_attention.describe.cache_clear()
+        packed_attention.announce.cache_clear()
+        packed_attention.register(cuda, torch.bfloat16)
+        packed_attention.register(CPU, torch.float32)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 4, lines
+    assert lines[0] == ('attention = "varlen" on cuda in bfloat16: torch.nn.attention.varlen\'s flash kernel '
+                        "(window_size for causality, enable_gqa)")
+    assert lines[1].startswith('attention = "varlen" on cuda in float32: SDPA per document (float32 on cuda)')
+    assert "(the flash kernel needs Ampere or newer)" in lines[2]
+    assert "(float32 on cpu)" in lines[3] and "no [T, T] mask" in lines[3]
+    for cache in (packed_attention.describe, packed_attention.announce, packed_attention.ampere,
+                  packed_attention.installed_kernel):
+        cache.cache_clear()

@@ -366,9 +366,9 @@ class TrainerConfig(Section):
     """Attention kernel of the trainer's model. sdpa: packed samples get a block-diagonal
     [T, T] mask. varlen: packed rows are cut into their samples and attention runs per sample
     (trainer/packed_attention.py): PyTorch's own flash kernel on CUDA in bfloat16 (no flash-attn
-    package; Ampere or newer), one causal SDPA call per sample elsewhere. flash_attention_2: the
-    flash-attn package's varlen kernel. auto: on CUDA with dtype bfloat16, flash_attention_2 where
-    flash-attn is installed, else varlen; otherwise (float32, the CPU) sdpa."""
+    package; Ampere or newer), elsewhere SDPA per block of samples (a mask no longer than the
+    longest sample, never the row's). flash_attention_2: the flash-attn package's varlen kernel.
+    auto: flash_attention_2 on CUDA in bfloat16 where flash-attn is installed, else varlen."""
 
     compile: Literal["auto"] | bool = "auto"
     """torch.compile each decoder layer's forward before FSDP2 shards it (trainer/compiled_layers.py):

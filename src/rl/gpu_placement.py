@@ -19,9 +19,11 @@ sees: CUDA_VISIBLE_DEVICES's entries when it is set, else the NVIDIA driver's de
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,12 +34,25 @@ PLACED_ENV = "ASYNCRL_GPUS_PLACED"  # set by `rl run` for its children: their GP
 DRIVER_GPUS = Path("/proc/driver/nvidia/gpus")
 # Flags that give a vLLM server more than one GPU: with `gpus` keys they would contradict them.
 PARALLEL_FLAGS = ("--tensor-parallel-size", "-tp", "--data-parallel-size", "-dp")
-# Trainer bytes per parameter for full fine-tuning: float32 weights, gradients and AdamW's two
-# moments (activations come on top: TRAINER_HEADROOM).
+# What the trainer holds per parameter (divided among its ranks by FSDP2): full fine-tuning keeps
+# float32 weights, gradients and AdamW's two moments (16 bytes), and at the step AdamW's foreach
+# implementation holds one more float32 per parameter (its intermediate lists: 4 bytes). LoRA
+# keeps the frozen base in float32 (the trainer loads float32; adapters and their state negligible).
 FULL_BYTES_PER_PARAM = 16
-# LoRA: the frozen base in float32 (the trainer loads float32), adapters and their state negligible.
+ADAMW_FOREACH_BYTES_PER_PARAM = 4
 LORA_BYTES_PER_PARAM = 4
-TRAINER_HEADROOM = 1.25  # activations, the logits chunk, CUDA's own context and allocator slack
+# Activations a decoder layer keeps per token for its backward, in values of the compute dtype:
+# the two norms' inputs and outputs (4 x hidden), the query and the attention's output (2 x
+# hidden), keys and values (2 x kv width), the MLP's gate, up, activation and product
+# (4 x intermediate). With activation checkpointing a layer keeps its input (1 x hidden) and one
+# layer at a time holds the full set again.
+ACTIVATION_HIDDEN, ACTIVATION_KV, ACTIVATION_INTERMEDIATE = 6, 2, 4
+# The logits of one chunk of the logprob head (logits_chunk_tokens; every token without it): the
+# float32 logits, the log-softmax, its exp and their gradients, ~5 copies (docs/trainer.md).
+LOGIT_COPIES, LOGIT_BYTES = 5, 4
+GATHERED_LAYERS = 2  # FSDP2 holds a layer unsharded while it prefetches the next
+CUDA_CONTEXT_GIB = 0.75  # one process's CUDA context with cuBLAS's workspace (each of the two)
+ALLOCATOR_SLACK = 1.10  # the caching allocator's fragmentation, over what the trainer holds
 MOST_SHARE = 0.9  # vLLM's own default share; a shared GPU's engine never gets more
 
 
@@ -145,9 +160,9 @@ def split(n: int, inference: list[int], trainer: list[int]) -> tuple[tuple[int, 
 
 
 def plan(cfg: RunConfig, visible: tuple[str, ...], total_gib: float | None = None,
-         params: int | None = None) -> GpuPlan | None:
-    """The placement of `rl run` on these GPUs, or None without GPUs. `total_gib` (one GPU's
-    memory) and `params` (the model's parameter count) size a shared GPU's memory share; either
+         shape: ModelShape | None = None) -> GpuPlan | None:
+    """The placement of `rl run` on these GPUs, or None without GPUs. `total_gib` (the shared GPU's
+    memory) and `shape` (the model's, model_shape) size a shared GPU's memory share; either
     unknown: the config's own share is used as it is."""
     inf, tr = cfg.inference, cfg.trainer
     n = len(visible)
@@ -166,38 +181,95 @@ def plan(cfg: RunConfig, visible: tuple[str, ...], total_gib: float | None = Non
     gpu_plan = GpuPlan(visible, inference, trainer, inf.tensor_parallel)
     if gpu_plan.shared:
         gpu_plan = GpuPlan(visible, inference, trainer, inf.tensor_parallel,
-                           shared_memory_share(cfg, total_gib, params))
+                           shared_memory_share(cfg, total_gib, shape, len(trainer)))
     return gpu_plan
 
 
-def trainer_gib(cfg: RunConfig, params: int) -> float:
-    """What the trainer needs on its GPU, by the model's size: its weights and optimizer state
-    with headroom for activations (a floor: long sequences need more)."""
-    per_param = LORA_BYTES_PER_PARAM if cfg.trainer.lora.rank else FULL_BYTES_PER_PARAM
-    return params * per_param * TRAINER_HEADROOM / 2**30
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory model needs of the model: its parameters, its decoder's widths (config.json)
+    and its largest tensor (the safetensors headers), which vLLM's layerwise reload copies once
+    more, outside its own memory budget, while it loads that layer."""
+    params: int
+    layers: int
+    hidden: int
+    kv_width: int
+    intermediate: int
+    vocab: int
+    largest_tensor_bytes: int
 
 
-def shared_memory_share(cfg: RunConfig, total_gib: float | None, params: int | None) -> float | None:
+def compute_bytes(cfg: RunConfig) -> int:
+    """Bytes of a value in the trainer's compute dtype (auto: bfloat16 on a GPU)."""
+    return 4 if cfg.trainer.dtype == "float32" else 2
+
+
+def micro_batch_tokens(cfg: RunConfig) -> int:
+    t = cfg.trainer
+    return max(t.micro_batch_tokens, cfg.seq_len) if t.pack else t.micro_batch_size * cfg.seq_len
+
+
+def trainer_need(cfg: RunConfig, shape: ModelShape, ranks: int = 1) -> dict[str, float]:
+    """What one trainer rank holds on its GPU at its peak, by part, in GiB, from its config: the
+    sharded weights and optimizer state (and AdamW's temporaries at the step), the KL reference
+    model, the layers FSDP2 holds gathered, one micro-batch's activations, the logits of one chunk,
+    and the allocator's slack over all of it."""
+    t, p, act = cfg.trainer, shape.params, compute_bytes(cfg)
+    full = not t.lora.rank
+    parts = {"weights and optimizer": p * (FULL_BYTES_PER_PARAM if full else LORA_BYTES_PER_PARAM) / ranks,
+             "optimizer step": p * ADAMW_FOREACH_BYTES_PER_PARAM / ranks if full else 0.0}
+    loss = t.loss
+    if loss.kl_coef > 0 and loss.kl_target == "reference" and full:  # LoRA's reference is its base
+        parts["reference model"] = p * act / (shape.layers if t.reference_offload else ranks)
+    layer = p / max(shape.layers, 1)
+    parts["gathered layers"] = GATHERED_LAYERS * layer * (act + (4 if full else 0))
+    per_layer = act * (ACTIVATION_HIDDEN * shape.hidden + ACTIVATION_KV * shape.kv_width
+                       + ACTIVATION_INTERMEDIATE * shape.intermediate)
+    tokens = micro_batch_tokens(cfg)
+    kept = act * shape.hidden * shape.layers + per_layer if t.activation_checkpointing else per_layer * shape.layers
+    parts["activations"] = tokens * kept
+    chunk = min(t.logits_chunk_tokens or tokens, tokens)
+    parts["logits"] = LOGIT_COPIES * LOGIT_BYTES * chunk * shape.vocab
+    gib = {k: v / 2**30 for k, v in parts.items()}
+    gib["allocator slack"] = sum(gib.values()) * (ALLOCATOR_SLACK - 1)
+    return gib
+
+
+def outside_the_server(cfg: RunConfig, shape: ModelShape, ranks: int = 1) -> dict[str, float]:
+    """What a shared GPU must hold beside the server's share, in GiB: the trainer's need, the two
+    processes' CUDA contexts, and the reload's copy of the largest tensor."""
+    return {**trainer_need(cfg, shape, ranks), "CUDA contexts": 2 * CUDA_CONTEXT_GIB,
+            "reload's largest tensor": shape.largest_tensor_bytes / 2**30}
+
+
+def describe_need(need: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.1f}" for k, v in need.items() if v >= 0.05)
+
+
+def shared_memory_share(cfg: RunConfig, total_gib: float | None, shape: ModelShape | None,
+                        ranks: int = 1) -> float | None:
     """The server's share of a GPU it shares with the trainer (vLLM's gpu_memory_utilization):
-    what the trainer leaves, at most MOST_SHARE. A share the config gives is kept if it leaves the
-    trainer room, and refused otherwise; None when the memory or the model's size is unknown."""
+    what outside_the_server leaves, at most MOST_SHARE. A share the config gives is kept if it
+    leaves that room, and refused otherwise; None when the memory or the model is unknown."""
     given = cfg.inference.gpu_memory_utilization
-    if total_gib is None or params is None:
+    if total_gib is None or shape is None:
         return None
-    need = trainer_gib(cfg, params)
+    parts = outside_the_server(cfg, shape, ranks)
+    need = sum(parts.values())
     room = min(MOST_SHARE, 1 - need / total_gib)
+    what = f"~{need:.1f} GiB ({shape.params / 1e9:.2f}B parameters; GiB: {describe_need(parts)})"
     if given is not None:
         if given > room:
             raise PlacementError(
-                f"inference.gpu_memory_utilization = {given:g} leaves the trainer {(1 - given) * total_gib:.1f} GiB of "
-                f"the shared GPU's {total_gib:.0f} GiB, and it needs ~{need:.1f} GiB ({params / 1e9:.2f}B parameters): "
-                f"set it to {max(room, 0):.2f} or less, or give the trainer a GPU of its own (trainer.gpus)")
+                f"inference.gpu_memory_utilization = {given:g} leaves {(1 - given) * total_gib:.1f} GiB of the shared "
+                f"GPU's {total_gib:.0f} GiB, and beside the server it needs {what}: set it to {max(room, 0):.2f} or "
+                "less, or give the trainer a GPU of its own (trainer.gpus)")
         return None
     if room < 0.1:
         raise PlacementError(
-            f"trainer.gpus: the trainer needs ~{need:.1f} GiB ({params / 1e9:.2f}B parameters) of the shared GPU's "
-            f"{total_gib:.0f} GiB, leaving the server too little: give the trainer and the server GPUs of their own "
-            "(inference.gpus, trainer.gpus), or use LoRA (trainer.lora.rank)")
+            f"trainer.gpus: beside the server the shared GPU's {total_gib:.0f} GiB must hold {what}, leaving the "
+            "server too little: give the trainer and the server GPUs of their own (inference.gpus, trainer.gpus), "
+            "or use LoRA (trainer.lora.rank), activation checkpointing or fewer trainer.micro_batch_tokens")
     return float(int(room * 100)) / 100  # rounded down: a share that fits stays one
 
 
@@ -239,10 +311,20 @@ def broadcast_into_data_parallel(cfg: RunConfig) -> None:
 
 def model_params(model: Path) -> int | None:
     """The model's parameter count from its safetensors headers (no tensor is read), or None."""
+    found = tensor_sizes(model)
+    return None if found is None else sum(n for n, _ in found)
+
+
+DTYPE_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+               "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def tensor_sizes(model: Path) -> list[tuple[int, int]] | None:
+    """(elements, bytes) of each tensor in the model's safetensors headers, or None."""
     files = sorted(Path(model).glob("*.safetensors"))
     if not files:
         return None
-    total = 0
+    out = []
     try:
         for path in files:
             for name, entry in safetensors_header(path).items():
@@ -250,28 +332,65 @@ def model_params(model: Path) -> int | None:
                     count = 1
                     for dim in entry["shape"]:
                         count *= dim
-                    total += count
+                    out.append((count, count * DTYPE_BYTES.get(entry["dtype"], 4)))
     except (OSError, ValueError, KeyError, struct.error):
         return None
-    return total
+    return out
 
 
-def gpu_memory_gib() -> float | None:
-    """The first visible GPU's memory, from nvidia-smi (no torch import), or None."""
+def model_shape(model: Path) -> ModelShape | None:
+    """The model's shape from config.json (its text model's, for a multimodal one) and its
+    safetensors headers, or None when either cannot be read."""
+    sizes = tensor_sizes(model)
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10, check=True).stdout
-        return float(out.split()[0]) / 1024
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    text = config.get("text_config") or config
+    try:
+        hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
+        head_dim = int(text.get("head_dim") or hidden // heads)
+        return ModelShape(
+            params=sum(n for n, _ in sizes), layers=int(text["num_hidden_layers"]), hidden=hidden,
+            kv_width=int(text.get("num_key_value_heads") or heads) * head_dim,
+            intermediate=int(text.get("intermediate_size") or 4 * hidden), vocab=int(text["vocab_size"]),
+            largest_tensor_bytes=max(b for _, b in sizes))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def torch_memory_gib(cuda, index: int) -> float | None:
+    """Visible device `index`'s memory as torch sees it (its numbering follows CUDA_VISIBLE_DEVICES),
+    or None when torch sees no such device."""
+    if not cuda.is_available() or index >= cuda.device_count():
+        return None
+    return cuda.get_device_properties(index).total_memory / 2**30
+
+
+PROBE = "import sys, torch; from rl.gpu_placement import torch_memory_gib; print(torch_memory_gib(torch.cuda, {}))"
+
+
+def gpu_memory_gib(index: int = 0) -> float | None:
+    """Visible GPU `index`'s memory, asked of torch in a short child process: torch's view honours
+    CUDA_VISIBLE_DEVICES (nvidia-smi lists the machine's GPU 0 whatever it says), and a CUDA context
+    in `rl run` itself would hold memory on the shared GPU for the whole run. None when unknown."""
+    try:
+        out = subprocess.run([sys.executable, "-c", PROBE.format(int(index))], capture_output=True, text=True,
+                             timeout=120, check=True).stdout.split()
+        return float(out[-1]) if out and out[-1] != "None" else None
+    except (OSError, subprocess.SubprocessError, ValueError):
         return None
 
 
 def check(cfg: RunConfig) -> GpuPlan | None:
-    """`rl run`'s start-up check: the plan for this machine's GPUs, and its refusals."""
+    """`rl run`'s start-up check: the plan for this machine's GPUs, and its refusals. The shared
+    GPU's memory is asked for only where a GPU is shared."""
     visible = visible_gpus()
     if not visible and not (cfg.inference.gpus or cfg.trainer.gpus):
         return None
-    gpu_plan = plan(cfg, visible, gpu_memory_gib(), model_params(cfg.model))
+    gpu_plan = plan(cfg, visible)
+    if gpu_plan is not None and gpu_plan.shared:
+        gpu_plan = plan(cfg, visible, gpu_memory_gib(gpu_plan.shared[0]), model_shape(cfg.model))
     if gpu_plan is not None:
         refusals(cfg, gpu_plan)
     return gpu_plan

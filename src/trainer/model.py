@@ -24,20 +24,18 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def attention_implementation(choice: str, dtype: str, device: torch.device) -> str:
-    """trainer.attention resolved. auto on CUDA in bfloat16: flash_attention_2 where the flash-attn
-    package is installed, else "varlen" (trainer/packed_attention.py: PyTorch's own flash kernel,
-    which needs an Ampere or newer GPU); otherwise sdpa (a float32 trainer, and the CPU, where
-    varlen's per-document loop is no faster than sdpa's block-diagonal mask)."""
+    """trainer.attention resolved. auto: flash_attention_2 on CUDA in bfloat16 where the flash-attn
+    package is installed (Ampere or newer), else "varlen" (trainer/packed_attention.py: torch's own
+    flash kernel where it runs, elsewhere SDPA per document): sdpa would give packed rows a
+    block-diagonal [T, T] mask, a billion elements per call at 32k tokens."""
     if choice != "auto":
         return choice
     from transformers.utils import is_flash_attn_2_available
 
-    if dtype != "bfloat16" or device.type != "cuda":
-        return "sdpa"
-    if is_flash_attn_2_available():
+    if dtype == "bfloat16" and device.type == "cuda" and is_flash_attn_2_available() \
+            and torch.cuda.get_device_capability(device)[0] >= 8:
         return "flash_attention_2"
-    ampere = torch.cuda.get_device_capability(device)[0] >= 8
-    return packed_attention.NAME if ampere and packed_attention.kernel_available() else "sdpa"
+    return packed_attention.NAME
 
 
 def load_model(cfg: RunConfig, device: torch.device, trainable: bool, lora_slots: int = 0, *, dtype: str
@@ -52,7 +50,7 @@ def load_model(cfg: RunConfig, device: torch.device, trainable: bool, lora_slots
     sharding."""
     attention = attention_implementation(cfg.trainer.attention, dtype, device)
     if attention == packed_attention.NAME:
-        packed_attention.register()
+        packed_attention.register(device, _DTYPES[dtype])
     # Packed rows carry no attention mask: transformers derives the block-diagonal mask (sdpa)
     # or the varlen boundaries (flash attention) from the restarting position ids; "varlen" gets
     # them from forward_logits.
