@@ -284,9 +284,27 @@ class LoRAConfig(Section):
     and went); 0 serves until stopped."""
 
 
+class ParallelConfig(Section):
+    """How the trainer's ranks are laid out: data x context x expert = the world size, checked at
+    start-up (docs/trainer.md, "Parallelism")."""
+
+    data: int = Field(0, ge=0)
+    """FSDP2 data-parallel ranks; 0: the world size divided by context x expert."""
+
+    context: int = Field(1, ge=1)
+    """Ranks that one packed row is split across (context parallelism): samples longer than one
+    rank's memory holds."""
+
+    expert: int = Field(1, ge=1)
+    """Ranks that a mixture-of-experts model's experts are split across (expert parallelism)."""
+
+
 class TrainerConfig(Section):
     optim: OptimConfig = OptimConfig()
     """Optimizer."""
+
+    parallel: ParallelConfig = ParallelConfig()
+    """Data, context and expert parallel sizes (their product: the trainer's world size)."""
 
     cpus: list[NonNegativeInt] = []
     """Cores this program and everything it starts may run on; empty: all (see inference.cpus)."""
