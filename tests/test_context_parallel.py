@@ -211,4 +211,43 @@ def test_sft_with_context_parallelism(tmp_path):
     metrics = [json.loads(line) for line in a.metrics.read_text().splitlines()]
     want = [json.loads(line) for line in b.metrics.read_text().splitlines()]
     (got,), (ref,) = ([m for m in ms if m["program"] == "trainer"] for ms in (metrics, want))
-    assert got["nll"] == pytest.approx(ref["nll"], rel=1e-4)  # not counted twice
+    # Summed over ranks once per context group, not once per rank:
+    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4) and got["nll"] == pytest.approx(ref["nll"], rel=1e-4)
+
+
+def test_the_fused_kernels_context_parallelism_calls_take_what_it_passes():
+    """trainer/context_parallel.py calls torch's fused attention ops directly (their log-sum-exp is
+    what the exact merge needs): the CPU pair runs in the tests above; the CUDA pair, which no
+    machine here runs, is pinned by its schema (positional arguments in this order)."""
+    names = {op: [a.name for a in getattr(torch.ops.aten, op).default._schema.arguments] for op in (
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward")}
+    assert names["_scaled_dot_product_flash_attention"] == [
+        "query", "key", "value", "dropout_p", "is_causal", "return_debug_mask", "scale"]
+    assert names["_scaled_dot_product_flash_attention_backward"] == [
+        "grad_out", "query", "key", "value", "out", "logsumexp", "cum_seq_q", "cum_seq_k", "max_q", "max_k",
+        "dropout_p", "is_causal", "philox_seed", "philox_offset", "scale"]
+    assert names["_scaled_dot_product_flash_attention_for_cpu"] == [
+        "query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale"]
+    assert names["_scaled_dot_product_flash_attention_for_cpu_backward"] == [
+        "grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p", "is_causal", "attn_mask", "scale"]
+
+
+def test_launcher_starts_the_configured_ranks_and_refuses_a_layout_its_gpus_cannot_hold():
+    from rl.cli.launcher import command, trainer_ranks
+    from rl.config import ConfigError, ParallelConfig, RunConfig
+    from rl.parallel_layout import mesh_sizes
+
+    cfg = RunConfig.model_validate({"model": str(TINY_MODEL), "trainer": {"parallel": {"context": 2, "expert": 2}}})
+    assert trainer_ranks(cfg, None) == 4
+    cmd, _ = command("trainer", ["@", "x.toml"], None, 4)
+    assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
+    assert cmd[5:7] == ["-m", "trainer"]
+    assert command("trainer", [], None, 1)[0][1:4] == ["-m", "rl", "trainer"]
+    assert mesh_sizes(ParallelConfig(context=2), 8) == (4, 2, 1)
+    assert mesh_sizes(ParallelConfig(data=2, context=2, expert=2), 8) == (2, 2, 2)
+    with pytest.raises(ConfigError, match=r"^trainer.parallel: data x context x expert = 1 x 4 x 1 = 4, "
+                                          r"but the trainer has 6 rank"):
+        mesh_sizes(ParallelConfig(context=4), 6)
+    with pytest.raises(ConfigError, match="= 3 x 2 x 1 = 6, but the trainer has 4"):
+        mesh_sizes(ParallelConfig(data=3, context=2), 4)
