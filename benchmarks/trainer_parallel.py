@@ -2,7 +2,7 @@
 at CP = 1, 2, 4, and the longest sample a per-rank memory budget holds.
 
     .venv/bin/python benchmarks/trainer_parallel.py memory [--tokens 16384 32768] [--context 1 2 4] [--layers 24]
-    .venv/bin/python benchmarks/trainer_parallel.py longest [--budget-gib 80] [--context 1 2 4] [--layers 24]
+    .venv/bin/python benchmarks/trainer_parallel.py longest [--budget-gib 80] [--context 1 2 4] [--verify]
     .venv/bin/python benchmarks/trainer_parallel.py check [--tokens 2048] [--layers 1]
 
 A forward and backward pass at 32k tokens is ~10^13 floating-point operations per layer; on this
@@ -12,8 +12,8 @@ its LogprobHead, trainer/context_parallel.py's attention and gathers, trainer/lo
 tensors (torch's FakeTensorMode: shapes, dtypes and allocations, no arithmetic) under a fake
 process group as one rank of the context group, and count every tensor's bytes while it lives
 (torch.distributed._tools.mem_tracker.MemTracker: what a GPU's caching allocator would be asked
-for, without its fragmentation). Each rank index of the group is run; the largest peak is
-reported. `check` runs the same count on real tensors at a small length and compares it with the
+for, without its fragmentation). The group's last rank is measured (its queries meet the whole
+row: the largest attention blocks; the rest of its memory is every rank's). `check` runs the same count on real tensors at a small length and compares it with the
 process's own peak resident memory (VmHWM after clear_refs), to show the count is the memory.
 
 Per rank, "activation" is the peak's total minus parameters, buffers and gradients (those are
