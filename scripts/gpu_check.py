@@ -10,6 +10,8 @@ Items, each in a process of its own with a timeout, its logs under --out/<item>/
   environment  python, torch, CUDA and its devices, NCCL, vLLM, transformers, flash-attn
   trainer-1    one `rl trainer` step on a synthetic batch (bfloat16 on GPU, float32 on CPU)
   trainer-N    the same step under torchrun on N GPUs (2 gloo ranks on CPU)
+  context-N    the same step with every row split across the N GPUs (trainer.parallel.context =
+               N, NCCL; GPU only: tests/test_context_parallel.py runs it on gloo)
   broadcast    weights streamed trainer -> a real `rl inference` server (NCCL on GPU, gloo on
                CPU), driven by the orchestrator's own ServerPool, bit-exact against a file reload
   reload       published versions reloaded by a real server (POST /update_weights, as the
@@ -81,6 +83,7 @@ ITEMS = [
     Item("environment", 0, 180, "python, torch, CUDA devices, NCCL, vLLM, transformers, flash-attn"),
     Item("trainer-1", 0, 600, "one `rl trainer` step on a synthetic batch"),
     Item("trainer-N", 1, 600, "one trainer step under torchrun on N ranks"),
+    Item("context-N", 1, 600, "one trainer step with every row split across N GPUs (trainer.parallel.context)"),
     Item("broadcast", 2, 600, "weights broadcast trainer -> server, bit-exact against a file reload"),
     Item("reload", 1, 600, "file reload on a real server: outputs change, equal a fresh load"),
     Item("lora", 1, 900, "a 2-step `rl run` with LoRA adapters"),
@@ -92,6 +95,8 @@ ITEMS = [
     Item("memory-share", 1, 900, "a shared GPU's memory: each program against the placement's model"),
 ]
 GPU_ONLY = ("placement", "shared-gpu", "reload-v2", "memory-share")  # issue 51's GPU path: nothing to check on CPU
+# Context parallelism's CPU path is tests/test_context_parallel.py's (gloo, against one rank).
+NCCL_ONLY = ("context-N",)
 NAMES = [i.name for i in ITEMS]
 
 
@@ -164,8 +169,12 @@ def visible_gpus(count: int) -> list[str]:
 def skip_reason(item: str, machine: dict, gpus: int) -> str | None:
     """Why an item cannot run here, or None. On CPU every item has a CPU path."""
     count = machine["cuda_devices"]
+    if count == 0 and item in NCCL_ONLY:
+        return "GPU only (its gloo path: tests/test_context_parallel.py)"
     if count == 0:
         return "GPU only (rl/gpu_placement.py's decisions are tested on CPU)" if item in GPU_ONLY else None
+    if item == "context-N" and (gpus or count) < 2:
+        return f"needs 2 GPUs, found {count}" if not gpus else "--gpus 1: nothing to split across"
     if item == "trainer-N" and (gpus or count) < 2:
         return f"needs 2 GPUs, found {count}" if not gpus else "--gpus 1: one rank is trainer-1"
     if item == "trainer-N" and gpus > count:
@@ -327,6 +336,7 @@ CHECKS = {
     "environment": check_environment,
     "trainer-1": lambda ctx: check_trainer(ctx, 1),
     "trainer-N": lambda ctx: check_trainer(ctx, ctx.ranks),
+    "context-N": lambda ctx: check_trainer(ctx, ctx.ranks, {"trainer": {"parallel": {"context": ctx.ranks}}}),
     "broadcast": check_broadcast,
     "reload": check_reload,
     "lora": check_lora,

@@ -217,12 +217,13 @@ def trainer_command(ctx: Context, ranks: int) -> tuple[list[str], dict]:
             "--master-port", str(ctx.ports[0]), "-m", "trainer"], env
 
 
-def check_trainer(ctx: Context, ranks: int) -> tuple[str, dict]:
+def check_trainer(ctx: Context, ranks: int, extra: dict | None = None) -> tuple[str, dict]:
+    """`extra`: config on top (context-N: trainer.parallel.context)."""
     from rl.rundir import STABLE, RunDir
 
     run = RunDir(ctx.path / "run")
     write_synthetic_batch(ctx, run.root)
-    cfg = write_config(ctx.path / "trainer.toml", ctx, run.root, {"max_steps": 1})
+    cfg = write_config(ctx.path / "trainer.toml", ctx, run.root, {"max_steps": 1, **(extra or {})})
     cmd, env = trainer_command(ctx, ranks)
     log = ctx.path / "trainer.log"
     rc = run_logged(cmd + ["@", str(cfg), "--max_steps", "1"], log, env)

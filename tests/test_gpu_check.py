@@ -22,9 +22,9 @@ pytestmark = pytest.mark.slow
 
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
 CHAT_MODEL = ROOT / "models" / "tiny-chat"
-ITEMS = ["environment", "trainer-1", "trainer-N", "broadcast", "reload", "lora", "run", "sft", "placement",
+ITEMS = ["environment", "trainer-1", "trainer-N", "context-N", "broadcast", "reload", "lora", "run", "sft", "placement",
          "shared-gpu", "reload-v2", "memory-share"]
-GPU_ONLY = ["placement", "shared-gpu", "reload-v2", "memory-share"]
+GPU_ONLY = ["context-N", "placement", "shared-gpu", "reload-v2", "memory-share"]
 PORTS = 8  # trainer-N 1, broadcast 2, reload 1, lora 1, run 1, shared-gpu 1, reload-v2 1
 
 
@@ -52,7 +52,7 @@ def test_every_item_passes_on_cpu_and_the_report_lists_them(tmp_path):
             assert item["result"] == "SKIP" and item["note"].startswith("GPU only"), item
             continue
         # CPU: every item has a CPU path. One GPU: the items that need two say so.
-        if item["result"] == "SKIP" and one_gpu and name in ("trainer-N", "broadcast"):
+        if item["result"] == "SKIP" and one_gpu and name in ("trainer-N", "context-N", "broadcast"):
             assert item["note"].startswith("needs 2 GPUs, found 1"), item
             continue
         assert item["result"] == "PASS", (item, (tmp_path / "out" / name / "check.log").read_text()[-3000:]
@@ -117,7 +117,7 @@ def test_gpu_machines_skip_what_they_cannot_run_and_place_programs_on_their_gpus
     assert [n for n in ITEMS if gc.skip_reason(n, cpu, 0)] == GPU_ONLY
     assert gc.skip_reason("trainer-N", one, 0) == "needs 2 GPUs, found 1"
     assert gc.skip_reason("broadcast", one, 0).startswith("needs 2 GPUs, found 1: NCCL")
-    assert [n for n in ITEMS if gc.skip_reason(n, one, 0)] == ["trainer-N", "broadcast"]
+    assert [n for n in ITEMS if gc.skip_reason(n, one, 0)] == ["trainer-N", "context-N", "broadcast"]
     assert gc.skip_reason("trainer-N", two, 4) == "--gpus 4: found 2 GPUs"
 
     ctx = items.Context(model=str(CHAT_MODEL), dir=str(tmp_path), ports=[29555], cuda=2, visible=["3", "5"], ranks=2)

@@ -9,7 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rl.config import RunConfig
-from trainer import packed_attention
+from trainer import context_parallel, packed_attention
+from trainer.context_parallel import ContextShare
 from trainer.compiled_layers import compile_layers, compile_wanted
 from trainer.data import MicroBatch, to_device
 from trainer.expert_parallel import apply_expert_parallel, expert_group
@@ -51,6 +52,9 @@ def load_model(cfg: RunConfig, device: torch.device, trainable: bool, lora_slots
     attention = attention_implementation(cfg.trainer.attention, dtype, device)
     if attention == packed_attention.NAME:
         packed_attention.register(device, _DTYPES[dtype])
+    if cfg.trainer.parallel.context > 1:  # rows split across ranks: the split-aware attention
+        attention = context_parallel.NAME
+        context_parallel.register()
     # Packed rows carry no attention mask: transformers derives the block-diagonal mask (sdpa)
     # or the varlen boundaries (flash attention) from the restarting position ids; "varlen" gets
     # them from forward_logits.
@@ -102,14 +106,18 @@ def forward_logits(model: torch.nn.Module, mb: MicroBatch, device: torch.device,
 
 def micro_batch_logprobs(model: torch.nn.Module, mb: MicroBatch, device: torch.device, single_row: bool,
                          truncation: Truncation | NoTruncation = NO_TRUNCATION,
-                         smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                         smoothing: float = 0.0, context: ContextShare | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs, entropy) [R, T-1] of a micro-batch's tokens, each under its own sample's
     temperature (mb.temperature): the distribution the engine sampled it from, which a batch
     mixing datasets with different sampling settings makes differ from sample to sample. With
     `truncation` (mb.truncation(vocab)), over the kept set (the sampler's recorded one, else rebuilt
     from top_k/top_p/min_p); with
-    `smoothing`, label-smoothed (trainer/loss.py token_logprobs_and_entropy)."""
+    `smoothing`, label-smoothed (trainer/loss.py token_logprobs_and_entropy). With `context` of
+    several ranks, each runs its share of every row (split_logprobs)."""
     head = model.get_output_embeddings()
+    if context is not None and context.size > 1:
+        return split_logprobs(model, mb, device, context, truncation, smoothing)
     if not isinstance(head, LogprobHead):
         logits = forward_logits(model, mb, device, single_row)
         return token_logprobs_and_entropy(logits, to_device(mb.tokens, device), to_device(mb.temperature, device),
@@ -134,3 +142,41 @@ def micro_batch_query(mb: MicroBatch, device: torch.device, truncation: Truncati
                       temperature=widen(mb.temperature.float(), 1.0), truncation=truncation.mapped(widen),
                       smoothing=smoothing,
                       where=to_device(wanted.reshape(-1).nonzero().squeeze(1), device))
+
+
+def split_logprobs(model: torch.nn.Module, mb: MicroBatch, device: torch.device, share: ContextShare,
+                   truncation: Truncation | NoTruncation, smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """micro_batch_logprobs under context parallelism (trainer/context_parallel.py): the model and
+    its LogprobHead run on this rank's share of every row, with the whole rows' positions and
+    documents; the group's shares are gathered into whole rows, alike on every rank."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, LogprobHead):
+        raise ValueError(f"trainer.parallel.context > 1 needs the chunked logprob head: {type(model).__name__} "
+                         "changes its logits after the lm_head, or trainer.logits_chunk_tokens = 0")
+    rows, width = mb.tokens.shape
+    padded = share.span(width)[0]
+    tail = torch.arange(padded - width).expand(rows, -1)  # the padding: a document of its own
+    if mb.position_ids is not None:
+        positions = torch.cat([mb.position_ids, tail], 1)
+        lengths = packed_attention.document_lengths(positions, None, torch.Size((rows, padded)))
+    else:  # padded rows: real tokens at 0.., as transformers positions them, then their padding
+        positions = torch.arange(padded).expand(rows, -1)
+        real = torch.cat([mb.attention_mask, torch.zeros_like(tail)], 1)
+        lengths = packed_attention.document_lengths(None, real, torch.Size((rows, padded)))
+    pieces = context_parallel.pieces(share, lengths, rows, padded)
+    whole = micro_batch_query(mb, device, truncation, smoothing)
+    wanted = share.local(torch.cat([mb.loss_mask > 0, torch.zeros_like(mb.loss_mask[:, :1], dtype=torch.bool)], 1),
+                         False)
+    query = TokenQuery(targets=share.local(whole.targets, 0), wanted=share.local(whole.wanted, False),
+                       temperature=share.local(whole.temperature, 1.0), truncation=whole.truncation.mapped(share.local),
+                       smoothing=smoothing, where=to_device(wanted.reshape(-1).nonzero().squeeze(1), device))
+    with head.asked(query):
+        out = model(input_ids=to_device(share.local(mb.tokens, 0), device),
+                    position_ids=to_device(share.local(positions, 0), device),
+                    use_cache=False, context_pieces=pieces).logits  # [R, n, 2]: (logprob, entropy)
+    if isinstance(truncation, Truncation):  # the kept sets' counts, from every share
+        counts = head.counts.clone()
+        torch.distributed.all_reduce(counts, group=share.group)
+        truncation.counted(counts)
+    out = context_parallel.gather_identical(out, share, 1)[:, :width]
+    return out[:, :-1, 0], out[:, :-1, 1]

@@ -1,19 +1,77 @@
-"""Process group and FSDP2 sharding: the only place that knows about ranks and sharding.
+"""Process group, device mesh and FSDP2 sharding: the only place that knows about ranks and sharding.
 
 One process (`rl trainer`) gets a world of one; under torchrun the usual environment variables
 give the rank and world. gloo on CPU, NCCL on GPU.
+
+The ranks form a mesh ("data", "context", "expert") = [trainer.parallel] (docs/trainer.md,
+"Parallelism"). Dense parameters are FSDP2-sharded over every rank; the batch is split over
+data x expert (ranks differing only in their expert coordinate see different samples, as in
+torchtitan); the ranks of one context group see the same samples, each a contiguous share of
+every row's tokens (trainer/context_parallel.py).
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from rl.config import ParallelConfig
+from rl.parallel_layout import mesh_sizes
+from trainer.context_parallel import ContextShare
 from trainer.expert_parallel import sharded_params
+
+DIMS = ("data", "context", "expert")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """This rank's place in the mesh. `batch_rank` of `batch_ranks`: which share of the batch it
+    trains on (data x expert coordinates); `context`: its share of every row."""
+
+    rank: int
+    world: int
+    sizes: tuple[int, int, int]
+    mesh: DeviceMesh
+    context: ContextShare
+
+    @property
+    def batch_ranks(self) -> int:
+        return self.sizes[0] * self.sizes[2]
+
+    @property
+    def batch_rank(self) -> int:
+        data, _, expert = self.coordinates
+        return data * self.sizes[2] + expert
+
+    @property
+    def coordinates(self) -> tuple[int, int, int]:
+        _, c, e = self.sizes
+        return self.rank // (c * e), self.rank // e % c, self.rank % e
+
+    @property
+    def counts_once(self) -> bool:
+        """Whether this rank adds its context group's metrics (computed alike on every member)."""
+        return self.context.index == 0
+
+    def group(self, dim: str) -> dist.ProcessGroup:
+        """The process group along `dim` ("expert": trainer/expert_parallel.py's)."""
+        return self.mesh[dim].get_group()
+
+
+def build_layout(parallel: ParallelConfig, device: torch.device) -> Layout:
+    """The mesh for the initialised world (every rank calls it: building groups is collective)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sizes = mesh_sizes(parallel, world)
+    mesh = init_device_mesh(device.type, sizes, mesh_dim_names=DIMS)
+    index = rank // sizes[2] % sizes[1]
+    group = mesh["context"].get_group() if sizes[1] > 1 else None
+    return Layout(rank, world, sizes, mesh, ContextShare(group, sizes[1], index))
 
 
 def init_distributed(timeout_s: float) -> torch.device:
@@ -35,12 +93,14 @@ def init_distributed(timeout_s: float) -> torch.device:
     return device
 
 
-def apply_fsdp(model: torch.nn.Module, compute_dtype: torch.dtype, offload: bool = False) -> None:
+def apply_fsdp(model: torch.nn.Module, compute_dtype: torch.dtype, offload: bool = False,
+               reduce_dtype: torch.dtype = torch.float32) -> None:
     """Shard each decoder layer, then the root (embeddings, final norm, lm_head: tied weights
     must land in the same FSDP group, which the root is). `offload`: the shards live in host
     memory and each group is copied to the device for its forward (FSDP2's CPUOffloadPolicy;
-    on a CPU-only machine the copy is to where they already are)."""
-    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    on a CPU-only machine the copy is to where they already are). `reduce_dtype`: float64 in the
+    tests that compare layouts in float64."""
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
     # Pinned host memory makes the copies asynchronous; it needs an accelerator.
     policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     ignored = sharded_params(model)  # expert shards stay where expert parallelism put them

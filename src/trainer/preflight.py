@@ -10,6 +10,7 @@ from pathlib import Path
 
 from rl.config import ConfigError, RunConfig
 from rl.gpu_placement import ids_check
+from rl.parallel_layout import cpu_world, mesh_sizes
 from rl.preflight import (bindable, cores, is_rank0, metrics_endpoint, mixture_of_experts, model_config, output_dir,
                           routed_experts, safetensors_header, seq_len_fits, weight_files)
 from rl.rundir import RunDir
@@ -96,6 +97,14 @@ def trainer_endpoints(cfg: RunConfig) -> None:
         bindable("weight_sync.address", "", int(cfg.weight_sync.address.rpartition(":")[2]))
 
 
+def parallel_layout(cfg: RunConfig) -> None:
+    """[trainer.parallel] multiplies to the trainer's world: torchrun's WORLD_SIZE, else the GPUs
+    it is given (`rl run` starts one rank per GPU; on CPU, the configured product)."""
+    p = cfg.trainer.parallel
+    world = int(os.environ.get("WORLD_SIZE", 0)) or len(cfg.trainer.gpus) or cpu_world(p)
+    mesh_sizes(p, world)  # raises ConfigError naming trainer.parallel
+
+
 def routing_replay(cfg: RunConfig) -> None:
     """trainer.routing_replay replays what the engine recorded: that needs the record."""
     if cfg.trainer.routing_replay and not cfg.inference.record_routing:
@@ -125,5 +134,5 @@ def expert_parallel(cfg: RunConfig) -> None:
 
 
 CHECKS = (cores("trainer"), metrics_endpoint("trainer"), ids_check("trainer"), output_dir, model_for_training,
-          mixture_of_experts("trainer.routing_replay"), routing_replay, expert_parallel, trainer_attention,
+          mixture_of_experts("trainer.routing_replay"), routing_replay, expert_parallel, trainer_attention, parallel_layout,
           trainer_run_state, trainer_endpoints)

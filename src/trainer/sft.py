@@ -130,7 +130,7 @@ class SftTrainer(Trainer):
         policy.optimizer.step()
         policy.optimizer.zero_grad(set_to_none=True)
         policy.scheduler.step()
-        sums = sums.to(self.device)
+        sums = sums.to(self.device) * float(self.layout.counts_once)  # whole rows: alike on a context group
         dist.all_reduce(sums)
         loss, nll, tokens = sums.cpu().tolist()
         # Smoothed, the per-token mean is the smoothed loss's, not an NLL: named for what it is.
@@ -147,7 +147,7 @@ class SftTrainer(Trainer):
             for mb in self.micro_batches(batch, policy):
                 _, nll, tokens = self.nll(policy, mb)
                 sums += torch.tensor([nll.item(), tokens.item()], dtype=torch.float64)
-            sums = sums.to(self.device)
+            sums = sums.to(self.device) * float(self.layout.counts_once)
             dist.all_reduce(sums)
             nll, tokens = sums.cpu().tolist()
             out[f"eval/{name}/loss"] = nll / max(tokens, 1.0)

@@ -30,7 +30,7 @@ from trainer.loss import STATS, policy_loss
 from trainer.metrics import TrainerMetrics
 from trainer.model import load_model, micro_batch_logprobs
 from trainer.optim import build_optimizer
-from trainer.parallel import init_distributed
+from trainer.parallel import build_layout, init_distributed
 from trainer.policy import Policy
 from trainer.profiling import StepProfiler
 from trainer.publish import make_publisher
@@ -54,7 +54,9 @@ class Trainer:
         # Under ZMQ, ranks 1+ sit in a broadcast while rank 0 publishes and then waits for the
         # next batch: the collective timeout must outlast both (rank 0 reports its own timeouts).
         self.device = init_distributed(cfg.trainer.batch_timeout_s + cfg.weight_sync.timeout_s + 1800)
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        # The mesh (trainer/parallel.py): which share of the batch, and of each row, is this rank's.
+        self.layout = build_layout(cfg.trainer.parallel, self.device)
+        self.rank, self.world = self.layout.rank, self.layout.world
         self.metrics = TrainerMetrics(cfg, self.rank, self.device)  # served with trainer.metrics_port
         torch.manual_seed(cfg.seed)
         if cfg.trainer.torch_threads:
@@ -159,7 +161,8 @@ class Trainer:
         t, loss = self.cfg.trainer, policy.cfg.trainer.loss
         weights = loss_weights(batch, loss.normalization, loss.norm_length or policy.cfg.seq_len)
         per = max(1, t.micro_batch_tokens // self.cfg.seq_len) if t.pack else t.micro_batch_size
-        return rank_micro_batches(batch, self.rank, self.world, row_len=self.cfg.seq_len if t.pack else None,
+        return rank_micro_batches(batch, self.layout.batch_rank, self.layout.batch_ranks,
+                                  row_len=self.cfg.seq_len if t.pack else None,
                                   per_micro_batch=per, pad_id=self.pad_id, weights=weights)
 
     def train_one(self, policy: Policy, receiver: BatchReceiver | None, step: int) -> None:
@@ -248,7 +251,7 @@ class Trainer:
                          truncation: Truncation | NoTruncation = NO_TRUNCATION,
                          smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
         return micro_batch_logprobs(model, mb, self.device, single_row=self.flash, truncation=truncation,
-                                    smoothing=smoothing)
+                                    smoothing=smoothing, context=self.layout.context)
 
     @torch.no_grad()
     def reference_logprobs(self, mb: MicroBatch, sampling_mask: bool) -> torch.Tensor:
@@ -264,7 +267,10 @@ class Trainer:
         hooks (trainer/routing_replay.py; NoRouting for a dense model)."""
         trained = torch.zeros(mb.tokens.shape, dtype=torch.bool)
         trained[:, :-1] = mb.loss_mask > 0  # position t predicts token t + 1
-        return self.routing.recorded(mb.routing, mb.routed, trained)
+        routing, routed, share = mb.routing, mb.routed, self.layout.context
+        if share.size > 1 and routing is not None:  # the routers see this rank's share of each row
+            routing, routed, trained = share.local(routing, 0), share.local(routed, False), share.local(trained, False)
+        return self.routing.recorded(routing, routed, trained)
 
     def train_step(self, micro_batches: list[MicroBatch], policy: Policy) -> dict:
         # loss_weight already divides by the whole batch's normaliser (trainer/data.py), so the
@@ -303,6 +309,9 @@ class Trainer:
         policy.optimizer.zero_grad(set_to_none=True)
         policy.scheduler.step()
         routing = self.routing.take_sums()
+        if not self.layout.counts_once:  # the loss and the mask's sums: whole rows, alike on a context group
+            sums.zero_()
+            mask_sums.zero_()
         ours = len(sums) + len(mask_sums)
         sums = torch.cat([sums, mask_sums.to(self.device), routing.to(self.device)])  # NCCL reduces only device tensors
         dist.all_reduce(sums)

@@ -24,10 +24,11 @@ from rich.markup import escape
 
 from rl import quiet_tracker
 from rl.cli.plots import write_plots
-from rl.config import RunConfig
+from rl.config import ConfigError, RunConfig
 from rl.gpu_placement import GpuPlan
 from rl.gpu_placement import check as gpu_placement
 from rl.heartbeat import SERVING, PeerWatch, heartbeat_path
+from rl.parallel_layout import cpu_world, mesh_sizes
 from rl.rundir import RunDir
 from rl.stop_signal import die_with_parent, raise_on_sigterm
 
@@ -49,11 +50,22 @@ class Child:
     heartbeat: PeerWatch
 
 
-def command(name: str, argv: list[str], gpu_plan: GpuPlan | None) -> tuple[list[str], dict[str, str]]:
+def trainer_ranks(cfg: RunConfig, gpu_plan: GpuPlan | None) -> int:
+    """How many trainer ranks `rl run` starts: one per trainer GPU; on CPU, [trainer.parallel]'s
+    product (rl/parallel_layout.py)."""
+    return len(gpu_plan.trainer) if gpu_plan is not None else cpu_world(cfg.trainer.parallel)
+
+
+def command(name: str, argv: list[str], gpu_plan: GpuPlan | None, cpu_ranks: int = 1
+            ) -> tuple[list[str], dict[str, str]]:
     """A child's command line and the environment it adds: the launcher's own arguments plus the
     GPU placement's overrides (so that every child resolves the one plan), its GPUs, and for a
-    trainer with several GPUs torchrun, one rank per GPU."""
+    trainer with several GPUs torchrun, one rank per GPU; on CPU, `cpu_ranks` trainer ranks
+    ([trainer.parallel]) under torchrun when several."""
     if gpu_plan is None:
+        if name == "trainer" and cpu_ranks > 1:
+            return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cpu_ranks}",
+                    "-m", "trainer", *argv], {}
         return [sys.executable, "-m", "rl", name, *argv], {}
     argv = [*argv, *gpu_plan.overrides()]
     # The orchestrator's environment is left as it is: a reward of the user's may use a GPU.
@@ -67,7 +79,7 @@ def command(name: str, argv: list[str], gpu_plan: GpuPlan | None) -> tuple[list[
 def _start(name: str, argv: list[str], run: RunDir, cfg: RunConfig, gpu_plan: GpuPlan | None) -> Child:
     log = run.logs / f"{name}.log"
     warnings = quiet_tracker.pythonwarnings()
-    cmd, env = command(name, argv, gpu_plan)
+    cmd, env = command(name, argv, gpu_plan, trainer_ranks(cfg, gpu_plan))
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -223,6 +235,11 @@ def launch(cfg: RunConfig, argv: list[str]) -> int:
     run.make()
     console = Console(stderr=True)
     gpu_plan = gpu_placement(cfg)  # checked by rl.cli.main's start-up checks: no error left here
+    try:  # the trainer checks it too, but only once started: with GPUs, after the engine
+        mesh_sizes(cfg.trainer.parallel, trainer_ranks(cfg, gpu_plan))
+    except ConfigError as e:
+        print(f"rl run: {e}", file=sys.stderr)
+        return 2
     # On a shared GPU the trainer's model must not arrive while vLLM profiles the memory it may take.
     deferred = "trainer" if gpu_plan is not None and gpu_plan.shared else None
 
