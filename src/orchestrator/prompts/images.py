@@ -193,6 +193,10 @@ def png(image) -> bytes:
 @dataclass(frozen=True)
 class ImagePrompt:
     token_ids: list[int]
+    """The prompt as the model reads it, each placeholder expanded: what the trainer sees."""
+    request_ids: list[int]
+    """One placeholder token per image: what /generate takes (the server's processor expands it,
+    and answers the expanded ids, which must be token_ids)."""
     images: list[bytes]
     """PNG bytes, in the order of the prompt's placeholders."""
 
@@ -210,5 +214,6 @@ def render_image_prompt(template, support, tokenizer, messages: list[dict], root
     found = text.count(support.image_token)
     if found != len(images):
         raise ImageError(f"the chat template wrote {found} {support.image_token} for {len(images)} images")
-    text = text.replace(support.image_token, support.expansion())
-    return ImagePrompt(tokenizer.encode(text, add_special_tokens=False).ids, images)
+    expanded = text.replace(support.image_token, support.expansion())
+    return ImagePrompt(tokenizer.encode(expanded, add_special_tokens=False).ids,
+                       tokenizer.encode(text, add_special_tokens=False).ids, images)
