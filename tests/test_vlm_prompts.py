@@ -125,3 +125,27 @@ def test_hf_datasets_image_value(tmp_path):
     (tmp_path / "a.png").write_bytes(encoded(picture(5, 5)))
     assert read_source({"bytes": None, "path": str(tmp_path / "a.png")}, [tmp_path]) == encoded(picture(5, 5))
     assert read_source({"bytes": b"xyz", "path": "ignored"}, []) == b"xyz"
+
+
+@pytest.mark.parametrize("model,says", [
+    ("tiny-chat", "reads text only (no processor_config.json)"),
+    ("tiny-vlm", "not yet carried through rl run"),
+])
+def test_image_rows_refused_at_start_up_with_exit_2(tmp_path, model, says):
+    import json
+    import subprocess
+
+    from conftest import rl_command
+
+    row = {"messages": [{"role": "user", "content": [part(data_url(picture(8, 8))), {"type": "text", "text": "hi"}]}],
+           "answer": "1"}
+    (tmp_path / "images.jsonl").write_text(json.dumps(row) + "\n")
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(f'model = "{ROOT / "models" / model}"\noutput_dir = "{tmp_path / "out"}"\nseq_len = 128\n'
+                   f'[[orchestrator.datasets]]\npath = "{tmp_path / "images.jsonl"}"\nreward = "math_verify"\n')
+    result = subprocess.run(rl_command("orchestrator", "@", str(cfg), "--dry-run"), capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert says in lines[-1] and "images.jsonl row 0" in lines[-1], result.stderr
+    assert not (tmp_path / "out").exists()

@@ -217,3 +217,19 @@ def render_image_prompt(template, support, tokenizer, messages: list[dict], root
     expanded = text.replace(support.image_token, support.expansion())
     return ImagePrompt(tokenizer.encode(expanded, add_special_tokens=False).ids,
                        tokenizer.encode(text, add_special_tokens=False).ids, images)
+
+
+def images_at_start_up(model: Path, dataset: str, rows: list[tuple[object, str]], messages_key: str) -> None:
+    """Refuse (ConfigError, exit 2) a dataset whose first rows drawn hold image parts when the
+    model reads text only; and, for now, on any model: `rl run` does not yet carry a row's
+    images through rollouts to the trainer (docs/vlm.md), and rendering such a row as text
+    would train on prompts the model never saw."""
+    for row, where in rows:
+        messages = row.get(messages_key) if isinstance(row, dict) else None
+        if not isinstance(messages, list) or not image_parts(messages):
+            continue
+        if image_support(model) is None:
+            raise ConfigError(f"dataset {dataset}: {where} holds an image part, but {model} reads text only "
+                              "(no processor_config.json): use a vision-language model or drop the images")
+        raise ConfigError(f"dataset {dataset}: {where} holds an image part: images in datasets are not yet "
+                          "carried through rl run (docs/vlm.md); /generate and the trainer's vision forward take them")
