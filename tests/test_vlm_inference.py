@@ -114,3 +114,27 @@ def test_bad_images_are_refused_by_field(server):
     png = base64.b64encode(prompt.images[0]).decode()
     r = generate(server, prompt_token_ids=prompt.request_ids, images=[png, png])
     assert r.status_code == 400 and said(r).startswith("images:"), r.text
+
+
+def test_the_orchestrators_client_carries_images_and_checks_the_expansion(server):
+    import asyncio
+
+    import aiohttp
+
+    from orchestrator.prompts.images import ImageError, ImagePrompt, check_expanded, request_fields
+    from rl.inference_api import GenerateRequest, InferenceClient
+
+    prompt = rendered(chat(picture(70, 70, (20, 160, 40))))
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            client = InferenceClient(server, session)
+            return await client.generate(GenerateRequest(request_id="client", n=2, max_tokens=3, **request_fields(prompt)),
+                                         timeout=120)
+
+    response = asyncio.run(main())
+    assert len(response.samples) == 2 and all(len(s.token_ids) == 3 for s in response.samples)
+    check_expanded(prompt, response.prompt_token_ids, "row 0")  # the trainer's ids, as sampled after
+    other = ImagePrompt(prompt.token_ids[:-1], prompt.request_ids, prompt.images)
+    with pytest.raises(ImageError, match="row 0: the server expanded the image placeholders to 32 ids, the model.s processor to 31"):
+        check_expanded(other, response.prompt_token_ids, "row 0")

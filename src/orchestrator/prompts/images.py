@@ -233,3 +233,18 @@ def images_at_start_up(model: Path, dataset: str, rows: list[tuple[object, str]]
                               "(no processor_config.json): use a vision-language model or drop the images")
         raise ConfigError(f"dataset {dataset}: {where} holds an image part: images in datasets are not yet "
                           "carried through rl run (docs/vlm.md); /generate and the trainer's vision forward take them")
+
+
+def request_fields(prompt: ImagePrompt) -> dict:
+    """What a GenerateRequest takes of an image prompt: the ids with one placeholder per image
+    and the images, base64 (rl/inference_api.py)."""
+    return {"prompt_token_ids": prompt.request_ids, "images": [base64.b64encode(b).decode() for b in prompt.images]}
+
+
+def check_expanded(prompt: ImagePrompt, engine_ids: list[int] | None, where: str) -> None:
+    """The server's expansion of the placeholders must be this prompt's token_ids, the ids the
+    trainer will score: else the sample is not trainable (its tokens would not be what was sampled)."""
+    if engine_ids != prompt.token_ids:
+        got = "none" if engine_ids is None else f"{len(engine_ids)} ids"
+        raise ImageError(f"{where}: the server expanded the image placeholders to {got}, the model's processor "
+                         f"to {len(prompt.token_ids)}: the prompt the server sampled after is not the trainer's")
