@@ -137,8 +137,7 @@ def check_vllm(out: Path, hf_ids: list[int]) -> None:
 
     processor = AutoProcessor.from_pretrained(out)
     text = processor.apply_chat_template(example_chat(), add_generation_prompt=True, tokenize=False)
-    llm = LLM(model=str(out), dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN, seed=0,
-              limit_mm_per_prompt={"image": 2})
+    llm = LLM(model=str(out), dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN, seed=0)
     outs = llm.generate([{"prompt": text, "multi_modal_data": {"image": example_image()}}],
                         SamplingParams(temperature=0.0, max_tokens=8))
     o = outs[0]

@@ -85,6 +85,7 @@ KEPT, PREFLIGHT = "src/inference/kept_sets.py", "src/inference/preflight.py"
 PLACEMENT, GPU_PLACEMENT = "src/rl/placement.py", "src/rl/gpu_placement.py"
 CHAT_MODEL, REAL_MODEL = "scripts/make_chat_model.py", "scripts/make_real_size_model.py"
 TOOL_MODEL, GPU_CHECK = "scripts/make_tool_model.py", "scripts/gpu_check_items.py"
+VLM_MODEL, MULTIMODAL = "scripts/make_vlm_model.py", "src/inference/multimodal.py"
 GPU_CHECK_PLACEMENT = "scripts/gpu_check_placement.py"
 
 ASYNC_LLM = "vllm.v1.engine.async_llm:AsyncLLM"
@@ -312,8 +313,23 @@ USES: tuple[Use, ...] = (
     # --- sampling and outputs (generation.py, kept_sets.py) ----------------------------------
     Use("vllm.inputs.engine", "tokens_input", MODULE_ATTR, "both", (f"{GEN}:Generations.run",),
         "a rendered prompt keeps vLLM off its tokenizer thread pool", ("cache_salt",)),
+    # --- images on /generate (multimodal.py) ---------------------------------------------------
+    Use("vllm.renderers.inputs.preprocess", "parse_model_prompt", MODULE_ATTR, "both", (f"{MULTIMODAL}:image_input",),
+        "the prompt as render_cmpl_async takes it"),
+    Use(ENGINE, "AsyncLLM.renderer", INSTANCE_ATTR, "both", (f"{MULTIMODAL}:image_input",),
+        "its renderer expands image placeholders and computes pixels, as vLLM's own routes do"),
+    Use("vllm.renderers.base", "BaseRenderer.render_cmpl_async", CLASS_ATTR, "both", (f"{MULTIMODAL}:image_input",),
+        "renders a multi-modal token prompt to the engine's input"),
+    Use(CONFIG_MODEL, "ModelConfig.is_multimodal_model", CLASS_ATTR, "both", (f"{MULTIMODAL}:image_input",),
+        "images for a text-only model are refused by field"),
+    Use(CONFIG_MODEL, "ModelConfig.hf_config", INSTANCE_ATTR, "both", (f"{MULTIMODAL}:image_input",),
+        "its image_token_id: one placeholder per image, checked before the renderer"),
+    Use(OUTPUTS, "RequestOutput.prompt_token_ids", INSTANCE_ATTR, "both",
+        (f"{GEN}:Generations.sample", f"{GEN}:Generations.tagged"),
+        "the prompt as the engine expanded its image placeholders (answered with images)"),
     Use("vllm", "SamplingParams", MODULE_ATTR, "both",
-        (f"{GEN}:Generations.sample", f"{CHAT_MODEL}:check_vllm", f"{REAL_MODEL}:check", f"{TOOL_MODEL}:check_vllm"),
+        (f"{GEN}:Generations.sample", f"{CHAT_MODEL}:check_vllm", f"{REAL_MODEL}:check", f"{TOOL_MODEL}:check_vllm",
+         f"{VLM_MODEL}:check_vllm"),
         "the sampler's settings per request",
         ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "stop", "stop_token_ids", "logprobs",
          "prompt_logprobs", "output_kind", "detokenize", "ignore_eos", "allowed_token_ids")),
@@ -440,17 +456,21 @@ USES: tuple[Use, ...] = (
     Use("vllm.tool_parsers", "ToolParserManager.list_registered", CLASS_ATTR, "both",
         (f"{PREFLIGHT}:tool_call_parser",), "inference.tool_call_parser must name one"),
     Use("vllm", "LLM", MODULE_ATTR, "both",
-        (f"{CHAT_MODEL}:check_vllm", f"{REAL_MODEL}:check", f"{TOOL_MODEL}:check_vllm"),
+        (f"{CHAT_MODEL}:check_vllm", f"{REAL_MODEL}:check", f"{TOOL_MODEL}:check_vllm",
+         f"{VLM_MODEL}:check_vllm"),
         "the scripts check a model they made in vLLM",
         ("model", "dtype", "enforce_eager", "seed", "gpu_memory_utilization")),
     Use("vllm.engine.arg_utils", "EngineArgs.max_model_len", INSTANCE_ATTR, "both",
-        (f"{CHAT_MODEL}:check_vllm", f"{REAL_MODEL}:check", f"{TOOL_MODEL}:check_vllm"),
+        (f"{CHAT_MODEL}:check_vllm", f"{REAL_MODEL}:check", f"{TOOL_MODEL}:check_vllm",
+         f"{VLM_MODEL}:check_vllm"),
         "LLM(max_model_len=...) reaches EngineArgs through LLM's **kwargs"),
     Use("vllm", "LLM.generate", CLASS_ATTR, "both",
-        (f"{CHAT_MODEL}:check_vllm", f"{REAL_MODEL}:check", f"{TOOL_MODEL}:check_vllm"), "offline generation",
+        (f"{CHAT_MODEL}:check_vllm", f"{REAL_MODEL}:check", f"{TOOL_MODEL}:check_vllm",
+         f"{VLM_MODEL}:check_vllm"), "offline generation",
         ("use_tqdm",)),
     Use("vllm.inputs", "TokensPrompt", MODULE_ATTR, "both",
-        (f"{CHAT_MODEL}:check_vllm", f"{REAL_MODEL}:check", f"{TOOL_MODEL}:check_vllm"), "prompts as token ids",
+        (f"{CHAT_MODEL}:check_vllm", f"{REAL_MODEL}:check", f"{TOOL_MODEL}:check_vllm", f"{MULTIMODAL}:image_input"),
+        "prompts as token ids (with images: multi_modal_data, for vLLM's renderer to run the model's processor on)",
         ("prompt_token_ids",)),
     Use(OUTPUTS, "CompletionOutput.text", INSTANCE_ATTR, "both", (f"{CHAT_MODEL}:check_vllm", f"{REAL_MODEL}:check"),
         "the text vLLM generated, compared with transformers'"),
