@@ -149,3 +149,33 @@ def test_image_rows_refused_at_start_up_with_exit_2(tmp_path, model, says):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert says in lines[-1] and "images.jsonl row 0" in lines[-1], result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_an_hf_datasets_image_column_with_image_parts(ours, hf):
+    """TRL's form: {"type": "image"} parts and an `images` column; an HF datasets Image
+    sequence decodes to PIL images on access. Same ids and pixels as AutoProcessor's."""
+    import datasets
+    import torch
+
+    ds = datasets.Dataset.from_dict(
+        {"messages": [[{"role": "user", "content": [{"type": "image", "text": None},
+                                                    {"type": "text", "text": "How many shapes?"},
+                                                    {"type": "image", "text": None}]}]],
+         "images": [[picture(30, 50), picture(90, 40, (10, 10, 220))]]},
+        features=datasets.Features({
+            "messages": [{"role": datasets.Value("string"),
+                          "content": [{"type": datasets.Value("string"), "text": datasets.Value("string")}]}],
+            "images": datasets.Sequence(datasets.Image())}))
+    row = ds[0]
+    assert all(isinstance(im, Image.Image) for im in row["images"])
+    template, support, tokenizer = ours
+    prompt = render_image_prompt(template, support, tokenizer, row["messages"], [], row["images"])
+    text = hf.apply_chat_template(template_messages(row["messages"]), add_generation_prompt=True, tokenize=False)
+    expected = hf(text=[text], images=[[im.convert("RGB") for im in row["images"]]], return_tensors="pt")
+    assert prompt.token_ids == expected["input_ids"][0].tolist()
+    carried = hf(text=[text], images=[[Image.open(io.BytesIO(b)) for b in prompt.images]], return_tensors="pt")
+    assert torch.equal(carried["pixel_values"], expected["pixel_values"])
+    with pytest.raises(ImageError, match="more images than the chat has image parts"):
+        render_image_prompt(template, support, tokenizer, row["messages"], [], row["images"] * 2)
+    with pytest.raises(ImageError, match="fewer"):
+        render_image_prompt(template, support, tokenizer, row["messages"], [], row["images"][:1])

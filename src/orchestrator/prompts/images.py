@@ -91,17 +91,36 @@ def image_support(model: Path):
     return kind.from_config(config, where)
 
 
-def image_parts(messages: list[dict]) -> list:
-    """Each image part's source, in order: the url string or the HF Image value."""
-    sources = []
+def image_parts(messages: list[dict], row_images=()) -> list:
+    """Each image part's source, in order: an `image_url` part's url (or HF Image value); an
+    `image` part's own "image" value (transformers' form) or else the row's next image (TRL's
+    form: {"type": "image"} parts and an `images` column, e.g. an HF datasets Image sequence)."""
+    sources, column = [], iter(row_images or ())
     for m in messages:
         content = m.get("content")
-        if isinstance(content, list):
-            for part in content:
-                if isinstance(part, dict) and part.get("type") == "image_url":
-                    url = part.get("image_url")
-                    sources.append(url.get("url") if isinstance(url, dict) and "url" in url else url)
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if not isinstance(part, dict):
+                continue
+            if part.get("type") == "image_url":
+                url = part.get("image_url")
+                sources.append(url.get("url") if isinstance(url, dict) and "url" in url else url)
+            elif part.get("type") == "image":
+                value = part.get("image")
+                if value is None:
+                    value = next(column, None)
+                    if value is None:
+                        raise ImageError("an image part with no image: the row's images column has fewer")
+                sources.append(value)
+    if next(column, None) is not None:
+        raise ImageError("the row's images column has more images than the chat has image parts")
     return sources
+
+
+def has_images(messages: list[dict]) -> bool:
+    return any(isinstance(p, dict) and p.get("type") in ("image_url", "image")
+               for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list) for p in m["content"])
 
 
 def template_messages(messages: list[dict]) -> list[dict]:
@@ -111,15 +130,18 @@ def template_messages(messages: list[dict]) -> list[dict]:
     for m in messages:
         content = m.get("content")
         if isinstance(content, list):
-            content = [{"type": "image"} if isinstance(p, dict) and p.get("type") == "image_url" else p
+            content = [{"type": "image"} if isinstance(p, dict) and p.get("type") in ("image_url", "image") else p
                        for p in content]
             m = {**m, "content": content}
         out.append(m)
     return out
 
 
-def read_source(source, roots: list[Path]) -> bytes:
-    """The encoded image a part names."""
+def read_source(source, roots: list[Path]):
+    """The encoded image a part names (bytes), or a decoded PIL image as it came (an HF
+    datasets Image column decodes on access)."""
+    if hasattr(source, "getpixel") and hasattr(source, "mode"):  # a PIL image
+        return source
     if isinstance(source, dict) and ("bytes" in source or "path" in source):  # HF datasets Image
         if source.get("bytes"):
             return bytes(source["bytes"])
@@ -154,10 +176,12 @@ class Shrunk:
     said = False
 
 
-def decode(data: bytes, max_pixels: int, what: str):
+def decode(data, max_pixels: int, what: str):
     """An RGB PIL image, at most max_pixels (shrunk, aspect kept, when larger)."""
     from PIL import Image
 
+    if isinstance(data, Image.Image):
+        return shrink(data.convert("RGB"), max_pixels, what)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -171,14 +195,19 @@ def decode(data: bytes, max_pixels: int, what: str):
         raise ImageError(f"{what}: refused as a decompression bomb ({e})") from None
     except Exception as e:  # PIL raises many kinds for a broken file
         raise ImageError(f"{what}: unreadable image: {type(e).__name__}: {e}") from None
-    image = image.convert("RGB")
+    return shrink(image.convert("RGB"), max_pixels, what)
+
+
+def shrink(image, max_pixels: int, what: str):
+    from PIL import Image
+
     w, h = image.size
     if w * h > max_pixels:
         scale = (max_pixels / (w * h)) ** 0.5
         size = (max(1, int(w * scale)), max(1, int(h * scale)))
         if not Shrunk.said:
             Shrunk.said = True
-            log.warning("%s: %dx%d is over the %d pixels the model's processor uses: shrunk to %dx%d "
+            log.warning("%s: %dx%d is over the model's max_pixels (%d): shrunk to %dx%d "
                         "(said once; every larger image is shrunk alike)", what, w, h, max_pixels, *size)
         image = image.resize(size, Image.Resampling.BICUBIC)
     return image
@@ -201,10 +230,12 @@ class ImagePrompt:
     """PNG bytes, in the order of the prompt's placeholders."""
 
 
-def render_image_prompt(template, support, tokenizer, messages: list[dict], roots: list[Path]) -> ImagePrompt:
+def render_image_prompt(template, support, tokenizer, messages: list[dict], roots: list[Path],
+                        row_images=()) -> ImagePrompt:
     """A chat with image parts -> its prompt ids (placeholders expanded) and its images.
-    `template`: chat.py's ChatTemplate; `tokenizer`: a tokenizers.Tokenizer. Raises ImageError."""
-    sources = image_parts(messages)
+    `template`: chat.py's ChatTemplate; `tokenizer`: a tokenizers.Tokenizer; `row_images`: the
+    row's images column, for {"type": "image"} parts. Raises ImageError."""
+    sources = image_parts(messages, row_images)
     if support is None:
         raise ImageError("the model has no image processor (processor_config.json): it reads text only")
     if len(sources) > support.max_images:
@@ -226,7 +257,7 @@ def images_at_start_up(model: Path, dataset: str, rows: list[tuple[object, str]]
     would train on prompts the model never saw."""
     for row, where in rows:
         messages = row.get(messages_key) if isinstance(row, dict) else None
-        if not isinstance(messages, list) or not image_parts(messages):
+        if not isinstance(messages, list) or not has_images(messages):
             continue
         if image_support(model) is None:
             raise ConfigError(f"dataset {dataset}: {where} holds an image part, but {model} reads text only "
