@@ -110,7 +110,12 @@ def test_bad_images_are_refused_by_field(server):
     junk = base64.b64encode(b"\x89PNG junk").decode()
     r = generate(server, prompt_token_ids=prompt.request_ids, images=[junk])
     assert r.status_code == 400 and "images[0]: unreadable image" in said(r), r.text
-    # Two images for a prompt with one image's placeholders: vLLM's processor refuses it.
+    # Fits with one placeholder per image (17 + 100 <= 128), not once expanded (32 + 100).
+    r = generate(server, prompt_token_ids=prompt.request_ids, images=[base64.b64encode(prompt.images[0]).decode()],
+                 max_tokens=SEQ_LEN - len(prompt.request_ids) - 11)
+    assert r.status_code == 400 and said(r).startswith(
+        f"max_tokens: prompt ({len(prompt.token_ids)} tokens with its images expanded)"), r.text
+    # Two images for a prompt with one image's placeholders: refused before the processor runs.
     png = base64.b64encode(prompt.images[0]).decode()
     r = generate(server, prompt_token_ids=prompt.request_ids, images=[png, png])
     assert r.status_code == 400 and said(r).startswith("images:"), r.text

@@ -155,7 +155,8 @@ class Generations:
             # Rendered input (not a raw TokensPrompt) keeps vLLM off its tokenizer thread pool.
             prompt = tokens_input(body.prompt_token_ids, cache_salt=weights.salt)
             if body.images:
-                prompt = await image_input(self.engine, body.prompt_token_ids, body.images, weights.salt)
+                prompt = await image_input(self.engine, body.prompt_token_ids, body.images, weights.salt,
+                                           body.max_tokens, self.seq_len)
             # A TaskGroup: if one sample fails, the others are cancelled, which aborts their
             # engine requests instead of leaving them running for nobody.
             async with asyncio.TaskGroup() as group:

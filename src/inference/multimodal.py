@@ -46,8 +46,10 @@ def decode_image(data: str, i: int):
     return image.convert("RGB")
 
 
-async def image_input(engine, token_ids: list[int], images: list[str], cache_salt: str):
-    """The engine input for a prompt with images."""
+async def image_input(engine, token_ids: list[int], images: list[str], cache_salt: str, max_tokens: int,
+                      seq_len: int):
+    """The engine input for a prompt with images. The prompt's length is checked again once
+    expanded (Generations.check saw one placeholder per image)."""
     if not engine.model_config.is_multimodal_model:
         raise HTTPException(400, f"images: the model ({engine.model_config.model}) reads text only")
     placeholder = getattr(engine.model_config.hf_config, "image_token_id", None)
@@ -63,4 +65,8 @@ async def image_input(engine, token_ids: list[int], images: list[str], cache_sal
         (engine_input,) = await engine.renderer.render_cmpl_async([parse_model_prompt(engine.model_config, prompt)])
     except (ValueError, RuntimeError) as e:  # vLLM's processor: more images than the model takes, ...
         raise HTTPException(400, f"images: {(str(e).strip().splitlines() or [''])[0]}") from None
+    expanded = len(engine_input["prompt_token_ids"])
+    if expanded + max_tokens > seq_len:
+        raise HTTPException(400, f"max_tokens: prompt ({expanded} tokens with its images expanded) + max_tokens "
+                                 f"({max_tokens}) exceeds seq_len {seq_len}")
     return engine_input
