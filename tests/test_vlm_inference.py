@@ -7,16 +7,20 @@ from __future__ import annotations
 import base64
 import io
 
+import shutil
+
 import httpx
 import openai
 import pytest
 import torch
 from PIL import Image
+from safetensors.torch import load_file, save_file
 
 from conftest import ROOT
 from orchestrator.prompts.chat import ChatTemplate
 from orchestrator.prompts.images import image_support, render_image_prompt, template_messages
 from orchestrator.prompts.tokenizer import load_tokenizer
+from rl.rundir import RunDir
 from test_end_to_end import launch_server, wait_healthy
 from test_vlm_prompts import data_url, picture
 
@@ -26,10 +30,22 @@ MODEL = ROOT / "models" / "tiny-vlm"
 SEQ_LEN = 128
 
 
+NEW_WEIGHTS: dict = {}  # the reload test's: the path of step 1's weights
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vlm")
-    proc, url = launch_server(tmp, "server", MODEL, tmp / "run", seq_len=SEQ_LEN)
+    run = RunDir(tmp / "run")
+    # Step 1: every tensor moved (the vision tower, the connector, the tied embeddings/head).
+    step = run.weights_dir(1)
+    shutil.copytree(MODEL, step)
+    tensors = load_file(step / "model.safetensors")
+    gen = torch.Generator().manual_seed(0)
+    save_file({k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in tensors.items()},
+              step / "model.safetensors")
+    NEW_WEIGHTS["path"] = step
+    proc, url = launch_server(tmp, "server", MODEL, run.root, seq_len=SEQ_LEN)
     try:
         wait_healthy(proc, url)
         yield url
@@ -46,11 +62,11 @@ def rendered(messages):
     return render_image_prompt(ChatTemplate.load(MODEL), image_support(MODEL), load_tokenizer(str(MODEL)), messages, [])
 
 
-def hf_prompt_logprobs(messages, images: list[bytes]) -> tuple[list[int], list[float]]:
+def hf_prompt_logprobs(messages, images: list[bytes], weights=MODEL) -> tuple[list[int], list[float]]:
     from transformers import AutoProcessor, Idefics3ForConditionalGeneration
 
     processor = AutoProcessor.from_pretrained(MODEL)
-    model = Idefics3ForConditionalGeneration.from_pretrained(MODEL)
+    model = Idefics3ForConditionalGeneration.from_pretrained(weights)
     text = processor.apply_chat_template(template_messages(messages), add_generation_prompt=True, tokenize=False)
     inputs = processor(text=[text], images=[[Image.open(io.BytesIO(b)) for b in images]], return_tensors="pt")
     with torch.no_grad():
@@ -143,3 +159,26 @@ def test_the_orchestrators_client_carries_images_and_checks_the_expansion(server
     other = ImagePrompt(prompt.token_ids[:-1], prompt.request_ids, prompt.images)
     with pytest.raises(ImageError, match="row 0: the server expanded the image placeholders to 32 ids, the model.s processor to 31"):
         check_expanded(other, response.prompt_token_ids, "row 0")
+
+
+def test_zz_a_weight_reload_reaches_the_vision_tower_and_the_tied_head(server):
+    """Last in the module: it changes the server's weights. After /update_weights to step 1 the
+    engine's prompt logprobs on an image chat it has seen are transformers' on step 1's weights
+    (vision tower, connector, language model and tied head all moved), not the old ones'.
+    Without resetting vLLM's encoder cache at the reload the engine died here ("Encoder cache
+    miss": the worker's reload cleared its encodings, the scheduler still counted them)."""
+    messages = chat(picture(100, 60))
+    prompt = rendered(messages)
+    fields = {"prompt_token_ids": prompt.request_ids, "images": [base64.b64encode(b).decode() for b in prompt.images],
+              "max_tokens": 1, "temperature": 0, "prompt_logprobs": True}
+    before = generate(server, request_id="before", **fields).json()["prompt_logprobs"][1:]
+    r = httpx.post(f"{server}/update_weights", json={"path": str(NEW_WEIGHTS["path"]), "version": 1, "mode": "wait"},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    after = generate(server, request_id="after", **fields).json()
+    assert "samples" in after, after
+    assert after["samples"][0]["versions"] == [1]
+    _, new = hf_prompt_logprobs(messages, prompt.images, NEW_WEIGHTS["path"])
+    close = max(abs(a - b) for a, b in zip(after["prompt_logprobs"][1:], new))
+    moved = max(abs(a - b) for a, b in zip(before, new))
+    assert close < 1e-3 and moved > 10 * close, (close, moved)
