@@ -13,8 +13,8 @@ import jinja2
 
 from orchestrator.callables import load_callable
 from orchestrator.prompts.chat import ChatTemplate
-from orchestrator.prompts.images import images_at_start_up
 from orchestrator.prompts.fit import dataset_fits, environment_fits, error_line, measure, sample, tokenizer_of
+from orchestrator.prompts.images import images_at_start_up
 from orchestrator.rollout import sandbox as sandboxing  # the module, not its Sandbox: see executes_code
 from orchestrator.rollout.registry import kind_of
 from orchestrator.sft.data import sft_setup
