@@ -115,6 +115,19 @@ def test_openai_client_chat_with_an_image_url_part(server):
     assert reply.usage.prompt_tokens == len(rendered(messages).token_ids)
 
 
+def test_a_prompt_with_two_images(server):
+    messages = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(picture(100, 60))}}, {"type": "text", "text": "and"},
+        {"type": "image_url", "image_url": {"url": data_url(picture(40, 90, (20, 160, 40)))}}]}]
+    prompt = rendered(messages)
+    r = generate(server, request_id="two", prompt_token_ids=prompt.request_ids, max_tokens=2, temperature=0,
+                 images=[base64.b64encode(b).decode() for b in prompt.images], prompt_logprobs=True)
+    assert r.status_code == 200, r.text
+    assert r.json()["prompt_token_ids"] == prompt.token_ids
+    _, hf = hf_prompt_logprobs(messages, prompt.images)
+    assert max(abs(a - b) for a, b in zip(r.json()["prompt_logprobs"][1:], hf)) < 1e-3
+
+
 def said(r: httpx.Response) -> str:
     return r.json()["error"]["message"]
 
