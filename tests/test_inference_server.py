@@ -150,6 +150,27 @@ def test_an_eager_cpu_engine_runs_with_torch_compile_off(server):
     assert "TORCH_COMPILE_DISABLE is set, disabling torch.compile" in server["log"].read_text(errors="replace")
 
 
+def test_images_for_a_text_only_model_are_refused_by_field(server):
+    """inference/multimodal.py: one line naming the field, before anything reaches the engine."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(buf, format="PNG")
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            return await post(s, f"{server['url']}/generate", {
+                "request_id": "text-only-images", "prompt_token_ids": [Z], "max_tokens": 1,
+                "images": [base64.b64encode(buf.getvalue()).decode()]})
+
+    status, body = asyncio.run(main())
+    assert status == 400 and body["error"]["message"].startswith("images: the model ("), body
+    assert "reads text only" in body["error"]["message"]
+
+
 def test_generate_returns_tokens_logprobs_and_versions(server):
     url = server["url"]
     prompt = [A, 4, 5, 6, EQ]  # "abcd="

@@ -20,6 +20,7 @@ from fastapi import HTTPException
 
 from inference.adapters import Adapter, Adapters
 from inference.kept_sets import kept_sets
+from inference.multimodal import image_input
 from rl.inference_api import (AbortRequest, GeneratedSample, GenerateRequest, GenerateResponse, RoutedExperts,
                               kept_set_bound)
 
@@ -32,6 +33,7 @@ class Generation:
     def __init__(self, request_id: str, n: int):
         self.engine_ids = [f"{request_id}-{i}" for i in range(n)]
         self.aborted = False
+        self.prompt_token_ids: list[int] | None = None  # with images: as the engine expanded them
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,8 @@ class Generations:
             if adapter:
                 adapter.running -= 1
         return GenerateResponse(samples=[s for s, _ in results],
-                                prompt_logprobs=results[0][1] if body.prompt_logprobs else None)
+                                prompt_logprobs=results[0][1] if body.prompt_logprobs else None,
+                                prompt_token_ids=gen.prompt_token_ids)
 
     async def abort(self, body: AbortRequest) -> dict:
         gens = [self.generations[r] for r in set(body.request_ids) if r in self.generations]
@@ -151,6 +154,9 @@ class Generations:
             weights = self.weights_in_use(adapter)
             # Rendered input (not a raw TokensPrompt) keeps vLLM off its tokenizer thread pool.
             prompt = tokens_input(body.prompt_token_ids, cache_salt=weights.salt)
+            if body.images:
+                prompt = await image_input(self.engine, body.prompt_token_ids, body.images, weights.salt,
+                                           body.max_tokens, self.seq_len)
             # A TaskGroup: if one sample fails, the others are cancelled, which aborts their
             # engine requests instead of leaving them running for nobody.
             async with asyncio.TaskGroup() as group:
@@ -204,6 +210,8 @@ class Generations:
                 final = out
         finally:
             del self.running[engine_id]
+        if body.images:
+            gen.prompt_token_ids = list(final.prompt_token_ids)
         return self.tagged(engine_id, final, weights, body, params, vocab)
 
     @staticmethod
@@ -224,7 +232,7 @@ class Generations:
         prompt_logprobs = None
         if params.prompt_logprobs is not None and final.prompt_logprobs is not None:
             prompt_logprobs = [None if d is None else d[t].logprob
-                               for d, t in zip(final.prompt_logprobs, body.prompt_token_ids)]
+                               for d, t in zip(final.prompt_logprobs, final.prompt_token_ids)]
         return sample, prompt_logprobs
 
     async def label(self, version: int) -> None:

@@ -337,6 +337,10 @@ class ServedWeights:
                 # Cached KV was computed by the old weights. This fails (vLLM logs it)
                 # while running requests hold blocks, hence the per-reload cache salt.
                 await self.engine.reset_prefix_cache()
+                if self.engine.model_config.is_multimodal_model:
+                    # The worker's reload clears its encoder outputs but not the scheduler's record
+                    # of them: the next request with a seen image died ("Encoder cache miss").
+                    await self.engine.reset_encoder_cache()
             finally:
                 # A failed reload must not leave the engine paused, unless its weights are
                 # no version's (vLLM's own routes would generate with them).

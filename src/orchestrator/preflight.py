@@ -14,6 +14,7 @@ import jinja2
 from orchestrator.callables import load_callable
 from orchestrator.prompts.chat import ChatTemplate
 from orchestrator.prompts.fit import dataset_fits, environment_fits, error_line, measure, sample, tokenizer_of
+from orchestrator.prompts.images import images_at_start_up
 from orchestrator.rollout import sandbox as sandboxing  # the module, not its Sandbox: see executes_code
 from orchestrator.rollout.registry import kind_of
 from orchestrator.sft.data import sft_setup
@@ -188,6 +189,7 @@ def _datasets_data(cfg: RunConfig, datasets: list[tuple[Dataset, bool, str]]) ->
     tokenizer = tokenizer_of(cfg.model)
     for ds, listed, what in datasets:
         rows = _sample(cfg, ds, listed)
+        images_at_start_up(cfg.model, ds.name, rows, ds.spec.messages_key)
         row, where = rows[0]
         if template is None and isinstance(row, dict) and row.get(ds.spec.messages_key) is not None:
             raise ConfigError(f"dataset {ds.name}: {where} holds chat messages but {cfg.model} has no chat "

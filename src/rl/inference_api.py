@@ -69,6 +69,10 @@ class GenerateRequest(Body):
     routed_experts: bool = False
     """Also return the experts each MoE layer routed every token to (inference/routing_capture.py);
     refused by a server that does not record them (inference.record_routing)."""
+    images: list[str] = Field([], max_length=16)
+    """Base64 image files (PNG), in the order of the prompt's image placeholders: one placeholder
+    token per image in prompt_token_ids, which the model's processor in the server expands
+    (orchestrator/prompts/images.py, inference/multimodal.py)."""
 
 
 def kept_set_bound(top_k: int, vocab: int) -> int:
@@ -119,6 +123,9 @@ class GeneratedSample(BaseModel):
 
 class GenerateResponse(BaseModel):
     samples: list[GeneratedSample]
+    prompt_token_ids: list[int] | None = None
+    """With images: the prompt the engine sampled after, its placeholders expanded (the ids the
+    trainer must see; the orchestrator checks them against its own expansion)."""
     prompt_logprobs: list[float | None] | None = None
     """With prompt_logprobs: one per prompt token, None for the first (nothing predicts it)."""
 

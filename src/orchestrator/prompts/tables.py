@@ -44,6 +44,13 @@ class Table:
         return i if self.numbers is None else self.numbers[i]
 
 
+def content_parts(content) -> bool:
+    """OpenAI's content parts ({"type": "text" | "image_url", ...}): image chats
+    (orchestrator/prompts/images.py)."""
+    return isinstance(content, list) and bool(content) and all(
+        isinstance(p, dict) and isinstance(p.get("type"), str) for p in content)
+
+
 def row_problem(row, spec: DatasetConfig) -> str | None:
     """Why a row cannot make a prompt, or None."""
     if not isinstance(row, dict):
@@ -52,7 +59,8 @@ def row_problem(row, spec: DatasetConfig) -> str | None:
     if messages is not None:
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and (
-                    isinstance(m.get("content"), str) or m.get("tool_calls") and m.get("content") is None)
+                    isinstance(m.get("content"), str) or m.get("tool_calls") and m.get("content") is None
+                    or content_parts(m.get("content")))
                 for m in messages):  # an assistant turn that calls tools may have no content (OpenAI's form)
             return f"field {spec.messages_key!r} is not a list of {{role, content}} messages"
         return None
