@@ -89,7 +89,9 @@ def pytest_configure(config):
 # The files that hold a worker longest, longest first: handed out first, so that none of them
 # starts while the other workers are finishing (docs/performance.md, "The suite's order": each
 # file alone, `pytest -p no:xdist FILE`, and the files' totals of a `make test --junitxml` on 2 cores).
-LONGEST = ["test_gpu_check.py", "faults/test_kill_restart.py", "test_trainer.py", "test_sft_generation_eval.py",
+LONGEST = ["test_gpu_check.py", "test_context_parallel.py", "faults/test_kill_restart.py", "test_trainer.py",
+           "test_expert_parallel.py", "test_sft_generation_eval.py", "test_slurm_cluster.py",
+           "test_prometheus_scrape.py",
            "test_lora_trainer.py", "test_broadcast.py", "test_end_to_end.py", "faults/test_random_kills.py",
            "test_multi_host.py", "test_agent_environment.py", "faults/test_kill_inference.py",
            "test_sampling_mask.py", "faults/test_kill_launcher.py", "test_engine_stalls_vllm.py",

@@ -212,6 +212,11 @@ def mask_blocks(lengths: list[int], most: int = MASK_BLOCK_TOKENS) -> list[list[
     return blocks
 
 
+# Not traced by torch.compile (trainer.compile): the plan is Python over the host's lengths, made
+# at the first layer and kept on the boundaries; traced, a compiled layer under activation
+# checkpointing saved other tensors in its forward than in its recompute (CheckpointError).
+# Eager here, the layer's other ops stay compiled.
+@torch.compiler.disable
 def per_document_attention(q: Tensor, k: Tensor, v: Tensor, cu_seq_lens: Tensor, scaling: float | None,
                            most: int = MASK_BLOCK_TOKENS) -> Tensor:
     """varlen attention where the flash kernel cannot run (CPU, float32, an older torch), q [N, Hq, D],
