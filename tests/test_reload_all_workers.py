@@ -74,6 +74,7 @@ class Engine:
     def __init__(self, *engines: list[Worker]):
         self.engines = engines
         self.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(world_size=len(engines[0])))
+        self.model_config = SimpleNamespace(is_multimodal_model=False)  # a text model: no encoder cache to reset
         self.labels: list[str] = []
         if len(engines) > 1:
             self.engine_core = SimpleNamespace(call_utility_all_async=self.call_utility_all_async)

@@ -110,6 +110,8 @@ RECEIVERS = (
     *(Receiver(p, "", "self.engine", ASYNC_LLM) for p in (GEN, RELOAD, ADAPTERS, ROUTES)),
     Receiver(GEN, "", "self.engine.model_config", "vllm.config.model:ModelConfig"),
     Receiver(GEN, "Generations.tagged", "final", "vllm.outputs:RequestOutput"),
+    Receiver(GEN, "Generations.sample", "final", "vllm.outputs:RequestOutput"),
+    Receiver(RELOAD, "", "self.engine.model_config", "vllm.config.model:ModelConfig"),
     Receiver(GEN, "Generations.tagged", "c", "vllm.outputs:CompletionOutput"),
     Receiver(GEN, "Generations.tagged", "c.logprobs[j][t]", "vllm.logprobs:Logprob"),
     Receiver(GEN, "Generations.tagged", "d[t]", "vllm.logprobs:Logprob"),
