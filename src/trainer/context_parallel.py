@@ -82,17 +82,10 @@ class _GatherShares(torch.autograd.Function):
         return grad.chunk(share.size, dim)[share.index].contiguous(), None, None
 
 
-class _GatherIdentical(torch.autograd.Function):
-    """Like _GatherShares, for a result every member then uses identically (the loss, computed
+class _GatherIdentical(_GatherShares):
+    """_GatherShares' forward, for a result every member then uses identically (the loss, computed
     on the whole micro-batch by each): backward takes this rank's share of the gradient, which
     is the same on every member, without summing it `size` times."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, share: ContextShare, dim: int) -> Tensor:
-        ctx.share, ctx.dim = share, dim
-        parts = [torch.empty_like(x) for _ in range(share.size)]
-        dist.all_gather(parts, x.contiguous(), group=share.group)
-        return torch.cat(parts, dim)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
