@@ -16,34 +16,22 @@ from __future__ import annotations
 
 import base64
 import binascii
-import io
-import warnings
 
 from fastapi import HTTPException
 
-MAX_DECODE_PIXELS = 64 * 1024 * 1024  # as the orchestrator's bound (orchestrator/prompts/images.py)
+from rl.image_decode import ImageRefused, open_image
 
 
 def decode_image(data: str, i: int):
-    from PIL import Image
-
+    """images[i] of a request: base64 of an encoded file, as an RGB PIL image, or 400 naming it."""
     try:
         raw = base64.b64decode(data, validate=True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            old, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, MAX_DECODE_PIXELS
-            try:
-                image = Image.open(io.BytesIO(raw))
-                image.load()
-            finally:
-                Image.MAX_IMAGE_PIXELS = old
     except (binascii.Error, ValueError) as e:
         raise HTTPException(400, f"images[{i}]: not base64: {e}") from None
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise HTTPException(400, f"images[{i}]: refused as a decompression bomb ({e})") from None
-    except Exception as e:  # PIL raises many kinds for a broken file
-        raise HTTPException(400, f"images[{i}]: unreadable image: {type(e).__name__}: {e}") from None
-    return image.convert("RGB")
+    try:
+        return open_image(raw)
+    except ImageRefused as e:
+        raise HTTPException(400, f"images[{i}]: {e}") from None
 
 
 async def image_input(engine, token_ids: list[int], images: list[str], cache_salt: str, max_tokens: int,

@@ -11,7 +11,7 @@ processor_config.json (one class per processor kind, PROCESSORS), and tests/test
 checks the ids against AutoProcessor's token for token.
 
 Bad input raises ImageError naming the part: a missing or unreadable image, a path outside the
-roots, a decompression bomb (more than MAX_DECODE_PIXELS: Pillow's own check, made an error), too
+roots, a decompression bomb (more than MAX_DECODE_PIXELS, rl/image_decode.py), too
 many images for the model. An image over the model's max_pixels (a bound well above what its
 processor resizes to) is shrunk to it first, said once per run: the batch carries less, and the
 server and the trainer still see the same pixels (the shrunk ones; the processor's output then
@@ -25,15 +25,14 @@ import binascii
 import io
 import json
 import logging
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from rl.config import ConfigError
+from rl.image_decode import ImageRefused, open_image
 
 log = logging.getLogger("orchestrator")
 
-MAX_DECODE_PIXELS = 64 * 1024 * 1024
 """Pixels an image file may declare; more is refused before decoding (a decompression bomb)."""
 
 
@@ -183,19 +182,10 @@ def decode(data, max_pixels: int, what: str):
     if isinstance(data, Image.Image):
         return shrink(data.convert("RGB"), max_pixels, what)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            old, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, MAX_DECODE_PIXELS
-            try:
-                image = Image.open(io.BytesIO(data))
-                image.load()
-            finally:
-                Image.MAX_IMAGE_PIXELS = old
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise ImageError(f"{what}: refused as a decompression bomb ({e})") from None
-    except Exception as e:  # PIL raises many kinds for a broken file
-        raise ImageError(f"{what}: unreadable image: {type(e).__name__}: {e}") from None
-    return shrink(image.convert("RGB"), max_pixels, what)
+        image = open_image(data)
+    except ImageRefused as e:
+        raise ImageError(f"{what}: {e}") from None
+    return shrink(image, max_pixels, what)
 
 
 def shrink(image, max_pixels: int, what: str):
