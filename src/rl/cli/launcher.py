@@ -231,15 +231,15 @@ def launch(cfg: RunConfig, argv: list[str]) -> int:
         print("rl run: trainer.lora.multi_run = true needs a run to start: compose a config that sets "
               "run_name (docs/lora.md)", file=sys.stderr)
         return 2
-    run = RunDir(cfg.run_dir)  # a multi-run's run: its own logs and metrics under runs/<name>/
-    run.make()
-    console = Console(stderr=True)
     gpu_plan = gpu_placement(cfg)  # checked by rl.cli.main's start-up checks: no error left here
     try:  # the trainer checks it too, but only once started: with GPUs, after the engine
         mesh_sizes(cfg.trainer.parallel, trainer_ranks(cfg, gpu_plan))
     except ConfigError as e:
         print(f"rl run: {e}", file=sys.stderr)
-        return 2
+        return 2  # before anything is written
+    run = RunDir(cfg.run_dir)  # a multi-run's run: its own logs and metrics under runs/<name>/
+    run.make()
+    console = Console(stderr=True)
     # On a shared GPU the trainer's model must not arrive while vLLM profiles the memory it may take.
     deferred = "trainer" if gpu_plan is not None and gpu_plan.shared else None
 
