@@ -139,8 +139,11 @@ def test_a_run_forking_to_its_process_limit_each_child_filling_memory_stays_with
     assert result.outcome == "ok", result
     forked, filled = map(int, result.stdout.split())
     # The canary: it forked to the process limit (bwrap's init and the program count there too),
-    # and one child alone fills 150 MB, so together they would hold 4 x 150 MB.
-    assert forked == LIMITS.processes - 2 and filled >= 1, result.stdout
+    # and one child alone fills 150 MB, so together they would hold 4 x 150 MB. Either a child
+    # finished its fill, or the kernel's OOM killer took each mid-fill after the run had held at
+    # least one child's 150 MB (seen once: all four killed, none reported).
+    assert forked == LIMITS.processes - 2, result.stdout
+    assert filled >= 1 or (result.peak_mb or 0) >= 150, (result.stdout, result.peak_mb)
     assert pss <= LIMITS.total_mb, f"the run's processes held {pss:.0f} MB at once, over its {LIMITS.total_mb} MB"
     assert result.peak_mb is not None and result.peak_mb <= LIMITS.total_mb
 
