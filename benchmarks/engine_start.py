@@ -58,7 +58,7 @@ def measure(one_process: bool, cores: str, tmp: Path) -> dict:
                    f'port = {port}\ndtype = "float32"\none_process_engine = {str(one_process).lower()}\n')
     url = f"http://127.0.0.1:{port}"
     started = time.monotonic()
-    server = subprocess.Popen([sys.executable, "-m", "rl", "inference", "@", str(cfg)],
+    server = subprocess.Popen([sys.executable, "-m", "asyncrl", "inference", "@", str(cfg)],
                               stdout=open(tmp / "server.log", "wb"), stderr=subprocess.STDOUT,
                               env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cores})
     procs: dict[int, psutil.Process] = {}

@@ -37,7 +37,7 @@ from pathlib import Path
 from process_tree import Sampler, process_stat, process_tree, children_of
 
 ROOT = Path(__file__).resolve().parents[1]
-RL = [sys.executable, "-m", "rl"]  # the venv's rl, wherever its console script lives
+RL = [sys.executable, "-m", "asyncrl"]  # the venv's rl, wherever its console script lives
 OUT = ROOT / "runs" / "real_size"
 SCENARIOS = ["full-files", "full-broadcast", "lora", "tools", "eval"]
 

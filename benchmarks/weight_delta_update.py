@@ -63,7 +63,7 @@ TINY = ROOT / "models" / "tiny-reverse"
 
 from weight_delta import SHAPES, init_tensor, meta_parameters  # noqa: E402
 
-from rl import weight_delta as wd  # noqa: E402
+from rl.weights import delta as wd  # noqa: E402
 from rl.config import RunConfig  # noqa: E402
 from rl.rundir import RunDir  # noqa: E402
 
@@ -107,7 +107,7 @@ def start_server(model: Path, run: RunDir, log: Path) -> tuple[subprocess.Popen,
     cfg.write_text(f'model = "{model}"\noutput_dir = "{run.root}"\nseq_len = 256\n'
                    f'[inference]\nport = {port}\ndtype = "bfloat16"\n[weight_sync]\ndelta = true\n')
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "rl", "inference", "@", str(cfg)], stdout=out,
+        proc = subprocess.Popen([sys.executable, "-m", "asyncrl", "inference", "@", str(cfg)], stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"})
     url = f"http://127.0.0.1:{port}"

@@ -57,7 +57,7 @@ def start_server(model: Path, run: RunDir, rank: int, log: Path) -> tuple[subpro
                    f'[inference]\nport = {port}\ndtype = "float32"\nmax_loras = 2\n'
                    f"[trainer.lora]\nrank = {rank}\n")
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "rl", "inference", "@", str(cfg)], stdout=out,
+        proc = subprocess.Popen([sys.executable, "-m", "asyncrl", "inference", "@", str(cfg)], stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600

@@ -212,7 +212,7 @@ def trainer_command(ctx: Context, ranks: int) -> tuple[list[str], dict]:
     if not ctx.gpu:
         env["OMP_NUM_THREADS"] = "1"  # one thread per rank on a few cores (torchrun would say so)
     if ranks == 1:
-        return [sys.executable, "-m", "rl", "trainer"], env
+        return [sys.executable, "-m", "asyncrl", "trainer"], env
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
             "--master-port", str(ctx.ports[0]), "-m", "trainer"], env
 
@@ -274,7 +274,7 @@ def rl_run(ctx: Context, steps: int, extra: dict) -> Path:
     log = ctx.path / "rl_run.log"
     # The reward module lies beside the config: the programs import it from their directory.
     env = {**ctx.gpu_env(), "PYTHONPATH": os.pathsep.join([str(ctx.path), os.environ.get("PYTHONPATH", "")])}
-    rc = run_logged([sys.executable, "-m", "rl", "run", "@", str(cfg)], log, env=env, cwd=ctx.path)
+    rc = run_logged([sys.executable, "-m", "asyncrl", "run", "@", str(cfg)], log, env=env, cwd=ctx.path)
     if rc != 0:
         raise CheckFailed(f"rl run exited {rc}: {last_line(log)}", log)
     for program in ("orchestrator", "trainer"):

@@ -112,7 +112,7 @@ def check_memory_share(ctx: Context) -> tuple[str, dict]:
         raise CheckFailed("torch sees no GPU in a child with CUDA_VISIBLE_DEVICES=" + env["CUDA_VISIBLE_DEVICES"])
     log = ctx.path / "rl_run.log"
     with open(log, "ab") as out:
-        launcher = subprocess.Popen([sys.executable, "-m", "rl", "run", "@", str(config)], stdout=out,
+        launcher = subprocess.Popen([sys.executable, "-m", "asyncrl", "run", "@", str(config)], stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=ctx.path)
         peaks = ProgramPeaks(launcher.pid)
         peaks.start()

@@ -28,7 +28,7 @@ def check_placement(ctx: Context) -> tuple[str, dict]:
     """`rl run --dry-run` on every visible GPU: the plan it prints is the documented default."""
     cfg = write_config(ctx.path / "run.toml", ctx, ctx.path / "run", {})
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(ctx.visible)}
-    done = subprocess.run([sys.executable, "-m", "rl", "run", "@", str(cfg), "--dry-run"], env=env,
+    done = subprocess.run([sys.executable, "-m", "asyncrl", "run", "@", str(cfg), "--dry-run"], env=env,
                           capture_output=True, text=True, timeout=300)
     log = ctx.path / "dry_run.log"
     log.write_text(done.stdout + done.stderr)

@@ -26,7 +26,7 @@ def serving(ctx: Context, cfg: Path, port: int, name: str, env: dict | None = No
     /health answers. Its log is <item>/<name>.log."""
     log = ctx.path / f"{name}.log"
     with open(log, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "rl", "inference", "@", str(cfg)], stdout=out,
+        proc = subprocess.Popen([sys.executable, "-m", "asyncrl", "inference", "@", str(cfg)], stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=env)
     url = f"http://127.0.0.1:{port}"
     try:

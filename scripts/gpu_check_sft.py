@@ -55,7 +55,7 @@ def sft_config(ctx: Context, name: str, extra: dict) -> Path:
 
 def sft(ctx: Context, cfg: Path, *args: str, env: dict | None = None) -> int:
     log = ctx.path / f"{cfg.stem}.log"
-    return run_logged([sys.executable, "-m", "rl", "sft", "@", str(cfg), *args], log, {**ctx.gpu_env(), **(env or {})})
+    return run_logged([sys.executable, "-m", "asyncrl", "sft", "@", str(cfg), *args], log, {**ctx.gpu_env(), **(env or {})})
 
 
 def finished(ctx: Context, cfg: Path, *args: str) -> Path:

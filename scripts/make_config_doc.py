@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from rl.cli.config_doc import render_help
+from asyncrl.config_help import render_help
 from rl.config import RunConfig
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "config.md"

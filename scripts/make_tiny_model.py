@@ -130,7 +130,7 @@ def mean_reward(model, tokenizer, task, rows: list[dict], sample: bool = False) 
 
 def train_with_rl_sft(init: Path, out: Path, config: Path, run: Path, extra: list[str]) -> Path:
     """`rl sft @ config` on the untrained model; its last weights plus the tokenizer into `out`."""
-    cmd = [sys.executable, "-m", "rl", "sft", "@", str(config), "--model", str(init), "--output_dir", str(run),
+    cmd = [sys.executable, "-m", "asyncrl", "sft", "@", str(config), "--model", str(init), "--output_dir", str(run),
            *extra]
     print("$ " + " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)

@@ -53,7 +53,7 @@ def free_port() -> int:
 
 
 def rl_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "rl", *args]
+    return [sys.executable, "-m", "asyncrl", *args]
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import TINY_MODEL, free_port, rl_command
-from rl.cli.main import app
+from asyncrl.main import app
 
 ALL = ("inference", "orchestrator", "trainer", "run")
 
@@ -254,7 +254,7 @@ def test_a_good_config_passes_every_programs_checks_without_writing(world):
 
 
 def test_the_rl_script_finds_user_modules_where_the_user_stands(world, tmp_path):
-    """The `rl` console script (unlike `python -m rl`) does not put the current directory on
+    """The `rl` console script (unlike `python -m asyncrl`) does not put the current directory on
     sys.path; a reward module beside the config must import in both, as in rl run's children."""
     (tmp_path / "my_reward.py").write_text("def score(prompt, completion, row):\n    return 0.0\n")
     script = shutil.which("rl", path=str(Path(rl_command()[0]).parent))

@@ -1,4 +1,4 @@
-"""Weight sync by broadcast (rl/broadcast.py, trainer/broadcast.py, the server's /init_broadcaster
+"""Weight sync by broadcast (rl/weights/broadcast.py, trainer/broadcast.py, the server's /init_broadcaster
 and broadcast /update_weights): bucket planning and packing, the handshake between real processes
 over gloo, and one real vLLM server receiving a version by broadcast."""
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import TINY_MODEL, free_port
 
-from rl import broadcast as bc
+from rl.weights import broadcast as bc
 from rl.config import RunConfig
 from rl.rundir import STABLE, RunDir
 
@@ -238,7 +238,7 @@ def test_a_receiver_that_never_joins_fails_the_sender_naming_the_address(tmp_pat
         reap(procs)
     message = str(err.value)
     assert address in message and "never joined: [2]" in message and "weight_sync.timeout_s" in message
-    # Not before its timeout (rl/broadcast.py allows the backend's timers 5% early); with rank 2
+    # Not before its timeout (rl/weights/broadcast.py allows the backend's timers 5% early); with rank 2
     # never coming nothing but that timeout ends the wait, so the error itself shows it fired.
     assert waited >= 0.95 * cfg.weight_sync.timeout_s, waited
     assert rank == 1 and not ok and address in why
@@ -267,7 +267,7 @@ def test_a_member_missing_from_a_version_fails_publish_naming_the_address(tmp_pa
     finally:
         reap(procs, kill_first=True)  # rank 1 still waits for the rest of version 2
     assert address in str(err.value) and "version 2" in str(err.value)
-    # At its own timeout (3 s; rl/broadcast.py allows the backend's timers 5% early), before the
+    # At its own timeout (3 s; rl/weights/broadcast.py allows the backend's timers 5% early), before the
     # receivers' (60 s), the only other thing that could have ended the broadcast.
     assert 0.95 * 3 <= waited < 60, waited
     assert not (run.weights_dir(2) / bc.DELIVERED).exists()
@@ -457,7 +457,7 @@ def test_real_server_receives_a_version_by_broadcast(vllm_server):
     assert missed[0] == 409 and "broadcast without this server" in missed[1]
 
 
-# --- failures on NCCL, decided and checked on CPU (rl/broadcast.py NCCL_ENV; docs/reliability.md) ----
+# --- failures on NCCL, decided and checked on CPU (rl/weights/broadcast.py NCCL_ENV; docs/reliability.md) ----
 # No GPU here: ProcessGroupNCCL is faked with the interface Group uses, and what Group relies on
 # in torch itself is pinned below (by the real class where torch has NCCL, else by torch's sources).
 

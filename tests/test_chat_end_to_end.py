@@ -209,5 +209,5 @@ def test_a_chat_run_trains_on_exactly_the_rendered_and_sampled_ids(tmp_path):
     assert [s for s, _ in tb["trainer/loss"]] == [1, 2, 3]
     assert tb["eval/heldout/accuracy"] == [(r["step"], pytest.approx(r["eval/heldout/accuracy"])) for r in evals]
     assert list((out / "tracking" / "wandb").glob("offline-run-*/run-*.wandb"))
-    # rl run drew the run's plots at the end (rl/cli/plots.py).
+    # rl run drew the run's plots at the end (asyncrl/plots.py).
     assert all((out / f"{name}.png").is_file() for name in ("reward_curve", "staleness", "throughput", "weight_updates"))

@@ -247,7 +247,7 @@ def test_rl_orchestrator_refuses_with_exit_2_and_dry_run_shows_the_isolation(mon
 
     from conftest import TINY_MODEL
     from orchestrator.rollout import sandbox
-    from rl.cli.main import app
+    from asyncrl.main import app
 
     config = tmp_path / "coding.toml"
     config.write_text(f'model = "{TINY_MODEL}"\noutput_dir = "{tmp_path / "run"}"\n[orchestrator]\n'

@@ -164,7 +164,7 @@ def test_cli_refuses_environment_as_a_string_with_exit_2(write_toml):
 def test_environment_table_loads_under_class_and_saves_back_the_same(write_toml):
     """`class` is a Python keyword: the field is class_ with the alias `class`, its only name in
     TOML, flags, the saved config and --help."""
-    from rl.cli.config_doc import render_toml
+    from rl.resolved_config import render_toml
 
     text = ('model = "m"\n[orchestrator.environment]\nclass = "tasks.guess_letter:GuessLetter"\n'
             'args = {id = "x"}\nmax_turns = 4\n')
@@ -251,7 +251,7 @@ def test_cpus_pin_the_program_and_what_it_starts(tmp_path):
     core = max(os.sched_getaffinity(0))
     script = (
         "import os, sys; sys.argv[1:] = ['@', sys.argv[1]]\n"
-        "from rl.cli.main import resolve; from rl.placement import pin\n"
+        "from asyncrl.main import resolve; from rl.placement import pin\n"
         "cfg = resolve(sys.argv[1:], 'inference'); pin('inference.cpus', cfg.inference.cpus)\n"
         "import subprocess\n"
         "child = subprocess.run([sys.executable, '-c', 'import os; print(sorted(os.sched_getaffinity(0)))'],"
@@ -277,7 +277,7 @@ def test_a_saved_config_with_datasets_and_template_options_loads_as_the_same_con
     trainer and by SLURM jobs) holds tables inside keys (chat_template_kwargs, a dataset's
     task_config) and lists of them; it must parse back to the very same config, and a key left
     unset (orchestrator.reward) must stay unset, not become its default."""
-    from rl.cli.config_doc import render_toml
+    from rl.resolved_config import render_toml
 
     cfg, _ = load_config(["@", str(write_toml('model = "m"\n')),
                           "--orchestrator.prompts.chat_template_kwargs", '{enable_thinking = false, "odd key" = "a\\"b"}',

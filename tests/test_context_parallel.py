@@ -209,7 +209,7 @@ def test_sft_with_context_parallelism(tmp_path):
     result = subprocess.run(rl_command("sft", "@", str(one)), capture_output=True, text=True, timeout=600, env=ENV)
     assert result.returncode == 0, result.stderr[-3000:]
     split = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-             "-m", "rl", "sft", "@", str(two), "--trainer.parallel.context", "2"]
+             "-m", "asyncrl", "sft", "@", str(two), "--trainer.parallel.context", "2"]
     result = subprocess.run(split, capture_output=True, text=True, timeout=600, env=ENV)
     assert result.returncode == 0, result.stderr[-3000:]
     a, b = RunDir(tmp_path / "two" / "run"), RunDir(tmp_path / "one" / "run")
@@ -240,7 +240,7 @@ def test_the_fused_kernels_context_parallelism_calls_take_what_it_passes():
 
 
 def test_launcher_starts_the_configured_ranks_and_refuses_a_layout_its_gpus_cannot_hold():
-    from rl.cli.launcher import command, trainer_ranks
+    from asyncrl.launcher import command, trainer_ranks
     from rl.config import ConfigError, ParallelConfig, RunConfig
     from rl.parallel_layout import mesh_sizes
 
@@ -249,7 +249,7 @@ def test_launcher_starts_the_configured_ranks_and_refuses_a_layout_its_gpus_cann
     cmd, _ = command("trainer", ["@", "x.toml"], None, 4)
     assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
     assert cmd[5:7] == ["-m", "trainer"]
-    assert command("trainer", [], None, 1)[0][1:4] == ["-m", "rl", "trainer"]
+    assert command("trainer", [], None, 1)[0][1:4] == ["-m", "asyncrl", "trainer"]
     assert mesh_sizes(ParallelConfig(context=2), 8) == (4, 2, 1)
     assert mesh_sizes(ParallelConfig(data=2, context=2, expert=2), 8) == (2, 2, 2)
     with pytest.raises(ConfigError, match=r"^trainer.parallel: data x context x expert = 1 x 4 x 1 = 4, "

@@ -188,7 +188,7 @@ def test_an_expert_split_the_model_or_the_ranks_cannot_take_is_refused_in_one_li
                                                                                     expert, world, says):
     from typer.testing import CliRunner
 
-    from rl.cli.main import app
+    from asyncrl.main import app
 
     path = ROOT / "models" / model
     monkeypatch.setenv("WORLD_SIZE", world)  # as torchrun sets it for each rank's own start-up checks

@@ -16,7 +16,7 @@ from inference import device_defaults
 from inference.server import vllm_args
 from rl import gpu_placement as gp
 from rl.config import ConfigError, load_config
-from rl.cli.launcher import command
+from asyncrl.launcher import command
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_MODEL = ROOT / "models" / "tiny-reverse"
@@ -220,7 +220,7 @@ def test_refusals_on_the_placement():
 def test_children_get_their_gpus_and_the_trainer_torchrun():
     plan = gp.plan(cfg(), ("GPU-a", "GPU-b", "GPU-c", "GPU-d"))
     cmd, env = command("inference", ["@", "x.toml"], plan)
-    assert cmd[1:4] == ["-m", "rl", "inference"] and env["CUDA_VISIBLE_DEVICES"] == "GPU-a,GPU-b"
+    assert cmd[1:4] == ["-m", "asyncrl", "inference"] and env["CUDA_VISIBLE_DEVICES"] == "GPU-a,GPU-b"
     assert cmd[-4:] == ["--inference.gpus", "[0,1]", "--trainer.gpus", "[2,3]"]
     cmd, env = command("trainer", ["@", "x.toml"], plan)
     assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
@@ -229,8 +229,8 @@ def test_children_get_their_gpus_and_the_trainer_torchrun():
     cmd, env = command("orchestrator", [], plan)
     assert "CUDA_VISIBLE_DEVICES" not in env
     one = gp.plan(cfg(), ("0", "1"))
-    assert command("trainer", [], one)[0][1:4] == ["-m", "rl", "trainer"]
-    assert command("trainer", ["a"], None) == ([sys.executable, "-m", "rl", "trainer", "a"], {})
+    assert command("trainer", [], one)[0][1:4] == ["-m", "asyncrl", "trainer"]
+    assert command("trainer", ["a"], None) == ([sys.executable, "-m", "asyncrl", "trainer", "a"], {})
 
 
 def test_visible_gpus_follow_cuda_visible_devices_then_the_driver(tmp_path):
@@ -296,7 +296,7 @@ def test_routing_with_graphs_refused_on_a_gpu_build(monkeypatch):
 def test_rl_run_refuses_a_placement_at_start_up_and_dry_run_shows_it(tmp_path):
     """The real CLI, with GPUs faked through CUDA_VISIBLE_DEVICES (nothing reads them before the
     plan): exit 2 and one line naming the key; --dry-run prints the placement."""
-    base = [sys.executable, "-m", "rl", "run", "--model", str(TINY_MODEL), "--output_dir", str(tmp_path / "run"),
+    base = [sys.executable, "-m", "asyncrl", "run", "--model", str(TINY_MODEL), "--output_dir", str(tmp_path / "run"),
             "--dry-run"]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0"}
     bad = subprocess.run([*base, "--weight_sync.kind", "broadcast"], env=env, capture_output=True, text=True,

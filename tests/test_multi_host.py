@@ -157,7 +157,7 @@ def test_hosts_share_only_the_run_directory_servers_join_and_leave_and_cuts_are_
         env = {"ASYNCRL_API_TOKEN": token, "OMP_NUM_THREADS": "1"}
 
         def rl(name: str, *args: str):
-            return hosts[name].start([sys.executable, "-m", "rl", *args, "@", "cfg.toml"], logs[name], env)
+            return hosts[name].start([sys.executable, "-m", "asyncrl", *args, "@", "cfg.toml"], logs[name], env)
 
         def trainer(name: str, node_rank: int):
             h = hosts[name]

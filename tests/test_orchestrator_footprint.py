@@ -15,12 +15,12 @@ from rl.rundir import RunDir
 from test_scheduling import fake_trainer
 
 HEAVY = ("torch", "triton", "vllm", "transformers")
-# `python -m rl ...`, plus a report of the heavy modules loaded by the time the interpreter exits
+# `python -m asyncrl ...`, plus a report of the heavy modules loaded by the time the interpreter exits
 # (atexit: after the run, before the module teardown that printed the leak lines).
 PROBE = f"""
 import atexit, runpy, sys
 atexit.register(lambda: print("heavy modules:", sorted(m for m in {HEAVY!r} if m in sys.modules), file=sys.stderr))
-runpy.run_module("rl", run_name="__main__")
+runpy.run_module("asyncrl", run_name="__main__")
 """
 STEPS = 3
 

@@ -1,4 +1,4 @@
-"""`rl plot` (rl/cli/plots.py): the PNGs of a finished run, from its metrics.jsonl, and one curve per
+"""`rl plot` (asyncrl/plots.py): the PNGs of a finished run, from its metrics.jsonl, and one curve per
 run for a multi-run directory; a directory that is no run is refused (exit 2)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import subprocess
 from PIL import Image
 
 from conftest import rl_command
-from rl.cli import plots
+from asyncrl import plots
 from rl.rundir import RunDir
 
 PNG = b"\x89PNG\r\n\x1a\n"

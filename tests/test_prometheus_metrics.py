@@ -148,8 +148,8 @@ def test_weight_updates_counted_by_kind_and_refusal(tmp_path):
     import asyncio
 
     from inference import metrics as m
-    from rl import broadcast as bc
-    from rl import weight_delta as wd
+    from rl.weights import broadcast as bc
+    from rl.weights import delta as wd
 
     def count(name: str, **labels) -> float:
         return sample(m.REGISTRY, f"asyncrl_inference_{name}", **labels) or 0.0

@@ -37,8 +37,8 @@ from inference.adapters import AdaptersOff
 from inference.generation import Generations
 from inference.reload import ServedWeights
 from inference.worker_extension import WeightReloadExtension
-from rl import broadcast as bc
-from rl import weight_delta as wd
+from rl.weights import broadcast as bc
+from rl.weights import delta as wd
 from rl.config import RunConfig
 from rl.inference_api import InitBroadcasterRequest, UpdateWeightsRequest
 from rl.rundir import RunDir, mark_stable

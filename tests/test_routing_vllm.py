@@ -227,13 +227,13 @@ def test_recording_with_several_data_parallel_ranks_is_refused_at_start(tmp_path
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "rl", "inference", "--model", str(MOE_MODEL), "--output_dir",
+    out = subprocess.run([sys.executable, "-m", "asyncrl", "inference", "--model", str(MOE_MODEL), "--output_dir",
                           str(tmp_path / "run"), "--inference.record_routing", "true", *parallel, "--dry-run"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, (out.stdout, out.stderr)
     lines = [line for line in (out.stdout + out.stderr).splitlines() if "inference.record_routing" in line]
     assert len(lines) == 1 and "data-parallel ranks" in lines[0] and "rank 0's workers only" in lines[0], out.stderr
-    ok = subprocess.run([sys.executable, "-m", "rl", "inference", "--model", str(MOE_MODEL), "--output_dir",
+    ok = subprocess.run([sys.executable, "-m", "asyncrl", "inference", "--model", str(MOE_MODEL), "--output_dir",
                          str(tmp_path / "run"), "--inference.record_routing", "true", "--dry-run"],
                         capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, (ok.stdout, ok.stderr)

@@ -225,7 +225,7 @@ def test_two_ranks_take_the_same_step_as_one(tmp_path, uninterrupted):
 
     two = config(tmp_path / "two", UNINTERRUPTED, steps=1)
     two_ranks = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                 "--master-port", str(free_port()), "-m", "rl", "sft", "@", str(two)]
+                 "--master-port", str(free_port()), "-m", "asyncrl", "sft", "@", str(two)]
     result = subprocess.run(two_ranks, capture_output=True, text=True, timeout=600, env=ENV)
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_step(RunDir(tmp_path / "two" / "run"), RunDir(uninterrupted), 1)

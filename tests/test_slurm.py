@@ -23,7 +23,7 @@ import pytest
 
 from conftest import ROOT, TINY_MODEL, rl_command
 from rl.config import load_config
-from rl.cli.config_doc import render_toml
+from rl.resolved_config import render_toml
 
 pytestmark = pytest.mark.slow
 
@@ -222,7 +222,7 @@ def test_job_places_servers_trainer_and_orchestrator_on_their_nodes(cluster, wri
         servers = sorted(by_node[node], key=lambda a: a[a.index("--inference.port") + 1])
         assert [a[:2] for a in servers] == [["env", "CUDA_VISIBLE_DEVICES=0,1"], ["env", "CUDA_VISIBLE_DEVICES=2,3"]]
         for argv, port in zip(servers, ("8100", "8101")):
-            assert argv[2:] == ["python", "-m", "rl", "inference", "@", config_file, "--inference.host", node,
+            assert argv[2:] == ["python", "-m", "asyncrl", "inference", "@", config_file, "--inference.host", node,
                                 "--inference.port", port, "--weight_sync.address", "n3:29710"]
     trainers = [a for n in ("n3", "n4") for a in by_node[n] if "trainer" in a]
     for rank, (node, argv) in enumerate(zip(("n3", "n4"), trainers)):
@@ -233,7 +233,7 @@ def test_job_places_servers_trainer_and_orchestrator_on_their_nodes(cluster, wri
                         "--transport.address", "tcp://n3:5557", "--weight_sync.address", "n3:29710"]
     (orchestrator,) = [a for a in by_node["n3"] if "orchestrator" in a]
     i = orchestrator.index("--orchestrator.servers.urls")
-    assert orchestrator[:i] == ["python", "-m", "rl", "orchestrator", "@", config_file]
+    assert orchestrator[:i] == ["python", "-m", "asyncrl", "orchestrator", "@", config_file]
     assert orchestrator[i + 2:] == ["--transport.address", "tcp://n3:5557", "--weight_sync.address", "n3:29710"]
     urls = tomllib.loads(f"v = {orchestrator[i + 1]}")["v"]
     assert sorted(urls) == [f"http://n{n}:{p}" for n in (1, 2) for p in (8100, 8101)]

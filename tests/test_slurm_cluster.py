@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 NODES = 3  # n1: the server; n2: trainer rank 0 and the orchestrator; n3: trainer rank 1
 POLL_S = 2  # the job script checks its steps this often (slurm.sbatch.j2)
-STOP_GRACE_S = 30  # rl.cli.slurm: stop_grace_s
+STOP_GRACE_S = 30  # asyncrl.slurm: stop_grace_s
 KILL_WAIT_S = 10  # the cluster's KillWait
 # A job's run: vLLM's start and a few steps of the tiny model on a loaded 2-core machine.
 RUN_TIMEOUT_S = 600

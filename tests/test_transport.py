@@ -17,7 +17,7 @@ from conftest import TINY_MODEL, free_port
 from rl.batch import Batch, BatchError
 from rl.config import TransportConfig
 from rl.rundir import RunDir
-from rl.transports import batch_receiver, batch_sender
+from rl.transport.registry import batch_receiver, batch_sender
 from test_trainer import write_batches
 from samples import single_turn, write_batch
 

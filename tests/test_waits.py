@@ -54,7 +54,7 @@ def beats(lines: list[tuple[float, str]], pattern: str) -> list[float]:
 
 
 def stamped(lines: list[tuple[float, str]], pattern: str) -> list[int]:
-    """The program's own timestamps (rl/cli/main.py: "%H:%M:%S program LEVEL message", whole seconds,
+    """The program's own timestamps (asyncrl/main.py: "%H:%M:%S program LEVEL message", whole seconds,
     counted on from the first line across midnight) of the lines matching `pattern`."""
     out, first = [], None
     for _, line in lines:
@@ -113,7 +113,7 @@ def test_the_orchestrator_waiting_for_servers_says_so_and_gives_up_at_its_wait_t
 def test_the_trainer_waiting_for_a_batch_says_so_and_gives_up_at_batch_timeout_s(waited):
     lines, code = waited["trainer"]
     text = "\n".join(line for _, line in lines)
-    # The batch wait beats every 30 s (rl/transport.py). (The watch on the orchestrator's
+    # The batch wait beats every 30 s (rl/transport/interface.py). (The watch on the orchestrator's
     # heartbeat speaks only of an orchestrator that was there and went silent: tests/faults.)
     beat = r"waiting for batch 1 for (\d+) s"
     gave = r"no batch 1 at .* after 40 s \(trainer.batch_timeout_s\); is the orchestrator running\?"

@@ -1,4 +1,4 @@
-"""Weight deltas through files (`[weight_sync] delta = true`; rl/weight_delta.py, trainer/deltas.py,
+"""Weight deltas through files (`[weight_sync] delta = true`; rl/weights/delta.py, trainer/deltas.py,
 inference/reload.py DeltaFiles, staging.py delta_files).
 
 - The format: encode + rebuild give back every bit (bf16 and float32, -0.0 and NaN included).
@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import ROOT, TINY_MODEL
-from rl import weight_delta as wd
+from rl.weights import delta as wd
 from rl.config import RunConfig
 from rl.rundir import STABLE, RunDir
 
@@ -103,7 +103,7 @@ def test_config_delta_needs_full_weights_and_full_every_at_least_one():
 def test_a_bad_full_every_exits_2_with_one_line(tmp_path):
     cfg = tmp_path / "cfg.toml"
     cfg.write_text(f'model = "{TINY_MODEL}"\noutput_dir = "{tmp_path / "run"}"\n[weight_sync]\nfull_every = 0\n')
-    out = subprocess.run([sys.executable, "-m", "rl", "trainer", "@", str(cfg), "--dry-run"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "asyncrl", "trainer", "@", str(cfg), "--dry-run"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 2, out
     assert "weight_sync.full_every" in out.stdout + out.stderr

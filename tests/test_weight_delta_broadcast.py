@@ -15,8 +15,8 @@ import pytest
 from safetensors.torch import save_file
 
 from conftest import TINY_MODEL, free_port
-from rl import broadcast as bc
-from rl import weight_delta as wd
+from rl.weights import broadcast as bc
+from rl.weights import delta as wd
 from rl.config import RunConfig
 from rl.rundir import STABLE, RunDir
 from test_weight_delta import detail, greedy, step_tensors, update

@@ -21,7 +21,7 @@ from starlette.datastructures import Headers
 from starlette.middleware import Middleware
 from starlette.responses import JSONResponse
 
-from rl import broadcast as bc
+from rl.weights import broadcast as bc
 from rl.config import RunConfig
 from rl.rundir import RunDir
 

@@ -1,4 +1,4 @@
-"""The workers' side of weight deltas (rl/weight_delta.py): the full version a worker keeps as
+"""The workers' side of weight deltas (rl/weights/delta.py): the full version a worker keeps as
 its base, and a version rebuilt from it, checked against its checksum before anything is loaded.
 staging.py calls these; every refusal (DeltaRefused) comes before any worker touches the engine.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 
 def raise_refused(why: str):
     """A delta (or base) this worker will not load; raised before the engine is touched."""
-    from rl import weight_delta as wd
+    from rl.weights import delta as wd
 
     raise wd.DeltaRefused(why)
 
@@ -32,7 +32,7 @@ class BaseVersion:
         one line, when they are missing, damaged or no such version)."""
         from safetensors.torch import load_file
 
-        from rl import weight_delta as wd
+        from rl.weights import delta as wd
 
         directory = Path(path)
         try:
@@ -57,7 +57,7 @@ def rebuilt(base: BaseVersion, manifest, changes: dict):
     """Within the block, the base's tensors hold the version, checked against its checksum
     (refused when they differ): yields (tensors, the checksum this worker computed of them). The
     base's own values are back after it (weight_delta.patched)."""
-    from rl import weight_delta as wd
+    from rl.weights import delta as wd
 
     with wd.patched(base.tensors, manifest, changes) as tensors:
         got = wd.checksum(tensors)

@@ -18,9 +18,9 @@ from fastapi import HTTPException
 from prometheus_client import REGISTRY as DEFAULT, CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from rl import broadcast as bc
+from rl.weights import broadcast as bc
 from rl import prometheus
-from rl import weight_delta as wd
+from rl.weights import delta as wd
 from rl.config import RunConfig
 
 REGISTRY = CollectorRegistry(auto_describe=True)

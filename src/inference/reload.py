@@ -11,9 +11,9 @@ tensors is a Reload, one implementation per kind:
   FilesReload       the workers read the directory's safetensors
   DeltaFiles        FilesReload with weight_sync.delta: the workers keep each full version as a
                     base in host memory; a directory holding delta.json (ApplyDelta) is rebuilt
-                    from it (rl/weight_delta.py), or refused before the engine is touched
+                    from it (rl/weights/delta.py), or refused before the engine is touched
   BroadcastReceive  the directory holds broadcast.json: the workers receive the tensors (or a
-                    delta's changed values) from the trainer's broadcast (rl/broadcast.py); any
+                    delta's changed values) from the trainer's broadcast (rl/weights/broadcast.py); any
                     other directory is files
 
 What can be refused (a delta, a version with a digest) is checked on every worker before any
@@ -39,8 +39,8 @@ from fastapi import HTTPException
 from inference.access import WeightRoots
 from inference.all_workers import Refused, every_worker, may_still_run, staged, timed_out
 from inference.generation import Generations
-from rl import broadcast as bc
-from rl import weight_delta as wd
+from rl.weights import broadcast as bc
+from rl.weights import delta as wd
 from rl.config import RunConfig
 from rl.inference_api import InitBroadcasterRequest, UpdateWeightsRequest
 from rl.rundir import STABLE

@@ -255,7 +255,7 @@ async def announce_when_ready(args) -> None:
 
 
 def main(cfg: RunConfig) -> int:
-    # rl.cli.main checked the config (rl/preflight.py: the port, the exposure of the admin routes, the
+    # asyncrl.main checked the config (rl/preflight.py: the port, the exposure of the admin routes, the
     # model) before calling this. Before the engine's processes exist: they must not outlive this one (inference/orphans.py).
     orphans.start()
     # Before vLLM starts its resource tracker (with its first engine process): rl/quiet_tracker.py.

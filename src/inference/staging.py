@@ -47,7 +47,7 @@ class Staged:
     undo: ExitStack = field(default_factory=ExitStack)
     """Closed after the load or the discard: a delta's base gets its own values back."""
     incoming: object = None
-    """A broadcast's rl.broadcast.Incoming: acknowledged (ok or failed) at commit or discard."""
+    """A broadcast's rl.weights.broadcast.Incoming: acknowledged (ok or failed) at commit or discard."""
     what: str = ""
     """For the log: "version 4 rebuilt from version 1 + 130 changed values"."""
 
@@ -115,7 +115,7 @@ def full_files(worker, path: str) -> Staged:
     """A full version's files: read and checked against its digest.json when it has one (kept
     as the base of later deltas), else nothing to check."""
     from inference.delta_rebuild import BaseVersion
-    from rl import weight_delta as wd
+    from rl.weights import delta as wd
 
     base = KEEP
     if (Path(path) / wd.DIGEST).is_file():
@@ -132,7 +132,7 @@ def delta_files(worker, path: str) -> Staged:
     from safetensors.torch import load_file
 
     from inference.delta_rebuild import rebuilt
-    from rl import weight_delta as wd
+    from rl.weights import delta as wd
 
     start = time.perf_counter()
     manifest = wd.read_manifest(path)
@@ -152,13 +152,13 @@ def delta_files(worker, path: str) -> Staged:
 
 
 def broadcast(worker, manifest_path: str) -> Staged:
-    """A version arriving by broadcast (rl/broadcast.py). A delta's changed values, and a full
+    """A version arriving by broadcast (rl/weights/broadcast.py). A delta's changed values, and a full
     version with a digest, are received whole before anything is loaded, and checked (the delta
     rebuilt against its checksum, the full tensors against the digest's); a full version without
     a digest streams into the load at commit, bucket by bucket, unchecked (there is nothing to
     check it against)."""
-    from rl import broadcast as bc
-    from rl import weight_delta as wd
+    from rl.weights import broadcast as bc
+    from rl.weights import delta as wd
 
     group = getattr(worker, "_asyncrl_group", None)
     if group is None:
@@ -191,7 +191,7 @@ def broadcast(worker, manifest_path: str) -> Staged:
 
 def _broadcast_delta(worker, directory: Path, incoming) -> Staged:
     from inference.delta_rebuild import rebuilt
-    from rl import weight_delta as wd
+    from rl.weights import delta as wd
 
     manifest = wd.read_manifest(directory)
     changes = dict(incoming.tensors())
@@ -218,7 +218,7 @@ def _broadcast_full_checked(directory: Path, incoming) -> Staged:
     GPU one bucket at a time is on the device), then checked against the digest: the copy is
     the base later deltas are rebuilt from, kept anyway."""
     from inference.delta_rebuild import BaseVersion
-    from rl import weight_delta as wd
+    from rl.weights import delta as wd
 
     digest = wd.Digest.read(directory)
     kept = {name: t if t.device.type == "cpu" else t.cpu() for name, t in incoming.tensors()}

@@ -179,13 +179,13 @@ class WeightReloadExtension:
         """The recorded rows of the engine requests made from these ids, handed over once."""
         return self._asyncrl_routing.take(external_ids)
 
-    # --- weight sync by broadcast (rl/broadcast.py) ----------------------------------------
+    # --- weight sync by broadcast (rl/weights/broadcast.py) ----------------------------------------
 
     def asyncrl_init_broadcaster(self, address: str, rank_offset: int, world_size: int, timeout_s: float,
                                  who: str) -> int:
         """Join the trainer's broadcast group as rank rank_offset + this worker's rank; blocks
         until every member joined (or timeout_s). Returns the rank."""
-        from rl import broadcast as bc
+        from rl.weights import broadcast as bc
 
         rank = rank_offset + self.rank
         self._asyncrl_group = bc.join_group(address, rank, world_size, timeout_s, self.device,

@@ -1,9 +1,9 @@
 """`package.module:name` specs (orchestrator.dataset, .reward, .environment.class): resolved in one
 place, so that the start-up check (orchestrator/preflight.py) and the orchestrator that calls them agree.
 
-The current directory is importable, as it is under `python -m rl`: the `rl` console script
+The current directory is importable, as it is under `python -m asyncrl`: the `rl` console script
 would otherwise not find a user's `mytask.py` beside the config while `rl run`'s children
-(started with `python -m rl`) would.
+(started with `python -m asyncrl`) would.
 """
 
 from __future__ import annotations

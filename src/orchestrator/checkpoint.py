@@ -20,7 +20,7 @@ from orchestrator.preflight import orchestrator_state_refusal
 from orchestrator.prompts.queue import Prompt, decode_state, encode_state
 from rl.batch import Batch
 from rl.rundir import RunDir, mark_stable, write_file_atomic
-from rl.transport import BatchSender
+from rl.transport.interface import BatchSender
 
 log = logging.getLogger("orchestrator")
 
@@ -39,7 +39,7 @@ def resume_point(run_dir: RunDir, sender: BatchSender) -> ResumePoint:
     saved = run_dir.checkpoint_steps("orchestrator")
     sender.discard_partial()
     if not saved:
-        if refusal := orchestrator_state_refusal(run_dir):  # rl.cli.main refused it already
+        if refusal := orchestrator_state_refusal(run_dir):  # asyncrl.main refused it already
             raise SystemExit(refusal)
         return ResumePoint(1, 0, [], None, None)
     directory = run_dir.checkpoint_dir(saved[-1]) / "orchestrator"

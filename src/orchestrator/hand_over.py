@@ -1,5 +1,5 @@
 """Handing a batch to the trainer: the samples of its groups encoded once, checkpointed with what
-is still pending, then sent by the run's transport (rl/transports.py). The checkpoint comes first
+is still pending, then sent by the run's transport (rl/transport/registry.py). The checkpoint comes first
 so that every prompt lands in exactly one trained batch whenever the orchestrator dies
 (checkpoint.py says how a resume decides whether to send it again)."""
 
@@ -13,7 +13,7 @@ from rl.config import RunConfig
 from rl.faults import crash_point
 from rl.heartbeat import set_phase
 from rl.rundir import RunDir
-from rl.transports import batch_sender
+from rl.transport.registry import batch_sender
 
 
 class HandOver:

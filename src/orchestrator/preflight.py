@@ -236,5 +236,5 @@ CHECKS = (cores("orchestrator"), metrics_endpoint("orchestrator"), output_dir, m
           sandbox_isolation, orchestrator_data, kept_sets_fit, trackers, orchestrator_run_state)
 # `rl eval`: its own server's checks (inference/preflight.py SERVING), then these.
 EVAL_CHECKS = (orchestrator_code, sandbox_isolation, eval_data)
-# `rl sft`: its data step's, beside the trainer's own (rl/cli/main.py).
+# `rl sft`: its data step's, beside the trainer's own (asyncrl/main.py).
 SFT_CHECKS = (sft_setup,)

@@ -1,6 +1,6 @@
 """The batch wire format between orchestrator and trainer (never pickle).
 
-A batch is two blobs, the same over either transport (rl/transport.py):
+A batch is two blobs, the same over either transport (rl/transport/interface.py):
   meta.json          step, sample count, and the sha256 of the tensors
   batch.safetensors  flat tensors: every sample's tokens back to back
 

@@ -480,7 +480,7 @@ class SlurmConfig(Section):
     """Port of the trainer's torchrun rendezvous on the first trainer node."""
 
     template: Path | None = None
-    """A Jinja2 template to render instead of the built-in one (src/rl/cli/slurm.sbatch.j2,
+    """A Jinja2 template to render instead of the built-in one (src/asyncrl/slurm.sbatch.j2,
     documented in docs/slurm.md)."""
 
 

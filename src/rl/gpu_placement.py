@@ -9,7 +9,7 @@ smaller KV cache, or no room for it at all).
 `rl run` resolves a plan once (plan()), shows it with --dry-run, passes the chosen keys on to its
 children as overrides (so each resolves the same config) with CUDA_VISIBLE_DEVICES set, starts
 the trainer under torchrun when it has several GPUs, and on a shared GPU only once the server
-serves (rl/cli/launcher.py). A program started by hand applies its own key (apply()).
+serves (asyncrl/launcher.py). A program started by hand applies its own key (apply()).
 
 Defaults for N visible GPUs: 1, the server and the trainer share it (the server's memory share
 chosen to leave the trainer room: shared_memory_share); 2, one each; N, the server the first

@@ -204,7 +204,7 @@ ROUTES: dict[str, Route] = {
         'once the new weights serve: {"version", "reload_s", "switched"}'),
     "init_broadcaster": Route(
         "POST", "/init_broadcaster", InitBroadcasterRequest, None,
-        "the server's workers join the trainer's weight broadcast group (rl/broadcast.py) as ranks "
+        "the server's workers join the trainer's weight broadcast group (rl/weights/broadcast.py) as ranks "
         "rank_offset.. rank_offset+workers-1, after which a path holding broadcast.json is received from "
         'the trainer; answers once the group is formed: {"address", "ranks", "world_size", "already"}'),
     "broadcaster": Route(

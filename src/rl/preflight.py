@@ -11,7 +11,7 @@ already checked the forms (URLs, ranges, cross-key rules): here is what needs th
 
 Here are the checks two or more programs share (the run directory, the model's files and
 positions, binding an address, cores); each program keeps its own in its preflight.py
-(inference/, orchestrator/, trainer/), and rl/cli/main.py picks the list for the program it starts.
+(inference/, orchestrator/, trainer/), and asyncrl/main.py picks the list for the program it starts.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def cores(program: str) -> Check:
 
 
 def check(cfg: RunConfig, checks: tuple[Check, ...]) -> None:
-    """Run the checks in order (a program's own, rl/cli/main.py preflight_checks); the first failure
+    """Run the checks in order (a program's own, asyncrl/main.py preflight_checks); the first failure
     raises ConfigError."""
     for one in checks:
         one(cfg)

@@ -1,7 +1,16 @@
-"""`torchrun --nproc-per-node N -m trainer @ cfg.toml`: the trainer under torchrun."""
+"""`torchrun --nproc-per-node N -m trainer @ cfg.toml`: the trainer under torchrun, started as
+`rl trainer` starts it (rl/startup.py), without the command line."""
 
 import sys
 
-from rl.cli.main import app
+from rl.startup import start
+from trainer.preflight import CHECKS
 
-app(["trainer", *sys.argv[1:]])
+
+def _main(cfg):
+    from trainer.main import main
+
+    return main(cfg)
+
+
+start("trainer", sys.argv[1:], _main, CHECKS)

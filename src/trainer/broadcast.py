@@ -1,7 +1,7 @@
 """Publishing weights by broadcast (`[weight_sync] kind = "broadcast"`), trainer rank 0 only.
 
 Step n: weights/step_n/broadcast.json (the manifest: which tensor lies where in which bucket),
-then STABLE, then the buckets over the group (rl/broadcast.py). STABLE is what makes the
+then STABLE, then the buckets over the group (rl/weights/broadcast.py). STABLE is what makes the
 orchestrator POST /update_weights to every server, and each server's workers then join this
 broadcast; so the same STABLE / notify handshake as for files orders it, and publish() returns
 once every inference worker has loaded version n (DELIVERED is then written). The directory
@@ -9,7 +9,7 @@ holds no tensors, so keeping or pruning it costs nothing.
 
 With weight_sync.delta (trainer/deltas.py): a full version's directory also holds digest.json;
 a delta's holds delta.json, and its buckets carry only the changed values and their indices
-(rl/weight_delta.py), which each worker applies to the full version it kept from the broadcast.
+(rl/weights/delta.py), which each worker applies to the full version it kept from the broadcast.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from rl import broadcast as bc
-from rl import weight_delta as wd
+from rl.weights import broadcast as bc
+from rl.weights import delta as wd
 from rl.config import RunConfig
 from rl.rundir import RunDir, mark_stable, remove_quietly, write_file_atomic
 from trainer.weights import prune_weights

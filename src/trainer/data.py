@@ -1,4 +1,4 @@
-"""From a handed-over batch (rl/transport.py) to this rank's micro-batches.
+"""From a handed-over batch (rl/transport/interface.py) to this rank's micro-batches.
 
 Three decisions, all made from the whole batch, which every rank holds, so every rank computes
 the same plan without talking to the others:
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from rl.batch import Batch, BatchError
-from rl.transport import BatchReceiver
+from rl.transport.interface import BatchReceiver
 from trainer.parallel import share_bytes
 from trainer.sampling_mask import NO_TRUNCATION, NoTruncation, Truncation, is_truncated
 
@@ -31,7 +31,7 @@ def receive_batch(receiver: BatchReceiver | None, step: int, timeout_s: float,
     """Batch `step` on every rank, and the seconds waited for it.
 
     Only rank 0 holds the receiver (the directory or the socket): it checks the batch (and
-    rejects a damaged one, rl/transport_files.py) and passes the raw bytes on (trainer/parallel.py
+    rejects a damaged one, rl/transport/files.py) and passes the raw bytes on (trainer/parallel.py
     share_bytes), so the other ranks decode exactly what rank 0 checked, all ranks train on the
     same batch even if its file is replaced meanwhile, and no rank ever unpickles anything.
     """

@@ -1,5 +1,5 @@
 """Which versions the trainer publishes whole and which as deltas (`[weight_sync] delta`), and
-the last full version every delta is taken against (rl/weight_delta.py has the format).
+the last full version every delta is taken against (rl/weights/delta.py has the format).
 
     FullVersions   delta = false: every version whole, no digest (what asyncrl always did)
     Deltas         delta = true: a full version first (after a restart too: the base of a delta
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rl import weight_delta as wd
+from rl.weights import delta as wd
 from rl.config import RunConfig
 from rl.rundir import RunDir
 

@@ -14,7 +14,7 @@ from rl.parallel_layout import cpu_world, mesh_sizes
 from rl.preflight import (bindable, cores, is_rank0, metrics_endpoint, mixture_of_experts, model_config, output_dir,
                           routed_experts, safetensors_header, seq_len_fits, weight_files)
 from rl.rundir import RunDir
-from rl.transports import receiver_endpoint
+from rl.transport.registry import receiver_endpoint
 
 
 def trainer_state_refusal(run: RunDir, resume: bool) -> str | None:

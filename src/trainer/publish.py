@@ -8,7 +8,7 @@ the orchestrator and the servers follow too), chosen once when the trainer start
     FilePublisher       "files": the full weights as an HF directory weights/step_n (trainer/weights.py)
 
 With weight_sync.delta both full-weight kinds publish most versions as the values changed since
-the last full version (trainer/deltas.py decides which; rl/weight_delta.py is the format).
+the last full version (trainer/deltas.py decides which; rl/weights/delta.py is the format).
 
 publish() is a collective (gathering the FSDP2 shards needs every rank); only rank 0 delivers,
 and its seconds are the step's write_s in metrics.jsonl.

@@ -32,8 +32,8 @@ from pathlib import Path
 from rl.config import ConfigError, RunConfig, load_config
 from rl.heartbeat import PeerState, PeerWatch
 from rl.rundir import RunDir, write_file_atomic
-from rl.transport import BatchReceiver
-from rl.transports import batch_receiver
+from rl.transport.interface import BatchReceiver
+from rl.transport.registry import batch_receiver
 from trainer.parallel import share_json
 from trainer.policy import Policy
 from trainer.trainer import Trainer

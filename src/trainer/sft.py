@@ -1,4 +1,4 @@
-"""Supervised fine-tuning on the trainer's own machinery: `rl sft` (rl/cli/main.py) runs the data step
+"""Supervised fine-tuning on the trainer's own machinery: `rl sft` (asyncrl/main.py) runs the data step
 (orchestrator/sft/data.py), then this loop on every rank.
 
 The same model loading, FSDP2 sharding, LoRA or full tuning (trainer/tuning.py), packing and rank

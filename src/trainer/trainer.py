@@ -21,8 +21,8 @@ from rl.faults import crash_point
 from rl.heartbeat import PeerReporter, PeerWatch, heartbeat_path, set_phase
 from trainer.preflight import trainer_state_refusal
 from rl.rundir import RunDir, remove_quietly
-from rl.transport import BatchReceiver
-from rl.transports import batch_receiver
+from rl.transport.interface import BatchReceiver
+from rl.transport.registry import batch_receiver
 from trainer import checkpoint
 from trainer.compute_dtype import cpu_flags, resolve_dtype, slow_bf16_warning
 from trainer.data import MicroBatch, loss_weights, rank_micro_batches, receive_batch, to_device
@@ -104,7 +104,7 @@ class Trainer:
     def start_step(self, policy: Policy, resume: bool) -> int:
         """1, or the step after the policy's latest complete checkpoint when resuming."""
         run = policy.run
-        if refusal := trainer_state_refusal(run, resume):  # rl.cli.main refused a single run already
+        if refusal := trainer_state_refusal(run, resume):  # asyncrl.main refused a single run already
             raise SystemExit(refusal)
         latest = checkpoint.latest(run)
         if not resume:

@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from rl import weight_delta as wd
-from rl.broadcast import plan_buckets
+from rl.weights import delta as wd
+from rl.weights.broadcast import plan_buckets
 from rl.config import RunConfig
 from rl.faults import crash_point
 from rl.rundir import STABLE, RunDir, publish_dir, remove_quietly
@@ -60,7 +60,7 @@ def untied(state_dict: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.T
 def write_weights(run: RunDir, step: int, state_dict: dict[str, torch.Tensor], source: Path, tied: bool,
                   shard_bytes: int = 4 << 30, digest: wd.Digest | None = None) -> float:
     """Write weights/step_<step> (rank 0 only), with `digest` (a base deltas may be taken
-    against, rl/weight_delta.py) beside it; returns seconds taken."""
+    against, rl/weights/delta.py) beside it; returns seconds taken."""
     start = time.perf_counter()
     out = _staging(run, step)
     state_dict = untied(state_dict, tied)

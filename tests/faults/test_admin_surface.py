@@ -98,7 +98,7 @@ def test_non_loopback_host_without_token_exits_2_before_vllm(tmp_path, no_env_to
 
 
 def test_the_token_is_never_saved_or_printed(tmp_path, no_env_token):
-    from rl.cli.config_doc import save_resolved
+    from rl.resolved_config import save_resolved
 
     toml = tmp_path / "cfg.toml"
     toml.write_text(f'model = "{TINY_MODEL}"\noutput_dir = "{tmp_path / "run"}"\n[inference]\napi_token = "{TOKEN}"\n')

@@ -192,7 +192,7 @@ def main(cfg: RunConfig, argv: list[str], steps: list[int], following: bool = Fa
     try:
         with open(log_file, "ab") as out:
             # SIGTERMed if this process dies, even by SIGKILL: no engine outlives its evaluation.
-            proc = subprocess.Popen([sys.executable, "-m", "rl", "inference", *argv, "--model",
+            proc = subprocess.Popen([sys.executable, "-m", "asyncrl", "inference", *argv, "--model",
                                      str(served.absolute()), "--output_dir", str(scratch.root)], stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                                     preexec_fn=die_with_parent)

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from orchestrator.servers.server import Server
-from rl.broadcast import MANIFEST
+from rl.weights.broadcast import MANIFEST
 from rl.inference_api import InferenceError
 
 if TYPE_CHECKING:

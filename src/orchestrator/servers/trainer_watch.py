@@ -12,7 +12,7 @@ from collections.abc import Callable
 from rl.config import RunConfig
 from rl.heartbeat import PeerReporter, PeerWatch, current_instance, heartbeat_path
 from rl.rundir import RunDir
-from rl.transport import BatchSender
+from rl.transport.interface import BatchSender
 
 log = logging.getLogger("orchestrator")
 

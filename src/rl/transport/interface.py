@@ -2,13 +2,13 @@
 
   filesystem  batch n is the directory rollouts/step_n (rl/batch.py writes it atomically);
               works across hosts that share storage, and leaves batches to inspect
-              (rl/transport_files.py)
+              (rl/transport/files.py)
   zmq         PUSH (orchestrator, connects) -> PULL (trainer rank 0, binds) over tcp:// or ipc://;
               three frames: a tag, the meta JSON, the safetensors payload. No pickle: a peer
-              can send garbage, never code (rl/transport_zmq.py)
+              can send garbage, never code (rl/transport/zeromq.py)
 
 One interface for both: a BatchSender (orchestrator side) and a BatchReceiver (trainer side).
-The kind is looked at once, in rl/transports.py (`batch_sender(cfg, run)`, `batch_receiver(cfg,
+The kind is looked at once, in rl/transport/registry.py (`batch_sender(cfg, run)`, `batch_receiver(cfg,
 run, ...)`: one registry line per kind), and whatever differs between the kinds (what is left
 half handed over after a crash, how a batch the trainer lost reaches it again) is a method of
 the implementation.
@@ -39,7 +39,7 @@ HEARTBEAT_S = 30.0
 
 
 class BatchSender(ABC):
-    """Orchestrator side: FileSender or ZmqSender (rl/transports.py batch_sender)."""
+    """Orchestrator side: FileSender or ZmqSender (rl/transport/registry.py batch_sender)."""
 
     def __init__(self, cfg: TransportConfig, run: RunDir):
         self.cfg, self.run = cfg, run
@@ -88,7 +88,7 @@ class Received:
 
 class BatchReceiver(ABC):
     """Trainer side (rank 0 only under zmq; the trainer shares the bytes with its other ranks):
-    FileReceiver or ZmqReceiver (rl/transports.py batch_receiver)."""
+    FileReceiver or ZmqReceiver (rl/transport/registry.py batch_receiver)."""
 
     def __init__(self, cfg: TransportConfig, run: RunDir, poll_s: float = 0.05, keep: bool = False,
                  reject_damaged: bool = True, on_wait: Callable[[], object] | None = None):

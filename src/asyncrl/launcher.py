@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from rl import quiet_tracker
-from rl.cli.plots import write_plots
+from asyncrl.plots import write_plots
 from rl.config import ConfigError, RunConfig
 from rl.gpu_placement import GpuPlan
 from rl.gpu_placement import check as gpu_placement
@@ -66,14 +66,14 @@ def command(name: str, argv: list[str], gpu_plan: GpuPlan | None, cpu_ranks: int
         if name == "trainer" and cpu_ranks > 1:
             return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cpu_ranks}",
                     "-m", "trainer", *argv], {}
-        return [sys.executable, "-m", "rl", name, *argv], {}
+        return [sys.executable, "-m", "asyncrl", name, *argv], {}
     argv = [*argv, *gpu_plan.overrides()]
     # The orchestrator's environment is left as it is: a reward of the user's may use a GPU.
     env = gpu_plan.env(name) if name in ("inference", "trainer") else {}
     if name == "trainer" and len(gpu_plan.trainer) > 1:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc-per-node={len(gpu_plan.trainer)}", "-m", "trainer", *argv], env
-    return [sys.executable, "-m", "rl", name, *argv], env
+    return [sys.executable, "-m", "asyncrl", name, *argv], env
 
 
 def _start(name: str, argv: list[str], run: RunDir, cfg: RunConfig, gpu_plan: GpuPlan | None) -> Child:
@@ -172,7 +172,7 @@ def status_line(step: int, total: int, orch: dict, train: dict) -> str:
 
 def summarize(run: RunDir, console: Console) -> None:
     """First-5 vs last-5 mean reward, the first and last held-out evaluation, and the plots
-    (rl/cli/plots.py) in the run directory."""
+    (asyncrl/plots.py) in the run directory."""
     everything = MetricsFollower(run.metrics).new_records()
     records = [r for r in everything if r.get("program") == "orchestrator"]
     if not records:
@@ -231,7 +231,7 @@ def launch(cfg: RunConfig, argv: list[str]) -> int:
         print("rl run: trainer.lora.multi_run = true needs a run to start: compose a config that sets "
               "run_name (docs/lora.md)", file=sys.stderr)
         return 2
-    gpu_plan = gpu_placement(cfg)  # checked by rl.cli.main's start-up checks: no error left here
+    gpu_plan = gpu_placement(cfg)  # checked by asyncrl.main's start-up checks: no error left here
     try:  # the trainer checks it too, but only once started: with GPUs, after the engine
         mesh_sizes(cfg.trainer.parallel, trainer_ranks(cfg, gpu_plan))
     except ConfigError as e:
@@ -295,7 +295,7 @@ def launch(cfg: RunConfig, argv: list[str]) -> int:
     if code == 130:
         # The exit status must be ours. CPython 3.11 marks a KeyboardInterrupt as unhandled when it
         # is raised inside code run from a string (exec/eval: the dataclasses and namedtuples a lazy
-        # import defines), even once caught above, and `python -m rl` then ends by re-sending
+        # import defines), even once caught above, and `python -m asyncrl` then ends by re-sending
         # itself SIGINT: exit -2, no traceback (test_launcher_signals, when the Ctrl-C landed
         # there). Everything is stopped and said: leave without the interpreter's exit.
         sys.stdout.flush()

@@ -18,10 +18,10 @@ from urllib.parse import urlsplit
 
 import jinja2
 
-from rl.cli.config_doc import render_toml
+from rl.resolved_config import render_toml
 from rl.config import RunConfig
 from rl.rundir import RunDir
-from rl.transports import receiver_endpoint
+from rl.transport.registry import receiver_endpoint
 
 
 class SlurmError(Exception):
@@ -122,7 +122,7 @@ def _sbatch_lines(cfg: RunConfig) -> list[str]:
 def _template(cfg: RunConfig) -> tuple[str, str]:
     path = cfg.slurm.template
     if path is None:
-        return "slurm.sbatch.j2", (resources.files("rl.cli") / "slurm.sbatch.j2").read_text()
+        return "slurm.sbatch.j2", (resources.files("asyncrl") / "slurm.sbatch.j2").read_text()
     try:
         return str(path), Path(path).read_text()
     except OSError as e:

@@ -18,7 +18,7 @@ import time
 from rl.batch import Batch, BatchError
 from rl.polling import Backoff
 from rl.rundir import remove_quietly, write_file_atomic
-from rl.transport import BatchReceiver, BatchSender
+from rl.transport.interface import BatchReceiver, BatchSender
 
 log = logging.getLogger("transport")
 

@@ -31,7 +31,7 @@ class EvalFollower:
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_file, "ab") as out:
             # SIGTERMed when rl sft dies, even by SIGKILL: it then stops its server (eval_command.py).
-            self.proc = subprocess.Popen([sys.executable, "-m", "rl", "eval", *argv, "--follow"], stdout=out,
+            self.proc = subprocess.Popen([sys.executable, "-m", "asyncrl", "eval", *argv, "--follow"], stdout=out,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                                          preexec_fn=die_with_parent)
         self.finishing = False

@@ -10,7 +10,7 @@ inference workers, which rebuild version n from that base and load it. docs/weig
     weights/step_n/delta.safetensors    per changed tensor "<name>/idx" (flat int32 indices, int64
                                     past 2**31 values) and "<name>/val" (the new values, in the
                                     served dtype). With broadcast the same tensors go over the wire
-                                    (rl/broadcast.py) and this file is absent.
+                                    (rl/weights/broadcast.py) and this file is absent.
 
 A delta is always against the last FULL version (not the previous one): any server that can
 read that full version, or holds it, can rebuild any later delta on its own, so a server that

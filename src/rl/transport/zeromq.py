@@ -24,7 +24,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from rl.batch import Batch, BatchError
 from rl.config import TransportConfig
-from rl.transport import HEARTBEAT_S, BatchReceiver, BatchSender
+from rl.transport.interface import HEARTBEAT_S, BatchReceiver, BatchSender
 
 log = logging.getLogger("transport")
 

@@ -1,13 +1,13 @@
 """Which batch transport a run uses: the one place that reads transport.kind. A new kind is a
-module implementing rl/transport.py's BatchSender and BatchReceiver, and a line in KINDS."""
+module implementing rl/transport/interface.py's BatchSender and BatchReceiver, and a line in KINDS."""
 
 from __future__ import annotations
 
 from rl.config import TransportConfig
 from rl.rundir import RunDir
-from rl.transport import BatchReceiver, BatchSender
-from rl.transport_files import FileReceiver, FileSender
-from rl.transport_zmq import ZmqReceiver, ZmqSender
+from rl.transport.interface import BatchReceiver, BatchSender
+from rl.transport.files import FileReceiver, FileSender
+from rl.transport.zeromq import ZmqReceiver, ZmqSender
 
 KINDS: dict[str, tuple[type[BatchSender], type[BatchReceiver]]] = {
     "filesystem": (FileSender, FileReceiver),

@@ -16,10 +16,7 @@ type, default and documentation (the key's docstring in rl/config.py).
 
 from __future__ import annotations
 
-import logging
-import os
 import shutil
-import sys
 from pathlib import Path
 from typing import Callable
 
@@ -27,7 +24,8 @@ import click
 import typer
 from typer.core import TyperCommand
 
-from rl.config import ConfigError, RunConfig, load_config
+from rl import startup
+from rl.config import ConfigError, RunConfig
 from rl.rundir import RunDir
 
 app = typer.Typer(
@@ -57,20 +55,10 @@ class ProgramCommand(TyperCommand):
 
     def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         super().format_help(ctx, formatter)  # with rich, printed here; the formatter's text follows
-        from rl.cli.config_doc import render_help
+        from asyncrl.config_help import render_help
 
         width = min(shutil.get_terminal_size((80, 24)).columns, 100)  # as rich draws the usage: 80 off a terminal
         formatter.write(render_help(SECTIONS[self.name], width))
-
-
-def setup_logging(program: str) -> None:
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s {program} %(levelname)s %(message)s",
-        datefmt="%H:%M:%S",
-        stream=sys.stderr,
-        force=True,
-    )
 
 
 def preflight_checks(program: str) -> tuple:
@@ -113,59 +101,11 @@ def _when_generating(check: Callable[[RunConfig], None]) -> Callable[[RunConfig]
 
 
 def resolve(argv: list[str], program: str) -> RunConfig:
-    """Parse, validate and check what the config names (rl/preflight.py), or exit 2 with one line
-    naming the culprit, before anything is written or started. --dry-run prints and exits."""
-    try:
-        cfg, dry_run = load_config(argv)
-        from rl.preflight import check
-
-        check(cfg, preflight_checks(program))
-    except ConfigError as e:
-        typer.echo(f"rl {program}: {e}", err=True)
-        raise typer.Exit(2) from None
-    if dry_run:
-        from rl.cli.config_doc import render_toml
-
-        typer.echo(render_toml(cfg))
-        if program == "run":
-            from rl.gpu_placement import check as gpu_plan
-
-            placed = gpu_plan(cfg)
-            typer.echo(f"rl run: {placed.describe() if placed else 'no GPU visible: every program on CPU'}", err=True)
-        typer.echo(f"rl {program}: config and start-up checks passed", err=True)
-        raise typer.Exit(0)
-    return cfg
+    return startup.resolve(argv, program, preflight_checks(program))
 
 
 def _program(program: str, argv: list[str], main: Callable[[RunConfig], object], cores: str = "") -> None:
-    """`cores`: the table whose `cpus` pin the program (default: its own)."""
-    cfg = resolve(argv, program)
-    from rl.placement import pin
-
-    table = cores or program
-    pin(f"{table}.cpus", getattr(cfg, table).cpus)  # checked by resolve
-    if table in ("inference", "trainer"):
-        from rl.gpu_placement import apply
-
-        apply(cfg, table)  # before torch or vLLM sees a GPU (the ids checked by resolve)
-    setup_logging(program)
-    from rl.cli.config_doc import save_resolved
-    from rl.heartbeat import Heartbeat, heartbeat_path
-
-    rank = os.environ.get("RANK", "0")  # set by torchrun: a trainer rank, maybe on another node
-    if rank == "0":
-        save_resolved(cfg, program)
-    # First thing, before the heavy imports: peers and `rl run` see the program from its start.
-    # Every trainer rank beats (trainer-rank<r> besides rank 0's "trainer"), so that a node cut
-    # off is named even while rank 0 sits in a collective waiting for it.
-    name = program if rank == "0" else f"{program}-rank{rank}"
-    url = cfg.inference.url if program == "inference" else None
-    heartbeat = Heartbeat(heartbeat_path(cfg, name), url=url).start()
-    try:
-        code = main(cfg)
-    finally:
-        heartbeat.stop()
-    raise typer.Exit(int(code or 0))
+    startup.start(program, argv, main, preflight_checks(program), cores)
 
 
 @app.command(cls=ProgramCommand, context_settings=_ARGS)
@@ -207,7 +147,7 @@ def trainer(ctx: typer.Context) -> None:
 @app.command(cls=ProgramCommand, context_settings=_ARGS)
 def sft(ctx: typer.Context) -> None:
     """Supervised fine-tuning on the assistant turns of sft.datasets, with the trainer's FSDP2 loop;
-    weights/step_N is a model `rl run` starts from (torchrun --nproc-per-node N -m rl sft: N ranks)."""
+    weights/step_N is a model `rl run` starts from (torchrun --nproc-per-node N -m asyncrl sft: N ranks)."""
 
     def main(cfg: RunConfig) -> None:
         import contextlib
@@ -225,8 +165,8 @@ def sft(ctx: typer.Context) -> None:
                 typer.echo(f"rl sft: {e}", err=True)
                 raise typer.Exit(2) from None
             tracking = following(cfg)  # wandb / TensorBoard, as the orchestrator feeds them in RL
-        from rl.cli.eval_follower import EvalFollower
-        from rl.cli.plots import write_plots
+        from asyncrl.eval_follower import EvalFollower
+        from asyncrl.plots import write_plots
         from trainer.sft import main as train
 
         follower = EvalFollower(cfg, ctx.args) if cfg.sft.eval_generate and is_rank0() else None
@@ -249,7 +189,7 @@ def sft(ctx: typer.Context) -> None:
 def run(ctx: typer.Context) -> None:
     """Start inference, orchestrator and trainer locally; stop all if one fails."""
     cfg = resolve(ctx.args, "run")
-    from rl.cli.launcher import launch
+    from asyncrl.launcher import launch
 
     raise typer.Exit(launch(cfg, ctx.args))
 
@@ -263,7 +203,7 @@ def slurm(ctx: typer.Context) -> None:
     if submitting:
         argv.remove("--submit")
     cfg = resolve(argv, "slurm")
-    from rl.cli.slurm import SlurmError, render, submit
+    from asyncrl.slurm import SlurmError, render, submit
 
     try:
         script, notes = render(cfg)
@@ -300,7 +240,7 @@ def evaluate(ctx: typer.Context) -> None:
                        "or all", err=True)
             raise typer.Exit(2)
     cfg = resolve(argv, "eval")
-    setup_logging("eval")
+    startup.setup_logging("eval")
     from orchestrator.evaluation.command import main as run_eval
 
     chosen = ([0, *RunDir(cfg.run_dir).stable_weight_steps()] if steps == "all"
@@ -312,7 +252,7 @@ def evaluate(ctx: typer.Context) -> None:
 def plot(output_dir: Path = typer.Argument(..., help="a run directory (holding metrics.jsonl)")) -> None:
     """Write the run's plots (reward and evaluation, staleness, throughput and idle time, weight
     updates, one curve per run of a multi-run) as PNGs into its directory."""
-    from rl.cli.plots import write_plots
+    from asyncrl.plots import write_plots
 
     if not (output_dir / "metrics.jsonl").is_file() and not list(output_dir.glob("runs/*/metrics.jsonl")):
         typer.echo(f"rl plot: {output_dir} holds no metrics.jsonl (is it a run's output_dir?)", err=True)

@@ -1,0 +1,3 @@
+from asyncrl.main import main
+
+main()

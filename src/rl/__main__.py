@@ -1,3 +1,0 @@
-from rl.cli.main import main
-
-main()
