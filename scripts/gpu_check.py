@@ -11,7 +11,7 @@ Items, each in a process of its own with a timeout, its logs under --out/<item>/
   trainer-1    one `rl trainer` step on a synthetic batch (bfloat16 on GPU, float32 on CPU)
   trainer-N    the same step under torchrun on N GPUs (2 gloo ranks on CPU)
   context-N    the same step with every row split across the N GPUs (trainer.parallel.context =
-               N, NCCL; GPU only: tests/test_context_parallel.py runs it on gloo)
+               N, NCCL; GPU only: tests/trainer/test_context_parallel.py runs it on gloo)
   broadcast    weights streamed trainer -> a real `rl inference` server (NCCL on GPU, gloo on
                CPU), driven by the orchestrator's own ServerPool, bit-exact against a file reload
   reload       published versions reloaded by a real server (POST /update_weights, as the
@@ -95,7 +95,7 @@ ITEMS = [
     Item("memory-share", 1, 900, "a shared GPU's memory: each program against the placement's model"),
 ]
 GPU_ONLY = ("placement", "shared-gpu", "reload-v2", "memory-share")  # issue 51's GPU path: nothing to check on CPU
-# Context parallelism's CPU path is tests/test_context_parallel.py's (gloo, against one rank).
+# Context parallelism's CPU path is tests/trainer/test_context_parallel.py's (gloo, against one rank).
 NCCL_ONLY = ("context-N",)
 NAMES = [i.name for i in ITEMS]
 
@@ -170,7 +170,7 @@ def skip_reason(item: str, machine: dict, gpus: int) -> str | None:
     """Why an item cannot run here, or None. On CPU every item has a CPU path."""
     count = machine["cuda_devices"]
     if count == 0 and item in NCCL_ONLY:
-        return "GPU only (its gloo path: tests/test_context_parallel.py)"
+        return "GPU only (its gloo path: tests/trainer/test_context_parallel.py)"
     if count == 0:
         return "GPU only (rl/gpu_placement.py's decisions are tested on CPU)" if item in GPU_ONLY else None
     if item == "context-N" and (gpus or count) < 2:

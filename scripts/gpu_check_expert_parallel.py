@@ -1,5 +1,5 @@
 """GPU check for expert parallelism on NCCL (issue 63): two GPUs, two ranks, the comparison
-tests/test_expert_parallel.py runs on gloo (EP=2 against one unsharded model: logprobs within
+tests/trainer/test_expert_parallel.py runs on gloo (EP=2 against one unsharded model: logprobs within
 float32 rounding's bound of a float64 model, gradients within 1e-4 of the largest entry; a
 misrouted dispatch must fail it), then benchmarks/trainer_parallel_moe.py's 64-expert step.
 

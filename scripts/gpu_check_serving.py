@@ -156,7 +156,7 @@ def joined(thread: threading.Thread, box: dict, what: str):
 
 
 async def broadcast_version(ctx: Context, url: str, cfg, run, state: dict, files: Path) -> dict:
-    """As tests/test_broadcast.py drives it: the orchestrator's ServerPool and BroadcastDelivery
+    """As tests/rl/test_broadcast.py drives it: the orchestrator's ServerPool and BroadcastDelivery
     on one side, the trainer's WeightBroadcaster on the other; then the same tensors from files."""
     import aiohttp
 

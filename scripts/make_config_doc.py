@@ -1,6 +1,6 @@
 """Writes docs/config.md: every config key with its type, default and documentation, from the
 schema itself (the same text as `rl <program> --help`), so the page cannot drift from the code;
-tests/test_config_doc.py regenerates it and compares.
+tests/docs/test_config_doc.py regenerates it and compares.
 
     .venv/bin/python scripts/make_config_doc.py          # rewrite docs/config.md
 """

@@ -3,7 +3,7 @@
     PYTHONPATH=src python scripts/metrics_doc.py           # print the table
     PYTHONPATH=src python scripts/metrics_doc.py --write   # replace it in docs/observability.md
 
-tests/test_prometheus_metrics.py checks the page holds exactly this table.
+tests/orchestrator/test_prometheus_metrics.py checks the page holds exactly this table.
 """
 
 from __future__ import annotations

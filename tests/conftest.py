@@ -9,6 +9,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# tests/ mirrors src/ by program (rl, asyncrl, orchestrator, trainer, inference, tasks), with
+# integration/ (several programs together), faults/ and docs/ apart; the helpers every folder
+# uses (samples, fake_inference, hosts, float32_rounding, ...) stay here beside conftest. Test
+# modules also import helpers from one another by module name (test_end_to_end's server
+# launch, test_scheduling's stand-ins): every folder on the path, whichever file runs alone.
+sys.path[1:1] = [str(p) for p in sorted(ROOT.joinpath("tests").iterdir()) if p.is_dir() and p.name[0] not in "._"]
 TINY_MODEL = ROOT / "models" / "tiny-reverse"
 
 
@@ -86,15 +92,15 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
 
 
-# The files that hold a worker longest, longest first: handed out first, so that none of them
+# The files (by name) that hold a worker longest, longest first: handed out first, so that none of them
 # starts while the other workers are finishing (docs/performance.md, "The suite's order": each
 # file alone, `pytest -p no:xdist FILE`, and the files' totals of a `make test --junitxml` on 2 cores).
-LONGEST = ["test_gpu_check.py", "test_context_parallel.py", "faults/test_kill_restart.py", "test_trainer.py",
+LONGEST = ["test_gpu_check.py", "test_context_parallel.py", "test_kill_restart.py", "test_trainer.py",
            "test_expert_parallel.py", "test_sft_generation_eval.py", "test_slurm_cluster.py",
            "test_prometheus_scrape.py",
-           "test_lora_trainer.py", "test_broadcast.py", "test_end_to_end.py", "faults/test_random_kills.py",
-           "test_multi_host.py", "test_agent_environment.py", "faults/test_kill_inference.py",
-           "test_sampling_mask.py", "faults/test_kill_launcher.py", "test_engine_stalls_vllm.py",
+           "test_lora_trainer.py", "test_broadcast.py", "test_end_to_end.py", "test_random_kills.py",
+           "test_multi_host.py", "test_agent_environment.py", "test_kill_inference.py",
+           "test_sampling_mask.py", "test_kill_launcher.py", "test_engine_stalls_vllm.py",
            "test_inference_server.py"]
 
 
@@ -103,13 +109,8 @@ def pytest_collection_modifyitems(config, items):
     hosts), then the rest: `make test` hands whole files to the workers (`--dist loadfile`: a
     module-scoped server starts once), and a long file picked up last would leave the other
     workers idle at the end."""
-    tests = Path(__file__).parent
-
     def rank(item) -> tuple[int, int]:
-        try:
-            name = item.path.relative_to(tests).as_posix()
-        except ValueError:
-            name = ""
+        name = item.path.name  # test file names are unique across tests/'s folders
         if name in LONGEST:
             return 0, LONGEST.index(name)
         return (1 if item.get_closest_marker("slow") else 2), 0

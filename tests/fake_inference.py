@@ -1,7 +1,7 @@
 """A stand-in inference server speaking rl/inference_api.py, whose timing the test dictates.
 
 Real vLLM cannot be told "this request takes 40 ms, that one 2 s", which the staleness property
-tests need; tests/test_inference_server.py and tests/test_end_to_end.py cover the same routes on
+tests need; tests/inference/test_inference_server.py and tests/integration/test_end_to_end.py cover the same routes on
 real vLLM. Generation is simulated token by token (all n samples of a request decode in lockstep,
 as in a batched engine), each token tagged with the version serving when it was "sampled";
 /update_weights honours the two modes like the real server: "wait" lets running requests finish

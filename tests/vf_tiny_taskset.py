@@ -1,4 +1,4 @@
-"""A tiny verifiers v1 taskset for tests/test_verifiers_taskset.py, loaded by id as verifiers
+"""A tiny verifiers v1 taskset for tests/orchestrator/test_verifiers_taskset.py, loaded by id as verifiers
 loads any installed taskset: id "vf-tiny-taskset" imports this module (tests/ is on sys.path) and
 takes the Taskset its __all__ exports.
 

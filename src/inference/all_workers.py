@@ -6,7 +6,7 @@ call_utility_async, which a data-parallel server's client (vLLM 0.32 DPLBAsyncMP
 v1/engine/core_client.py) sends to every engine but answers with engine 0's workers only. A
 refusal, or a failure, on another rank would pass unseen, and the server would label that rank's
 weights with a version they are not. call_utility_all_async answers with every engine's list
-(tests/test_vllm_contract.py pins both).
+(tests/inference/test_vllm_contract.py pins both).
 """
 
 from __future__ import annotations

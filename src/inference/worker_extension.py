@@ -21,7 +21,7 @@ class WeightReloadExtension:
         Nothing here reads the model runner's request state: which tokens the new weights
         sampled is labelled above the runners, by the engine core (inference/reload.py sets
         vLLM's weight version before the engine resumes), so the reload is the same on vLLM's
-        V1 and V2 runners and with async scheduling (tests/test_vllm_contract.py pins what is
+        V1 and V2 runners and with async scheduling (tests/inference/test_vllm_contract.py pins what is
         touched).
 
         The worker's own reload_weights is the path that works on the CPU backend, which packs
@@ -199,7 +199,7 @@ def repack_cpu_experts(model) -> int:
     (fused_moe/experts/cpu_moe.py process_weights_after_loading). A reload treats the second load
     as a weight update: it copies the new weights, as loaded, into that packed storage and skips
     the kernel's packing (unquantized_fused_moe_method.py _setup_kernel), so the experts computed
-    from scrambled weights (tests/test_routing_vllm.py reloads and compares). Packing again from
+    from scrambled weights (tests/inference/test_routing_vllm.py reloads and compares). Packing again from
     what was just copied in puts it right. GPU kernels read the weights as loaded: left alone."""
     try:
         from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts

@@ -172,7 +172,7 @@ class Flight:
         self.counters.requeued += len(doomed)
         if doomed:
             log.warning("requeued the prompts of %d group(s) in flight on %s", len(doomed), server.url)
-        else:  # said, so that a reader (and tests/test_multi_host.py) knows none was lost
+        else:  # said, so that a reader (and tests/integration/test_multi_host.py) knows none was lost
             log.info("no group in flight on %s: nothing to requeue", server.url)
         self.spawn(self.notify())
 

@@ -16,7 +16,7 @@ batch may mix datasets that each sample their own way. The trainer recomputes ea
 logprob under its own sample's temperature (the distribution the engine sampled from); top_p,
 top_k and min_p are what rebuilds the sampler's kept set (trainer/sampling_mask.py: vLLM's
 truncation replayed on the trainer's logits, checked against the sampler's own sets in
-tests/test_sampling_mask.py), so the sampling mask costs no bytes beyond these 16 per sample.
+tests/trainer/test_sampling_mask.py), so the sampling mask costs no bytes beyond these 16 per sample.
 top_k -1 (or 0, as vLLM accepts too) is off.
 
 Replayed kept sets (orchestrator.sampling.record_kept_sets): `kept_counts` per token (how many ids the

@@ -182,7 +182,7 @@ async def reward(prompt: str, completion: str, row: dict) -> float:
 def verdict(result: RunResult, cases: list[dict]) -> float:
     """The share of cases whose returned value is the expected one, from a run that exited cleanly
     with exactly the harness's document on its channel; else 0. Each guard here and in the
-    harness stops a forgery of its own (tests/test_coding_task.py removes each in turn)."""
+    harness stops a forgery of its own (tests/tasks/test_coding_task.py removes each in turn)."""
     values = returned(result.stdout, len(cases)) if result.outcome == "ok" else None
     if values is None:
         return 0.0

@@ -10,7 +10,7 @@ Packing: the images of a packed row are encoded one by one (each image's vision 
 the same computation whether its sample is packed or alone), their features concatenated in the
 order of the row's placeholders, and the language model runs on the packed ids with each
 sample's positions restarting at 0 (the model's own 1-D positions: Idefics3's Llama) and the
-packed attention (trainer/packed_attention.py) keeping samples apart. tests/test_vlm_trainer.py
+packed attention (trainer/packed_attention.py) keeping samples apart. tests/trainer/test_vlm_trainer.py
 shows packed logprobs equal to unpacked ones within float32 rounding's bound.
 
 One class per processor kind (VISION); Idefics3 (SmolVLM) only so far. Qwen2-VL's 3-D rotary

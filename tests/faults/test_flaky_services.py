@@ -1,6 +1,6 @@
 """Flaky services around the orchestrator: a reward that raises or hangs (sync, async, HTTP), an
 inference server answering HTTP 500 or leaving requests hanging. Each run must still end at
-max_steps with every batch made once and no prompt lost (check_rules, tests/test_scheduling.py),
+max_steps with every batch made once and no prompt lost (check_rules, tests/orchestrator/test_scheduling.py),
 the failures counted in the metrics. Stand-in servers (tests/fake_inference.py): seconds each.
 test_scheduling.py has the neighbours: a raising reward in groups of four, a server going down
 for a while, a server that never answers.

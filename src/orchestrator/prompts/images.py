@@ -7,7 +7,7 @@ themselves as PNG bytes (lossless: the server and the trainer decode the same pi
 
 Without transformers (the orchestrator never imports it: orchestrator/prompts/tokenizer.py): the
 template is rendered by chat.py, the expansion is the processor's, read from the model's
-processor_config.json (one class per processor kind, PROCESSORS), and tests/test_vlm_prompts.py
+processor_config.json (one class per processor kind, PROCESSORS), and tests/orchestrator/test_vlm_prompts.py
 checks the ids against AutoProcessor's token for token.
 
 Bad input raises ImageError naming the part: a missing or unreadable image, a path outside the

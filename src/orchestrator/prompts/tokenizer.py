@@ -9,7 +9,7 @@ HF one (rollouts.py); tokenizer.json is that tokenizer's serialization (save_pre
 it with tokenizer_config.json's special tokens and BOS/EOS template already applied).
 
 Same ids: on every text the shipped tasks make, and on any ids decoded, it matches AutoTokenizer
-(tests/test_tokenizer.py). Where they part, the file is right: transformers 5 rebuilds a tokenizer
+(tests/orchestrator/test_tokenizer.py). Where they part, the file is right: transformers 5 rebuilds a tokenizer
 of a known model type from its class's recipe, and turns the char-level tiny model's into a
 byte-level BPE that silently drops a character outside the vocabulary; tokenizer.json is what
 the model was trained with (scripts/make_tiny_model.py) and maps that character to <unk>.

@@ -73,7 +73,7 @@ __all__ = ["SLOTS", "Limits", "RunResult", "Sandbox", "OUTCOME_LISTENERS"]
 
 # Who hears each run's outcome: the orchestrator's Prometheus counter (orchestrator/main.py adds
 # it). A list rather than an import, so that the sandbox's modules import nothing of the
-# orchestrator and run alone: tests/test_sandbox_hostile.py runs a copy of them as nobody.
+# orchestrator and run alone: tests/orchestrator/test_sandbox_hostile.py runs a copy of them as nobody.
 OUTCOME_LISTENERS: list = []
 
 

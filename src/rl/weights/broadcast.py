@@ -605,7 +605,7 @@ class Incoming:
         self.group, self.manifest = group, manifest
         self.received = 0
         # Counted from what the collectives filled, not from the manifest: what a receiver says
-        # it received (tests/test_weight_delta_broadcast.py compares a delta's with a full one's).
+        # it received (tests/rl/test_weight_delta_broadcast.py compares a delta's with a full one's).
         self.received_bytes = 0
         header = torch.zeros(5, dtype=torch.int64, device=group.device)
         group.broadcast(header, f"header of version {manifest.version}")

@@ -1,7 +1,7 @@
 """orchestrator/rollout/sandbox.py against hostile code, for real: each case is contained, answered with
 its outcome, and leaves nothing running. On a machine where runs cannot be isolated (no
 bubblewrap, or no unprivileged user namespaces) the isolation cases are skipped, saying why; CI's
-machine runs them. tests/test_sandbox_hostile.py holds the isolation cases against canaries, as
+machine runs them. tests/orchestrator/test_sandbox_hostile.py holds the isolation cases against canaries, as
 root and as a user."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """What the orchestrator and the server do when work on a real vLLM engine must stop or stalls,
-against real `rl inference` servers (the stand-in versions are in tests/test_scheduling.py):
+against real `rl inference` servers (the stand-in versions are in tests/orchestrator/test_scheduling.py):
 
 - groups no batch can take any more are aborted *on the engine*: the server stops their engine
   requests while they run (its /health "aborted" counts them), their prompts go back to the queue;

@@ -48,7 +48,7 @@ def test_every_item_passes_on_cpu_and_the_report_lists_them(tmp_path):
     one_gpu = report["machine"]["cuda_devices"] == 1
     cpu = report["machine"]["cuda_devices"] == 0
     for name, item in items.items():
-        if cpu and name in GPU_ONLY:  # their decisions are tested on CPU (tests/test_gpu_placement.py)
+        if cpu and name in GPU_ONLY:  # their decisions are tested on CPU (tests/asyncrl/test_gpu_placement.py)
             assert item["result"] == "SKIP" and item["note"].startswith("GPU only"), item
             continue
         # CPU: every item has a CPU path. One GPU: the items that need two say so.

@@ -3,7 +3,7 @@ with models/tiny-chat's tokenizer and its tool-calling ChatML template.
 
 Here a scripted server writes the model's turns: these tests need turns no small model writes on
 cue (several calls in one turn, every kind of bad call). The real engine runs the same path in
-tests/test_tool_episode_vllm.py."""
+tests/orchestrator/test_tool_episode_vllm.py."""
 
 from __future__ import annotations
 

@@ -367,7 +367,7 @@ def test_the_kernel_is_called_as_each_torch_signature_allows(monkeypatch):
     """2.13's varlen_attn refuses Hq != Hkv without enable_gqa; 2.11's has no such argument and
     passes the KV heads to flash's kernel (GQA native); a cuDNN path (no GQA) gets them expanded;
     an is_causal-style signature is made causal that way. (The signatures themselves are pinned in
-    tests/test_torch_contract.py.)"""
+    tests/trainer/test_torch_contract.py.)"""
     from torch.nn.attention import varlen
 
     from test_torch_contract import TORCH_2_11_VARLEN, params

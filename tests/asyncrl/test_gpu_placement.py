@@ -18,7 +18,7 @@ from rl import gpu_placement as gp
 from rl.config import ConfigError, load_config
 from asyncrl.launcher import command
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY_MODEL = ROOT / "models" / "tiny-reverse"
 
 

@@ -147,7 +147,7 @@ def test_reloaded_server_matches_a_fresh_server_on_the_same_weights(trained):
     bit for bit as it did freshly loaded, before the run. The tiny model ties lm_head to the
     embedding: without re-packing the lm_head after a reload, vLLM's CPU backend keeps computing
     logits with the old embedding. (One server, its fresh load its own start: the GPU check's
-    reload item, tests/test_gpu_check.py, compares a reload of trainer-written files the same way.)"""
+    reload item, tests/integration/test_gpu_check.py, compares a reload of trainer-written files the same way.)"""
     url = trained["url"]
     r = httpx.post(f"{url}/update_weights", json={"path": "base", "version": 4}, timeout=120)
     assert r.status_code == 200, r.text

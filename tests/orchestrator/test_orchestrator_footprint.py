@@ -1,5 +1,5 @@
 """`rl orchestrator` as a program stays light and stops quietly: a whole run (against the stand-in
-server and trainer of tests/test_scheduling.py) never imports torch, triton, vLLM or transformers,
+server and trainer of tests/orchestrator/test_scheduling.py) never imports torch, triton, vLLM or transformers,
 which it has no use for, and whose native extensions printed ~30 "nanobind: leaked ..." lines at
 every exit (orchestrator/prompts/tokenizer.py says where they came from)."""
 

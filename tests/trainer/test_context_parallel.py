@@ -30,7 +30,7 @@ from samples import single_turn
 pytestmark = pytest.mark.slow
 
 U64 = 2.0 ** -53
-# Chained products on the path to a logit (tests/test_inference_lora.py: 8 per layer, then the
+# Chained products on the path to a logit (tests/inference/test_inference_lora.py: 8 per layer, then the
 # lm_head), each a dot product of at most WIDEST terms.
 CHAINED = LAYERS * 8 + 1
 
@@ -200,7 +200,7 @@ def test_layout_that_does_not_fill_the_world_is_refused(tmp_path):
 
 def test_sft_with_context_parallelism(tmp_path):
     """`rl sft` on two ranks splitting every row (trainer.parallel.context = 2) takes the same first
-    step as one rank (tests/test_trainer.py assert_same_step's bounds), its metrics counted once."""
+    step as one rank (tests/trainer/test_trainer.py assert_same_step's bounds), its metrics counted once."""
     from rl.rundir import RunDir
     from test_sft import UNINTERRUPTED, config
     from test_trainer import ENV, assert_same_step
@@ -262,7 +262,7 @@ def test_launcher_starts_the_configured_ranks_and_refuses_a_layout_its_gpus_cann
 def test_rl_trainer_step_with_rows_split_equals_one_rank(write_toml, tmp_path):
     """The RL trainer (`python -m trainer` under torchrun): world 4 = data 2 x context 2, every
     packed row split, with sequence-level ratios (GSPO: a sample's mean over both shares), takes
-    the same first step as one rank (tests/test_trainer.py assert_same_step's bounds), its metrics
+    the same first step as one rank (tests/trainer/test_trainer.py assert_same_step's bounds), its metrics
     (loss, tokens, entropy) counted once per context group."""
     from rl.rundir import RunDir
     from test_trainer import (assert_same_step, config, rl_command, run_trainer, torchrun, trainer_metrics,

@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(os.environ.get("HOSTILE_REPO", Path(__file__).resolve().parents[1]))  # the copy's: where it came from
+ROOT = Path(os.environ.get("HOSTILE_REPO", Path(__file__).resolve().parents[2]))  # the copy's: where it came from
 # The sandbox's modules to drive: another directory of them, for checking that the suite fails
 # with a protection removed (HOSTILE_SANDBOX_DIR=...).
 SANDBOX_DIR = Path(os.environ.get("HOSTILE_SANDBOX_DIR", ROOT / "src" / "orchestrator" / "rollout"))

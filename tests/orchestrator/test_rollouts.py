@@ -1,6 +1,6 @@
 """From prompt to scored group (orchestrator/rollout/groups.py): multi-turn episodes, pluggable rewards
 (callable, HTTP endpoint, failures) and the teacher's per-token signal, against stand-in servers
-(tests/fake_inference.py; tests/test_inference_server.py runs an episode on real vLLM)."""
+(tests/fake_inference.py; tests/inference/test_inference_server.py runs an episode on real vLLM)."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ TINY_MOE = ROOT / "models" / "tiny-moe"
 # Per MoE layer on a logit's path: q/k/v, scores, values, o, the router, gate/up, down, the
 # weighted sum of top_k outputs (float32_rounding.py's derivation, two more products than dense).
 MOE_LOGIT_ERROR = logit_error(8)
-# tests/test_trainer.py assert_same_step: reordering a float32 sum of n <= ~400 terms moves it by
+# tests/trainer/test_trainer.py assert_same_step: reordering a float32 sum of n <= ~400 terms moves it by
 # < 3e-5 of their magnitude; a gradient entry is compared within 1e-4 of the largest entry, and a
 # wrongly dispatched token moves entries by a large share of it.
 GRAD_SHARE = 1e-4
@@ -257,7 +257,7 @@ def safetensors_layout(path: Path) -> dict:
 def test_the_trainer_at_ep2_steps_checkpoints_publishes_and_resumes_as_without_ep(tmp_path):
     """Two ranks at trainer.parallel.expert = 2 (routing replay on, activation checkpointing: the
     all-to-alls run again in backward) against one rank: step 1 from the same start equal within
-    tests/test_trainer.py's derived bounds (loss, gradient norm, each gradient entry, the weights),
+    tests/trainer/test_trainer.py's derived bounds (loss, gradient norm, each gradient entry, the weights),
     read from both DCP checkpoints, which hold the same full tensors by the same names; the
     published weights the same HF names, dtypes and shapes; the EP step-1 checkpoint resumed on one
     rank without EP takes step 2 as the EP run did (within the same bounds); and an EP=2 run

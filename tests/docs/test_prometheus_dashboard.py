@@ -1,7 +1,7 @@
 """deploy/grafana/asyncrl.json by structure (no Grafana package in Debian to import it into): a
 dashboard Grafana imports as it is, its Prometheus a variable, one row per program and one of
 vLLM's panels, every query naming only metrics the code exports or vLLM serves.
-(tests/test_prometheus_scrape.py runs every query against a real Prometheus.)"""
+(tests/integration/test_prometheus_scrape.py runs every query against a real Prometheus.)"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The scheduling rules of tests/test_scheduling.py, against two real vLLM servers
+"""The scheduling rules of tests/orchestrator/test_scheduling.py, against two real vLLM servers
 (`rl inference`) instead of stand-ins: the hand-over rule (no batch n leaves before version
 n-1-k serves on every server, as each server itself reports on /health), the staleness bound on
 every token, in-flight updates end to end (per-token versions from the engine, in order within

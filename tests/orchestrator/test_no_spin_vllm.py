@@ -1,4 +1,4 @@
-"""The run-time no-spin stops of tests/test_no_spin.py (groups all filtered, a reward that always
+"""The run-time no-spin stops of tests/orchestrator/test_no_spin.py (groups all filtered, a reward that always
 raises, no server in rotation) on a real engine: one `rl inference` (vLLM serving the tiny
 model) shared by the cases, the real `rl orchestrator` against it alone (no trainer: batches 1
 and 2 go out, then it waits for version 1). A short max_futile_streak stops them within a few

@@ -5,7 +5,7 @@ trainer's masked logprobs match the engine's to float32 rounding, the unmasked o
 exactly log(kept mass), and the kept sets rebuilt from the trainer's logits are the sampler's.
 
 "To float32 rounding" is derived, not measured (CPUs differ in the last bits: AMD or Intel with
-AMX, other kernels, other summation orders): tests/test_inference_lora.py's bound on how far
+AMX, other kernels, other summation orders): tests/inference/test_inference_lora.py's bound on how far
 float32 rounding may move a logit of the tiny models (LOGIT_ERROR times the scale of the logit's
 own terms, any summation order) holds for the engine and for the trainer alike, so their logits
 differ by at most twice it. Where a token sits that close to a top-k or top-p boundary, either
@@ -56,7 +56,7 @@ def vllm_kept(scaled: torch.Tensor, k: torch.Tensor, p: torch.Tensor, min_p: tor
 def logits_and_gap(model, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's float32 logits [B, T, V] and, per position [B, T], how far another float32
     implementation's logits (the engine's) may differ from them: each is within LOGIT_ERROR *
-    max_v sum_j |E_vj h_j| of the exact ones (tests/test_inference_lora.py's bound, h the head's
+    max_v sum_j |E_vj h_j| of the exact ones (tests/inference/test_inference_lora.py's bound, h the head's
     input), so the two within twice that."""
     from test_inference_lora import LOGIT_ERROR
 

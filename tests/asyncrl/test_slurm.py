@@ -5,7 +5,7 @@ machine cannot be made to do: a layout of 4 nodes with 4 GPUs and 2 servers each
 on cue. The fake srun runs its command locally in a session of its own (killed whole when the step
 ends, as slurmstepd would), or, in record mode, only records what it was asked to run and stands
 in for the program (a server waits to be stopped, the others exit 0). The real thing, a job
-training on a real slurmctld, is tests/test_slurm_cluster.py."""
+training on a real slurmctld, is tests/integration/test_slurm_cluster.py."""
 
 from __future__ import annotations
 
@@ -330,7 +330,7 @@ def test_configs_that_cannot_work_on_a_cluster_are_refused(write_toml, tmp_path,
 
 def test_submit_without_sbatch_is_a_one_line_error(write_toml, tmp_path):
     """`rl slurm --submit` where no sbatch is on PATH: one line naming --submit, exit 2, nothing
-    printed as a script (the real submission: tests/test_slurm_cluster.py)."""
+    printed as a script (the real submission: tests/integration/test_slurm_cluster.py)."""
     bare = tmp_path / "bin"
     bare.mkdir()
     env = {**os.environ, "PATH": str(bare)}

@@ -1,6 +1,6 @@
 """The three programs' Prometheus metrics in-process: names by Prometheus' conventions, values fed
 from each program's own records, the exporter and its file_sd target file, a taken port refused at
-start-up, the list in docs/observability.md. tests/test_prometheus_scrape.py scrapes a real run."""
+start-up, the list in docs/observability.md. tests/integration/test_prometheus_scrape.py scrapes a real run."""
 
 from __future__ import annotations
 

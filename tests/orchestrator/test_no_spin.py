@@ -12,7 +12,7 @@ The run-time stops run the real `rl orchestrator` against the stand-in server of
 tests/fake_inference.py (as its own process: `python tests/fake_inference.py PORT`), which a test
 can kill; rows skipped at run time are also shown on a real vLLM engine under `rl run`
 (test_rl_run_on_a_real_engine_stops_a_dataset_whose_later_rows_are_too_long), and the other three
-stops in tests/test_no_spin_vllm.py.
+stops in tests/orchestrator/test_no_spin_vllm.py.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from rl.rundir import RunDir
 
 pytestmark = pytest.mark.slow
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]  # tests/, where fake_inference.py lives
 GOOD_ROWS = 64  # the start-up check measures the first 64 rows: those are short, the later ones long
 STREAK = 20
 

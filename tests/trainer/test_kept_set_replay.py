@@ -1,6 +1,6 @@
 """Replayed kept sets (orchestrator.sampling.record_kept_sets): the sampler's own kept set of each token
 travels in the batch and the trainer renormalises over exactly it, rebuilding only where none
-was recorded. The engine side, against a real vLLM server: tests/test_sampling_mask.py."""
+was recorded. The engine side, against a real vLLM server: tests/trainer/test_sampling_mask.py."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 recorded token to exactly the recorded experts, the router still gets a gradient, unrecorded
 positions keep the router's own choice, agreement is counted per layer; and the batch carries the
 record through packing and padding to the micro-batch positions it belongs to. The engine side
-(what vLLM routed, recorded and returned by /generate): tests/test_routing_vllm.py."""
+(what vLLM routed, recorded and returned by /generate): tests/inference/test_routing_vllm.py."""
 
 from __future__ import annotations
 

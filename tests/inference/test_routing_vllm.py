@@ -2,7 +2,7 @@
 4-expert top-2 Qwen3-MoE): /generate returns every position's experts per MoE layer, and a
 transformers forward that replays them reproduces the engine's logprobs within float32 rounding,
 more closely than one that routes by itself where routing differs. The trainer side (replay uses
-exactly the record, the router's gradient, the batch layout): tests/test_routing_replay.py."""
+exactly the record, the router's gradient, the batch layout): tests/trainer/test_routing_replay.py."""
 
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ def variable_batch(seed: int = 0, n: int = 12, temperatures: list[float] = (1.0,
 
 def sample_gap(model, batch: Batch, i: int) -> torch.Tensor:
     """How far float32 rounding may move sample i's logits between two layouts (any shapes, any
-    kernels), per predicting position [len - 1]: tests/test_sampling_mask.py logits_and_gap (each
+    kernels), per predicting position [len - 1]: tests/trainer/test_sampling_mask.py logits_and_gap (each
     layout within LOGIT_ERROR * the scale of a logit's terms of the exact value, so the two
     within twice that). A logprob moves by at most twice that (its logit and the normaliser)."""
     from test_sampling_mask import logits_and_gap

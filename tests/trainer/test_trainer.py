@@ -59,7 +59,7 @@ def write_batches(run: RunDir, steps, *, prompts: int = 4) -> None:
 def on_policy_kl_bound(completions: list[list[int]]) -> float:
     """The most mismatch_kl (mean k3 over loss tokens) float32 rounding allows between the
     trainer's logprobs and the base model's (write_batches'), temperature 1: each token's logits
-    within gap of each other (tests/test_sampling_mask.py logits_and_gap), its logprob within
+    within gap of each other (tests/trainer/test_sampling_mask.py logits_and_gap), its logprob within
     2 * gap, its k3 at most k3(2 * gap)."""
     from test_sampling_mask import k3, logits_and_gap
 
