@@ -50,8 +50,8 @@ class Adapters:
         # Fresh per load, never reused: the engine identifies an adapter by this id, and a name
         # unloaded and loaded again from changed files must not be mistaken for the old one.
         self.last_lora_id = 0
-        # Raises the HTTPException to answer while the workers must take no call (reload.py
-        # ServedWeights.check_not_overdue: a reload overdue, or the server broken); set by routes.py.
+        # Raises the HTTPException to answer while the workers must take no call (reload_failure.py
+        # ReloadFailures.check_not_overdue: a reload overdue, or the server broken); set by routes.py.
         self.workers_free: Callable[[], None] = lambda: None
 
     @staticmethod

@@ -63,7 +63,7 @@ class Generations:
         self.serving = asyncio.Event()
         self.serving.set()
         # Why the engine's weights are no version's (a failed reload that could not be rolled
-        # back: reload.py), else "": then /generate answers 503 with it, as /health does.
+        # back: reload_failure.py), else "": then /generate answers 503 with it, as /health does.
         self.broken = ""
         self.reloads = 0
         # Engine requests that an /abort stopped while they ran (/health "aborted"): what shows a

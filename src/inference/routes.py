@@ -86,7 +86,7 @@ class Routes:
         self.adapters = Adapters.for_config(cfg, self.roots)
         self.generations = Generations(cfg.seq_len, self.adapters)
         self.weights = ServedWeights(cfg, self.roots, self.generations)
-        self.adapters.workers_free = self.weights.check_not_overdue
+        self.adapters.workers_free = self.weights.failures.check_not_overdue
         self.engine = None
         self.record_routing = cfg.inference.record_routing
 
@@ -124,7 +124,7 @@ class Routes:
         return await metrics.timed_update(lambda: self.weights.update_weights(body), self.roots.local(body.path))
 
     async def health(self) -> dict:
-        self.weights.check_not_overdue()
+        self.weights.failures.check_not_overdue()
         await self.engine.check_health()
         return {"status": "ok", "version": self.generations.version, "path": self.weights.path,
                 "running": len(self.generations.running), "aborted": self.generations.aborted,

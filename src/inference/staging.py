@@ -5,7 +5,7 @@ will load on its own (a delta rebuilt from the base it holds, a full version aga
 Were each to check and load in one call, a worker that refused (a damaged base, a checksum that
 does not match, a MemoryError while reading) would leave the others on the new weights and the
 server labelling their mix with the old version. So a reload that can be refused runs in two
-rounds (inference/reload.py `staged`):
+rounds (inference/all_workers.py `staged`):
 
     asyncrl_stage_*   every worker reads and checks what it would load, holds it ready (a
                       Staged) or says why not ({"refused": why}); the engine is not touched

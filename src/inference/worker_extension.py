@@ -106,7 +106,7 @@ class WeightReloadExtension:
     def _asyncrl_cleared_on_failure(self):
         """Around a reload_weights call: when it raises, leave no layer mid-load
         (_end_interrupted_reload), so that the engine can run and the next reload (the server's
-        rollback to the version it served: inference/reload.py) starts clean."""
+        rollback to the version it served: inference/reload_failure.py) starts clean."""
         try:
             yield
         except BaseException:

@@ -45,7 +45,9 @@ from conftest import TINY_MODEL
 from inference.access import WeightRoots
 from inference.adapters import AdaptersOff
 from inference.generation import Generations
-from inference.reload import FilesReload, Overdue, ServedWeights
+from inference.reload import ServedWeights
+from inference.reload_failure import Overdue
+from inference.reload_kinds import FilesReload
 from rl.config import load_config
 from rl.inference_api import UpdateWeightsRequest, connector
 from rl.rundir import RunDir, mark_stable
@@ -450,7 +452,7 @@ def test_a_definite_failure_rolls_back(tmp_path):
 def test_an_overdue_load_that_fails_is_not_rolled_back(tmp_path):
     engine = Engine(WORKER_FAILED)
     weights = stand_in(tmp_path, engine)
-    weights.overdue = Overdue(tmp_path / "v2", 2, time.monotonic() - 5, 3)
+    weights.failures.overdue = Overdue(tmp_path / "v2", 2, time.monotonic() - 5, 3)
     e = reload_to(weights, tmp_path)
     assert e.status_code == 503 and "the overdue reload of" in e.detail and "Attempted to load" in e.detail
     assert len(engine.calls) == 1 and engine.resumed == 0

@@ -1,4 +1,4 @@
-"""The vLLM contract (src/inference/vllm_contract.py): every vLLM internal the project touches is
+"""The vLLM contract (src/inference/vllm_contract/): every vLLM internal the project touches is
 listed there, and each entry holds on the installed vLLM, on every runner it names (V1 and V2
 model runners, the GPU and CPU workers). An upgrade that moves one fails here, naming the entry and
 the file of ours that relies on it, instead of failing a user's run. docs/vllm_contract.md.
@@ -25,9 +25,12 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from inference import vllm_contract as contract
-from inference.vllm_contract import (ASSIGNED_ATTR, CLASS_ATTR, CLI, CLI_FLAG, ENV, INSTANCE_ATTR, KINDS, MODEL_RUNNER,
-                                     MODULE_ATTR, RUNNERS, SOURCE_TEXT, USES, WORKER, Receiver, Use)
+from inference.vllm_contract import kinds
+from inference.vllm_contract import our_files as our_side
+from inference.vllm_contract.entries import CLI_ARGS, USES
+from inference.vllm_contract.kinds import (ASSIGNED_ATTR, CLASS_ATTR, CLI_FLAG, ENV, INSTANCE_ATTR, KINDS, MODEL_RUNNER,
+                                           MODULE_ATTR, RUNNERS, SOURCE_TEXT, WORKER, Use)
+from inference.vllm_contract.our_files import CLI, Receiver
 
 # --- the checker: does one entry hold on the installed vLLM? -----------------------------------
 
@@ -47,7 +50,7 @@ def problem(use: Use) -> str | None:
         if use.kind == ASSIGNED_ATTR:
             return assigned_problem(use)
         if use.module in (MODEL_RUNNER, WORKER):
-            table = contract.RUNNER_CLASSES if use.module == MODEL_RUNNER else contract.WORKER_CLASSES
+            table = kinds.RUNNER_CLASSES if use.module == MODEL_RUNNER else kinds.WORKER_CLASSES
             found = [f"{spec}: {p}" for spec in table[use.runners] if (p := member_problem(load(spec), use))]
             return "; ".join(found) or None
         if use.kind == MODULE_ATTR:
@@ -144,7 +147,7 @@ def serve_parser():
     """`vllm serve`'s argument parser, built as inference/server.py builds it."""
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    return importlib.import_module(contract.CLI_ARGS).make_arg_parser(FlexibleArgumentParser(prog="contract"))
+    return importlib.import_module(CLI_ARGS).make_arg_parser(FlexibleArgumentParser(prog="contract"))
 
 
 def flag_problem(use: Use) -> str | None:
@@ -177,8 +180,8 @@ WRONG = (
         ("no_such_keyword",)),
     Use(WORKER, "no_such_attribute", INSTANCE_ATTR, "both", ("x:y",), "made up"),
     Use("vllm.envs", "VLLM_NO_SUCH_VARIABLE", ENV, "both", ("x:y",), "made up"),
-    Use(contract.CLI_ARGS, "--no-such-flag", CLI_FLAG, "both", ("x:y",), "made up"),
-    Use(contract.CLI_ARGS, "--logprobs-mode=no_such_mode", CLI_FLAG, "both", ("x:y",), "made up"),
+    Use(CLI_ARGS, "--no-such-flag", CLI_FLAG, "both", ("x:y",), "made up"),
+    Use(CLI_ARGS, "--logprobs-mode=no_such_mode", CLI_FLAG, "both", ("x:y",), "made up"),
     Use("vllm.outputs", "no such text in this file", SOURCE_TEXT, "both", ("x:y",), "made up"),
 )
 
@@ -215,8 +218,8 @@ ENV_NAME = re.compile(r"^VLLM_[A-Z0-9_]+$")
 
 
 def our_files() -> list[str]:
-    paths = {p.relative_to(ROOT).as_posix() for d in contract.SCANNED for p in (ROOT / d).rglob("*.py")}
-    return sorted(paths - {contract.THIS_FILE})
+    paths = {p.relative_to(ROOT).as_posix() for d in our_side.SCANNED for p in (ROOT / d).rglob("*.py")}
+    return sorted(p for p in paths if not p.startswith(our_side.CONTRACT))
 
 
 def files_of(use: Use) -> set[str]:
@@ -284,7 +287,7 @@ def names_member(use: Use, owner: str, attr: str) -> bool:
     if owner == CLI:
         return use.kind == CLI_FLAG and dest(use.name) == attr
     module, _, cls = owner.partition(":")
-    if contract.foreign(owner):
+    if our_side.foreign(owner):
         # Not vLLM's class (a torch Module or Parameter, a dict of ours): vLLM sets the attribute.
         return use.kind == ASSIGNED_ATTR and use.name == f"{cls}.{attr}"
     return use.module == module and use.name == (f"{cls}.{attr}" if cls else attr)
@@ -292,7 +295,7 @@ def names_member(use: Use, owner: str, attr: str) -> bool:
 
 def on_foreign_class(owner: str, attr: str) -> bool:
     """A foreign owner's own attribute (nn.Module.modules, dict.get): no entry needed."""
-    return contract.foreign(owner) and hasattr(load(owner), attr)
+    return our_side.foreign(owner) and hasattr(load(owner), attr)
 
 
 def target_names(target: ast.AST) -> list[str]:
@@ -339,7 +342,7 @@ class Reached:
                 yield from ((i.optional_vars, i.context_expr) for i in n.items if i.optional_vars is not None)
 
     def ours(self, node: ast.Attribute) -> bool:
-        return node.attr.startswith(contract.OWN_PREFIXES) or (
+        return node.attr.startswith(our_side.OWN_PREFIXES) or (
             isinstance(node.value, ast.Name) and node.value.id == "self" and node.attr in self.own)
 
     def foreign_step(self, value: ast.AST, attr: str | None) -> bool:
@@ -347,7 +350,7 @@ class Reached:
         is a foreign receiver holding no vLLM objects (a tensor, an array, a torch module: not a
         container), and the step is its class's own (a tensor's slice, .to, .numpy, .modules)."""
         r = self.roots.get(ast.unparse(value))
-        return (r is not None and contract.foreign(r.owner) and r.owner.startswith(("torch", "numpy"))
+        return (r is not None and our_side.foreign(r.owner) and r.owner.startswith(("torch", "numpy"))
                 and (attr is None or on_foreign_class(r.owner, attr)))
 
     def reached(self, node: ast.AST) -> bool:
@@ -370,7 +373,7 @@ class Reached:
                         return False  # a function of ours: its result is ours
                     named = node.args[1] if len(node.args) > 1 else None
                     if (node.func.id == "getattr" and isinstance(named, ast.Constant) and isinstance(named.value, str)
-                            and (named.value.startswith(contract.OWN_PREFIXES)
+                            and (named.value.startswith(our_side.OWN_PREFIXES)
                                  or ast.unparse(node.args[0]) == "self" and named.value in self.own)):
                         return False  # getattr(self, "_asyncrl_base"): ours
                     node = node.args[0]
@@ -389,7 +392,7 @@ class Reached:
             elif (isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
                   and n.func.id in ("getattr", "hasattr", "setattr") and len(n.args) >= 2 and self.reached(n.args[0])
                   and isinstance(n.args[1], ast.Constant) and isinstance(n.args[1].value, str)
-                  and not n.args[1].value.startswith(contract.OWN_PREFIXES)):
+                  and not n.args[1].value.startswith(our_side.OWN_PREFIXES)):
                 out.append((n.args[0], n.args[1].value, n.lineno))
         return out
 
@@ -421,7 +424,7 @@ def unlisted_accesses(path: str, source: str, receivers=None, uses=USES) -> list
     reached from them, that no entry listing `path` covers. An object reached from a vLLM object
     (a call's result, a loop variable over one) that no receiver names is itself reported: the
     receivers must say what it is, so that no name on it goes unchecked."""
-    receivers = [r for r in (contract.RECEIVERS if receivers is None else receivers) if r.path == path]
+    receivers = [r for r in (our_side.RECEIVERS if receivers is None else receivers) if r.path == path]
     tree = ast.parse(source)
     out = []
     for r in receivers:
@@ -508,28 +511,51 @@ def stale_places(use: Use) -> list[str]:
 
 def test_every_vllm_import_is_listed():
     missing = [m for path in our_files() for m in unlisted_imports(path, (ROOT / path).read_text())]
-    assert not missing, "vLLM imports with no entry (listing that file) in src/inference/vllm_contract.py USES:\n" + \
-        "\n".join(missing)
+    assert not missing, ("vLLM imports with no entry (listing that file) in "
+                         "src/inference/vllm_contract/entries.py USES:\n" + "\n".join(missing))
 
 
 def test_every_attribute_read_off_a_vllm_object_is_listed():
-    paths = sorted({r.path for r in contract.RECEIVERS})
+    paths = sorted({r.path for r in our_side.RECEIVERS})
     missing = [m for path in paths for m in unlisted_accesses(path, (ROOT / path).read_text())]
     assert not missing, ("vLLM attributes our code uses with no entry (listing that file) in "
-                         "src/inference/vllm_contract.py USES:\n" + "\n".join(missing))
+                         "src/inference/vllm_contract/entries.py USES:\n" + "\n".join(missing))
+
+
+def unseen_engine_reads(path: str, source: str, receivers=None) -> list[str]:
+    """Attributes read off the engine (under a name some receiver gives AsyncLLM: `self.engine`,
+    `engine`) in a definition of `path` that no receiver covers. Function parameters are not
+    followed, so a file the engine is handed to (a split-off module, a helper) would otherwise
+    read anything off it unchecked."""
+    receivers = our_side.RECEIVERS if receivers is None else receivers
+    names = {r.expr for r in receivers if r.owner == our_side.ASYNC_LLM}
+    out = []
+    for dotted, unit, _ in units(ast.parse(source)):
+        for n in ast.walk(unit):
+            if (isinstance(n, ast.Attribute) and (expr := ast.unparse(n.value)) in names
+                    and not any(r.path == path and r.expr == expr and applies(r, dotted) for r in receivers)):
+                out.append(f"{path}:{n.lineno} {expr}.{n.attr} in {dotted or '(module)'}")
+    return out
+
+
+def test_every_file_that_reads_off_the_engine_has_a_receiver():
+    unseen = [m for path in our_files() for m in unseen_engine_reads(path, (ROOT / path).read_text())]
+    assert not unseen, ("attributes read off the engine where no receiver in "
+                        "src/inference/vllm_contract/our_files.py RECEIVERS names it (so the check above never "
+                        "sees them):\n" + "\n".join(unseen))
 
 
 def test_every_vllm_variable_and_flag_is_listed():
     missing = [m for path in our_files() for m in unlisted_env(path, (ROOT / path).read_text())]
-    missing += [m for path, names in contract.CLI_FLAG_SOURCES.items()
+    missing += [m for path, names in our_side.CLI_FLAG_SOURCES.items()
                 for m in unlisted_flags(path, (ROOT / path).read_text(), names)]
     assert not missing, ("VLLM_* variables or `vllm serve` flags with no entry (listing that file) in "
-                         "src/inference/vllm_contract.py USES:\n" + "\n".join(missing))
+                         "src/inference/vllm_contract/entries.py USES:\n" + "\n".join(missing))
 
 
 def test_every_entry_is_still_used_where_it_says():
     stale = [f"{u.module} {u.name}: {s}" for u in USES for s in stale_places(u)]
-    assert not stale, "entries of src/inference/vllm_contract.py USES whose used_in is out of date:\n" + \
+    assert not stale, "entries of src/inference/vllm_contract/entries.py USES whose used_in is out of date:\n" + \
         "\n".join(stale)
 
 
@@ -556,21 +582,29 @@ def test_the_coverage_checks_report_what_is_unlisted():
     listed = (Use("vllm.foo", "bar", MODULE_ATTR, "both", (f"{here}:f",), "listed"),)
     assert unlisted_imports(here, "from vllm.foo import bar\nimport vllm\n", listed) == [f"{here}:2 imports vllm"]
     assert unlisted_imports("src/other.py", "from vllm.foo import bar\n", listed), "listed for another file only"
-    engine = Receiver(here, "f", "self.engine", contract.ASYNC_LLM)
+    engine = Receiver(here, "f", "self.engine", our_side.ASYNC_LLM)
     source = "def f(self):\n    self.engine.collective_rpc()\n    getattr(self.engine, 'new_thing')\n"
     listed = (Use("vllm.v1.engine.async_llm", "AsyncLLM.collective_rpc", CLASS_ATTR, "both", (f"{here}:f",), "x"),)
-    unlisted = [f"{here}:3 self.engine.new_thing ({contract.ASYNC_LLM})"]
+    unlisted = [f"{here}:3 self.engine.new_thing ({our_side.ASYNC_LLM})"]
     assert unlisted_accesses(here, source, [engine], listed) == unlisted
-    assert unlisted_accesses(here, source, [Receiver(here, "g", "self.engine", contract.ASYNC_LLM)], listed)
+    assert unlisted_accesses(here, source, [Receiver(here, "g", "self.engine", our_side.ASYNC_LLM)], listed)
     assert unlisted_env(here, "os.environ['VLLM_NEW'] = '1'\n", ()) == [f"{here}:1 VLLM_NEW"]
     assert unlisted_flags(here, "ARGS = ['--new-flag', '1', '-x']\n", (), ()) == [f"{here}:1 --new-flag",
                                                                                   f"{here}:1 -x"]
 
 
+def test_the_receiver_check_reports_a_file_the_engine_is_handed_to():
+    here = "src/inference/new.py"
+    source = "async def f(engine):\n    await engine.abort([])\n"
+    assert unseen_engine_reads(here, source) == [f"{here}:2 engine.abort in f"]
+    assert not unseen_engine_reads(here, source, (*our_side.RECEIVERS, Receiver(here, "f", "engine",
+                                                                                our_side.ASYNC_LLM)))
+
+
 def test_the_used_in_check_reports_a_stale_place():
     real = "src/inference/server.py:vllm_args"
-    assert not stale_places(Use(contract.CLI_ARGS, "--seed", CLI_FLAG, "both", (real,), "used"))
-    assert stale_places(Use(contract.CLI_ARGS, "--no-such-flag", CLI_FLAG, "both", (real,), "not used there"))
+    assert not stale_places(Use(CLI_ARGS, "--seed", CLI_FLAG, "both", (real,), "used"))
+    assert stale_places(Use(CLI_ARGS, "--no-such-flag", CLI_FLAG, "both", (real,), "not used there"))
     assert stale_places(Use("vllm", "x", MODULE_ATTR, "both", ("src/inference/server.py:no_such_def",), "gone"))
     assert stale_places(Use("vllm", "x", MODULE_ATTR, "both", ("src/no_such_file.py:f",), "gone"))
 
@@ -579,7 +613,7 @@ def test_the_coverage_check_follows_chains_from_vllm_objects():
     """A name read off what a vLLM object gives (a call's result, a loop variable over one) is
     checked too: an unlisted one fails, and so does an object reached from a vLLM object that no
     receiver names (issue 60: get_model().no_such_vllm_thing and tensor.no_such_loader passed)."""
-    path = contract.EXT
+    path = our_side.EXT
     source = (ROOT / path).read_text()
     assert not unlisted_accesses(path, source)
     reload_line = "        repack_cpu_experts(self.model_runner.get_model())\n"

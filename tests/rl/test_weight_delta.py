@@ -1,5 +1,5 @@
 """Weight deltas through files (`[weight_sync] delta = true`; rl/weights/delta.py, trainer/deltas.py,
-inference/reload.py DeltaFiles, staging.py delta_files).
+inference/delta_reload.py DeltaFiles, staging.py delta_files).
 
 - The format: encode + rebuild give back every bit (bf16 and float32, -0.0 and NaN included).
 - The trainer's FilePublisher writes a full version, then deltas against it, a full one again

@@ -176,13 +176,8 @@ def main(cfg: RunConfig, argv: list[str], steps: list[int], following: bool = Fa
     except FileNotFoundError as e:
         log.error("rl eval: %s", e)
         return 2
-    scratch = RunDir(Path(cfg.output_dir) / "eval" / f"server-{os.getpid()}")
-    scratch.root.mkdir(parents=True, exist_ok=True)
     lora = bool(cfg.trainer.lora.rank)
-    for step in steps[0 if lora else 1:]:  # the first full step is served as the model itself
-        if step and not following:
-            shutil.copytree(weights[step], scratch.weights_dir(step), copy_function=_link_or_copy)
-    served = Path(cfg.model) if lora or following else weights[steps[0]]
+    scratch, served = _scratch_run(cfg, steps, weights, lora, following)
     log_file = scratch.root / "inference.log"
     # SIGTERM (rl sft stopping, or dying: its PR_SET_PDEATHSIG) unwinds to the finally below, which
     # stops the server: it runs in a session of its own, which a signal to this group misses. In
@@ -210,6 +205,26 @@ def main(cfg: RunConfig, argv: list[str], steps: list[int], following: bool = Fa
     finally:
         if proc is not None:
             _stop(proc)
+    _report(cfg, steps, records, weights)
+    shutil.rmtree(scratch.root, ignore_errors=True)
+    return 0
+
+
+def _scratch_run(cfg: RunConfig, steps: list[int], weights: dict[int, Path], lora: bool,
+                 following: bool) -> tuple[RunDir, Path]:
+    """The evaluation server's own run directory, holding the steps it loads as versions (linked
+    where it can), and the model it starts from: the first full step, served as the model itself,
+    or the config's model for adapters and for a followed run."""
+    scratch = RunDir(Path(cfg.output_dir) / "eval" / f"server-{os.getpid()}")
+    scratch.root.mkdir(parents=True, exist_ok=True)
+    for step in steps[0 if lora else 1:]:
+        if step and not following:
+            shutil.copytree(weights[step], scratch.weights_dir(step), copy_function=_link_or_copy)
+    return scratch, Path(cfg.model) if lora or following else weights[steps[0]]
+
+
+def _report(cfg: RunConfig, steps: list[int], records: list[dict], weights: dict[int, Path]) -> None:
+    """One line per step in evals.jsonl (with the weights it read), and the eval/ figures printed."""
     with open(Path(cfg.output_dir) / "evals.jsonl", "a") as f:
         for step, record in zip(steps, records):
             f.write(json.dumps({**record, "weights": str(weights[step])}) + "\n")
@@ -219,8 +234,6 @@ def main(cfg: RunConfig, argv: list[str], steps: list[int], following: bool = Fa
         for key, value in record.items():
             if key.startswith("eval/"):
                 print(f"{key.removeprefix('eval/')}: {value:.4f}" if isinstance(value, float) else f"{key[5:]}: {value}")
-    shutil.rmtree(scratch.root, ignore_errors=True)
-    return 0
 
 
 def _link_or_copy(src: str, dst: str) -> None:

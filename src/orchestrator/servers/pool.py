@@ -239,39 +239,44 @@ class ServerPool:
                 await self.check()
                 last_check = now
             for s in list(self.servers):
-                if s.healthy or s.silent or now < s.retry_at:
-                    continue
-                try:
-                    health = await s.client.health()
-                    if s not in self.servers:
-                        continue  # removed while we asked: a re-added one with its URL is another
-                    self.note(s, health)
-                    # Until it serves the current version: a load() while it was brought to one
-                    # moved the version on (and skipped it: it is not in rotation yet), so it is
-                    # brought again, and it joins serving exactly the pool's version. `target`
-                    # is read before each await: the server is recorded with what it loaded.
-                    while s.version != (target := self.delivery.target).version and target.path:
-                        await self.delivery.load_one(s, target)
-                        self.serving(s, target.version)
-                except InferenceError as e:
-                    s.last_error = str(e)
-                    if s.joined:
-                        log.warning("server %s still down (%s); retry in %.0f s", s.url, e, self._back_off(s))
-                    else:  # still starting (vLLM takes a while), or never coming
-                        s.retry_at = time.monotonic() + 1.0
-                        if s.retry_at - s.noted_at > 30:
-                            log.info("server %s not up yet (%s)", s.url, e)
-                            s.noted_at = s.retry_at
-                    continue
-                if s not in self.servers:
-                    continue  # removed while we asked
-                # backoff_s is reset by the first request it serves, not here: a server that
-                # answers /health but fails every request must not be retried every second.
-                s.healthy, s.idle_since = True, time.monotonic()
-                log.info("server %s %s, serving version %d; %d server(s) in rotation", s.url,
-                         "back in rotation" if s.joined else "joined", s.version, len(self.in_rotation))
-                s.joined = True
+                if not (s.healthy or s.silent or now < s.retry_at):
+                    await self.rejoin(s)
             await asyncio.sleep(0.2)
+
+    async def rejoin(self, s: Server) -> None:
+        """One try to bring `s`, out of rotation and due for a retry, back: its /health, then the
+        current version, then into rotation; on failure its next retry (backoff once it had
+        joined, every second while it may still be starting)."""
+        try:
+            health = await s.client.health()
+            if s not in self.servers:
+                return  # removed while we asked: a re-added one with its URL is another
+            self.note(s, health)
+            # Until it serves the current version: a load() while it was brought to one
+            # moved the version on (and skipped it: it is not in rotation yet), so it is
+            # brought again, and it joins serving exactly the pool's version. `target`
+            # is read before each await: the server is recorded with what it loaded.
+            while s.version != (target := self.delivery.target).version and target.path:
+                await self.delivery.load_one(s, target)
+                self.serving(s, target.version)
+        except InferenceError as e:
+            s.last_error = str(e)
+            if s.joined:
+                log.warning("server %s still down (%s); retry in %.0f s", s.url, e, self._back_off(s))
+            else:  # still starting (vLLM takes a while), or never coming
+                s.retry_at = time.monotonic() + 1.0
+                if s.retry_at - s.noted_at > 30:
+                    log.info("server %s not up yet (%s)", s.url, e)
+                    s.noted_at = s.retry_at
+            return
+        if s not in self.servers:
+            return  # removed while we asked
+        # backoff_s is reset by the first request it serves, not here: a server that
+        # answers /health but fails every request must not be retried every second.
+        s.healthy, s.idle_since = True, time.monotonic()
+        log.info("server %s %s, serving version %d; %d server(s) in rotation", s.url,
+                 "back in rotation" if s.joined else "joined", s.version, len(self.in_rotation))
+        s.joined = True
 
     def none_in_rotation(self, for_s: float) -> str:
         servers = "; ".join(f"{s.url} ({s.last_error or 'no error recorded'})" for s in self.servers)

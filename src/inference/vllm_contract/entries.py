@@ -1,182 +1,19 @@
-"""Every vLLM internal the project touches, in one list (USES), checked against the installed vLLM
-by tests/inference/test_vllm_contract.py: an upgrade that moves one fails that test, not a user's run.
-docs/vllm_contract.md says how to update it at a vLLM upgrade.
+"""USES: every vLLM internal the project touches (the package docstring says what an entry is).
 
-Plain data, importable without vLLM. Each Use names where it lives in vLLM (a dotted module, or
-MODEL_RUNNER / WORKER for the runner and worker classes picked by `runners`), what it is (kind),
-which runner(s) need it, where src/ (or scripts/) uses it, and why. The test also checks the
-other direction: every `vllm` import, every attribute read off a vLLM object named in RECEIVERS,
-every VLLM_* variable and every `vllm serve` flag in CLI_FLAG_SOURCES must be an entry here.
+One table, not a file per area: a vLLM upgrade is checked entry by entry, the failing test names
+the entry and the file of ours that relies on it, and the sections below follow those files (the
+server's start, its flags and variables, the engine client's calls, sampling, LoRA, the workers,
+MoE, the layerwise reload, the scripts), so one grep finds an entry.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-# --- what an entry is ------------------------------------------------------------------------
-
-MODULE_ATTR = "module attribute"  # getattr(import_module(module), name): a function, class, constant
-CLASS_ATTR = "class attribute"  # "Class.attr" is on the class: a method, property, enum member
-INSTANCE_ATTR = "instance attribute"  # assigned to self.<attr> in the class (or a base), or a declared field
-ENV = "env variable"  # a key of vllm.envs.environment_variables
-CLI_FLAG = "CLI flag"  # an option of `vllm serve`'s parser (make_arg_parser); "--flag=value": value in its choices
-SOURCE_TEXT = "source text"  # a literal the project relies on appears in the module's source
-# "Type.attr": the module's source assigns `<something>.attr = ...` (or a class of it declares the
-# field): an attribute vLLM puts on an object that is not its own class (a torch Parameter's
-# weight_loader, a model's torchao flag), or a foreign config's field.
-ASSIGNED_ATTR = "attribute vLLM assigns"
-KINDS = (MODULE_ATTR, CLASS_ATTR, INSTANCE_ATTR, ENV, CLI_FLAG, SOURCE_TEXT, ASSIGNED_ATTR)
-
-RUNNERS = ("v1", "v2", "both", "cpu")
-# Placeholders for `module`: the entry is checked on each class RUNNER_CLASSES / WORKER_CLASSES
-# give for its runners ("both": v1 and v2). GPU runners cannot be built on CPU, so instance
-# attributes are read from the classes' source.
-MODEL_RUNNER = "<model runner>"
-WORKER = "<worker>"
-V1_RUNNERS = ("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "vllm.v1.worker.cpu_model_runner:CPUModelRunner")
-V2_RUNNERS = ("vllm.v1.worker.gpu.model_runner:GPUModelRunner", "vllm.v1.worker.cpu.model_runner:CPUModelRunner")
-RUNNER_CLASSES = {"v1": V1_RUNNERS, "v2": V2_RUNNERS, "both": V1_RUNNERS + V2_RUNNERS,
-                  "cpu": ("vllm.v1.worker.cpu_model_runner:CPUModelRunner",)}
-# One worker class builds either runner: the runner choice does not change the worker.
-WORKERS = ("vllm.v1.worker.gpu_worker:Worker", "vllm.v1.worker.cpu_worker:CPUWorker")
-WORKER_CLASSES = {"v1": WORKERS, "v2": WORKERS, "both": WORKERS, "cpu": ("vllm.v1.worker.cpu_worker:CPUWorker",)}
-# Attribute names of our own that the worker extension and recorder put on vLLM objects.
-OWN_PREFIXES = ("asyncrl_", "_asyncrl_")
-
-
-@dataclass(frozen=True)
-class Use:
-    module: str
-    """Dotted vLLM module (MODEL_RUNNER / WORKER for those classes); for ENV "vllm.envs", for
-    CLI_FLAG the module of make_arg_parser."""
-    name: str
-    """"function", "Class.attr", "ENV_NAME", "--flag[=value]", or the literal (SOURCE_TEXT)."""
-    kind: str
-    runners: str
-    """Which runner(s) it must exist on: "v1", "v2", "both" or "cpu" (the CPU backend only)."""
-    used_in: tuple[str, ...]
-    """"path:Qualified.name" in this repository for each place that relies on it."""
-    why: str
-    keywords: tuple[str, ...] = ()
-    """Parameters a call passes by these names (callables only): each must be in the signature."""
-    via: str = ""
-    """Set when src/ does not name it (so the used_in check looks for no name): how src/ relies on
-    it anyway, e.g. the entry that calls it."""
-
-
-# --- where src/ holds vLLM objects (for the coverage test) -----------------------------------
-
-CLI = "<vllm serve args>"  # parsed `vllm serve` arguments: attribute = a CLI_FLAG's dest
-
-
-def foreign(owner: str) -> bool:
-    """A receiver's owner that is no vLLM class ("torch.nn:Module", "builtins:dict"): attributes of
-    that class need no entry, any other one an ASSIGNED_ATTR entry "Class.attr"."""
-    return owner not in (MODEL_RUNNER, WORKER, CLI) and not owner.startswith("vllm")
-
-
-@dataclass(frozen=True)
-class Receiver:
-    """In `path` (within `scope`, a dotted def/class name; "" the whole file) the expression
-    `expr` is a vLLM object of `owner` ("module:Class", "module:" for a module, MODEL_RUNNER,
-    WORKER or CLI), or an object reached from one (a call's result, a loop variable over one) of
-    a `foreign` owner: each attribute read or set on it, or named in getattr/hasattr, needs an
-    entry. The test follows every chain from a receiver (attributes, calls, subscripts, names
-    assigned from them): an object reached so that no receiver names is reported."""
-
-    path: str
-    scope: str
-    expr: str
-    owner: str
-
-
-SERVER, DEVICE = "src/inference/server.py", "src/inference/device_defaults.py"
-EXT, ROUTING = "src/inference/worker_extension.py", "src/inference/routing_capture.py"
-GEN, RELOAD = "src/inference/generation.py", "src/inference/reload.py"
-ALL_WORKERS = "src/inference/all_workers.py"
-ADAPTERS, ROUTES = "src/inference/adapters.py", "src/inference/routes.py"
-KEPT, PREFLIGHT = "src/inference/kept_sets.py", "src/inference/preflight.py"
-PLACEMENT, GPU_PLACEMENT = "src/rl/placement.py", "src/rl/gpu_placement.py"
-CHAT_MODEL, REAL_MODEL = "scripts/make_chat_model.py", "scripts/make_real_size_model.py"
-TOOL_MODEL, GPU_CHECK = "scripts/make_tool_model.py", "scripts/gpu_check_items.py"
-VLM_MODEL, MULTIMODAL = "scripts/make_vlm_model.py", "src/inference/multimodal.py"
-GPU_CHECK_PLACEMENT = "scripts/gpu_check_placement.py"
-
-ASYNC_LLM = "vllm.v1.engine.async_llm:AsyncLLM"
-MOE_RUNNER = "vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner"
-LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
-
-RECEIVERS = (
-    *(Receiver(p, "", "self.engine", ASYNC_LLM) for p in (GEN, RELOAD, ADAPTERS, ROUTES)),
-    Receiver(GEN, "", "self.engine.model_config", "vllm.config.model:ModelConfig"),
-    Receiver(GEN, "Generations.tagged", "final", "vllm.outputs:RequestOutput"),
-    Receiver(GEN, "Generations.sample", "final", "vllm.outputs:RequestOutput"),
-    Receiver(RELOAD, "", "self.engine.model_config", "vllm.config.model:ModelConfig"),
-    Receiver(GEN, "Generations.tagged", "c", "vllm.outputs:CompletionOutput"),
-    Receiver(GEN, "Generations.tagged", "c.logprobs[j][t]", "vllm.logprobs:Logprob"),
-    Receiver(GEN, "Generations.tagged", "d[t]", "vllm.logprobs:Logprob"),
-    # Our worker methods' answers, through collective_rpc.
-    Receiver(GEN, "Generations.attach_routing", "taken", "builtins:dict"),
-    Receiver(GEN, "token_versions", "span", "vllm.outputs:WeightVersionSpan"),
-    Receiver(ALL_WORKERS, "", "engine", ASYNC_LLM),
-    Receiver(ALL_WORKERS, "every_worker", "core", "vllm.v1.engine.core_client:AsyncMPClient"),
-    Receiver(RELOAD, "ServedWeights.pause", "core", "vllm.v1.engine.core_client:AsyncMPClient"),
-    Receiver(RELOAD, "", "self.engine.vllm_config", "vllm.config.vllm:VllmConfig"),
-    Receiver(RELOAD, "", "self.engine.vllm_config.parallel_config", "vllm.config.parallel:ParallelConfig"),
-    Receiver(ADAPTERS, "", "lora", "vllm.lora.request:LoRARequest"),
-    Receiver(ADAPTERS, "Adapter", "self.request", "vllm.lora.request:LoRARequest"),
-    *(Receiver(p, "", "adapter.request", "vllm.lora.request:LoRARequest") for p in (ADAPTERS, GEN)),
-    Receiver(KEPT, "", "lp", "vllm.logprobs:Logprob"),
-    Receiver(SERVER, "", "engine", ASYNC_LLM),
-    Receiver(SERVER, "", "current_platform", "vllm.platforms.interface:Platform"),
-    Receiver(SERVER, "forked_engine_client", "engine_args", "vllm.engine.arg_utils:AsyncEngineArgs"),
-    Receiver(SERVER, "forked_engine_client", "vllm_config", "vllm.config.vllm:VllmConfig"),
-    *(Receiver(SERVER, f, "args", CLI) for f in ("_serve", "announce_when_ready")),
-    Receiver(EXT, "WeightReloadExtension", "self", WORKER),
-    Receiver(EXT, "", "self.model_runner", MODEL_RUNNER),
-    Receiver(EXT, "", "self.model_runner.model_config", "vllm.config.model:ModelConfig"),
-    Receiver(EXT, "", "self.model_runner.get_model()", "torch.nn:Module"),
-    Receiver(EXT, "", "self.model_runner.model_config.hf_text_config", "transformers:PretrainedConfig"),
-    Receiver(EXT, "WeightReloadExtension._asyncrl_tied_lm_head", "lm_head", "torch.nn:Module"),
-    Receiver(EXT, "WeightReloadExtension._asyncrl_fix_tied_lm_head", "lm_head.quant_method",
-             "vllm.model_executor.layers.vocab_parallel_embedding:UnquantizedEmbeddingMethod"),
-    Receiver(EXT, "repack_cpu_experts", "module", MOE_RUNNER),
-    Receiver(EXT, "repack_cpu_experts", "layer", "vllm.model_executor.layers.fused_moe.routed_experts:RoutedExperts"),
-    Receiver(EXT, "repack_cpu_experts", "layer.quant_method",
-             "vllm.model_executor.layers.fused_moe.fused_moe_method_base:FusedMoEMethodBase"),
-    Receiver(EXT, "repack_cpu_experts", "getattr(layer.quant_method, 'moe_kernel', None)",
-             "vllm.model_executor.layers.fused_moe.modular_kernel:FusedMoEKernel"),
-    Receiver(EXT, "repack_cpu_experts", "experts",
-             "vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts"),
-    Receiver(EXT, "_end_interrupted_reload", "layerwise", f"{LAYERWISE}:"),
-    Receiver(EXT, "_end_interrupted_reload", "model", "torch.nn:Module"),
-    Receiver(EXT, "_end_interrupted_reload", "layerwise.LAYERWISE_INFO", "weakref:WeakKeyDictionary"),
-    Receiver(EXT, "_end_interrupted_reload", "layerwise.LOADING_LAYERS", "weakref:WeakSet"),
-    Receiver(EXT, "_end_interrupted_reload", "layerwise.get_layer_tensors(layer)", "builtins:dict"),
-    Receiver(EXT, "_end_interrupted_reload", "tensor", "torch.nn:Parameter"),
-    Receiver(EXT, "_end_interrupted_reload", "info",
-             "vllm.model_executor.model_loader.reload.types:LayerReloadingInfo"),
-    Receiver(ROUTING, "", "worker", WORKER),
-    Receiver(ROUTING, "", "runner", MODEL_RUNNER),
-    Receiver(ROUTING, "", "runner.input_batch", "vllm.v1.worker.gpu_input_batch:InputBatch"),
-    Receiver(ROUTING, "", "runner.query_start_loc", "vllm.v1.utils:CpuGpuBuffer"),
-    Receiver(ROUTING, "bind", "runner.query_start_loc.np", "numpy:ndarray"),
-    Receiver(ROUTING, "bind", "runner.positions", "torch:Tensor"),
-    Receiver(ROUTING, "RoutingRecorder.bound_to", "m", MOE_RUNNER),
-    Receiver(ROUTING, "RoutingRecorder.bound_to", "m.router",
-             "vllm.model_executor.layers.fused_moe.router.fused_moe_router:FusedMoERouter"),
-    Receiver(ROUTING, "RoutingRecorder.bound_to", "config",
-             "vllm.model_executor.layers.fused_moe.config:FusedMoEConfig"),
-    Receiver(ROUTING, "bind", "scheduler_output", "vllm.v1.core.sched.output:SchedulerOutput"),
-)
-
-# Files (and top-level names in them; () the whole file) whose "--flag" strings are `vllm serve` flags.
-CLI_FLAG_SOURCES = {SERVER: (), DEVICE: ("parallel_args",), GPU_PLACEMENT: ("PARALLEL_FLAGS",)}
-# Where the test looks for `vllm` imports and VLLM_* variables (all but this file, which names them).
-SCANNED = ("src", "scripts")
-THIS_FILE = "src/inference/vllm_contract.py"
-
-# --- the entries --------------------------------------------------------------------------------
+from inference.vllm_contract.kinds import (ASSIGNED_ATTR, CLASS_ATTR, CLI_FLAG, ENV, INSTANCE_ATTR, MODEL_RUNNER,
+                                           MODULE_ATTR, SOURCE_TEXT, WORKER, Use)
+from inference.vllm_contract.our_files import (ADAPTERS, ALL_WORKERS, CHAT_MODEL, DEVICE, EXT, GEN, GPU_CHECK,
+                                               GPU_CHECK_PLACEMENT, GPU_PLACEMENT, KEPT, LAYERWISE, MULTIMODAL,
+                                               PLACEMENT, PREFLIGHT, REAL_MODEL, RELOAD, RELOAD_FAILURE, ROUTES,
+                                               ROUTING, SERVER, TOOL_MODEL, VLM_MODEL)
 
 CLI_ARGS = "vllm.entrypoints.launchers.cli_args"
 ENVS = "vllm.envs"
@@ -229,7 +66,7 @@ USES: tuple[Use, ...] = (
         "what build_app and init_app_state serve"),
     Use(ENGINE, "AsyncLLM.model_config", INSTANCE_ATTR, "both",
         (f"{SERVER}:_serve", f"{GEN}:Generations.check", f"{GEN}:Generations.sample",
-         f"{RELOAD}:ServedWeights.switch_to"),
+         f"{RELOAD}:ServedWeights.switch_to", f"{MULTIMODAL}:image_input"),
         "the app's model config; the vocabulary and --max-logprobs a /generate is checked against"),
     Use("vllm.entrypoints.launchers.api_server.app_state", "init_app_state", MODULE_ATTR, "both", (f"{SERVER}:_serve",),
         "vLLM's OpenAI routes' state, as run_server_worker sets it up"),
@@ -286,8 +123,8 @@ USES: tuple[Use, ...] = (
             "cached prompt blocks skip the routers, whose record the routing capture needs"),
     *_flags("--enable-auto-tool-choice --tool-call-parser", (f"{SERVER}:vllm_args",), "tools= on the chat route"),
     *_flags("--gpu-memory-utilization", (f"{SERVER}:vllm_args",), "inference.gpu_memory_utilization"),
-    *_flags("--enable-lora --max-lora-rank --max-loras --max-cpu-loras", (f"{SERVER}:vllm_args",),
-            "LoRA serving with one slot more than filled (see vllm_args)"),
+    *_flags("--enable-lora --max-lora-rank --max-loras --max-cpu-loras", (f"{SERVER}:lora_args",),
+            "LoRA serving with one slot more than filled (see lora_args)"),
     *_flags("--tensor-parallel-size --data-parallel-size",
             (f"{SERVER}:MULTI_WORKER_FLAGS", f"{GPU_PLACEMENT}:PARALLEL_FLAGS", f"{DEVICE}:parallel_args"),
             "set from inference.tensor_parallel and inference.gpus; looked for in extra_args"),
@@ -329,7 +166,7 @@ USES: tuple[Use, ...] = (
     Use(ENGINE, "AsyncLLM.reset_prefix_cache", CLASS_ATTR, "both", (f"{RELOAD}:ServedWeights.switch_to",),
         "cached KV of the old weights must not seed new requests"),
     Use(ENGINE, "AsyncLLM.abort", CLASS_ATTR, "both",
-        (f"{RELOAD}:ServedWeights.break_down", f"{GEN}:Generations.abort"),
+        (f"{RELOAD_FAILURE}:ReloadFailures.break_down", f"{GEN}:Generations.abort"),
         "stops engine requests by their external ids"),
     Use(ENGINE, "AsyncLLM.update_weight_version", CLASS_ATTR, "both", (f"{GEN}:Generations.label",),
         "labels the weights with the new version while paused (reload.py switch_to): per-token versions"),
@@ -367,6 +204,11 @@ USES: tuple[Use, ...] = (
         "images for a text-only model are refused by field; a reload resets a VLM's encoder cache"),
     Use(CONFIG_MODEL, "ModelConfig.hf_config", INSTANCE_ATTR, "both", (f"{MULTIMODAL}:image_input",),
         "its image_token_id: one placeholder per image, checked before the renderer"),
+    Use("transformers.models.idefics3.configuration_idefics3", "PretrainedConfig.image_token_id", ASSIGNED_ATTR,
+        "both", (f"{MULTIMODAL}:image_input",),
+        "transformers' own (Idefics3Config's field, the tiny VLM's): the image placeholder token, when the model has one"),
+    Use(CONFIG_MODEL, "ModelConfig.model", INSTANCE_ATTR, "both", (f"{MULTIMODAL}:image_input",),
+        "the model named when images are refused for a text-only one"),
     Use(OUTPUTS, "RequestOutput.prompt_token_ids", INSTANCE_ATTR, "both",
         (f"{GEN}:Generations.sample", f"{GEN}:Generations.tagged"),
         "the prompt as the engine expanded its image placeholders (answered with images)"),
