@@ -1,13 +1,18 @@
 """Expert parallelism against FSDP2 alone on a 64-expert MoE (issue 63, item 4): expert parameters
 per rank, at rest and while a layer computes, and seconds per training step, at EP=1 (FSDP2
 shards every parameter, experts included, and all-gathers a layer's experts for its forward) and
-EP=2 (trainer/expert_parallel.py: each rank keeps half of every layer's experts, tokens travel).
+EP>1 (trainer/expert_parallel.py: each rank computes with 1/EP of every layer's experts, tokens
+travel; with data ranks beside the expert groups, each expert shard is FSDP2-sharded over its
+data replicas and gathered among them only).
 
-    python benchmarks/trainer_parallel_moe.py [--layers 2] [--tokens 512] [--steps 3] [--json FILE]
+    python benchmarks/trainer_parallel_moe.py [--ranks 2] [--experts 1,2] [--layers 2] [--tokens 512]
+                                              [--steps 3] [--json FILE]
 
+`--ranks 4 --experts 1,2`: FSDP2 alone on 4 ranks against data 2 x expert 2.
 A random Qwen3-MoE built in-process (no download): hidden 512, 64 experts top 8, expert size 256,
-8 heads, vocabulary 2048, `--layers` decoder layers (few: a CPU has to run it), float32, two
-ranks on gloo (or NCCL where CUDA is), each rank `--tokens` tokens of its own per step, AdamW.
+8 heads, vocabulary 2048, `--layers` decoder layers (few: a CPU has to run it), float32,
+`--ranks` ranks on gloo (or NCCL where CUDA is), each rank `--tokens` tokens of its own per step,
+AdamW.
 The trainer's own step (trainer/trainer.py) adds batching and the loss family around the same
 forward, backward, clip and optimizer step measured here.
 """
@@ -48,13 +53,15 @@ def expert_numel(experts: torch.nn.Module) -> int:
 
 
 def measure(model: torch.nn.Module, ep: int, args, device: torch.device) -> dict:
+    from rl.config import ParallelConfig
     from trainer.expert_parallel import apply_expert_parallel, moe_experts
-    from trainer.parallel import apply_fsdp
+    from trainer.parallel import apply_fsdp, build_layout, clip_grad_norm
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    layout = build_layout(ParallelConfig(expert=ep), device)
     if ep > 1:
-        apply_expert_parallel(model, dist.group.WORLD)
-    apply_fsdp(model, torch.float32)
+        apply_expert_parallel(model, layout.experts["expert"])
+    apply_fsdp(model, torch.float32, experts=layout.experts)
     experts = moe_experts(model)
     at_rest = sum(expert_numel(e) for e in experts)
     while_computing = []
@@ -71,7 +78,7 @@ def measure(model: torch.nn.Module, ep: int, args, device: torch.device) -> dict
         logits = model(input_ids=tokens, use_cache=False).logits
         loss = torch.nn.functional.cross_entropy(logits[0, :-1].float(), tokens[0, 1:])
         (loss * world).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        clip_grad_norm(list(model.parameters()), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
@@ -84,7 +91,7 @@ def measure(model: torch.nn.Module, ep: int, args, device: torch.device) -> dict
             times.append(took.tolist())
     for h in hooks:
         h.remove()
-    return {"ep": ep, "expert_params_at_rest": at_rest, "expert_params_per_layer_while_computing": max(while_computing),
+    return {"ep": ep, "data": layout.sizes[0], "expert_params_at_rest": at_rest, "expert_params_per_layer_while_computing": max(while_computing),
             "step_s_median": statistics.median(t[0] for t in times),
             "step_cpu_s_median": statistics.median(t[1] for t in times), "steps_wall_cpu_s": times}
 
@@ -98,7 +105,7 @@ def worker(rank: int, world: int, port: int, args) -> None:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     base = build(args.layers)
-    rows = [measure(copy.deepcopy(base).to(device), ep, args, device) for ep in (1, 2)]
+    rows = [measure(copy.deepcopy(base).to(device), ep, args, device) for ep in args.experts]
     if rank == 0:
         experts = sum(e.numel() for n, e in base.named_parameters() if ".experts." in n)
         out = {"layers": args.layers, "tokens_per_rank": args.tokens, "ranks": world, "device": str(device),
@@ -115,6 +122,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--ranks", type=int, default=2, help="the world: data = ranks / expert")
+    parser.add_argument("--experts", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2],
+                        help="expert-parallel sizes to measure, comma-separated (1: FSDP2 alone)")
     parser.add_argument("--json")
     args = parser.parse_args()
     import socket
@@ -122,7 +132,7 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(worker, args=(2, port, args), nprocs=2)
+    mp.spawn(worker, args=(args.ranks, port, args), nprocs=args.ranks)
 
 
 if __name__ == "__main__":

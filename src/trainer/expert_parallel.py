@@ -5,8 +5,9 @@ back, by two all-to-alls over the group per layer (docs/moe.md, "Expert parallel
 Why: under FSDP2 alone every rank all-gathers every expert of a layer for its forward (and again
 for its backward, then reduce-scatters their gradient), so a layer's whole expert set sits in each
 rank's memory in turn and crosses the network three times per step, though each token uses top_k
-of them. Here a rank's expert shard never leaves it; what moves
-is top_k hidden states per token.
+of them. Here a rank computes with 1/EP of the experts only (gathered, when data ranks sit
+beside the expert group, from that shard's data replicas alone); what else moves is top_k
+hidden states per token.
 
 What stays as without EP:
 - The router (transformers' `*TopKRouter`) runs unchanged on each rank's own tokens, and its
@@ -18,19 +19,20 @@ What stays as without EP:
   slots as there: only the matrix products' blocking (rows batched differently) can round
   differently.
 - The expert tensors are DTensors of their full HF shape [experts, ...] sharded on dim 0 over the
-  same mesh as FSDP2's shards (Shard(0): the placement FSDP2 itself would give them), so
-  checkpoints (DCP), the gradient norm, AdamW and the published weights (full_tensor gathers
-  them: the same HF files as without EP) treat them like every other parameter. FSDP2 is told to
-  leave them alone (`ignored_params`), or it would all-gather them for each forward.
+  expert group (Shard(0) on the "expert" dim of trainer/parallel.py's expert mesh), so checkpoints
+  (DCP), AdamW and the published weights (full_tensor gathers them: the same HF files as without
+  EP) treat them like every other parameter.
 
-Gradients: the trainer scales each rank's loss by the world size for FSDP2's average. An expert
-shard's gradient already sums every rank's tokens (the all-to-all's backward brings them home),
-so it is divided by the world size instead of being reduced.
+Beside data or context ranks (docs/moe.md, "Expert parallelism"): the ranks holding the same
+expert shard (same expert coordinate, every data and context coordinate) are that shard's data
+replicas. FSDP2 shards each expert shard again over them (trainer/parallel.py apply_fsdp: the
+"expert_data" dim, as torchtitan's "efsdp"), gathers it for the layer's forward within them only,
+and reduce-scatters its gradient over them: the sum over every data replica's tokens.
 
-Layout (docs/trainer.md, "Parallelism"): the mesh is (data, context, expert), expert innermost, so
-an expert group is EP consecutive ranks. Built here: expert groups spanning the whole world
-(trainer.parallel.expert = the world size, data = context = 1); with data > 1 the expert shards
-would need a second mesh dimension beside FSDP2's, which is not built (refused at start-up).
+Gradients: the trainer scales each rank's loss by the world size for FSDP2's average over every
+rank. An expert shard's gradient already sums its expert group's tokens (the all-to-all's
+backward brings them home), then FSDP2 averages it over the world / EP data replicas: EP times
+the sum over every rank. The experts' forward divides their gradient by EP (`_GradScale`).
 """
 
 from __future__ import annotations
@@ -38,23 +40,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, init_device_mesh
-
-
-def expert_group(expert: int) -> dist.ProcessGroup:
-    """This rank's expert group: `expert` consecutive ranks (the mesh's innermost dimension).
-    Collective: every rank creates every group, as new_group requires."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if world % expert:
-        raise ValueError(f"trainer.parallel.expert = {expert} does not divide the world size {world}")
-    if expert == world:
-        return dist.group.WORLD
-    mine = None
-    for start in range(0, world, expert):
-        group = dist.new_group(list(range(start, start + expert)))
-        if start <= rank < start + expert:
-            mine = group
-    return mine
+from torch.distributed.tensor import DTensor, Shard
 
 
 def moe_experts(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -82,24 +68,16 @@ def shard_rows(shard: int, per_rank: int) -> slice:
     return slice(shard * per_rank, (shard + 1) * per_rank)
 
 
-def apply_expert_parallel(model: torch.nn.Module, group: dist.ProcessGroup, mesh: DeviceMesh | None = None) -> None:
+def apply_expert_parallel(model: torch.nn.Module, mesh: DeviceMesh) -> None:
     """Keep this rank's 1/EP of every MoE layer's experts (as DTensor shards of the full tensors)
-    and route their forward through the group. Before FSDP2 (trainer/parallel.py apply_fsdp,
-    which leaves these parameters to EP: `sharded_params`). `mesh`: the 1-D mesh FSDP2 shards
-    the other parameters over, whose ranks in order are the group's (default: FSDP2's default,
-    the world)."""
-    ep = dist.get_world_size(group)
+    and route their forward through the expert group. `mesh`: the 1-D expert mesh
+    (trainer/parallel.py Layout.experts["expert"]), whose ranks in order hold the shards in order.
+    Before FSDP2 (trainer/parallel.py apply_fsdp shards these over the expert mesh's
+    "expert_data" dim: `sharded_params`)."""
+    ep = mesh.size()
     if ep == 1:
         return
-    world = dist.get_world_size()
-    if ep != world:
-        raise ValueError(f"trainer.parallel.expert = {ep}: expert parallelism is built for an expert group spanning "
-                         f"every rank (world size {world}); data or context ranks beside it are not")
-    device = next(model.parameters()).device
-    # Equal to FSDP2's default mesh (same ranks, device type, no names): DTensor ops (AdamW's
-    # foreach step, the gradient norm) mix the two meshes' tensors only where the meshes are equal.
-    mesh = mesh if mesh is not None else init_device_mesh(device.type, (world,))
-    shard = dist.get_rank(group)
+    group, shard = mesh.get_group(), mesh.get_local_rank()
     for experts in moe_experts(model):
         total = experts.gate_up_proj.shape[0]
         if total % ep:
@@ -108,11 +86,8 @@ def apply_expert_parallel(model: torch.nn.Module, group: dist.ProcessGroup, mesh
         for name in ("gate_up_proj", "down_proj"):
             full = getattr(experts, name)
             local = full.detach()[shard_rows(shard, per_rank)].clone()
-            param = torch.nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False),
-                                       requires_grad=full.requires_grad)
-            if param.requires_grad:
-                param.register_hook(lambda grad: grad / world)
-            setattr(experts, name, param)
+            setattr(experts, name, torch.nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False),
+                                                      requires_grad=full.requires_grad))
         experts.expert_parallel = ExpertShard(group, shard, per_rank, total)
         experts.forward = _forward_of(experts)
 
@@ -157,6 +132,19 @@ class _AllToAll(torch.autograd.Function):
         return _AllToAll.apply(grad.contiguous(), send_counts, recv_counts, ctx.group), None, None, None
 
 
+class _GradScale(torch.autograd.Function):
+    """The identity forward; backward scales the gradient (1 / EP: module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
 def _exchange_counts(send: torch.Tensor, group: dist.ProcessGroup) -> list[int]:
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
@@ -194,10 +182,11 @@ _GROUPED = (torch.float32, torch.bfloat16, torch.float16)  # grouped_mm's dtypes
 def _local_experts(experts: torch.nn.Module, rows: torch.Tensor, local_ids: torch.Tensor, per_rank: int) -> torch.Tensor:
     """Each row through its local expert (gate_up, act(gate) * up, down: transformers' experts),
     in one grouped matrix product per projection as transformers' default grouped_mm path does.
-    The weights in the rows' dtype: FSDP2's mixed-precision policy casts the other parameters so,
-    and these it never gathers."""
-    gate_up = experts.gate_up_proj.to_local().to(rows.dtype)
-    down = experts.down_proj.to_local().to(rows.dtype)
+    The weights in the rows' dtype (FSDP2's mixed-precision policy has cast them so when it
+    gathered them; the cast keeps a model FSDP2 does not manage right)."""
+    ep: ExpertShard = experts.expert_parallel
+    gate_up, down = (_GradScale.apply(p.to_local().to(rows.dtype), 1.0 / ep.size)
+                     for p in (experts.gate_up_proj, experts.down_proj))
     if not len(rows):  # nothing came: the weights still join the graph, so every rank's backward runs the same collectives
         return rows + (gate_up.sum() + down.sum()) * 0
     by_expert = torch.argsort(local_ids, stable=True)

@@ -13,11 +13,11 @@ from trainer import context_parallel, packed_attention
 from trainer.context_parallel import ContextShare
 from trainer.compiled_layers import compile_layers, compile_wanted
 from trainer.data import MicroBatch, to_device
-from trainer.expert_parallel import apply_expert_parallel, expert_group
+from trainer.expert_parallel import apply_expert_parallel
 from trainer.logprob_head import LogprobHead, TokenQuery, install
 from trainer.lora import LoRA
 from trainer.loss import token_logprobs_and_entropy
-from trainer.parallel import apply_fsdp
+from trainer.parallel import Layout, apply_fsdp
 from trainer.routing_replay import routers
 from trainer.sampling_mask import NO_TRUNCATION, NoTruncation, Truncation
 
@@ -39,8 +39,8 @@ def attention_implementation(choice: str, dtype: str, device: torch.device) -> s
     return packed_attention.NAME
 
 
-def load_model(cfg: RunConfig, device: torch.device, trainable: bool, lora_slots: int = 0, *, dtype: str
-               ) -> tuple[torch.nn.Module, LoRA | None]:
+def load_model(cfg: RunConfig, device: torch.device, trainable: bool, lora_slots: int = 0, *, dtype: str,
+               layout: Layout | None = None) -> tuple[torch.nn.Module, LoRA | None]:
     """The starting model, FSDP2-sharded, computing in `dtype` (trainer.dtype resolved:
     trainer/compute_dtype.py); with lora_slots, frozen and carrying that many adapter slots
     (trainer/lora.py), created before sharding so FSDP2 manages them too. A frozen model (the KL
@@ -74,9 +74,11 @@ def load_model(cfg: RunConfig, device: torch.device, trainable: bool, lora_slots
     install(model, cfg.trainer.logits_chunk_tokens)
     if compile_wanted(cfg.trainer.compile, device.type, lora is not None, bool(routers(model))):
         compile_layers(model)
+    experts = layout.experts if layout is not None else None
     if cfg.trainer.parallel.expert > 1:
-        apply_expert_parallel(model, expert_group(cfg.trainer.parallel.expert))
-    apply_fsdp(model, _DTYPES[dtype], offload=not trainable and cfg.trainer.reference_offload)
+        assert experts is not None, "expert parallelism needs the trainer's layout"
+        apply_expert_parallel(model, experts["expert"])
+    apply_fsdp(model, _DTYPES[dtype], offload=not trainable and cfg.trainer.reference_offload, experts=experts)
     return model, lora
 
 

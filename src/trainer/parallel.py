@@ -7,7 +7,10 @@ The ranks form a mesh ("data", "context", "expert") = [trainer.parallel] (docs/t
 "Parallelism"). Dense parameters are FSDP2-sharded over every rank; the batch is split over
 data x expert (ranks differing only in their expert coordinate see different samples, as in
 torchtitan); the ranks of one context group see the same samples, each a contiguous share of
-every row's tokens (trainer/context_parallel.py).
+every row's tokens (trainer/context_parallel.py). With expert parallelism a second view of the
+same ranks, ("expert_data", "expert") = (data x context, expert), holds the experts: sharded
+over "expert" (trainer/expert_parallel.py), each shard FSDP2-sharded over "expert_data", the
+ranks that hold the same shard (torchtitan's sparse mesh, its "efsdp" and "ep").
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+from torch.distributed.tensor import DTensor, Shard
 
 from rl.config import ParallelConfig
 from rl.parallel_layout import mesh_sizes
@@ -27,6 +32,7 @@ from trainer.context_parallel import ContextShare
 from trainer.expert_parallel import sharded_params
 
 DIMS = ("data", "context", "expert")
+EXPERT_DIMS = ("expert_data", "expert")
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,7 @@ class Layout:
     sizes: tuple[int, int, int]
     mesh: DeviceMesh
     context: ContextShare
+    experts: DeviceMesh | None = None  # ("expert_data", "expert") where expert > 1
 
     @property
     def batch_ranks(self) -> int:
@@ -71,7 +78,10 @@ def build_layout(parallel: ParallelConfig, device: torch.device) -> Layout:
     mesh = init_device_mesh(device.type, sizes, mesh_dim_names=DIMS)
     index = rank // sizes[2] % sizes[1]
     group = mesh["context"].get_group() if sizes[1] > 1 else None
-    return Layout(rank, world, sizes, mesh, ContextShare(group, sizes[1], index))
+    ep = sizes[2]
+    # Ranks r and r + k E hold the same experts: the expert dim is the mesh's innermost.
+    experts = (init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=EXPERT_DIMS) if ep > 1 else None)
+    return Layout(rank, world, sizes, mesh, ContextShare(group, sizes[1], index), experts)
 
 
 def init_distributed(timeout_s: float) -> torch.device:
@@ -94,19 +104,49 @@ def init_distributed(timeout_s: float) -> torch.device:
 
 
 def apply_fsdp(model: torch.nn.Module, compute_dtype: torch.dtype, offload: bool = False,
-               reduce_dtype: torch.dtype = torch.float32) -> None:
+               reduce_dtype: torch.dtype = torch.float32, experts: DeviceMesh | None = None) -> None:
     """Shard each decoder layer, then the root (embeddings, final norm, lm_head: tied weights
     must land in the same FSDP group, which the root is). `offload`: the shards live in host
     memory and each group is copied to the device for its forward (FSDP2's CPUOffloadPolicy;
     on a CPU-only machine the copy is to where they already are). `reduce_dtype`: float64 in the
-    tests that compare layouts in float64."""
+    tests that compare layouts in float64. `experts`: Layout.experts, where expert parallelism
+    sharded the experts (trainer/expert_parallel.py): FSDP2 shards each expert shard over its
+    "expert_data" dim (its own parameter group: gathered and reduce-scattered among the ranks
+    holding that shard), every other parameter over every rank."""
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
     # Pinned host memory makes the copies asynchronous; it needs an accelerator.
     policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
-    ignored = sharded_params(model)  # expert shards stay where expert parallelism put them
+    kwargs = dict(mp_policy=mp, offload_policy=policy)
+    if expert_params := sharded_params(model):
+        if experts is None:
+            raise ValueError("apply_fsdp: the model's experts are sharded: pass the expert mesh (Layout.experts)")
+        # One FSDPMeshInfo object for every expert parameter: FSDP2 groups parameters by it.
+        info = FSDPMeshInfo(experts["expert_data"], shard_mesh_dim=0)
+        kwargs["shard_placement_fn"] = lambda p: ShardPlacementResult(Shard(0), info) if p in expert_params else None
     for layer in model.model.layers:
-        fully_shard(layer, mp_policy=mp, offload_policy=policy, ignored_params=ignored)
-    fully_shard(model, mp_policy=mp, offload_policy=policy, ignored_params=ignored)
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """torch's clip_grad_norm_ for parameters on more than one mesh (expert parallelism: the
+    experts on ("expert_data", "expert"), the rest on every rank): DTensor reductions do not mix
+    meshes, so each mesh's norm is reduced alone and the total is the norm of those (as
+    torchtitan's clip with EP). One mesh: torch's own, unchanged."""
+    by_mesh: dict = {}
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    if len(by_mesh) <= 1:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
 
 
 def share_bytes(data: bytes | None, device: torch.device) -> bytes:

@@ -113,10 +113,9 @@ def routing_replay(cfg: RunConfig) -> None:
 
 
 def expert_parallel(cfg: RunConfig) -> None:
-    """trainer.parallel.expert splits each MoE layer's experts evenly over that many ranks, which
-    (for now: trainer/expert_parallel.py) are all the trainer's ranks. The world size is known
-    here under torchrun (each rank checks); `rl run`'s own check of the mesh against the ranks it
-    starts is trainer.parallel's."""
+    """trainer.parallel.expert splits each MoE layer's experts evenly over that many ranks: a
+    mixture-of-experts model whose experts per layer it divides. Data and context ranks beside
+    the expert groups are trainer.parallel's check (the mesh against the world size)."""
     ep = cfg.trainer.parallel.expert
     if ep == 1:
         return
@@ -126,11 +125,6 @@ def expert_parallel(cfg: RunConfig) -> None:
     if experts % ep:
         raise ConfigError(f"trainer.parallel.expert = {ep} does not divide the {experts} experts per MoE layer of "
                           f"model = {cfg.model}")
-    world = os.environ.get("WORLD_SIZE")
-    if world is not None and int(world) != ep:
-        raise ConfigError(f"trainer.parallel.expert = {ep} on {world} trainer ranks: expert parallelism is built for "
-                          "an expert group of every rank (data or context ranks beside it are not): use "
-                          f"trainer.parallel.expert = {world} or start {ep} ranks")
 
 
 CHECKS = (cores("trainer"), metrics_endpoint("trainer"), ids_check("trainer"), output_dir, model_for_training,

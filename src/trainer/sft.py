@@ -28,6 +28,7 @@ from rl.heartbeat import set_phase
 from rl.stop_signal import raise_on_sigterm
 from rl.sft_data import SftData, batch_rows, sft_data_dir
 from trainer.data import MicroBatch
+from trainer.parallel import clip_grad_norm
 from trainer.policy import Policy
 from trainer.trainer import Trainer
 
@@ -126,7 +127,7 @@ class SftTrainer(Trainer):
             with self.tuning.active(policy.slot):
                 (loss * self.world).backward()
             sums += torch.tensor([loss.item(), nll.item(), tokens.item()], dtype=torch.float64)
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.params, self.cfg.trainer.optim.max_grad_norm)
+        grad_norm = clip_grad_norm(policy.params, self.cfg.trainer.optim.max_grad_norm)
         policy.optimizer.step()
         policy.optimizer.zero_grad(set_to_none=True)
         policy.scheduler.step()

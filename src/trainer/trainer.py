@@ -30,7 +30,7 @@ from trainer.loss import STATS, policy_loss
 from trainer.metrics import TrainerMetrics
 from trainer.model import load_model, micro_batch_logprobs
 from trainer.optim import build_optimizer
-from trainer.parallel import build_layout, init_distributed
+from trainer.parallel import build_layout, clip_grad_norm, init_distributed
 from trainer.policy import Policy
 from trainer.profiling import StepProfiler
 from trainer.publish import make_publisher
@@ -69,13 +69,13 @@ class Trainer:
         self.dtype = self.compute_dtype(cfg, hf_config)
         tuning = TUNINGS[tuning_kind(cfg)]
         self.model, self.lora = load_model(cfg, self.device, trainable=True, lora_slots=tuning.slots(cfg),
-                                           dtype=self.dtype)
+                                           dtype=self.dtype, layout=self.layout)
         self.tuning = tuning(self.model, self.lora)
         self.flash = self.model.config._attn_implementation.startswith("flash")
         if self.rank == 0:
             log.info("attention: %s, dtype: %s", self.model.config._attn_implementation, self.dtype)
         loss = cfg.trainer.loss
-        self.reference = (load_model(cfg, self.device, trainable=False, dtype=self.dtype)[0] if loss.kl_coef > 0
+        self.reference = (load_model(cfg, self.device, trainable=False, dtype=self.dtype, layout=self.layout)[0] if loss.kl_coef > 0
                           and loss.kl_target == "reference" and self.tuning.own_reference else None)
         self.publisher = make_publisher(cfg, self.run, self.rank, self.model, self.lora, self.tied)
         # MoE models only: replays the engine's routing (trainer.routing_replay) and reports agreement.
@@ -304,7 +304,7 @@ class Trainer:
                     (out.loss * self.world).backward()
             sums += torch.cat([out.loss.detach()[None], out.stats]).double()
             mask_sums += torch.tensor(truncation.sums(), dtype=torch.float64)
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.params, policy.cfg.trainer.optim.max_grad_norm)
+        grad_norm = clip_grad_norm(policy.params, policy.cfg.trainer.optim.max_grad_norm)
         policy.optimizer.step()
         policy.optimizer.zero_grad(set_to_none=True)
         policy.scheduler.step()

@@ -22,7 +22,7 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from conftest import TINY_MODEL, free_port, rl_command
+from conftest import ROOT, TINY_MODEL, free_port, rl_command
 from float32_rounding import LAYERS, WIDEST
 from rl.batch import Batch
 from samples import single_turn
@@ -33,6 +33,10 @@ U64 = 2.0 ** -53
 # Chained products on the path to a logit (tests/inference/test_inference_lora.py: 8 per layer, then the
 # lm_head), each a dot product of at most WIDEST terms.
 CHAINED = LAYERS * 8 + 1
+# models/tiny-moe: per layer q/k/v, scores, values, o, the router, gate/up, down, the weighted sum
+# of top_k outputs (tests/trainer/test_expert_parallel.py MOE_LOGIT_ERROR's count), then the lm_head.
+MOE_CHAINED = LAYERS * 10 + 1
+TINY_MOE = ROOT / "models" / "tiny-moe"
 
 
 def gamma64(n: int) -> float:
@@ -52,7 +56,9 @@ def packed_batch() -> Batch:
 
 
 def worker(rank: int, world: int, context: int, port: int, opts: dict, out: str) -> None:
-    """One rank: the micro-batch's logprobs and the gradients of its loss, saved by rank 0."""
+    """One rank: the micro-batch's logprobs and the gradients of its loss, saved by rank 0.
+    opts["moe"]: models/tiny-moe (its own routing) instead of the dense model; opts["expert"]:
+    its experts split over that many ranks (trainer/expert_parallel.py)."""
     import torch.distributed as dist
 
     from rl.config import LoRAConfig, LossConfig, ParallelConfig
@@ -66,7 +72,7 @@ def worker(rank: int, world: int, context: int, port: int, opts: dict, out: str)
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    layout = build_layout(ParallelConfig(context=context), torch.device("cpu"))
+    layout = build_layout(ParallelConfig(context=context, expert=opts.get("expert", 1)), torch.device("cpu"))
     if opts.get("broken") == "keys_before":  # a share's queries miss the keys of earlier shares
         context_parallel._parts = lambda q0, q1, s, start: [(start + q0, start + q1, True)]
     from transformers import AutoModelForCausalLM
@@ -74,9 +80,15 @@ def worker(rank: int, world: int, context: int, port: int, opts: dict, out: str)
     if context > 1:
         context_parallel.register()
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL, dtype=torch.float64,
+    model = AutoModelForCausalLM.from_pretrained(TINY_MOE if opts.get("moe") else TINY_MODEL, dtype=torch.float64,
                                                  attn_implementation=context_parallel.NAME if context > 1 else "sdpa")
     model.train()
+    if opts.get("moe"):
+        from trainer.expert_parallel import apply_expert_parallel
+
+        model.set_experts_implementation("eager")  # grouped_mm has no float64
+        if layout.experts is not None:
+            apply_expert_parallel(model, layout.experts["expert"])
     if opts.get("checkpointing"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lora = None
@@ -93,8 +105,13 @@ def worker(rank: int, world: int, context: int, port: int, opts: dict, out: str)
                 kwargs["position_ids"] = kwargs["position_ids"] - kwargs["position_ids"][:, :1]
             return args, kwargs
         model.register_forward_pre_hook(restart, with_kwargs=True)
+    if opts.get("broken") == "expert_group":  # tokens dispatched within the context pair, which holds the same experts
+        from trainer.expert_parallel import moe_experts
+
+        for experts in moe_experts(model):
+            experts.expert_parallel.group = layout.group("context")
     install(model, chunk_tokens=16)
-    apply_fsdp(model, torch.float64, reduce_dtype=torch.float64)
+    apply_fsdp(model, torch.float64, reduce_dtype=torch.float64, experts=layout.experts)
     # The logits' scale for the rounding bound: max over positions and tokens of sum_j |E_vj h_j|.
     scales = []
     model.get_output_embeddings().register_forward_hook(lambda m, args, out: scales.append(
@@ -176,6 +193,44 @@ def test_data_and_context_ranks_together(reference, tmp_path):
     for k in (k for k in want if k.startswith("grad.")):
         bound = 2 * gamma64(2 * CHAINED * WIDEST + 96) * 96 * float(want[k].abs().max())
         assert float((got[k] - want[k]).abs().max()) <= bound, k
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tmp_path_factory):
+    return run(1, 1, tmp_path_factory.mktemp("moe1"), moe=True)
+
+
+def test_a_moe_model_under_context_parallelism_equals_one_rank(moe_reference, tmp_path):
+    """models/tiny-moe with every row split over 2 context ranks: each rank's routers and experts
+    see its share of the tokens (routing is per token), and the logprobs and every gradient equal
+    one rank's within the float64 bound (MoE's products counted)."""
+    got = run(2, 2, tmp_path, moe=True)
+    assert any(".experts." in k for k in got)
+    assert_equal_within_rounding(got, moe_reference, chained=MOE_CHAINED)
+
+
+def test_context_2_x_expert_2_equals_one_rank(moe_reference, tmp_path):
+    """World 4 = context 2 x expert 2 (data 1): the two expert ranks train different samples,
+    each row split over a context pair; experts split 2 + 2 across each expert group and
+    FSDP2-sharded over the context pair (their "expert_data" dim). The summed gradients (experts
+    included) equal one rank's on the whole batch, within the float64 bound; a dispatch within
+    the wrong group (the context pair, which holds the same experts) fails it."""
+    got = run(4, 2, tmp_path, moe=True, expert=2)
+    assert_same_gradients(got, moe_reference, MOE_CHAINED)
+    wrong = run(4, 2, tmp_path, moe=True, expert=2, broken="expert_group")
+    with pytest.raises(AssertionError, match="differ by"):
+        assert_same_gradients(wrong, moe_reference, MOE_CHAINED)
+
+
+def assert_same_gradients(got: dict, want: dict, chained: int) -> None:
+    """The summed gradients of a layout whose ranks train different samples (so rank 0's logprobs
+    are its own samples'): assert_equal_within_rounding's gradient bound over the row's 96 tokens."""
+    keys = [k for k in want if k.startswith("grad.")]
+    assert keys and set(keys) == {k for k in got if k.startswith("grad.")}
+    for k in keys:
+        bound = 2 * gamma64(2 * chained * WIDEST + 96) * 96 * float(want[k].abs().max())
+        diff = float((got[k] - want[k]).abs().max())
+        assert diff <= bound, f"{k}: gradients differ by {diff:.3e} > {bound:.3e}"
 
 
 @pytest.mark.parametrize("broken", ["keys_before", "local_positions"])

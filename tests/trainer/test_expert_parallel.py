@@ -1,10 +1,12 @@
 """Expert parallelism (trainer.parallel.expert, trainer/expert_parallel.py) on gloo with real
-processes: two ranks each holding half of every MoE layer's experts compute the logprobs and
+processes: two ranks each holding half of every MoE layer's experts, and four ranks as data 2 x
+expert 2 (each expert shard FSDP2-sharded over its two data replicas), compute the logprobs and
 gradients one unsharded model computes, within float32 rounding's bound, with routing replay
-deciding the dispatch; a dispatch that sends tokens to the wrong experts, or shards that hold the
-wrong experts, fail the same comparison; and the real trainer at EP=2 takes the step the one-rank
-trainer takes, checkpoints in the same DCP layout, publishes the same HF tensors, and continues
-exactly from its checkpoint."""
+deciding the dispatch; a dispatch that sends tokens to the wrong experts or the wrong expert group,
+shards that hold the wrong experts, or an unscaled expert gradient fail the same comparison; and
+the real trainer at EP=2 and at data 2 x expert 2 takes the step the one-rank trainer takes,
+checkpoints in the same DCP layout, publishes the same HF tensors, and continues exactly from its
+checkpoint."""
 
 from __future__ import annotations
 
@@ -86,74 +88,108 @@ def record(model, tokens: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.
     return rows.reshape(*tokens.shape, layers, router.top_k), routed
 
 
-def compare(build, rank: int, world: int, fault: str, replay: bool, device: torch.device = torch.device("cpu")) -> dict:
+def compare(build, layout, fault: str, replay: bool, device: torch.device = torch.device("cpu")) -> dict:
     """Max over this rank's positions of |EP - exact| / bound (logprobs), and over every gradient
     entry of |EP - one model| / (GRAD_SHARE x the largest entry), with `fault` put into the dispatch.
-    `device`: a GPU under NCCL (scripts/gpu_check_expert_parallel.py)."""
+    `layout`: trainer/parallel.py's mesh (the experts' dims among it). `device`: a GPU under NCCL
+    (scripts/gpu_check_expert_parallel.py)."""
     from trainer import expert_parallel
     from trainer.parallel import apply_fsdp
-    from trainer.routing_replay import RoutingReplay
 
+    rank, world, ep_size = layout.rank, layout.world, layout.sizes[2]
     plain = build().to(device)
     exact, ep = copy.deepcopy(plain).double(), copy.deepcopy(plain)
     exact.set_experts_implementation("eager")  # grouped_mm has no float64
-    placement, shard_rows = expert_parallel.placement, expert_parallel.shard_rows
-    if fault == "misrouted":  # each token to the right local index on the next rank
-        expert_parallel.placement = lambda ids, n: ((ids // n + 1) % world, ids % n)
+    placement, shard_rows, scale = expert_parallel.placement, expert_parallel.shard_rows, expert_parallel._GradScale
+    if fault == "misrouted":  # each token to the right local index on the next rank of its expert group
+        expert_parallel.placement = lambda ids, n: ((ids // n + 1) % ep_size, ids % n)
     if fault == "misplaced":  # each rank holding the next rank's experts
-        expert_parallel.shard_rows = lambda shard, n: shard_rows((shard + 1) % world, n)
+        expert_parallel.shard_rows = lambda shard, n: shard_rows((shard + 1) % ep_size, n)
+    if fault == "unscaled":  # the experts' gradient not divided by EP (FSDP2 averages over world / EP)
+        expert_parallel._GradScale = type("NoScale", (), {"apply": staticmethod(lambda x, s: x)})
     try:
-        expert_parallel.apply_expert_parallel(ep, dist.group.WORLD)
-        apply_fsdp(ep, torch.float32)
-        g = torch.Generator().manual_seed(rank)
-        tokens = torch.randint(2, plain.config.vocab_size, (2, 12), generator=g).to(device)
-        coef = torch.randn(2, 11, generator=g, dtype=torch.float64).to(device)
-        routing, routed = record(plain, tokens, rank)
-        trained = torch.ones(tokens.shape, dtype=torch.bool)
-        out = {}
-        for name, model in (("exact", exact), ("plain", plain), ("ep", ep)):
-            replayer = RoutingReplay(model, replay=replay)
-            with replayer.recorded(routing, routed, trained):
-                lp, bound = logprobs_with_bound(model, tokens)
-                if name != "exact":
-                    ((lp * coef).sum() * (world if name == "ep" else 1)).backward()
-            out[name] = lp.detach(), bound
-        grads = {}
-        for name, p in plain.named_parameters():
-            dist.all_reduce(p.grad)  # the one model's gradient of the summed loss over both ranks' tokens
-            grads[name] = p.grad
-        largest = max(float(g.abs().max()) for g in grads.values())
-        grad_ratio = 0.0
-        for name, p in ep.named_parameters():
-            ep_grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-            grad_ratio = max(grad_ratio, float((ep_grad - grads[name]).abs().max()) / (GRAD_SHARE * largest))
-        exact_lp, bound = out["exact"]
-        return {"logprob": float(((out["ep"][0] - exact_lp).abs() / bound).max()),
-                "plain_logprob": float(((out["plain"][0] - exact_lp).abs() / bound).max()),
-                "grad": grad_ratio, "expert_rows": [int(p.to_local().shape[0]) for p in
-                                                    expert_parallel.sharded_params(ep)]}
+        expert_parallel.apply_expert_parallel(ep, layout.experts["expert"])
+        if fault == "wrong_group":  # dispatched within the data dim: ranks holding the same shard
+            for experts in expert_parallel.moe_experts(ep):
+                experts.expert_parallel.group = layout.group("data")
+        apply_fsdp(ep, torch.float32, experts=layout.experts)
+        return _compare_models(exact, plain, ep, rank, world, replay, device)
     finally:
         expert_parallel.placement, expert_parallel.shard_rows = placement, shard_rows
+        expert_parallel._GradScale = scale
+
+
+def _compare_models(exact, plain, ep, rank: int, world: int, replay: bool, device: torch.device) -> dict:
+    from trainer import expert_parallel
+    from trainer.routing_replay import RoutingReplay
+
+    g = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(2, plain.config.vocab_size, (2, 12), generator=g).to(device)
+    coef = torch.randn(2, 11, generator=g, dtype=torch.float64).to(device)
+    routing, routed = record(plain, tokens, rank)
+    trained = torch.ones(tokens.shape, dtype=torch.bool)
+    out = {}
+    for name, model in (("exact", exact), ("plain", plain), ("ep", ep)):
+        replayer = RoutingReplay(model, replay=replay)
+        with replayer.recorded(routing, routed, trained):
+            lp, bound = logprobs_with_bound(model, tokens)
+            if name != "exact":
+                ((lp * coef).sum() * (world if name == "ep" else 1)).backward()
+        out[name] = lp.detach(), bound
+    grads = {}
+    for name, p in plain.named_parameters():
+        dist.all_reduce(p.grad)  # the one model's gradient of the summed loss over every rank's tokens
+        grads[name] = p.grad
+    largest = max(float(g.abs().max()) for g in grads.values())
+    grad_ratio = expert_ratio = 0.0
+    for name, p in ep.named_parameters():
+        ep_grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        ratio = float((ep_grad - grads[name]).abs().max()) / (GRAD_SHARE * largest)
+        grad_ratio = max(grad_ratio, ratio)
+        if ".experts." in name:
+            expert_ratio = max(expert_ratio, ratio)
+    exact_lp, bound = out["exact"]
+    return {"logprob": float(((out["ep"][0] - exact_lp).abs() / bound).max()),
+            "plain_logprob": float(((out["plain"][0] - exact_lp).abs() / bound).max()),
+            "grad": grad_ratio, "expert_grad": expert_ratio,
+            "expert_rows": [int(p.to_local().shape[0]) for p in expert_parallel.sharded_params(ep)]}
 
 
 def worker(rank: int, world: int, port: int, out: str) -> None:
+    """Two ranks: expert 2 (the expert group is the world). Four: data 2 x expert 2, each expert
+    shard held by two data replicas (FSDP2-sharded over them, one expert of 4 each at rest)."""
+    from rl.config import ParallelConfig
+    from trainer.parallel import build_layout
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        results = {f"qwen3/{fault}": compare(tiny_moe, rank, world, fault, replay=True) for fault in FAULTS}
-        results["qwen3/own_routing"] = compare(tiny_moe, rank, world, "none", replay=False)
-        results["qwen2"] = compare(qwen2_moe, rank, world, "none", replay=False)
+        layout = build_layout(ParallelConfig(expert=2), torch.device("cpu"))
+        faults = FAULTS if world == 2 else (*FAULTS, "wrong_group", "unscaled")
+        results = {f"qwen3/{fault}": compare(tiny_moe, layout, fault, replay=True) for fault in faults}
+        results["qwen3/own_routing"] = compare(tiny_moe, layout, "none", replay=False)
+        if world == 2:
+            results["qwen2"] = compare(qwen2_moe, layout, "none", replay=False)
         Path(out, f"rank{rank}.json").write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
 
 
+def spawn(tmp_path_factory, world: int) -> list[dict]:
+    out = tmp_path_factory.mktemp(f"ep{world}")
+    mp.spawn(worker, args=(world, free_port(), str(out)), nprocs=world)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("ep")
-    mp.spawn(worker, args=(2, free_port(), str(out)), nprocs=2)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return spawn(tmp_path_factory, 2)
+
+
+@pytest.fixture(scope="module")
+def data_and_expert_ranks(tmp_path_factory) -> list[dict]:
+    return spawn(tmp_path_factory, 4)
 
 
 @pytest.mark.parametrize("case", ["qwen3/none", "qwen3/own_routing", "qwen2"])
@@ -177,12 +213,34 @@ def test_a_wrong_dispatch_fails_the_comparison(two_ranks, fault):
     assert worst["logprob"] > 10 and worst["grad"] > 10, worst
 
 
+@pytest.mark.parametrize("case", ["qwen3/none", "qwen3/own_routing"])
+def test_data_2_x_expert_2_computes_the_one_models_logprobs_and_gradients(data_and_expert_ranks, case):
+    """World 4 = data 2 x expert 2: each expert group (ranks 0-1, 2-3) splits every layer's 4
+    experts 2 + 2, each shard FSDP2-sharded over its two data replicas (1 expert per rank at
+    rest); every rank's logprobs within float32's bound of the float64 model, every gradient
+    (summed over the 4 ranks' tokens: the experts' over both data replicas) as one model's."""
+    for rank in data_and_expert_ranks:
+        r = rank[case]
+        assert r["expert_rows"] and set(r["expert_rows"]) == {1}, r
+        assert r["plain_logprob"] <= 1.0, r
+        assert r["logprob"] <= 1.0 and r["grad"] <= 1.0, r
+
+
+@pytest.mark.parametrize("fault, fails", [("misrouted", ("logprob", "grad")), ("misplaced", ("logprob", "grad")),
+                                          ("wrong_group", ("logprob", "grad")), ("unscaled", ("expert_grad",))])
+def test_a_wrong_dispatch_beside_data_ranks_fails_the_comparison(data_and_expert_ranks, fault, fails):
+    """Rows sent within the data dim (to the ranks holding the same shard: the wrong expert
+    group), to the wrong rank of the right group, shards holding the wrong experts, or the
+    experts' gradient left EP times too large: the comparison above fails."""
+    worst = {k: max(rank[f"qwen3/{fault}"][k] for rank in data_and_expert_ranks) for k in fails}
+    assert all(v > 10 for v in worst.values()), worst
+
+
 
 @pytest.mark.parametrize("model, expert, world, says", [
     ("tiny-reverse", 2, "2", "trainer.parallel.expert = 2: model = {model} is not a mixture-of-experts model"),
     ("tiny-moe", 3, "3", "trainer.parallel.expert = 3 does not divide the 4 experts per MoE layer of model = {model}"),
-    ("tiny-moe", 4, "2", "trainer.parallel.expert = 4 on 2 trainer ranks: expert parallelism is built for an expert "
-                         "group of every rank"),
+    ("tiny-moe", 4, "2", "trainer.parallel: data x context x expert = 1 x 1 x 4 = 4, but the trainer has 2 rank(s)"),
 ])
 def test_an_expert_split_the_model_or_the_ranks_cannot_take_is_refused_in_one_line(tmp_path, monkeypatch, model,
                                                                                     expert, world, says):
@@ -198,6 +256,22 @@ def test_an_expert_split_the_model_or_the_ranks_cannot_take_is_refused_in_one_li
     assert result.exit_code == 2 and len(lines) == 1, result.stderr
     assert says.format(model=path) in lines[0], lines[0]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("world, extra", [("4", []), ("4", ["--trainer.parallel.context", "2"]),
+                                          ("8", ["--trainer.parallel.context", "2"])])
+def test_expert_groups_beside_data_or_context_ranks_pass_the_start_up_checks(tmp_path, monkeypatch, world, extra):
+    """expert = 2 on 4 ranks (data 2 x expert 2, or context 2 x expert 2) and on 8 (data 2 x
+    context 2 x expert 2): accepted at start-up (they were refused while the expert group had to be
+    every rank)."""
+    from typer.testing import CliRunner
+
+    from asyncrl.main import app
+
+    monkeypatch.setenv("WORLD_SIZE", world)
+    result = CliRunner().invoke(app, ["trainer", "--model", str(TINY_MOE), "--output_dir", str(tmp_path / "out"),
+                                      "--trainer.parallel.expert", "2", *extra, "--dry-run"])
+    assert result.exit_code == 0, result.stderr
 
 # --- the real trainer at EP=2 ---------------------------------------------------------------------
 
@@ -291,3 +365,58 @@ def test_the_trainer_at_ep2_steps_checkpoints_publishes_and_resumes_as_without_e
         assert torch.equal(a[k], b[k]), k
     assert not torch.equal(weights(ep, 1)["model.layers.0.mlp.experts.gate_up_proj"],
                            a["model.layers.0.mlp.experts.gate_up_proj"])
+
+
+@pytest.mark.slow
+def test_the_trainer_at_data_2_x_expert_2_steps_checkpoints_publishes_and_resumes_as_one_rank(tmp_path):
+    """Four ranks, data 2 x expert 2 (trainer.parallel.expert = 2, data filled in: each expert
+    shard FSDP2-sharded over its two data replicas), routing replay on and activation
+    checkpointing, against one rank: step 1 within tests/trainer/test_trainer.py's derived bounds (read
+    from both DCP checkpoints: the same keys, full shapes), the same published safetensors
+    layout, every trained token replayed; the one-rank trainer resumed from the 2 x 2 step-1
+    checkpoint takes step 2 as the 2 x 2 run did; a 2 x 2 run resumed from it publishes step 2 bit
+    for bit as the uninterrupted run."""
+    from rl.rundir import RunDir
+    from test_trainer import assert_same_step, run_trainer, torchrun, trainer_metrics, weights
+
+    grid, one = RunDir(tmp_path / "grid"), RunDir(tmp_path / "one")
+    for run in (grid, one):
+        write_moe_batches(run, [1, 2])
+    expert = ["--trainer.parallel.expert", "2"]
+    log = run_trainer(torchrun(4), trainer_args(tmp_path, grid, "grid", expert))
+    run_trainer(rl_command("trainer"), trainer_args(tmp_path, one, "one", ["--max_steps", "1"]))
+    assert_same_step(grid, one, 1)
+    assert safetensors_layout(grid.weights_dir(1)) == safetensors_layout(one.weights_dir(1))
+    replayed = [m["routing_replayed_frac"] for m in trainer_metrics(grid)]
+    assert replayed == [1.0, 1.0], replayed
+
+    flat = RunDir(tmp_path / "flat")
+    shutil.copytree(one.root, flat.root)
+    for run in (one, flat):
+        shutil.rmtree(run.checkpoint_dir(1) / "trainer")
+        shutil.copytree(grid.checkpoint_dir(1) / "trainer", run.checkpoint_dir(1) / "trainer")
+    run_trainer(rl_command("trainer"), trainer_args(tmp_path, flat, "flat", ["--resume"]))
+    assert_same_step(grid, flat, 2)
+    log = run_trainer(torchrun(4), trainer_args(tmp_path, one, "one", expert + ["--resume"]))
+    assert "resumed from checkpoints/step_1: next batch is 2" in log, log[-3000:]
+    a, b = weights(grid, 2), weights(one, 2)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_the_fsdp2_internals_the_expert_mesh_uses_take_what_it_passes():
+    """trainer/parallel.py apply_fsdp gives the expert parameters their own FSDP2 mesh through
+    shard_placement_fn returning ShardPlacementResult(placement, FSDPMeshInfo(mesh,
+    shard_mesh_dim=0)): private classes of torch 2.13's FSDP2 (what torchtitan passes too). The
+    data 2 x expert 2 tests above run them; this pins their shapes, to fail plainly on a torch
+    that changes them."""
+    import dataclasses
+    import inspect
+
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+
+    assert [f.name for f in dataclasses.fields(ShardPlacementResult)] == ["placement", "mesh_info"]
+    assert {"mesh", "shard_mesh_dim"} <= {f.name for f in dataclasses.fields(FSDPMeshInfo)}
+    assert "shard_placement_fn" in inspect.signature(fully_shard).parameters
