@@ -39,7 +39,7 @@ IN_FLIGHT = 16
 
 def config(chat: str) -> RunConfig:
     return RunConfig.model_validate({"model": str(MODEL), "seq_len": 64, "orchestrator": {
-        "chat": chat, "group_size": 8, "max_tokens": 10, "temperature": 0.7,
+        "prompts": {"chat": chat}, "scheduling": {"group_size": 8}, "sampling": {"max_tokens": 10, "temperature": 0.7},
         "datasets": [{"reasoning_gym": "spell_backward", "task_config": {"min_word_len": 3, "max_word_len": 7}}]}})
 
 

@@ -61,7 +61,7 @@ def main() -> None:
         overrides = VARIANTS[name]
         out = ROOT / "runs" / "bench" / f"length_bias_{name}"
         wall, records = run_rl("configs/long.toml", out, ["--max_steps", str(args.steps), "--seed", str(args.seed),
-                                                           "--trainer.keep_rollouts", str(args.steps), *overrides],
+                                                           "--trainer.files.keep_rollouts", str(args.steps), *overrides],
                                timeout_s=3600)
         groups = batched_groups(RunDir(out), args.steps)
         orch = [r for r in records if r["program"] == "orchestrator" and "reward_mean" in r]

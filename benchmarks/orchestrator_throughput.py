@@ -50,10 +50,12 @@ async def bench(args, root: Path, urls: list[str]) -> dict:
     cfg = RunConfig.model_validate({
         "model": str(TINY_MODEL), "output_dir": str(root), "seq_len": 64, "max_steps": args.steps,
         "max_async_level": 2,
-        "orchestrator": {"servers": {"urls": urls}, "dataset": "fake_inference:dataset",
-                         "reward": "fake_inference:reward", "prompts_per_step": args.prompts,
-                         "group_size": args.group_size, "max_in_flight_groups": args.in_flight,
-                         "max_tokens": 8, "poll_interval_s": 0.02, "reward_inline": args.reward_inline},
+        "orchestrator": {"servers": {"urls": urls},
+                         "datasets": [{"name": "data", "function": "fake_inference:dataset",
+                                       "reward": "fake_inference:reward"}],
+                         "scheduling": {"prompts_per_step": args.prompts, "group_size": args.group_size,
+                                        "max_in_flight_groups": args.in_flight, "poll_interval_s": 0.02},
+                         "sampling": {"max_tokens": 8}, "reward_inline": args.reward_inline},
     })
     run = RunDir(root)
     run.make()

@@ -1,5 +1,5 @@
 """Packed attention on the CPU (issue 63, item 5): sdpa with the block-diagonal [T, T] mask
-transformers builds for packed rows, against trainer.attention = "varlen" without the flash
+transformers builds for packed rows, against trainer.model.attention = "varlen" without the flash
 kernel (SDPA per block of documents, trainer/packed_attention.py), which `auto` now picks here.
 
     .venv/bin/python benchmarks/packed_attention_cpu.py [--repeats 5] [--threads 1]

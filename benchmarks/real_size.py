@@ -86,7 +86,7 @@ def config(model: Path, scenario: str, args, seq_len: int) -> str:
              "cpu_kv_cache_gib = 2", "", "[orchestrator]", "cpus = [0]", f"scheduling.prompts_per_step = {args.prompts}",
              "scheduling.group_size = 2", f"scheduling.max_in_flight_groups = {2 * args.prompts}",
              f"sampling.max_tokens = {args.max_tokens}", "sampling.temperature = 1.0",
-             "timeouts.request_s = 3600", "timeouts.trainer_s = 7200"]
+             "timeouts.request_s = 3600", "timeouts.weights_s = 7200"]
     if scenario == "tools":
         lines += ["", "[orchestrator.environment]", 'class = "real_size_tools:ManyTools"', "max_turns = 2", ""]
     else:
@@ -94,13 +94,13 @@ def config(model: Path, scenario: str, args, seq_len: int) -> str:
                   'reward = "real_size_task:reward"', "", "[orchestrator.eval]", "rows = 2", f"every = {steps}",
                   "", "[[orchestrator.eval.datasets]]", 'name = "heldout"', 'path = "eval.jsonl"',
                   'reward = "real_size_task:reward"', ""]
-    lines += ["[trainer]", "cpus = [1]", f'dtype = "{args.trainer_dtype}"', "activation_checkpointing = true",
-              "checkpoint_every = 2",
-              "keep_rollouts = 100", "keep_weights = 100", "keep_checkpoints = 100", "batch_timeout_s = 7200"]
+    lines += ["[checkpoints]", "every = 2", "keep = 100", "",
+              "[trainer]", "cpus = [1]", f'model.dtype = "{args.trainer_dtype}"', "model.activation_checkpointing = true",
+              "files.keep_rollouts = 100", "files.keep_weights = 100", "timeouts.batch_s = 7200"]
     if scenario == "lora":
         lines += ["", "[trainer.lora]", "rank = 16"]
     if scenario == "full-broadcast":
-        lines += ["", "[weight_sync]", 'kind = "broadcast"', "timeout_s = 1800"]
+        lines += ["", "[weight_sync]", 'kind = "broadcast"', "", "[timeouts]", "broadcast_s = 1800"]
     return "\n".join(lines) + "\n"
 
 # A tool environment with several tools' schemas in its system prompt, as agent tasks have them:

@@ -1,4 +1,4 @@
-"""Routing replay on and off (trainer.routing_replay) on the MoE demo, by staleness.
+"""Routing replay on and off (trainer.mismatch.routing_replay) on the MoE demo, by staleness.
 
     .venv/bin/python benchmarks/routing_replay.py [--async-levels 0 1] [--steps 300] [--seeds 0]
 
@@ -43,7 +43,7 @@ def main() -> None:
             for replay in (False, True):
                 out = ROOT / "runs" / "bench" / f"routing_{'replay' if replay else 'own'}_async{level}_{seed}"
                 overrides = ["--max_steps", str(args.steps), "--max_async_level", str(level), "--seed", str(seed),
-                             "--trainer.routing_replay", str(replay).lower()]
+                             "--trainer.mismatch.routing_replay", str(replay).lower()]
                 wall, records = run_rl("configs/moe_demo.toml", out, overrides, timeout_s=3600)
                 row = {"seed": seed, "max_async_level": level, "replay": replay, **summary(wall, records)}
                 print(json.dumps(row), flush=True)

@@ -1,4 +1,4 @@
-"""Keep Sampling Mask (trainer.sampling_mask): the demo sampled with top_p, learning with the mask
+"""Keep Sampling Mask (trainer.mismatch.sampling_mask): the demo sampled with top_p, learning with the mask
 and without, same seeds; and the mask's cost in trainer step time at a real vocabulary size.
 
     python benchmarks/sampling_mask.py runs  [--top-p 0.8] [--seeds 0] [--steps 300]
@@ -58,7 +58,7 @@ def runs(args) -> None:
             output_dir = ROOT / "runs" / "bench" / f"sampling_mask_{name}"
             wall, records = run_rl("configs/demo.toml", output_dir, [
                 "--seed", str(seed), "--max_steps", str(args.steps), "--orchestrator.sampling.top_p", str(args.top_p),
-                "--trainer.sampling_mask", str(mask).lower()], timeout_s=3600)
+                "--trainer.mismatch.sampling_mask", str(mask).lower()], timeout_s=3600)
             out[name] = {"wall_s": wall, "top_p": args.top_p, "seed": seed, "mask": mask,
                          **summarise(records, output_dir)}
             r = out[name]

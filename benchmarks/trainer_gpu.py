@@ -1,17 +1,17 @@
 """The trainer's step at the hardware's pace (issue 51): MFU and peak memory of one step of 128
 samples of 128-1024 tokens (78,276 with its seed) through `Trainer.train_step`, as `rl trainer` runs it
-(FSDP2 on one rank, the chunked logprob head, trainer.dtype auto: bfloat16 on CUDA), on random
+(FSDP2 on one rank, the chunked logprob head, trainer.model.dtype auto: bfloat16 on CUDA), on random
 Qwen2.5-0.5B- and 1.5B-shaped models built from their config (no download), per variant:
 
     sdpa_8k                  sdpa (block-diagonal [T, T] mask per packed row: what auto ran before issue 60), eager
-    sdpa_compile_8k          the same with trainer.compile (each decoder layer compiled)
-    varlen_{8k,16k,32k}      trainer.attention = "varlen" (torch's own varlen flash kernel), eager
+    sdpa_compile_8k          the same with trainer.model.compile (each decoder layer compiled)
+    varlen_{8k,16k,32k}      trainer.model.attention = "varlen" (torch's own varlen flash kernel), eager
     varlen_compile_{8k,16k,32k}   varlen and compiled: the fast setting
     varlen_compile_ac_32k    the same with activation checkpointing (memory for speed)
     trl                      a TRL-like step for comparison: float32 weights, bfloat16 autocast, rows
                              padded per micro-batch of 8 samples, full logits, AdamW; no FSDP
 
-8k/16k/32k: trainer.micro_batch_tokens 8192/16384/32768 (rows of seq_len 1024). Each variant runs
+8k/16k/32k: trainer.batching.micro_batch_tokens 8192/16384/32768 (rows of seq_len 1024). Each variant runs
 in its own process: a warm-up step (compiling, AdamW's state), then --repeats timed steps, the
 best reported. MFU = 6 x parameters x tokens per second / the device's peak (989 TFLOP/s for an
 H100 or H200 in dense bfloat16: --peak-tflops); peak memory: torch.cuda.max_memory_allocated over
@@ -57,7 +57,7 @@ TINY_SHAPES = {  # the same head_dim (64) and GQA, a CPU's size
 # (samples, shortest, longest, seq_len, micro_batch_tokens for 8k / 16k / 32k)
 WORKLOAD = {"full": (128, 128, 1024, 1024, {"8k": 8192, "16k": 16384, "32k": 32768}),
             "tiny": (16, 16, 128, 128, {"8k": 256, "16k": 512, "32k": 1024})}
-# name -> (trainer.attention, trainer.compile, micro-batch tokens, activation_checkpointing);
+# name -> (trainer.model.attention, trainer.model.compile, micro-batch tokens, activation_checkpointing);
 # trl: trl_step instead of the Trainer.
 VARIANTS = {
     "sdpa_8k": ("sdpa", False, "8k", False),
@@ -119,8 +119,9 @@ def variant_trainer(args):
     """The real Trainer (trainer_step.trainer: `rl trainer`'s, one rank) with the variant's keys."""
     attention, compiled, size, ac = VARIANTS[args.variant]
     _, _, _, seq_len, tokens_per = WORKLOAD["tiny" if args.tiny else "full"]
-    return trainer(Path(args.model), Path(args.out).parent / args.variant, seq_len, attention=attention,
-                   compile=compiled, micro_batch_tokens=tokens_per[size], activation_checkpointing=ac)
+    return trainer(Path(args.model), Path(args.out).parent / args.variant, seq_len,
+                   model={"attention": attention, "compile": compiled, "activation_checkpointing": ac},
+                   batching={"micro_batch_tokens": tokens_per[size]})
 
 
 def trl_step(model_path: Path, batch, device: torch.device):

@@ -17,7 +17,7 @@ row: the largest attention blocks; the rest of its memory is every rank's). `che
 process's own peak resident memory (VmHWM after clear_refs), to show the count is the memory.
 
 Per rank, "activation" is the peak's total minus parameters, buffers and gradients (those are
-allocated before the step, as after a first step). CP = 1 runs trainer.attention = "varlen"
+allocated before the step, as after a first step). CP = 1 runs trainer.model.attention = "varlen"
 (trainer/packed_attention.py: no [T, T] mask), CP > 1 the context attention. float32 weights and
 activations (the trainer's CPU dtype; a bfloat16 GPU run halves the activations). Results go to
 benchmarks/results/trainer_parallel_<mode>.json; docs/trainer.md ("Parallelism") has the table.

@@ -65,6 +65,7 @@ def random_batch(samples: int, min_len: int, max_len: int, vocab: int, seed: int
 
 
 def trainer(model: Path, out: Path, seq_len: int, **trainer_keys) -> Trainer:
+    """`trainer_keys`: tables (and keys) of [trainer]."""
     cfg = RunConfig.model_validate({"model": str(model), "output_dir": str(out), "seq_len": seq_len,
                                     "trainer": {"torch_threads": torch.get_num_threads(), **trainer_keys}})
     return Trainer(cfg)
@@ -87,7 +88,7 @@ def packing(args, tmp: Path) -> dict:
     results = {}
     for name, keys in (("padded", {"pack": False, "micro_batch_size": args.micro_batch_size}),
                        ("packed", {"pack": True, "micro_batch_tokens": budget})):
-        t = trainer(model, tmp / name, args.seq_len, **keys)
+        t = trainer(model, tmp / name, args.seq_len, batching=keys)
         mbs = t.micro_batches(batch, t.policy)
         timed_steps(t, batch, 1)  # warm-up
         times = timed_steps(t, batch, args.repeats)
@@ -106,7 +107,7 @@ def large(args, tmp: Path) -> dict:
     model = build_model("0.5b", tmp / "model")
     build_s = time.perf_counter() - start
     batch = random_batch(8, 96, 160, SHAPES["0.5b"]["vocab_size"])
-    t = trainer(model, tmp / "run", 256, micro_batch_tokens=512)
+    t = trainer(model, tmp / "run", 256, batching={"micro_batch_tokens": 512})
     params = sum(p.numel() for p in t.model.parameters())
     times = timed_steps(t, batch, args.repeats)
     tokens = int(batch.lengths.sum())
@@ -120,7 +121,7 @@ def large(args, tmp: Path) -> dict:
 
 
 VARIANTS = {
-    # trainer.logits_chunk_tokens per variant; no_logits: the head returns the hidden states'
+    # trainer.model.logits_chunk_tokens per variant; no_logits: the head returns the hidden states'
     # first two features instead of (logprob, entropy), so the step has everything but logits.
     "full": 0, "chunked": 1024, "no_logits": 1024,
 }
@@ -168,8 +169,8 @@ def logits_variant(args) -> None:
     per = args.seq_len // 8
     batch = random_batch(8, per, per, vocab)
     t = trainer(Path(args.model), Path(args.out).parent / args.variant, args.seq_len,
-                micro_batch_tokens=args.seq_len, activation_checkpointing=True,
-                logits_chunk_tokens=VARIANTS[args.variant])
+                batching={"micro_batch_tokens": args.seq_len},
+                model={"activation_checkpointing": True, "logits_chunk_tokens": VARIANTS[args.variant]})
     if args.variant == "no_logits":
         LogprobHead.forward = lambda self, hidden: hidden[..., :2].float()
     timed_steps(t, random_batch(2, 32, 32, vocab), 1)  # AdamW's state, cheaply

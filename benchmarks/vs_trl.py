@@ -124,7 +124,7 @@ def race(args) -> dict:
         trl_wall, trl = trl_run(f"vs_trl_{args.recipe}_trl_{seed}", r, seed, int(budget / 0.1), budget)
         steps = int(budget / r.s_per_step * 1.3)
         _, records = run_rl(r.config, ROOT / "runs" / "bench" / f"vs_trl_{args.recipe}_ours_{seed}",
-                            ["--seed", str(seed), "--max_steps", str(steps), "--trainer.checkpoint_every", "0",
+                            ["--seed", str(seed), "--max_steps", str(steps), "--checkpoints.every", "0",
                              "--orchestrator.eval.datasets", "[]", *args.ours], timeout_s=budget * 3 + 300,
                             stop_after_s=budget + 5)
         ours = [p for p in ours_curve(records) if p["time"] <= budget]  # both sides judged on the budget alone

@@ -269,7 +269,7 @@ def trainer_mode(args) -> dict:
         model = build_model(step_shape, Path(d) / "model")
         out["build_model_s"] = time.perf_counter() - start
         for lr in args.lrs:
-            t = trainer(model, Path(d) / f"run_{lr}", args.max_len + 64, micro_batch_tokens=args.max_len * 2,
+            t = trainer(model, Path(d) / f"run_{lr}", args.max_len + 64, batching={"micro_batch_tokens": args.max_len * 2},
                         optim={"lr": lr})
             assert all(p.dtype == torch.float32 for p in t.model.parameters()), "masters are not float32"
             out["params"] = sum(p.numel() for p in t.model.parameters())

@@ -185,7 +185,7 @@ def measure(args) -> dict:
         cfg = RunConfig.model_validate({"model": str(TINY), "output_dir": str(run.root),
                                         "inference": {"dtype": "bfloat16"},
                                         "weight_sync": {"delta": True, "full_every": args.steps + 1},
-                                        "trainer": {"keep_weights": 100}})
+                                        "trainer": {"files": {"keep_weights": 100}}})
         publisher, policy = FilePublisher(0, None, cfg, run, tied=True), SimpleNamespace(cfg=cfg, run=run)
         server = url = None
         base = None

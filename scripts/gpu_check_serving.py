@@ -201,7 +201,8 @@ def check_broadcast(ctx: Context) -> tuple[str, dict]:
     run = RunDir(ctx.path / "run")
     run.make()
     port, store = ctx.ports
-    sync = {"weight_sync": {"kind": "broadcast", "address": f"127.0.0.1:{store}", "timeout_s": 300 if ctx.gpu else 120}}
+    sync = {"weight_sync": {"kind": "broadcast", "address": f"127.0.0.1:{store}"},
+            "timeouts": {"broadcast_s": 300 if ctx.gpu else 120}}
     cfg_file = write_config(ctx.path / "server.toml", ctx, run.root, sync, port=port)
     cfg = RunConfig.model_validate({"model": ctx.model, "output_dir": str(run.root), **sync})
     new = perturbed(model_tensors(ctx.model), seed=1)

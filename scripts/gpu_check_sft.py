@@ -49,7 +49,7 @@ def sft_config(ctx: Context, name: str, extra: dict) -> Path:
     sft = {"batch_size": 32 if gpu else 8, "eval_every": steps // 2, "eval_rows": 64,
            "datasets": [{"name": "sums", "path": str(data / "train.jsonl"), "completion_key": "answer"}],
            "eval_datasets": [{"name": "heldout", "path": str(data / "heldout.jsonl"), "completion_key": "answer"}]}
-    base = {"max_steps": steps, "trainer": {"checkpoint_every": 0, "optim": {"lr": 1e-4}}, "sft": sft}
+    base = {"max_steps": steps, "checkpoints": {"every": 0}, "trainer": {"optim": {"lr": 1e-4}}, "sft": sft}
     return write_config(ctx.path / f"{name}.toml", ctx, ctx.path / name, merged(base, extra))
 
 
@@ -86,7 +86,7 @@ def max_difference(a: Path, b: Path) -> float:
 
 
 def check_resume(ctx: Context, whole: Path, steps: int) -> tuple[str, dict]:
-    killed = sft_config(ctx, "killed", {"trainer": {"checkpoint_every": steps // 2}})
+    killed = sft_config(ctx, "killed", {"checkpoints": {"every": steps // 2}})
     crash = f"trainer.after_step:{steps // 2 + 1}"
     rc = sft(ctx, killed, env={"ASYNCRL_CRASH_AT": crash})
     if rc != -9:

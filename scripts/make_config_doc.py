@@ -10,9 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from pydantic import BaseModel
-
-from asyncrl.config_help import render_help
+from asyncrl.config_help import render_help, table_models
 from rl.config import RunConfig
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "config.md"
@@ -20,13 +18,12 @@ PAGE = Path(__file__).resolve().parent.parent / "docs" / "config.md"
 
 def tables() -> tuple[str, ...]:
     """The top-level tables, in the schema's order ([inference], [orchestrator], ...)."""
-    return tuple(name for name, field in RunConfig.model_fields.items()
-                 if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel))
+    return tuple(name for name, field in RunConfig.model_fields.items() if table_models(field))
 
 
 def render() -> str:
     head = ("# Config keys\n\n"
-            "Generated from the schema (src/rl/config.py and the files it imports) by "
+            "Generated from the schema (src/rl/config/) by "
             "`scripts/make_config_doc.py`; `rl <program> --help` prints the same for one program's "
             "tables, `--dry-run` the resolved config. One TOML file configures a run: the top-level keys, "
             "then one table per program. Files compose left to right (`@ base.toml @ mine.toml`), flags "

@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from rl.config import RunConfig
-from rl.config_section import key_name
+from rl.config.section import key_name
 from rl.resolved_config import inline
 
 
@@ -37,16 +37,30 @@ def _table_help(cls: type[BaseModel], path: str, doc: str | None, sections: tupl
     if _shown(path, sections):
         lines += ["", f"[{path}]" if path else "top-level keys", *_wrap(doc, width, _INDENT)]
         for name, field in cls.model_fields.items():
-            if _table(field) is None:
+            if not table_models(field):
                 key = key_name(name, field)
                 lines += _key_help(f"--{path}.{key}" if path else f"--{key}", field, width)
         for name, field in cls.model_fields.items():
             if entry := _entries(field):
                 lines += _entries_help(entry, f"{path}.{key_name(name, field)}", width, seen)
     for name, field in cls.model_fields.items():
-        sub, sub_path = _table(field), f"{path}.{key_name(name, field)}" if path else key_name(name, field)
-        if sub is not None and _leads_to(sub_path, sections):
-            lines += _table_help(sub, sub_path, field.description or sub.__doc__, sections, width, seen)
+        subs, sub_path = table_models(field), f"{path}.{key_name(name, field)}" if path else key_name(name, field)
+        if len(subs) == 1 and _leads_to(sub_path, sections):
+            lines += _table_help(subs[0], sub_path, field.description or subs[0].__doc__, sections, width, seen)
+        elif subs and _shown(sub_path, sections):
+            lines += _kinds_help(subs, sub_path, width)
+    return lines
+
+
+def _kinds_help(kinds: list[type[BaseModel]], path: str, width: int) -> list[str]:
+    """A table that is one of several kinds (rl/config/delivery.py): each kind's keys apart."""
+    lines: list[str] = []
+    for cls in kinds:
+        kind = cls.model_fields["kind"].default
+        lines += ["", f'[{path}] kind = "{kind}"' + (" (the default)" if cls is kinds[0] else "")]
+        fields = sorted(cls.model_fields.items(), key=lambda item: item[0] != "kind")  # kind first
+        for name, field in fields:
+            lines += _key_help(f"--{path}.{key_name(name, field)}", field, width)
     return lines
 
 
@@ -58,7 +72,13 @@ def _entries_help(cls: type[BaseModel], path: str, width: int, seen: dict[type, 
     seen[cls] = path
     lines = ["", f"[[{path}]]", *_wrap("Each entry takes:", width, _INDENT)]
     for name, field in cls.model_fields.items():
-        lines += _key_help(key_name(name, field), field, width)
+        subs = table_models(field)
+        if subs:  # a table inside each entry (a dataset's own sampling): its keys, dotted
+            lines += _wrap(f"{key_name(name, field)}: {field.description or ''}", width, _INDENT)
+            lines += [line for sub, f in subs[0].model_fields.items()
+                      for line in _key_help(f"{key_name(name, field)}.{key_name(sub, f)}", f, width)]
+        else:
+            lines += _key_help(key_name(name, field), field, width)
     return lines
 
 
@@ -76,9 +96,15 @@ def _leads_to(path: str, sections: tuple[str, ...]) -> bool:
     return _shown(path, sections) or any(s.startswith(f"{path}.") for s in sections)
 
 
-def _table(field: FieldInfo) -> type[BaseModel] | None:
+def table_models(field: FieldInfo) -> list[type[BaseModel]]:
+    """The model of a table key, or each kind's of a table that is one of several kinds (a
+    discriminated union); none for a plain key."""
     a = field.annotation
-    return a if isinstance(a, type) and issubclass(a, BaseModel) else None
+    if isinstance(a, type) and issubclass(a, BaseModel):
+        return [a]
+    if get_origin(a) in (Union, types.UnionType) and field.discriminator:
+        return [m for m in get_args(a) if isinstance(m, type) and issubclass(m, BaseModel)]
+    return []
 
 
 def _entries(field: FieldInfo) -> type[BaseModel] | None:

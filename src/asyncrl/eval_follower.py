@@ -51,7 +51,7 @@ class EvalFollower:
     def finish(self) -> int | None:
         """After the last step: wait for the last version's evaluation, saying every HEARTBEAT_S
         what it waits for; the follower's exit code (None: stopped at the bound)."""
-        bound = self.cfg.orchestrator.timeouts.server_wait_s + self.cfg.inference.reload_timeout_s + 600
+        bound = self.cfg.orchestrator.timeouts.server_wait_s + self.cfg.inference.timeouts.reload_s + 600
         start = time.monotonic()
         while self.proc.poll() is None:
             waited = time.monotonic() - start

@@ -28,7 +28,7 @@ from rl.config import ConfigError, RunConfig
 from rl.gpu_placement import GpuPlan
 from rl.gpu_placement import check as gpu_placement
 from rl.heartbeat import SERVING, PeerWatch, heartbeat_path
-from rl.parallel_layout import cpu_world, mesh_sizes
+from rl.config.parallel_layout import cpu_world, mesh_sizes
 from rl.rundir import RunDir
 from rl.stop_signal import die_with_parent, raise_on_sigterm
 
@@ -52,7 +52,7 @@ class Child:
 
 def trainer_ranks(cfg: RunConfig, gpu_plan: GpuPlan | None) -> int:
     """How many trainer ranks `rl run` starts: one per trainer GPU; on CPU, [trainer.parallel]'s
-    product (rl/parallel_layout.py)."""
+    product (rl/config/parallel_layout.py)."""
     return len(gpu_plan.trainer) if gpu_plan is not None else cpu_world(cfg.trainer.parallel)
 
 
@@ -86,7 +86,7 @@ def _start(name: str, argv: list[str], run: RunDir, cfg: RunConfig, gpu_plan: Gp
             start_new_session=True, preexec_fn=die_with_parent,
             env={**os.environ, "PYTHONWARNINGS": warnings, **env},
         )
-    return Child(name, proc, log, PeerWatch(heartbeat_path(cfg, name), name, cfg.heartbeat_timeout_s))
+    return Child(name, proc, log, PeerWatch(heartbeat_path(cfg, name), name, cfg.timeouts.heartbeat_s))
 
 
 def _stop(children: list[Child]) -> None:
@@ -163,7 +163,7 @@ def status_line(step: int, total: int, orch: dict, train: dict) -> str:
     if "routing_agreement" in train:  # a mixture-of-experts model whose engine records its routing
         line += f" | routing agreement {train['routing_agreement']:.3f}"
     # Only when something went wrong or was thrown away: the usual line stays short.
-    extra = {k: orch.get(k, 0) for k in ("cancelled", "failed", "failed_requests", "requeued", "filtered",
+    extra = {k: orch.get(k, 0) for k in ("cancelled", "episodes_failed_scored", "failed_requests", "requeued", "filtered",
                                           "dropped_stale")}
     if any(extra.values()):
         line += " | " + " ".join(f"{k} {v}" for k, v in extra.items() if v)

@@ -11,7 +11,7 @@
 
 Programs are imported only after the config parsed, so `--help` and config errors are instant.
 `rl <program> --help` lists, after the usage, every config key the program reads with its
-type, default and documentation (the key's docstring in rl/config.py).
+type, default and documentation (the key's docstring in rl/config/).
 """
 
 from __future__ import annotations
@@ -38,15 +38,16 @@ _ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 # The config tables each command's --help lists besides the top-level keys: those its program
 # reads ("trainer.lora": that sub-table only).
-_ALL = ("inference", "transport", "weight_sync", "orchestrator", "trainer", "tracking")
+_ALL = ("checkpoints", "timeouts", "inference", "transport", "weight_sync", "orchestrator", "trainer", "tracking")
 SECTIONS = {
-    "inference": ("inference", "weight_sync", "trainer.lora"),
-    "orchestrator": ("orchestrator", "inference", "transport", "weight_sync", "trainer.lora", "tracking"),
-    "trainer": ("trainer", "transport", "weight_sync"),
+    "inference": ("timeouts", "inference", "weight_sync", "trainer.lora"),
+    "orchestrator": ("checkpoints", "timeouts", "orchestrator", "inference", "transport", "weight_sync", "trainer.lora",
+                     "tracking"),
+    "trainer": ("checkpoints", "timeouts", "trainer", "transport", "weight_sync"),
     "run": _ALL,
     "slurm": (*_ALL, "slurm"),
     "eval": ("orchestrator", "inference", "trainer.lora"),
-    "sft": ("sft", "trainer", "orchestrator.eval", "inference"),
+    "sft": ("checkpoints", "sft", "trainer", "orchestrator.eval", "inference"),
 }
 
 

@@ -78,7 +78,7 @@ def _check(cfg: RunConfig) -> tuple[int | None, int | None, list[str]]:
                              "or ipc:///path")
         # ipc:// stays as it is: the orchestrator and trainer rank 0 share the head node.
     broadcast_port = None
-    if cfg.weight_sync.kind == "broadcast":
+    if cfg.weight_delivery == "broadcast":
         broadcast_port = _port("weight_sync.address", cfg.weight_sync.address)
     head = {"slurm.rendezvous_port": s.rendezvous_port, "transport.address": transport_port,
             "weight_sync.address": broadcast_port}

@@ -65,7 +65,7 @@ def check_base(path: Path, manifest: wd.Manifest) -> None:
     refused = f"version {manifest.version} at {path}: {wd.REFUSED}:"
     if not (base / STABLE).is_file():
         raise HTTPException(409, f"{refused} its base, version {manifest.base_version}, is missing ({base}); a "
-                                 "server catches up through the last full version, which trainer.keep_weights keeps")
+                                 "server catches up through the last full version, which trainer.files.keep_weights keeps")
     try:
         digest = wd.Digest.read(base)
     except (OSError, ValueError) as e:

@@ -55,7 +55,7 @@ class ServedWeights:
         # How a failed update rolls back, whatever the kind: from the served version's files.
         # With weight_sync.delta, the files may be a delta against a full version kept in memory.
         reloads = DeltaFiles if cfg.weight_sync.delta else FilesReload
-        self.files = reloads(cfg.inference.reload_timeout_s)
+        self.files = reloads(cfg.inference.timeouts.reload_s)
         # Files until the workers join a broadcast group (init_broadcaster).
         self.reload: Reload = self.files
         self.failures = ReloadFailures(generations, self.files)
@@ -83,7 +83,7 @@ class ServedWeights:
                                             reload.timeout_s)
             update.add_done_callback(self.failures.finished_late)
             raise HTTPException(504, f"reload of {path} as version {body.version} still running after "
-                                     f"{reload.timeout_s:g} s (inference.reload_timeout_s); this server "
+                                     f"{reload.timeout_s:g} s (inference.timeouts.reload_s); this server "
                                      "answers 503 until it ends") from None
 
     async def update(self, reload: Reload, path: Path, body: UpdateWeightsRequest) -> dict:
@@ -164,7 +164,9 @@ class ServedWeights:
                 "group": None if group is None else dict(zip(("address", "rank_offset", "world_size"), group))}
 
     async def init_broadcaster(self, body: InitBroadcasterRequest) -> dict:
-        ws = self.cfg.weight_sync
+        ws, timeout_s = self.cfg.weight_sync, self.cfg.timeouts.broadcast_s
+        if self.cfg.weight_delivery != "broadcast":
+            raise HTTPException(403, 'this server takes weights through files: its weight_sync.kind is not "broadcast"')
         # Like weight paths, only the configured source: the route makes every worker
         # connect to that address and load whatever arrives from it.
         if body.address != ws.address:
@@ -192,12 +194,12 @@ class ServedWeights:
             start = time.perf_counter()
             try:
                 ranks = await every_worker(
-                    self.engine, "asyncrl_init_broadcaster", ws.timeout_s + 30,
-                    (body.address, body.rank_offset, body.world_size, ws.timeout_s,
+                    self.engine, "asyncrl_init_broadcaster", timeout_s + 30,
+                    (body.address, body.rank_offset, body.world_size, timeout_s,
                      f"{socket.gethostname()}:{self.cfg.inference.port}"))
             except Exception as e:
                 raise rpc_error(f"joining the broadcast group at {body.address}", e) from None
-            self.reload = BroadcastReceive(self.reload, wanted, ws.timeout_s)
+            self.reload = BroadcastReceive(self.reload, wanted, timeout_s)
         log.info("joined the weight broadcast group at %s as rank(s) %s of %d in %.1f s", body.address, ranks,
                  body.world_size, time.perf_counter() - start)
         return {"address": body.address, "ranks": ranks, "world_size": body.world_size, "already": False}

@@ -56,7 +56,7 @@ class ReloadFailures:
         o = self.overdue
         if o is not None:
             raise HTTPException(503, f"reload of {o.path} as version {o.version} still running after "
-                                     f"{time.monotonic() - o.since:.0f} s (inference.reload_timeout_s = "
+                                     f"{time.monotonic() - o.since:.0f} s (inference.timeouts.reload_s = "
                                      f"{o.timeout_s:g}); the weights are mid-load")
 
     def finished_late(self, update: asyncio.Task) -> None:
@@ -126,7 +126,7 @@ class ReloadFailures:
         the engine paused. vLLM reloads layer by layer: the layers loaded before the failure hold
         the new weights, the others the old ones (worker_extension.py: _end_interrupted_reload).
         No version names that mix, so reload the version served before from its own directory
-        (the trainer keeps the newest trainer.keep_weights versions, and "base" is the starting
+        (the trainer keeps the newest trainer.files.keep_weights versions, and "base" is the starting
         model), which the engine then serves exactly as before; the answer is the load's error.
         Should that fail too (its directory deleted, or it came by broadcast and holds no files,
         or it timed out), the server is broken (break_down)."""

@@ -76,7 +76,7 @@ class BroadcastReceive(Reload):
     def __init__(self, files: FilesReload, group: tuple[str, int, int], sync_timeout_s: float):
         self.files = files
         self.group = group
-        # The workers' own waits are bounded by weight_sync.timeout_s and name the group; this
+        # The workers' own waits are bounded by timeouts.broadcast_s and name the group; this
         # one only catches a worker that never answers.
         self.timeout_s = files.timeout_s + sync_timeout_s
 

@@ -1,5 +1,5 @@
 """Which experts each MoE layer routed each token to, recorded in the engine per request and
-position, for the trainer's routing replay (trainer.routing_replay; inference.record_routing).
+position, for the trainer's routing replay (trainer.mismatch.routing_replay; inference.record_routing).
 
 Why our own capture: vLLM's (enable_return_routed_experts) lives only in its V2 model runner,
 which needs Triton, and the CPU backend runs the V1 runner (docs/moe.md). What both runners share

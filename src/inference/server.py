@@ -220,7 +220,7 @@ async def _serve(args, routes: Routes, restore_logging: Callable[[], None], fork
                     app, sock=sock, host=args.host, port=args.port,
                     log_level="warning", access_log=False,
                     # A request still running at shutdown (a reload waiting on the engine that
-                    # just stopped) would otherwise hold the process up to reload_timeout_s.
+                    # just stopped) would otherwise hold the process up to inference.timeouts.reload_s.
                     timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
                 )
             finally:

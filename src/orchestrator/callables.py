@@ -1,4 +1,4 @@
-"""`package.module:name` specs (orchestrator.dataset, .reward, .environment.class): resolved in one
+"""`package.module:name` specs (a dataset's function and reward, orchestrator.environment.class): resolved in one
 place, so that the start-up check (orchestrator/preflight.py) and the orchestrator that calls them agree.
 
 The current directory is importable, as it is under `python -m asyncrl`: the `rl` console script

@@ -22,7 +22,7 @@ from orchestrator.reporting import Counters, prometheus
 from orchestrator.rollout import Aborted, Group, Rollouts
 from orchestrator.servers import Server, ServerPool, WeightDelivery
 from rl.inference_api import GenerateRequest, GenerateResponse, InferenceError
-from rl.orchestrator_config import OrchestratorConfig
+from rl.config.orchestrator import OrchestratorConfig
 
 log = logging.getLogger("orchestrator")
 

@@ -16,7 +16,7 @@ from orchestrator.quiet_warning import Quiet
 from orchestrator.rollout.groups import Group
 from orchestrator.rollout.kind import RolloutKind
 from orchestrator.streaks import Streaks
-from rl.orchestrator_config import OrchestratorConfig
+from rl.config.orchestrator import OrchestratorConfig
 
 log = logging.getLogger("orchestrator")
 

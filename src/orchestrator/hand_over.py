@@ -18,7 +18,7 @@ from rl.transport.registry import batch_sender
 
 class HandOver:
     def __init__(self, cfg: RunConfig, run_dir: RunDir):
-        self.run_dir, self.settings = run_dir, cfg.orchestrator
+        self.run_dir, self.settings, self.keep = run_dir, cfg.orchestrator, cfg.checkpoints.keep
         self.sender = batch_sender(cfg.transport, run_dir)
 
     def resume(self) -> ResumePoint:
@@ -31,16 +31,16 @@ class HandOver:
         curriculum's record, then handed over."""
         batch = Batch.from_samples(step, [s for g in groups for s in g.samples])
         encoded = batch.encode()  # once: the checkpoint and the hand-over take the same bytes
-        save_checkpoint(self.run_dir, step, encoded, cursor, pending, self.settings.checkpoints.keep, curriculum)
+        save_checkpoint(self.run_dir, step, encoded, cursor, pending, self.keep, curriculum)
         crash_point("orchestrator.checkpointed", step)
         set_phase(f"handing over batch {step}")
-        await self.sender.send(batch, self.settings.timeouts.trainer_s, encoded)
+        await self.sender.send(batch, self.settings.timeouts.weights_s, encoded)
         crash_point("orchestrator.handed_over", step)
         return batch
 
     async def send_again(self, batch: Batch) -> None:
         """A checkpointed batch that may never have reached the trainer: the same bytes again."""
-        await self.sender.send(batch, self.settings.timeouts.trainer_s)
+        await self.sender.send(batch, self.settings.timeouts.weights_s)
 
     def checkpointed(self, step: int) -> Batch:
         """Batch `step` as its checkpoint holds it (the bytes handed over)."""
@@ -48,7 +48,7 @@ class HandOver:
 
     async def redeliver(self) -> None:
         """Background: hand the trainer again what it lost (a restarted ZMQ trainer)."""
-        await self.sender.redeliver(self.settings.timeouts.trainer_s)
+        await self.sender.redeliver(self.settings.timeouts.weights_s)
 
     def close(self) -> None:
         self.sender.close()

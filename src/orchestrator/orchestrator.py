@@ -145,14 +145,14 @@ class Orchestrator:
         set_phase(f"making batch {step}")
         trainer_wait = await self.wait_until(
             versions_ok, f"version {min_serving_version(step, k)} to serve on every server "
-            f"(max_async_level={k}) before batch {step}", self.settings.timeouts.trainer_s)
+            f"(max_async_level={k}) before batch {step}", self.settings.timeouts.weights_s)
         group_wait = await self.wait_until(
             lambda: self.batch_ready(step), f"{self.settings.scheduling.prompts_per_step} groups for batch {step}",
-            self.settings.timeouts.trainer_s)
+            self.settings.timeouts.weights_s)
         while True:
             # Both again, at once: a server may have left or rejoined rotation meanwhile.
             await self.wait_until(lambda: versions_ok() and self.batch_ready(step), f"batch {step}",
-                                  self.settings.timeouts.trainer_s)
+                                  self.settings.timeouts.weights_s)
             # Ask the servers themselves: one restarted since its last request serves version 0
             # while still counted with the version it had (one /health per server per batch).
             await self.pool.check()
@@ -183,7 +183,7 @@ class Orchestrator:
         if self.settings.servers.discover and not fixed:
             exclude = {self.settings.teacher.url.rstrip("/")} if self.settings.teacher.url else set()
             self.background.append(asyncio.create_task(
-                self.pool.discover(self.cfg.output_dir, exclude, self.cfg.heartbeat_timeout_s), name="discover"))
+                self.pool.discover(self.cfg.output_dir, exclude, self.cfg.timeouts.heartbeat_s), name="discover"))
         await self.pool.connect(self.settings.timeouts.server_wait_s, every=fixed)
         await self.delivery.prepare()  # before any load (a broadcast group forms here)
         version, path = self.weights.latest()
@@ -217,7 +217,7 @@ class Orchestrator:
             # Serve the final policy before stopping, so the run ends with it loaded.
             final = self.cfg.max_steps
             await self.wait_until(lambda: self.pool.serving_version >= final,
-                                  f"final version {final} to serve", self.settings.timeouts.trainer_s)
+                                  f"final version {final} to serve", self.settings.timeouts.weights_s)
             await self.evaluations.finish(final)
             log.info("done: %d batches; version %d serving", final, self.pool.serving_version)
             if self.reporting.tracker is not None:

@@ -19,7 +19,7 @@ from orchestrator.rollout import sandbox as sandboxing  # the module, not its Sa
 from orchestrator.rollout.registry import kind_of
 from orchestrator.sft.data import sft_setup
 from rl.config import ConfigError, RunConfig
-from rl.dataset_config import BUILTIN_REWARDS, Dataset
+from rl.config.datasets import BUILTIN_REWARDS, Dataset
 from rl.inference_api import kept_set_bound
 from rl.preflight import cores, metrics_endpoint, model_config, output_dir, seq_len_fits, tokenizer_files
 from rl.rundir import RunDir
@@ -67,7 +67,7 @@ def orchestrator_code(cfg: RunConfig) -> None:
             dataset = load_callable(ds.spec.function, key)
             _takes(dataset, key, ds.spec.function, (cfg.seed,), "function(seed)")
         if ds.reward and "://" not in ds.reward:
-            key = f"dataset {ds.name}: reward" if listed and ds.spec.reward else "orchestrator.reward"
+            key = f"dataset {ds.name}: reward"
             reward = load_callable(BUILTIN_REWARDS.get(ds.reward, ds.reward), key)
             _takes(reward, key, ds.reward, ("", "", {}), "function(prompt, completion, row)")
 
@@ -112,7 +112,7 @@ def _code_runners(cfg: RunConfig) -> list[str]:
             if executes_code(env) or any(executes_code(t) for t in (tools if isinstance(tools, (list, tuple)) else ())):
                 found.append(f"{key} = {spec!r}")
     for ds, listed, _ in _datasets(cfg):
-        reward_key = f"dataset {ds.name}: reward" if listed and ds.spec.reward else "orchestrator.reward"
+        reward_key = f"dataset {ds.name}: reward"
         for key, spec in ((reward_key, ds.reward), (_function_key(ds, listed), ds.spec.function)):
             if spec and "://" not in spec and executes_code(load_callable(BUILTIN_REWARDS.get(spec, spec), key)):
                 found.append(f"{key} = {spec!r}")
@@ -204,8 +204,8 @@ def _datasets_data(cfg: RunConfig, datasets: list[tuple[Dataset, bool, str]]) ->
 
 def _datasets(cfg: RunConfig, training: bool = True) -> list[tuple[Dataset, bool, str]]:
     """Training (unless `training` is false, or an environment makes the rows) and eval datasets,
-    each with whether the config lists it (False: the one made from orchestrator.dataset, whose
-    errors name that key) and how messages about its prompts name it."""
+    each with whether the config lists it (False: the built-in reversal task a config listing no
+    datasets trains on) and how messages about its prompts name it."""
     o = cfg.orchestrator
     train = o.resolved_datasets() if training and not o.environment.class_ else []
     return [(ds, bool(o.datasets), f"dataset {ds.name}") for ds in train] + \
@@ -213,14 +213,14 @@ def _datasets(cfg: RunConfig, training: bool = True) -> list[tuple[Dataset, bool
 
 
 def _function_key(ds: Dataset, listed: bool) -> str:
-    return f"dataset {ds.name}: function" if listed else "orchestrator.dataset"
+    return f"dataset {ds.name}: function"
 
 
 def _sample(cfg: RunConfig, ds: Dataset, listed: bool) -> list[tuple[object, str]]:
     """The first rows the run draws from a dataset (orchestrator/prompts/fit.py sample), at least one."""
     key = _function_key(ds, listed)
     try:
-        rows = sample(cfg, ds, key)
+        rows = sample(cfg, ds, f"dataset {ds.name}")  # its rows: "dataset <name> row <i>"
     except ConfigError:
         raise
     except Exception as e:

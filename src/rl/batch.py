@@ -23,7 +23,7 @@ Replayed kept sets (orchestrator.sampling.record_kept_sets): `kept_counts` per t
 sampler kept when it drew that token, 0 where none was recorded: prompt and environment tokens,
 or a set too large to record) and `kept_ids`, those ids back to back (sum(kept_counts) of them).
 
-Routed experts (inference.record_routing, for trainer.routing_replay): `routing_shape` (layers,
+Routed experts (inference.record_routing, for trainer.mismatch.routing_replay): `routing_shape` (layers,
 top_k), empty when the batch carries none; then per token `routed` (1 where the engine's routing
 of that position was recorded) and `routed_experts`, each token's [layers, top_k] expert ids
 (uint8: vLLM's own record is uint8 up to 256 experts), zeros where not routed. Prompt tokens have

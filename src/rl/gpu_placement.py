@@ -201,11 +201,11 @@ class ModelShape:
 
 def compute_bytes(cfg: RunConfig) -> int:
     """Bytes of a value in the trainer's compute dtype (auto: bfloat16 on a GPU)."""
-    return 4 if cfg.trainer.dtype == "float32" else 2
+    return 4 if cfg.trainer.model.dtype == "float32" else 2
 
 
 def micro_batch_tokens(cfg: RunConfig) -> int:
-    t = cfg.trainer
+    t = cfg.trainer.batching
     return max(t.micro_batch_tokens, cfg.seq_len) if t.pack else t.micro_batch_size * cfg.seq_len
 
 
@@ -220,15 +220,15 @@ def trainer_need(cfg: RunConfig, shape: ModelShape, ranks: int = 1) -> dict[str,
              "optimizer step": p * ADAMW_FOREACH_BYTES_PER_PARAM / ranks if full else 0.0}
     loss = t.loss
     if loss.kl_coef > 0 and loss.kl_target == "reference" and full:  # LoRA's reference is its base
-        parts["reference model"] = p * act / (shape.layers if t.reference_offload else ranks)
+        parts["reference model"] = p * act / (shape.layers if t.model.reference_offload else ranks)
     layer = p / max(shape.layers, 1)
     parts["gathered layers"] = GATHERED_LAYERS * layer * (act + (4 if full else 0))
     per_layer = act * (ACTIVATION_HIDDEN * shape.hidden + ACTIVATION_KV * shape.kv_width
                        + ACTIVATION_INTERMEDIATE * shape.intermediate)
     tokens = micro_batch_tokens(cfg)
-    kept = act * shape.hidden * shape.layers + per_layer if t.activation_checkpointing else per_layer * shape.layers
+    kept = act * shape.hidden * shape.layers + per_layer if t.model.activation_checkpointing else per_layer * shape.layers
     parts["activations"] = tokens * kept
-    chunk = min(t.logits_chunk_tokens or tokens, tokens)
+    chunk = min(t.model.logits_chunk_tokens or tokens, tokens)
     parts["logits"] = LOGIT_COPIES * LOGIT_BYTES * chunk * shape.vocab
     gib = {k: v / 2**30 for k, v in parts.items()}
     gib["allocator slack"] = sum(gib.values()) * (ALLOCATOR_SLACK - 1)
@@ -269,7 +269,7 @@ def shared_memory_share(cfg: RunConfig, total_gib: float | None, shape: ModelSha
         raise PlacementError(
             f"trainer.gpus: beside the server the shared GPU's {total_gib:.0f} GiB must hold {what}, leaving the "
             "server too little: give the trainer and the server GPUs of their own (inference.gpus, trainer.gpus), "
-            "or use LoRA (trainer.lora.rank), activation checkpointing or fewer trainer.micro_batch_tokens")
+            "or use LoRA (trainer.lora.rank), activation checkpointing or fewer trainer.batching.micro_batch_tokens")
     return float(int(room * 100)) / 100  # rounded down: a share that fits stays one
 
 
@@ -278,7 +278,7 @@ def refusals(cfg: RunConfig, gpu_plan: GpuPlan) -> None:
     if cfg.weight_delivery == "broadcast" and gpu_plan.shared:
         raise PlacementError(
             f'weight_sync.kind = "broadcast" with the trainer and the server on GPU(s) {list(gpu_plan.shared)}: '
-            'NCCL cannot join two ranks on one device; use weight_sync.kind = "filesystem", or give them GPUs of '
+            'NCCL cannot join two ranks on one device; use weight_sync.kind = "files", or give them GPUs of '
             "their own (inference.gpus, trainer.gpus)")
     broadcast_refusal(cfg, gpu_plan.data_parallel)
 
@@ -300,7 +300,7 @@ def broadcast_refusal(cfg: RunConfig, data_parallel: int) -> None:
     if cfg.weight_delivery == "broadcast" and data_parallel > 1:
         raise PlacementError(
             f'weight_sync.kind = "broadcast" into a server of {data_parallel} data-parallel ranks: their workers '
-            'would take the same broadcast ranks; use weight_sync.kind = "filesystem", or one replica per server '
+            'would take the same broadcast ranks; use weight_sync.kind = "files", or one replica per server '
             "(inference.tensor_parallel = the number of inference.gpus)")
 
 

@@ -11,7 +11,7 @@ the run directory's heartbeats/, rewritten every HEARTBEAT_EVERY_S by a daemon t
 
 A watcher (another program, or `rl run`) judges a peer by whether the file *changes*, timed by
 its own monotonic clock: no clock is compared across hosts, so unsynchronised clocks and a
-network filesystem's mtimes do not matter. A file unchanged for heartbeat_timeout_s means the peer is
+network filesystem's mtimes do not matter. A file unchanged for timeouts.heartbeat_s means the peer is
 dead, frozen, or cut off from the storage; a file removed means it stopped cleanly.
 
 The thread proves the process is scheduled, not that its main loop progresses: a loop stuck
@@ -37,7 +37,7 @@ from rl.rundir import RunDir, write_file_atomic
 HEARTBEAT_EVERY_S = 2.0
 # The phase a server declares once it answers requests: an orchestrator asks it at once then.
 SERVING = "serving"
-PEER_TIMEOUT_S = 20.0  # the default of heartbeat_timeout_s
+PEER_TIMEOUT_S = 20.0  # the default of timeouts.heartbeat_s
 
 log = logging.getLogger("heartbeat")
 _current: Heartbeat | None = None

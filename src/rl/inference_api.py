@@ -189,7 +189,7 @@ ROUTES: dict[str, Route] = {
         'engine health, the version now serving, its path, the engine requests running and those an '
         '/abort stopped while they ran, since start: {"status", "version", "path", "running", "aborted"}, and '
         'with trainer.lora.rank > 0 "adapters": {name: version}; 503 while a reload outlives '
-        'inference.reload_timeout_s'),
+        'inference.timeouts.reload_s'),
     "generate": Route(
         "POST", "/generate", GenerateRequest, GenerateResponse,
         "token ids in, token ids + logprobs + per-token policy versions out; the n samples are engine "

@@ -6,7 +6,7 @@ directory's state suits the start (fresh or --resume).
 Each program runs the checks of the keys it uses (`rl run`: all three programs') right after its
 config parses, before it writes anything, imports torch or vLLM, or starts a heartbeat;
 `--dry-run` runs them too. A failed check raises ConfigError: one line naming the key, the value
-and what would fix it, which the CLI prints before exiting with code 2. The schema (rl/config.py)
+and what would fix it, which the CLI prints before exiting with code 2. The schema (rl/config/)
 already checked the forms (URLs, ranges, cross-key rules): here is what needs the machine.
 
 Here are the checks two or more programs share (the run directory, the model's files and
@@ -108,8 +108,10 @@ def mixture_of_experts(key: str):
     is recorded and replayed only there."""
 
     def check(cfg: RunConfig) -> None:
-        section, name = key.split(".")
-        if getattr(getattr(cfg, section), name) and not routed_experts(model_config(cfg)):
+        on = cfg
+        for part in key.split("."):
+            on = getattr(on, part)
+        if on and not routed_experts(model_config(cfg)):
             raise ConfigError(f"{key}: model = {cfg.model} is not a mixture-of-experts model "
                               f"(its config.json has none of {', '.join(EXPERT_KEYS)})")
 

@@ -14,7 +14,7 @@ import tomli_w
 from pydantic import BaseModel
 
 from rl.config import RunConfig, to_toml_dict
-from rl.config_section import key_name
+from rl.config.section import key_name
 from rl.rundir import RunDir, write_file_atomic
 
 

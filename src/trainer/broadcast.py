@@ -30,16 +30,16 @@ log = logging.getLogger("trainer")
 
 class WeightBroadcaster:
     def __init__(self, cfg: RunConfig, run: RunDir, tied: bool, device: torch.device | None = None):
-        """Host the group's store and wait (up to weight_sync.timeout_s) for every inference
+        """Host the group's store and wait (up to timeouts.broadcast_s) for every inference
         worker to join."""
         ws = cfg.weight_sync
-        self.run, self.tied, self.keep = run, tied, cfg.trainer.keep_weights
+        self.run, self.tied, self.keep = run, tied, cfg.trainer.files.keep_weights
         self.bucket_bytes = ws.bucket_mb << 20
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         start = time.perf_counter()
         log.info("weight broadcast: hosting the group at %s, waiting for the inference workers", ws.address)
-        self.group = bc.host_group(ws.address, ws.timeout_s, device)
+        self.group = bc.host_group(ws.address, cfg.timeouts.broadcast_s, device)
         log.info("weight broadcast: %d inference worker(s) joined over %s in %.1f s", self.group.world_size - 1,
                  self.group.backend_name, time.perf_counter() - start)
 

@@ -1,4 +1,4 @@
-"""trainer.compile: each decoder layer's forward through torch.compile, before FSDP2 shards it
+"""trainer.model.compile: each decoder layer's forward through torch.compile, before FSDP2 shards it
 (torchtitan's per-block compile). A layer's elementwise work (RMSNorm, RoPE, SiLU-gate, residuals)
 fuses into a few kernels instead of one launch per op; the layers share one compiled graph
 (identical code, their parameters as inputs), and micro-batches of a new width cost one more
@@ -16,7 +16,7 @@ import torch
 
 
 def compile_wanted(choice: bool | str, device_type: str, lora: bool, moe: bool) -> bool:
-    """trainer.compile resolved. auto: on CUDA, for full fine-tuning of a dense model; LoRA's
+    """trainer.model.compile resolved. auto: on CUDA, for full fine-tuning of a dense model; LoRA's
     adapter hooks and routing replay's router hooks keep Python state that a compiled graph would
     have to guard on, so those stay eager (as does the CPU, where compiling costs minutes of
     start-up for a demo that steps in a fraction of a second)."""

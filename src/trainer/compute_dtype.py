@@ -1,4 +1,4 @@
-"""trainer.dtype = "auto": the compute dtype chosen for the device, once at trainer start-up.
+"""trainer.model.dtype = "auto": the compute dtype chosen for the device, once at trainer start-up.
 
 bfloat16 pays only where the hardware computes it: a GPU, or a CPU with the avx512_bf16 or
 amx_bf16 instructions. Without them PyTorch emulates it, and a bfloat16 matmul on a 2-core AVX2
@@ -36,7 +36,7 @@ def native_bf16(flags: set[str]) -> bool:
 
 
 def resolve_dtype(choice: str, device_type: str, flags: set[str], hidden_size: int, attention: str = "auto") -> str:
-    """"float32" or "bfloat16" for trainer.dtype = `choice` on `device_type` ("cuda", "cpu")."""
+    """"float32" or "bfloat16" for trainer.model.dtype = `choice` on `device_type` ("cuda", "cpu")."""
     if choice != "auto":
         return choice
     if attention == "flash_attention_2" or device_type == "cuda":  # flash attention has no float32 kernel
@@ -48,5 +48,5 @@ def slow_bf16_warning(choice: str, device_type: str, flags: set[str]) -> str | N
     """The start-up warning for bfloat16 asked for explicitly on a CPU that emulates it."""
     if choice != "bfloat16" or device_type != "cpu" or native_bf16(flags):
         return None
-    return ("trainer.dtype = bfloat16: this CPU has no native bf16 (no avx512_bf16/amx_bf16): matmuls run ~30x "
+    return ("trainer.model.dtype = bfloat16: this CPU has no native bf16 (no avx512_bf16/amx_bf16): matmuls run ~30x "
             "slower than float32; use auto or float32")

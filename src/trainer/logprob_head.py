@@ -130,7 +130,7 @@ def install(model: nn.Module, chunk_tokens: int) -> LogprobHead | None:
     if _probe_agrees(model, head):
         return head
     model.set_output_embeddings(linear)
-    log.warning("trainer.logits_chunk_tokens: %s changes its logits after the lm_head; computing full "
+    log.warning("trainer.model.logits_chunk_tokens: %s changes its logits after the lm_head; computing full "
                 "logits instead (more memory at large vocabularies)", type(model).__name__)
     return None
 

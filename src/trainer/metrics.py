@@ -60,7 +60,7 @@ class TrainerMetrics:
         self.entropy = Gauge(p + "entropy", "Last step's mean entropy of the policy on its tokens.", registry=r)
         self.mismatch_kl = Gauge(p + "mismatch_kl", "Last step's mismatch KL, k3 KL(pi_inference, pi_trainer) on the "
                                  "sampled tokens.", registry=r)
-        self.kl_bound = Gauge(p + "mismatch_kl_bound", "The config's trainer.mismatch_kl_warn (0: none).", registry=r)
+        self.kl_bound = Gauge(p + "mismatch_kl_bound", "The config's trainer.mismatch.kl_warn (0: none).", registry=r)
         self.tokens_per_s = Gauge(p + "tokens_per_second", "Last step's tokens trained per second of step time.",
                                   registry=r)
         self.tokens = Counter(p + "tokens", "Tokens trained (prompts and completions).", registry=r)
@@ -75,7 +75,7 @@ class TrainerMetrics:
         self.wait_s = Histogram(p + "batch_wait_seconds", "Time waiting for the next batch.", buckets=seconds,
                                 registry=r)
         self.started.set(time.time())
-        self.kl_bound.set(cfg.trainer.mismatch_kl_warn)
+        self.kl_bound.set(cfg.trainer.mismatch.kl_warn)
         t = cfg.trainer
         if t.metrics_port:
             port = t.metrics_port + int(os.environ.get("LOCAL_RANK", "0"))

@@ -25,7 +25,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def attention_implementation(choice: str, dtype: str, device: torch.device) -> str:
-    """trainer.attention resolved. auto: flash_attention_2 on CUDA in bfloat16 where the flash-attn
+    """trainer.model.attention resolved. auto: flash_attention_2 on CUDA in bfloat16 where the flash-attn
     package is installed (Ampere or newer), else "varlen" (trainer/packed_attention.py: torch's own
     flash kernel where it runs, elsewhere SDPA per document): sdpa would give packed rows a
     block-diagonal [T, T] mask, a billion elements per call at 32k tokens."""
@@ -41,15 +41,15 @@ def attention_implementation(choice: str, dtype: str, device: torch.device) -> s
 
 def load_model(cfg: RunConfig, device: torch.device, trainable: bool, lora_slots: int = 0, *, dtype: str,
                layout: Layout | None = None) -> tuple[torch.nn.Module, LoRA | None]:
-    """The starting model, FSDP2-sharded, computing in `dtype` (trainer.dtype resolved:
+    """The starting model, FSDP2-sharded, computing in `dtype` (trainer.model.dtype resolved:
     trainer/compute_dtype.py); with lora_slots, frozen and carrying that many adapter slots
     (trainer/lora.py), created before sharding so FSDP2 manages them too. A frozen model (the KL
     reference) is stored in the compute dtype: it has no optimizer to need float32 masters, and
     the mixed-precision policy would cast it to that dtype in every forward anyway, so bfloat16
-    halves its memory and changes none of its logits. With trainer.compile, each decoder layer's
+    halves its memory and changes none of its logits. With trainer.model.compile, each decoder layer's
     forward is compiled (trainer/compiled_layers.py) after the logprob head's probe and before
     sharding."""
-    attention = attention_implementation(cfg.trainer.attention, dtype, device)
+    attention = attention_implementation(cfg.trainer.model.attention, dtype, device)
     if attention == packed_attention.NAME:
         packed_attention.register(device, _DTYPES[dtype])
     if cfg.trainer.parallel.context > 1:  # rows split across ranks: the split-aware attention
@@ -63,7 +63,7 @@ def load_model(cfg: RunConfig, device: torch.device, trainable: bool, lora_slots
     lora = None
     if trainable:
         model.train()
-        if cfg.trainer.activation_checkpointing:
+        if cfg.trainer.model.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if lora_slots:
             lora = LoRA(model, cfg.trainer.lora, lora_slots)
@@ -71,14 +71,14 @@ def load_model(cfg: RunConfig, device: torch.device, trainable: bool, lora_slots
     else:
         model.eval()
         model.requires_grad_(False)
-    install(model, cfg.trainer.logits_chunk_tokens)
-    if compile_wanted(cfg.trainer.compile, device.type, lora is not None, bool(routers(model))):
+    install(model, cfg.trainer.model.logits_chunk_tokens)
+    if compile_wanted(cfg.trainer.model.compile, device.type, lora is not None, bool(routers(model))):
         compile_layers(model)
     experts = layout.experts if layout is not None else None
     if cfg.trainer.parallel.expert > 1:
         assert experts is not None, "expert parallelism needs the trainer's layout"
         apply_expert_parallel(model, experts["expert"])
-    apply_fsdp(model, _DTYPES[dtype], offload=not trainable and cfg.trainer.reference_offload, experts=experts)
+    apply_fsdp(model, _DTYPES[dtype], offload=not trainable and cfg.trainer.model.reference_offload, experts=experts)
     return model, lora
 
 
@@ -154,7 +154,7 @@ def split_logprobs(model: torch.nn.Module, mb: MicroBatch, device: torch.device,
     head = model.get_output_embeddings()
     if not isinstance(head, LogprobHead):
         raise ValueError(f"trainer.parallel.context > 1 needs the chunked logprob head: {type(model).__name__} "
-                         "changes its logits after the lm_head, or trainer.logits_chunk_tokens = 0")
+                         "changes its logits after the lm_head, or trainer.model.logits_chunk_tokens = 0")
     rows, width = mb.tokens.shape
     padded = share.span(width)[0]
     tail = torch.arange(padded - width).expand(rows, -1)  # the padding: a document of its own

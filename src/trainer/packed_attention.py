@@ -1,4 +1,4 @@
-"""trainer.attention = "varlen": document-masked attention on packed rows, with PyTorch's own
+"""trainer.model.attention = "varlen": document-masked attention on packed rows, with PyTorch's own
 kernels (no flash-attn package).
 
 A packed micro-batch is R rows of back-to-back samples. sdpa sees them through an [R, 1, T, T]
@@ -168,7 +168,7 @@ def varlen_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor
     """transformers' attention-function interface: query [B, Hq, T, D], key and value
     [B, Hkv, T, D]; returns [B, T, Hq, D]."""
     if dropout or sliding_window is not None or attention_mask is not None:
-        raise NotImplementedError('trainer.attention = "varlen": no attention dropout, sliding window or 4D mask; '
+        raise NotImplementedError('trainer.model.attention = "varlen": no attention dropout, sliding window or 4D mask; '
                                   'use "sdpa" for this model')
     batch, heads, width, dim = query.shape
     if cu_seq_lens_q is None:  # a direct call: documents from the positions (a device round trip)
@@ -212,7 +212,7 @@ def mask_blocks(lengths: list[int], most: int = MASK_BLOCK_TOKENS) -> list[list[
     return blocks
 
 
-# Not traced by torch.compile (trainer.compile): the plan is Python over the host's lengths, made
+# Not traced by torch.compile (trainer.model.compile): the plan is Python over the host's lengths, made
 # at the first layer and kept on the boundaries; traced, a compiled layer under activation
 # checkpointing saved other tensors in its forward than in its recompute (CheckpointError).
 # Eager here, the layer's other ops stay compiled.

@@ -27,7 +27,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, Shard
 from torch.distributed.tensor import DTensor, Shard
 
 from rl.config import ParallelConfig
-from rl.parallel_layout import mesh_sizes
+from rl.config.parallel_layout import mesh_sizes
 from trainer.context_parallel import ContextShare
 from trainer.expert_parallel import sharded_params
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rl.config import ConfigError, RunConfig
 from rl.gpu_placement import ids_check
-from rl.parallel_layout import cpu_world, mesh_sizes
+from rl.config.parallel_layout import cpu_world, mesh_sizes
 from rl.preflight import (bindable, cores, is_rank0, metrics_endpoint, mixture_of_experts, model_config, output_dir,
                           routed_experts, safetensors_header, seq_len_fits, weight_files)
 from rl.rundir import RunDir
@@ -31,7 +31,7 @@ def trainer_state_refusal(run: RunDir, resume: bool) -> str | None:
     if not run.checkpoint_steps("trainer") and 1 not in run.rollout_steps():
         return (f"--resume: no complete trainer checkpoint under {run.checkpoints} and batch 1 "
                 f"({run.rollout_dir(1)}) is gone, so the run cannot be replayed from its start "
-                "(with trainer.checkpoint_every = 0 batches are not kept for that): choose another output_dir")
+                "(with checkpoints.every = 0 batches are not kept for that): choose another output_dir")
     return None
 
 
@@ -75,8 +75,8 @@ def _lora_targets(cfg: RunConfig, files: list[Path]) -> None:
 def trainer_attention(cfg: RunConfig) -> None:
     import importlib.util
 
-    if cfg.trainer.attention == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
-        raise ConfigError('trainer.attention = "flash_attention_2": the flash-attn package is not installed; '
+    if cfg.trainer.model.attention == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        raise ConfigError('trainer.model.attention = "flash_attention_2": the flash-attn package is not installed; '
                           'install it (CUDA only) or use "auto"')
 
 
@@ -93,7 +93,7 @@ def trainer_endpoints(cfg: RunConfig) -> None:
         else:
             host, _, port = rest.rpartition(":")
             bindable(key, "" if host == "*" else host.strip("[]"), int(port))
-    if cfg.weight_sync.kind == "broadcast":
+    if cfg.weight_delivery == "broadcast":
         bindable("weight_sync.address", "", int(cfg.weight_sync.address.rpartition(":")[2]))
 
 
@@ -106,9 +106,9 @@ def parallel_layout(cfg: RunConfig) -> None:
 
 
 def routing_replay(cfg: RunConfig) -> None:
-    """trainer.routing_replay replays what the engine recorded: that needs the record."""
-    if cfg.trainer.routing_replay and not cfg.inference.record_routing:
-        raise ConfigError("trainer.routing_replay: the batches carry routing only with inference.record_routing = "
+    """trainer.mismatch.routing_replay replays what the engine recorded: that needs the record."""
+    if cfg.trainer.mismatch.routing_replay and not cfg.inference.record_routing:
+        raise ConfigError("trainer.mismatch.routing_replay: the batches carry routing only with inference.record_routing = "
                           "true (the engine's record is what replay replays)")
 
 
@@ -128,5 +128,5 @@ def expert_parallel(cfg: RunConfig) -> None:
 
 
 CHECKS = (cores("trainer"), metrics_endpoint("trainer"), ids_check("trainer"), output_dir, model_for_training,
-          mixture_of_experts("trainer.routing_replay"), routing_replay, expert_parallel, trainer_attention, parallel_layout,
+          mixture_of_experts("trainer.mismatch.routing_replay"), routing_replay, expert_parallel, trainer_attention, parallel_layout,
           trainer_run_state, trainer_endpoints)

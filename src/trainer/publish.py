@@ -85,7 +85,7 @@ class FilePublisher(Publisher):
         return gather_full_state_dict(self.model, self.dtype)
 
     def deliver(self, policy: Policy, step: int, tensors: dict[str, torch.Tensor]) -> float:
-        t = policy.cfg.trainer
+        t = policy.cfg.trainer.files
         start = time.perf_counter()
         tensors = untied(tensors, self.tied)
         delta = self.versions.delta(step, tensors)
@@ -137,7 +137,7 @@ class AdapterPublisher(Publisher):
 
     def deliver(self, policy: Policy, step: int, tensors: dict[str, torch.Tensor]) -> float:
         seconds = write_adapter(policy.run, step, tensors, self.lora.peft_config(str(self.base_model)))
-        prune_weights(policy.run, policy.cfg.trainer.keep_weights)
+        prune_weights(policy.run, policy.cfg.trainer.files.keep_weights)
         return seconds
 
 

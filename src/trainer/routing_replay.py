@@ -1,4 +1,4 @@
-"""Routing replay for mixture-of-experts models (trainer.routing_replay): each MoE layer sends
+"""Routing replay for mixture-of-experts models (trainer.mismatch.routing_replay): each MoE layer sends
 each token to the experts the inference engine sent it to, as recorded with the batch
 (inference.record_routing, rl/batch.py), instead of the ones the trainer's router picks.
 

@@ -60,7 +60,7 @@ class RunRejected(Exception):
 class MultiRun:
     def __init__(self, trainer: Trainer):
         self.t, self.cfg = trainer, trainer.cfg
-        self.lora_cfg = self.cfg.trainer.lora
+        self.lora_cfg, self.timeouts = self.cfg.trainer.lora, self.cfg.trainer.timeouts
         self.root = RunDir(self.cfg.output_dir)
         self.members: dict[str, Member] = {}
         self.free = list(range(self.lora_cfg.slots))
@@ -75,7 +75,7 @@ class MultiRun:
         watch = self.watches.get(name)
         if watch is None:
             watch = self.watches[name] = PeerWatch(self.root.run(name).heartbeat, f"run {name}'s orchestrator",
-                                                   self.lora_cfg.run_timeout_s)
+                                                   self.timeouts.run_s)
         return watch.poll()
 
     # --- the loop (every rank) ------------------------------------------------------------------
@@ -109,7 +109,7 @@ class MultiRun:
             peer = self.orchestrator(name)
             if peer.state != "alive":
                 why = ("its orchestrator stopped" if peer.state != "silent" else
-                       f"no heartbeat from its orchestrator for {peer.silent_s:.0f} s (trainer.lora.run_timeout_s)")
+                       f"no heartbeat from its orchestrator for {peer.silent_s:.0f} s (trainer.timeouts.run_s)")
                 leave.append((name, f"{why}, waiting for batch {m.step}", "left"))
         join = []
         free = len(self.free) + len(leave)
@@ -156,7 +156,7 @@ class MultiRun:
             self.status(run, "finished", f"all {cfg.max_steps} steps were trained before")
             return
         # A damaged batch fails this run alone: waiting here for a rewrite would stall every run.
-        receiver = batch_receiver(cfg.transport, run, keep=bool(cfg.trainer.checkpoint_every), reject_damaged=False)
+        receiver = batch_receiver(cfg.transport, run, keep=bool(cfg.checkpoints.every), reject_damaged=False)
         self.members[name] = Member(policy, receiver, step, time.monotonic())
         self.status(run, "joined", f"slot {slot}, next batch {step}", slot=slot, step=step)
         if self.t.rank == 0:
@@ -190,7 +190,7 @@ class MultiRun:
         m = self.members.pop(name)
         trained = m.step - 1
         # Checkpointed, so that a rejoin continues exactly here rather than from an older one.
-        if status == "left" and m.policy.cfg.trainer.checkpoint_every and trained > m.policy.last_checkpoint:
+        if status == "left" and m.policy.cfg.checkpoints.every and trained > m.policy.last_checkpoint:
             self.t.save_checkpoint(m.policy, trained)
         m.receiver.close()
         self.free.append(m.policy.slot)

@@ -95,7 +95,7 @@ class SftTrainer(Trainer):
                   "tokens": tokens, "loss_tokens": int(batch.loss_mask.sum()),
                   "epoch": step * s.batch_size / self.data.num_rows,
                   "trainer_tokens_per_s": tokens / step_s if step_s > 0 else 0.0, **stats}
-        every = cfg.trainer.checkpoint_every
+        every = cfg.checkpoints.every
         ckpt_s = self.save_checkpoint(policy, step, record) if every and (step % every == 0 or last) else 0.0
         if self.rank == 0:
             record["checkpoint_s"] = ckpt_s

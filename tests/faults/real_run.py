@@ -59,12 +59,12 @@ class RealRun:
             f'model = "{TINY_MODEL}"\noutput_dir = "{self.run.root}"\nmax_steps = {max_steps}\nseq_len = 64\n'
             f"max_async_level = {MAX_ASYNC}\n"
             # A kill is named after this long (default 20 s): five missed beats is margin enough.
-            f"heartbeat_timeout_s = {HEARTBEAT_TIMEOUT_S}\n"
+            f"timeouts.heartbeat_s = {HEARTBEAT_TIMEOUT_S}\n"
             f'[inference]\nport = {port}\ndtype = "float32"\n'
             f"[orchestrator]\nscheduling.prompts_per_step = 4\nscheduling.group_size = {GROUP_SIZE}\n"
             "scheduling.max_in_flight_groups = 8\nsampling.max_tokens = 12\n"
             # Every step checkpointed: a restarted trainer redoes no published step.
-            "[trainer]\ncheckpoint_every = 1\nkeep_weights = 100\nkeep_rollouts = 100\ntorch_threads = 1\n"
+            "[checkpoints]\nevery = 1\n[trainer]\nfiles.keep_weights = 100\nfiles.keep_rollouts = 100\ntorch_threads = 1\n"
             "[trainer.optim]\nlr = 1e-3\n" + extra)
         self.programs: list[Program] = []
 

@@ -19,7 +19,7 @@ from aiohttp import web
 import fake_inference
 from fake_inference import FakeServer, score_over_http
 from orchestrator.rewards.registry import make_reward
-from test_scheduling import check_rules, run_scenario
+from test_scheduling import DATASET, check_rules, run_scenario
 
 SWAP_WARNING = "the hung threads are leaked"
 HANG_GUARD_S = 60  # a scenario that has not ended by then hangs (none takes a second when right)
@@ -71,18 +71,19 @@ def test_a_reward_hanging_for_good_gets_fresh_threads_and_the_run_completes(tmp_
     once eight had hung. Each call times out on its own and fails its rollout (its group, of two,
     is requeued); once half the threads are stuck a fresh set takes over, with one warning."""
     server = FakeServer(lambda: 0.0005)
-    # A run that stalls fails on its own: trainer_timeout_s (30 s) with no batch. No group is
+    # A run that stalls fails on its own: timeouts.weights_s (30 s) with no batch. No group is
     # cancelled as stale (max_off_policy_steps): a cancelled group's hung call is never timed,
     # and with batches coming faster than 0.3 s every hung group could be cancelled first (seen
     # once, under load: no "timed out" line at all).
     with caplog.at_level(logging.WARNING, logger="orchestrator"):
         o = asyncio.run(run_scenario(tmp_path, [server], max_steps=12, orchestrator={
-            "reward": "fake_inference:hanging_reward", "reward_timeout_s": 0.3, "max_off_policy_steps": 100}))
+            "datasets": [{**DATASET, "reward": "fake_inference:hanging_reward"}], "timeouts": {"reward_s": 0.3},
+            "scheduling": {"max_off_policy_steps": 100}}))
     check_rules(o)
     assert len(fake_inference.faulted) > 8  # more calls hung than there are threads
     messages = [r.getMessage() for r in caplog.records]
     assert any("timed out after 0.3 s" in m for m in messages)
-    assert orchestrator_metrics(o, "failed") > 0
+    assert orchestrator_metrics(o, "episodes_failed_scored") > 0
     swaps = [m for m in messages if SWAP_WARNING in m]
     assert swaps and all("fake_inference:hanging_reward" in m for m in swaps)
 
@@ -96,9 +97,10 @@ def test_a_failed_reward_fails_its_group_of_two_and_the_prompt_is_retried(tmp_pa
     would count no failure)."""
     o = asyncio.run(run_scenario(tmp_path, [FakeServer(lambda: 0.0005)], step_latency=lambda: 0.05,
                                  max_steps=8, max_async_level=2, orchestrator={
-                                     "reward": f"fake_inference:{reward}", "reward_timeout_s": 0.05}))
+                                     "datasets": [{**DATASET, "reward": f"fake_inference:{reward}"}],
+                                     "timeouts": {"reward_s": 0.05}}))
     check_rules(o)
-    assert orchestrator_metrics(o, "failed") > 0
+    assert orchestrator_metrics(o, "episodes_failed_scored") > 0
 
 
 def hangs_on_h(prompt: str, completion: str, row: dict) -> float:

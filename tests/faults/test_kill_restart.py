@@ -121,7 +121,7 @@ def test_trainer_killed_at_any_point_resumes_and_ends_where_an_uninterrupted_tra
     - between steps 7 and 8: resumed at the next batch.
     At the end a fresh trainer replaying the run's batches ends on the same weights."""
     r = real_run
-    sparse = ("--trainer.checkpoint_every", "50")
+    sparse = ("--checkpoints.every", "50")
     trainer, orchestrator = r.start("trainer", *sparse, crash_at="trainer.after_step:3"), r.start("orchestrator")
     assert trainer.wait(240) == -signal.SIGKILL, trainer.tail()
     assert not r.run.checkpoint_steps("trainer")

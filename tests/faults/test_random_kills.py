@@ -29,7 +29,7 @@ STEPS = 12
 PROGRAMS = ("trainer", "orchestrator", "inference")
 # A trainer checkpoint every 4 steps: kills land before the first one (a replay from the base
 # model) and after one (a resume from it).
-SPARSE = ("--trainer.checkpoint_every", "4")
+SPARSE = ("--checkpoints.every", "4")
 # What a forced stop must not print into the user's terminal.
 NOISE = ("resource_tracker", "leaked semaphore", "nanobind: leaked")
 

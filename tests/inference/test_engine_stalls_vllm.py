@@ -5,7 +5,7 @@ against real `rl inference` servers (the stand-in versions are in tests/orchestr
   requests while they run (its /health "aborted" counts them), their prompts go back to the queue;
 - a request that outlives orchestrator.timeouts.request_s is aborted on the engine, its prompt
   requeued, the server taken out of rotation and back;
-- a reload that outlives inference.reload_timeout_s answers 504 on time, /health says 503 while
+- a reload that outlives inference.timeouts.reload_s answers 504 on time, /health says 503 while
   it still runs, and the server serves the new version once it ends.
 
 An engine is made slow by stopping its engine-core process (SIGSTOP) and letting it go again
@@ -50,7 +50,7 @@ ORDER = [LONG, SHORT, SHORT, LONG]  # then SHORT for ever
 
 
 def rows(seed: int) -> Iterator[dict]:
-    """The dataset (orchestrator.dataset = "test_engine_stalls_vllm:rows")."""
+    """The dataset (its function = "test_engine_stalls_vllm:rows")."""
     i = 0
     while True:
         yield {"prompt": ORDER[i] if i < len(ORDER) else SHORT, "index": i}
@@ -65,7 +65,7 @@ def only_long(seed: int) -> Iterator[dict]:
 @pytest.fixture
 def server(tmp_path):
     proc, url = launch_server(tmp_path, "server", TINY_MODEL, tmp_path / "run", seq_len=SEQ_LEN,
-                              extra=f"reload_timeout_s = {RELOAD_TIMEOUT_S}\n")
+                              extra=f"timeouts.reload_s = {RELOAD_TIMEOUT_S}\n")
     try:
         wait_healthy(proc, url)
         yield proc, url
@@ -113,12 +113,15 @@ async def poll(what: str, check, timeout_s: float, every_s: float = 0.05):
     raise AssertionError(f"no {what} within {timeout_s:g} s")
 
 
-def orchestrator_config(root: Path, url: str, max_steps: int = 6, model: Path = TINY_MODEL,
-                        seq_len: int = SEQ_LEN, **orchestrator):
+def orchestrator_config(root: Path, url: str, rows: str, max_steps: int = 6, model: Path = TINY_MODEL,
+                        seq_len: int = SEQ_LEN, **tables):
+    """`rows`: the dataset's function; `tables`: tables of [orchestrator] (make_config joins them
+    to its defaults)."""
     port = int(url.rsplit(":", 1)[1])
     return make_config(root, [port], model=str(model), seq_len=seq_len, max_async_level=1, max_steps=max_steps,
-                       orchestrator={"max_tokens": seq_len - 2, "temperature": 0.05,
-                                     "reward": "fake_inference:reward", "trainer_timeout_s": 120, **orchestrator})
+                       orchestrator={"sampling": {"max_tokens": seq_len - 2, "temperature": 0.05},
+                                     "datasets": [{"name": "data", "function": rows, "reward": "fake_inference:reward"}],
+                                     **tables, "timeouts": {"weights_s": 120, **tables.get("timeouts", {})}})
 
 
 def test_hopeless_groups_are_aborted_on_the_engine(long_server, tmp_path):
@@ -143,9 +146,10 @@ def test_hopeless_groups_are_aborted_on_the_engine(long_server, tmp_path):
     group_size = 8
     long_rows = {i for i, p in enumerate(ORDER) if p == LONG}
     cfg = orchestrator_config(root, url, model=model, seq_len=LONG_SEQ_LEN,
-                              dataset="test_engine_stalls_vllm:rows", group_size=group_size,
-                              prompts_per_step=2, max_in_flight_groups=4, max_off_policy_steps=1,
-                              in_flight_updates=True, timeouts={"request_s": 60}, max_steps=2)
+                              rows="test_engine_stalls_vllm:rows", max_steps=2,
+                              scheduling={"group_size": group_size, "prompts_per_step": 2, "max_in_flight_groups": 4,
+                                          "max_off_policy_steps": 1, "in_flight_updates": True},
+                              timeouts={"request_s": 60})
     RunDir(root).make()
     core = engine_core(proc)
     seen = {}
@@ -234,14 +238,14 @@ def test_a_reload_that_outlives_its_timeout_answers_504_and_the_server_recovers(
     core = engine_core(proc)
     core.send_signal(signal.SIGSTOP)
     try:
-        # As the orchestrator asks (delivery.py): it waits the server's reload_timeout_s plus
+        # As the orchestrator asks (delivery.py): it waits the server's timeouts.reload_s plus
         # ANSWER_MARGIN_S for the answer, so an answer the orchestrator would miss fails here too.
         start = time.monotonic()
         r = httpx.post(f"{url}/update_weights", timeout=RELOAD_TIMEOUT_S + ANSWER_MARGIN_S,
                        json={"path": str(version_1), "version": 1, "mode": "keep"})
         took = time.monotonic() - start
         assert r.status_code == 504, r.text
-        assert f"still running after {RELOAD_TIMEOUT_S} s (inference.reload_timeout_s)" in r.text, r.text
+        assert f"still running after {RELOAD_TIMEOUT_S} s (inference.timeouts.reload_s)" in r.text, r.text
         # Not early: the server's wait lies inside the client's. (The engine stays stopped until
         # the finally below, so the reload cannot have ended: only that timeout answers.)
         assert took >= RELOAD_TIMEOUT_S, took
@@ -270,8 +274,8 @@ def test_a_request_that_outlives_its_timeout_is_aborted_on_the_engine_and_requeu
     proc, url = server
     root = tmp_path / "run"
     group_size = 4
-    cfg = orchestrator_config(root, url, dataset="test_engine_stalls_vllm:only_long", group_size=group_size,
-                              prompts_per_step=2, max_in_flight_groups=2,
+    cfg = orchestrator_config(root, url, rows="test_engine_stalls_vllm:only_long",
+                              scheduling={"group_size": group_size, "prompts_per_step": 2, "max_in_flight_groups": 2},
                               timeouts={"request_s": 2}, servers={"retry_max_s": 1})
     RunDir(root).make()
     core = engine_core(proc)

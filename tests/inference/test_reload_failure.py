@@ -13,7 +13,7 @@ version, and the next /generate killed the engine (layers still on vLLM's meta d
 - The rollback fails too (the old version's files are gone): the server is broken: /health,
   /generate and /update_weights answer 503 saying why and to restart it; the request the engine
   held ends as aborted, tagged with the old version.
-- A reload that outlived inference.reload_timeout_s (its caller got 504) and then fails: no
+- A reload that outlived inference.timeouts.reload_s (its caller got 504) and then fails: no
   rollback, the server is broken. Nor is there one after a load that timed out (a stand-in
   engine): vLLM's multiprocess executor leaves the worker loading, and a second call to it would
   take the first one's answer for its own.
@@ -319,9 +319,9 @@ def test_a_failed_rollback_marks_the_server_broken(setup):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("setup", [f"reload_timeout_s = {RELOAD_TIMEOUT_S}\n"], indirect=True)
+@pytest.mark.parametrize("setup", [f"timeouts.reload_s = {RELOAD_TIMEOUT_S}\n"], indirect=True)
 def test_an_overdue_reload_that_then_fails_marks_the_server_broken(setup):
-    """The engine core stopped past reload_timeout_s: 504, /health 503 "still running"; let go,
+    """The engine core stopped past inference.timeouts.reload_s: 504, /health 503 "still running"; let go,
     the load of the misshapen version fails in the worker. Its caller was told 504 and that the
     server answers 503 until the reload ends, so no rollback: the server is broken (before: it
     rolled back after the fact, and with a load that had timed out in vLLM's executor, the

@@ -199,7 +199,7 @@ def test_an_rl_run_replays_every_trained_token_and_reports_agreement_per_layer(w
         f'model = "{MOE_MODEL}"\noutput_dir = "{run.root}"\nmax_steps = {steps}\nseq_len = 64\nmax_async_level = 1\n'
         f'[inference]\nport = {free_port()}\ndtype = "float32"\nrecord_routing = true\n'
         "[orchestrator]\nscheduling.prompts_per_step = 4\nscheduling.group_size = 4\nsampling.max_tokens = 12\n"
-        "[trainer]\ntorch_threads = 1\nrouting_replay = true\n")
+        "[trainer]\ntorch_threads = 1\nmismatch.routing_replay = true\n")
     result = subprocess.run(rl_command("run", "@", str(cfg)), cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     trainer = [r for r in map(json.loads, run.metrics.read_text().splitlines()) if r.get("program") == "trainer"]

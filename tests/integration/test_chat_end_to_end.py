@@ -52,7 +52,7 @@ def assert_the_promised_metrics(orch: list[dict], trainer: list[dict], samples: 
         assert r["tokens_per_s"] >= 0 and r["wait_s"] >= r["group_wait_s"] >= 0
         assert 0 <= r["truncated"] <= samples and r["skipped_rows"] == 0
         assert 0 <= r["reward_mean"] <= 1 and r["servers_in_rotation"] == 1
-        assert all(r[k] == 0 for k in ("cancelled", "failed", "failed_requests", "requeued"))
+        assert all(r[k] == 0 for k in ("cancelled", "episodes_failed_scored", "failed_requests", "requeued"))
     assert orch[0]["tokens_per_s"] > 0
     assert [r["step"] for r in trainer] == [1, 2, 3]
     for r in trainer:
@@ -94,13 +94,10 @@ name = "heldout"
 reasoning_gym = "spell_backward"
 task_config = {{ max_word_len = 8 }}
 seed = 10000
-[transport]
-address = "tcp://127.0.0.1:{free_port()}"
-[weight_sync]
-address = "127.0.0.1:{free_port()}"
-[trainer]
+[checkpoints]
+every = 0
+[trainer.files]
 keep_rollouts = 10
-checkpoint_every = 0
 [tracking]
 tensorboard = true
 wandb = true

@@ -116,7 +116,7 @@ def trained(tmp_path_factory):
             f'[inference]\nport = {port}\ndtype = "float32"\n'
             "[orchestrator]\nscheduling.prompts_per_step = 4\nscheduling.group_size = 4\nscheduling.max_in_flight_groups = 8\n"
             "sampling.max_tokens = 12\n"
-            "[trainer]\nkeep_weights = 5\nkeep_rollouts = 5\ntorch_threads = 1\n"
+            "[trainer]\nfiles.keep_weights = 5\nfiles.keep_rollouts = 5\ntorch_threads = 1\n"
             "[trainer.optim]\nlr = 1e-3\n")
         train(cfg, tmp)
         health = httpx.get(f"{url}/health", timeout=10).json()
@@ -159,7 +159,7 @@ def test_three_programs_train_with_weights_broadcast_instead_of_files(tmp_path):
     """[weight_sync] kind = "broadcast" through the real programs: the trainer hosts the group,
     the orchestrator joins the server's worker to it, and every version reaches vLLM over gloo."""
     run = RunDir(tmp_path / "run")
-    sync = f'[weight_sync]\nkind = "broadcast"\naddress = "127.0.0.1:{free_port()}"\ntimeout_s = 120\n'
+    sync = f'[weight_sync]\nkind = "broadcast"\naddress = "127.0.0.1:{free_port()}"\n[timeouts]\nbroadcast_s = 120\n'
     server, url = start_server(tmp_path, "server", TINY_MODEL, run.root, extra=sync)
     try:
         before = greedy(url, str(TINY_MODEL))

@@ -130,7 +130,7 @@ def test_gpu_machines_skip_what_they_cannot_run_and_place_programs_on_their_gpus
     from rl.config import RunConfig
 
     parsed = RunConfig.model_validate(tomllib.loads(cfg.read_text()))
-    assert parsed.trainer.dtype == parsed.inference.dtype == "bfloat16" and parsed.trainer.lora.rank == 8
+    assert parsed.trainer.model.dtype == parsed.inference.dtype == "bfloat16" and parsed.trainer.lora.rank == 8
     assert parsed.inference.gpu_memory_utilization == 0.35 and parsed.inference.port == 8400
 
 

@@ -38,11 +38,11 @@ def base_config(server, extra: str = "") -> str:
     # max_async_level 1: the version bounds asserted below are its.
     return (f'model = "{TINY_MODEL}"\noutput_dir = "{server["root"]}"\nseq_len = 64\nmax_async_level = 1\n{extra}'
             f'[inference]\nport = {server["port"]}\ndtype = "float32"\nmax_loras = 6\n'
-            "[trainer]\ntorch_threads = 1\nkeep_rollouts = 50\ncheckpoint_every = 2\n" + LORA)
+            "[checkpoints]\nevery = 2\n[trainer]\ntorch_threads = 1\nfiles.keep_rollouts = 50\n" + LORA)
 
 
 def run_config(task: str, lr: float, max_steps: int) -> str:
-    return (f'[orchestrator]\ndataset = "tasks.{task}:dataset"\nreward = "tasks.{task}:reward"\n'
+    return (f'[orchestrator]\ndatasets = [{{function = "tasks.{task}:dataset", reward = "tasks.{task}:reward"}}]\n'
             "scheduling.prompts_per_step = 4\nscheduling.group_size = 4\nscheduling.max_in_flight_groups = 8\n"
             "sampling.max_tokens = 10\n"
             f"[trainer.optim]\nlr = {lr}\n")

@@ -49,7 +49,7 @@ output_dir = "{workdir}/share"
 max_steps = {max_steps}
 seq_len = 64
 max_async_level = 1
-heartbeat_timeout_s = 10  # a cut node named after 10 s instead of the default 20
+timeouts.heartbeat_s = 10  # a cut node named after 10 s instead of the default 20
 
 [inference]
 host = "{address}"
@@ -71,10 +71,12 @@ kind = "zmq"
 address = "tcp://{trainer}:{zmq_port}"
 bind = "tcp://*:{zmq_port}"
 
+[checkpoints]
+every = 20
+
 [trainer]
 cpus = [1]
 torch_threads = 1
-checkpoint_every = 20
 """
 
 

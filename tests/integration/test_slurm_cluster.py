@@ -54,7 +54,7 @@ def config(write_toml, run: Path, max_steps: int) -> tuple[Path, str]:
         f'[transport]\nkind = "zmq"\naddress = "tcp://127.0.0.1:{free_port()}"\n'
         "[orchestrator.scheduling]\nprompts_per_step = 4\ngroup_size = 4\nmax_in_flight_groups = 8\n"
         "[orchestrator.sampling]\nmax_tokens = 12\n"
-        "[trainer]\ntorch_threads = 1\ncheckpoint_every = 2\n"
+        "[checkpoints]\nevery = 2\n[trainer]\ntorch_threads = 1\n"
         "[slurm]\ninference_nodes = 1\ntrainer_nodes = 2\ngpus_per_node = 0\njob_name = \"rl-test\"\n"
         f'rendezvous_port = {free_port()}\ntime_limit = "30:00"\nsetup = ["touch setup-ran"]\n'),
             f"inference-n1-{port}")

@@ -86,7 +86,7 @@ def waited(tmp_path_factory) -> dict:
                             f'seq_len = 64\n[orchestrator.servers]\nurls = ["{url}"]\n[orchestrator.timeouts]\nserver_wait_s = 25\n')
     trainer = tmp / "trainer.toml"
     trainer.write_text(f'model = "{TINY_MODEL}"\noutput_dir = "{tmp / "trainer"}"\nmax_steps = 2\nseq_len = 64\n'
-                       "heartbeat_timeout_s = 5\n[trainer]\nbatch_timeout_s = 40\ntorch_threads = 1\n")
+                       "timeouts.heartbeat_s = 5\n[trainer]\ntimeouts.batch_s = 40\ntorch_threads = 1\n")
     with ThreadPoolExecutor(2) as pool:
         runs = {"orchestrator": pool.submit(timed_lines, rl_command("orchestrator", "@", str(orchestrator)), 60),
                 "trainer": pool.submit(timed_lines, rl_command("trainer", "@", str(trainer)), 90)}
@@ -116,7 +116,7 @@ def test_the_trainer_waiting_for_a_batch_says_so_and_gives_up_at_batch_timeout_s
     # The batch wait beats every 30 s (rl/transport/interface.py). (The watch on the orchestrator's
     # heartbeat speaks only of an orchestrator that was there and went silent: tests/faults.)
     beat = r"waiting for batch 1 for (\d+) s"
-    gave = r"no batch 1 at .* after 40 s \(trainer.batch_timeout_s\); is the orchestrator running\?"
+    gave = r"no batch 1 at .* after 40 s \(trainer.timeouts.batch_s\); is the orchestrator running\?"
     # transport.py receive(): the deadline first, then a beat once more than 30 s passed: one
     # beat (> 30 s in, saying so), none after 40 s: the loop must take one turn in those 10 s,
     # which the program's own polling (a look at least every second) does even on a loaded machine.

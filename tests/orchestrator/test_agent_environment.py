@@ -134,7 +134,7 @@ def test_an_agent_written_against_the_openai_client_trains_in_a_real_run(tmp_pat
                                        "--orchestrator.environment.class", "tasks.calculator_agent:CalculatorAgent",
                                        "--max_steps", str(steps),
                                        "--output_dir", str(out), "--inference.port", str(free_port()),
-                                       "--trainer.keep_rollouts", str(steps)),
+                                       "--trainer.files.keep_rollouts", str(steps)),
                             capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -15,7 +15,6 @@ from orchestrator.prompts.dataset_mix import Renderer, RowError
 from orchestrator.prompts.tokenizer import load_tokenizer
 from orchestrator.prompts.chat import ChatTemplate
 from rl.config import ConfigError, RunConfig
-from orchestrator_tables import grouped
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 2 + 3?"}],
@@ -24,16 +23,18 @@ CONVERSATIONS = [
 ]
 
 
-def renderer(model, **orchestrator) -> Renderer:
-    cfg = RunConfig(model=model, orchestrator=grouped(orchestrator))
+def renderer(model, **prompts) -> Renderer:
+    """`prompts`: keys of [orchestrator.prompts]."""
+    cfg = RunConfig(model=model, orchestrator={"prompts": prompts})
     tokenizer = load_tokenizer(str(model))
     return Renderer(cfg.orchestrator, model, tokenizer, lambda text, add_special_tokens=True:
                     tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
 
-def dataset(cfg_kwargs: dict | None = None, **spec):
+def dataset(run_prompts: dict | None = None, **spec):
+    """`run_prompts`: keys of [orchestrator.prompts]; `spec`: the dataset entry's own keys."""
     cfg = RunConfig(model="m", orchestrator={"datasets": [{"function": "x:y", "reward": "x:r", **spec}],
-                                             **grouped(cfg_kwargs or {})})
+                                             "prompts": run_prompts or {}})
     return cfg.orchestrator.resolved_datasets()[0]
 
 
@@ -73,7 +74,7 @@ def test_a_prompt_string_is_one_user_message_after_the_system_prompt(tmp_path):
     own = [{"role": "system", "content": "Mine."}, {"role": "user", "content": "x"}]
     assert renderer(model).render(ds, {"messages": own}, "row 0")[1] == hf.apply_chat_template(
         own, add_generation_prompt=True, tokenize=True, return_dict=False)
-    assert dataset({"system_prompt": "A"}, system_prompt="B").system_prompt == "B"
+    assert dataset({"system_prompt": "A"}, prompts={"system_prompt": "B"}).system_prompt == "B"
 
 
 def test_completions_end_at_end_of_turn_and_eos(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 from conftest import ROOT, free_port, rl_command
 from orchestrator.prompts.curriculum import Curriculum, row_key
 from orchestrator.prompts.queue import Prompt, PromptQueue, decode_state, encode_state
-from rl.orchestrator_config import CurriculumConfig
+from rl.config.rollout_tables import CurriculumConfig
 
 ROWS = [{"prompt": f"{w}=", "answer": w[::-1]} for w in ("abc", "hello", "xyz", "reverse")]
 

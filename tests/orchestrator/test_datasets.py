@@ -31,7 +31,6 @@ from rl.config import ConfigError, RunConfig
 from orchestrator.prompts.tables import load_table
 from test_rollouts import with_server
 from rl.inference_api import connector
-from orchestrator_tables import grouped
 
 
 def write_jsonl(path, rows, extra_lines=()):
@@ -41,7 +40,7 @@ def write_jsonl(path, rows, extra_lines=()):
 
 def run_config(datasets, **orchestrator) -> RunConfig:
     return RunConfig.model_validate({"model": str(TINY_MODEL), "seq_len": 64,
-                                     "orchestrator": {"datasets": datasets, **grouped(orchestrator)}})
+                                     "orchestrator": {"datasets": datasets, **orchestrator}})
 
 
 def sources(cfg: RunConfig) -> list[Source]:
@@ -207,8 +206,9 @@ def components_reward(prompt, completion, row):
 def test_completions_cut_at_max_tokens(overlong):
     """Samples would stop after 2, 5, 11, 30 tokens: with max_tokens 10 the last two are cut."""
     cfg = run_config([{"function": "tasks.reverse:dataset", "reward": "test_datasets:components_reward",
-                       "reward_weights": {"has_a": 0.0}, "max_tokens": 10, "temperature": 0.7, "top_k": 5}],
-                     group_size=4, overlong={"mode": overlong, "buffer": 5, "penalty": 0.5})
+                       "reward_weights": {"has_a": 0.0},
+                       "sampling": {"max_tokens": 10, "temperature": 0.7, "top_k": 5}}],
+                     scheduling={"group_size": 4}, overlong={"mode": overlong, "buffer": 5, "penalty": 0.5})
     lengths = iter([2, 5, 11, 30])
     server = FakeServer(lengths=lambda: next(lengths))
 

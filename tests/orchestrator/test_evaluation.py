@@ -40,7 +40,7 @@ def test_samples_per_row_give_accuracy_and_pass_at_k():
     cfg = RunConfig.model_validate({"model": str(TINY_MODEL), "seq_len": 64, "orchestrator": {"eval": {
         "rows": 6, "samples": 4, "temperature": 1.0, "concurrency": 2,
         "datasets": [{"name": "d", "function": "tasks.reverse:dataset", "reward": "test_evaluation:has_a",
-                      "max_tokens": 3}]}}})
+                      "sampling": {"max_tokens": 3}}]}}})
     server = FakeServer()
 
     async def body(client, session):
@@ -48,7 +48,7 @@ def test_samples_per_row_give_accuracy_and_pass_at_k():
         for s in sources:
             s.reward = make_reward(s.ds.reward, 5.0, session, inline=True, key="r")
         rollouts = Rollouts(cfg, load_tokenizer(str(TINY_MODEL)), {}, None, None)  # renders, as in a run
-        return await Evaluation(rollouts, sources, cfg.orchestrator.eval).run(client, 3, 7, "t", None)
+        return await Evaluation(rollouts, sources, cfg.orchestrator.eval, cfg.orchestrator.timeouts.eval_s).run(client, 3, 7, "t", None)
 
     record = asyncio.run(with_server(server, body))
     assert all(r.n == 4 and r.prompt for r in server.requests.values()) and len(server.requests) == 6
@@ -70,7 +70,7 @@ def test_eval_datasets_beside_a_text_environment_render_and_stop_as_datasets_do(
     cfg = RunConfig.model_validate({"model": str(TINY_MODEL), "seq_len": 64, "orchestrator": {
         "environment": {"class": "tasks.guess_letter:GuessLetter"}, "eval": {
             "rows": 2, "samples": 1, "datasets": [{"name": "d", "function": "tasks.reverse:dataset",
-                                                   "reward": "test_evaluation:has_a", "max_tokens": 3}]}}})
+                                                   "reward": "test_evaluation:has_a", "sampling": {"max_tokens": 3}}]}}})
     server = FakeServer()
 
     async def body(client, session):
@@ -79,7 +79,7 @@ def test_eval_datasets_beside_a_text_environment_render_and_stop_as_datasets_do(
             s.reward = make_reward(s.ds.reward, 5.0, session, inline=True, key="r")
         rollouts = Rollouts(cfg, load_tokenizer(str(TINY_MODEL)), {}, None, GuessLetter())
         assert rollouts.kind.stop_token_ids == []  # the environment's own requests
-        return rollouts, await Evaluation(rollouts, sources, cfg.orchestrator.eval).run(client, 0, 1, "t", None)
+        return rollouts, await Evaluation(rollouts, sources, cfg.orchestrator.eval, cfg.orchestrator.timeouts.eval_s).run(client, 0, 1, "t", None)
 
     rollouts, record = asyncio.run(with_server(server, body))
     assert record["eval/d/rows"] == 2 and len(SEEN) == 2
@@ -112,7 +112,7 @@ def test_a_greedy_evaluation_on_a_real_engine_takes_one_sample_per_row_and_repea
     cfg = RunConfig.model_validate({"model": str(TINY_MODEL), "seq_len": 64, "orchestrator": {"eval": {
         "rows": 6, "concurrency": 1,
         "datasets": [{"name": "d", "function": "tasks.reverse:dataset", "reward": "test_evaluation:has_a",
-                      "max_tokens": 12}]}}})
+                      "sampling": {"max_tokens": 12}}]}}})
     calls: list[tuple] = []
 
     async def body():
@@ -131,7 +131,7 @@ def test_a_greedy_evaluation_on_a_real_engine_takes_one_sample_per_row_and_repea
             for s in sources:
                 s.reward = make_reward(s.ds.reward, 5.0, session, inline=True, key="r")
             rollouts = Rollouts(cfg, load_tokenizer(str(TINY_MODEL)), {}, None, None)
-            evaluation = Evaluation(rollouts, sources, cfg.orchestrator.eval)
+            evaluation = Evaluation(rollouts, sources, cfg.orchestrator.eval, cfg.orchestrator.timeouts.eval_s)
             first = await evaluation.run(client, 0, 0, "a", None)
             shutil.copytree(TINY_MODEL, run.weights_dir(1))
             async with session.post(f"{url}/update_weights",

@@ -23,7 +23,7 @@ from orchestrator.prompts.tokenizer import load_tokenizer
 from rl.config import load_config
 from rl.inference_api import GeneratedSample, GenerateResponse
 from test_rollouts import config, with_server
-from test_scheduling import run_scenario
+from test_scheduling import DATASET, run_scenario
 
 DOOMED = "doomed"
 
@@ -105,7 +105,7 @@ def test_a_group_left_below_min_group_episodes_fails_as_before():
 
 def test_min_group_episodes_above_group_size_is_refused():
     with pytest.raises(ValueError, match="more than group_size"):
-        config(group_size=4, min_group_episodes=5)
+        config(scheduling={"group_size": 4, "min_group_episodes": 5})
 
 
 class SometimesRaising:
@@ -132,7 +132,8 @@ class SometimesRaising:
 
 
 def test_a_text_environment_whose_step_raises_costs_that_episode():
-    cfg = config(environment="test_failing_episodes:SometimesRaising", max_turns=2, max_tokens=2, group_size=4)
+    cfg = config(environment={"class": "test_failing_episodes:SometimesRaising", "max_turns": 2},
+                 sampling={"max_tokens": 2}, scheduling={"group_size": 4})
 
     async def body(client, session):
         rollouts = Rollouts(cfg, load_tokenizer(cfg.model), {}, None, SometimesRaising())
@@ -146,10 +147,10 @@ def test_the_batch_record_counts_failed_episodes_and_short_groups(tmp_path):
     """Rewards raise on 30% of rollouts (tests/fake_inference.py flaky_reward): each batch's
     groups are short by exactly the episodes its record says failed."""
     o = asyncio.run(run_scenario(tmp_path / "a", [FakeServer(lambda: 0.0005)], max_steps=3, orchestrator={
-        "reward": "fake_inference:flaky_reward", "scheduling": {"group_size": 4}}))
+        "datasets": [{**DATASET, "reward": "fake_inference:flaky_reward"}], "scheduling": {"group_size": 4}}))
     records = {r["step"]: r for r in o.metrics if r["program"] == "orchestrator"}
     for step, batch in o.batches.items():
         r = records[step]
-        assert batch.num_samples == 4 * 4 - r["episodes_failed"]
-        assert r["groups_short"] <= r["episodes_failed"] and (r["groups_short"] > 0) == (r["episodes_failed"] > 0)
+        assert batch.num_samples == 4 * 4 - r["episodes_failed_batched"]
+        assert r["groups_short"] <= r["episodes_failed_batched"] and (r["groups_short"] > 0) == (r["episodes_failed_batched"] > 0)
     assert sum(r["groups_short"] for r in records.values()) > 0

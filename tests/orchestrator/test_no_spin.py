@@ -29,12 +29,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import tomli_w
 from conftest import ROOT, TINY_MODEL, free_port, rl_command
 
 from orchestrator.prompts.queue import decode_state
 from orchestrator.quiet_warning import QUIET_S
 from rl.batch import Batch
-from rl.orchestrator_config import MOVED
 from rl.rundir import RunDir
 
 pytestmark = pytest.mark.slow
@@ -82,18 +82,22 @@ def broken(prompt, completion, row):
 '''
 
 
-def orchestrator_config(tmp: Path, url: str, async_level: int = 1, **orchestrator) -> Path:
+def orchestrator_config(tmp: Path, url: str, async_level: int = 1, rows: str = "spin_rows:rows",
+                        reward: str = "fake_inference:reward", **tables) -> Path:
     """`async_level`: max_async_level (no trainer runs: batches 1..async_level+1 go out, then the
-    orchestrator waits for version 1)."""
+    orchestrator waits for version 1). `rows` and `reward`: the one dataset's; `tables`: tables of
+    [orchestrator], whose keys join the defaults here."""
     (tmp / "spin_rows.py").write_text(ROWS)
-    keys = {"servers.urls": [url], "servers.discover": False, "dataset": "spin_rows:rows",
-            "reward": "fake_inference:reward", "prompts_per_step": 4, "group_size": 2, "max_in_flight_groups": 8,
-            "max_tokens": 6, "max_futile_streak": STREAK, "trainer_timeout_s": 300, **orchestrator}
-    # Flat keywords to their tables (dotted keys under [orchestrator]), as tests/orchestrator_tables.py does.
-    lines = [f"{MOVED.get(k, k)} = {json.dumps(v)}" for k, v in keys.items()]
+    orchestrator = {"servers": {"urls": [url], "discover": False},
+                    "datasets": [{"name": "data", "function": rows, "reward": reward}],
+                    "scheduling": {"prompts_per_step": 4, "group_size": 2, "max_in_flight_groups": 8,
+                                   "max_futile_streak": STREAK},
+                    "sampling": {"max_tokens": 6}, "timeouts": {"weights_s": 300}}
+    for table, keys in tables.items():
+        orchestrator[table] = {**orchestrator.get(table, {}), **keys}
     path = tmp / "cfg.toml"
-    path.write_text(f'model = "{TINY_MODEL}"\noutput_dir = "{tmp / "run"}"\nseq_len = 64\nmax_steps = 40\n'
-                    f"max_async_level = {async_level}\n[orchestrator]\n" + "\n".join(lines) + "\n")
+    path.write_text(tomli_w.dumps({"model": str(TINY_MODEL), "output_dir": str(tmp / "run"), "seq_len": 64,
+                                   "max_steps": 40, "max_async_level": async_level, "orchestrator": orchestrator}))
     return path
 
 
@@ -258,7 +262,7 @@ def test_the_check_measures_the_ids_the_orchestrator_sends(tmp_path):
     cfg, _ = load_config(["@", str(ROOT / "configs/demo.toml"), "--orchestrator.prompts.system_prompt", "Spell it backwards."])
     rollouts = Rollouts(cfg, tokenizer_of(cfg.model), {}, None, None)
     ds = cfg.orchestrator.resolved_datasets()[0]
-    rows = sample(cfg, ds, "orchestrator.dataset")
+    rows = sample(cfg, ds, "dataset data")
     lengths = [len(rollouts.renderer.render(ds, row, where)[1]) for row, where in rows]
     assert max(lengths) == measure(cfg, ds, rows, rollouts.renderer.template, rollouts.fast).tokens > 27
 
@@ -433,8 +437,8 @@ def test_a_dataset_whose_rows_are_mostly_too_long_but_some_fit_goes_on(tmp_path,
     """9 rows in 20 are too long. At start-up every free slot is filled at once, so skips come in a
     run longer than max_futile_streak before any group of the usable rows finishes; each usable
     row's request ends the streak, and the run goes on with the usable rows to max_steps."""
-    cfg = orchestrator_config(tmp_path, stand_in.url, async_level=100, dataset="spin_rows:mixed",
-                              max_in_flight_groups=32)
+    cfg = orchestrator_config(tmp_path, stand_in.url, async_level=100, rows="spin_rows:mixed",
+                              scheduling={"max_in_flight_groups": 32})
     lines, _ = run_orchestrator(cfg, tmp_path, stop_when=lambda line: "batch 40 reward" in line)
     assert not [line for line in lines if " ERROR " in line], "\n".join(lines[-30:])
     assert any("row(s) skipped since the previous batch" in line for line in lines), "\n".join(lines[-30:])
@@ -444,7 +448,8 @@ def test_a_dataset_whose_rows_are_mostly_too_long_but_some_fit_goes_on(tmp_path,
 
 
 def test_groups_all_filtered_for_zero_variance_stop_the_run_naming_the_reward_value(tmp_path, stand_in):
-    cfg = orchestrator_config(tmp_path, stand_in.url, reward="spin_rows:zero", filter_zero_variance=True)
+    cfg = orchestrator_config(tmp_path, stand_in.url, reward="spin_rows:zero",
+                              scheduling={"filter_zero_variance": True})
     lines, code = run_orchestrator(cfg, tmp_path)
     assert code == 1, "\n".join(lines[-30:])
     error = the_error(lines)
@@ -459,8 +464,8 @@ def test_groups_all_filtered_for_zero_variance_stop_the_run_naming_the_reward_va
 def test_a_reward_that_always_raises_stops_the_run_naming_it_and_its_error(tmp_path, stand_in):
     """retry_or_drop drops each prompt after 3 failed groups, and would draw new ones forever. The
     streak must also last 3 x reward_timeout_s (a restarting reward would pass): 1.5 s here."""
-    cfg = orchestrator_config(tmp_path, stand_in.url, dataset="spin_rows:short", reward="spin_rows:broken",
-                              reward_timeout_s=0.5)
+    cfg = orchestrator_config(tmp_path, stand_in.url, rows="spin_rows:short", reward="spin_rows:broken",
+                              timeouts={"reward_s": 0.5})
     start = time.monotonic()
     lines, code = run_orchestrator(cfg, tmp_path)
     took = time.monotonic() - start
@@ -480,7 +485,7 @@ def test_a_reward_that_always_raises_stops_the_run_naming_it_and_its_error(tmp_p
 def test_no_server_in_rotation_for_the_wait_timeout_stops_the_run_naming_it(tmp_path, stand_in):
     """The server dies after batch 2 (no trainer: batch 3 waits for version 1). Healing retries
     it; with none in rotation for timeouts.server_wait_s the run stops naming it and its error."""
-    cfg = orchestrator_config(tmp_path, stand_in.url, **{"timeouts.server_wait_s": 6})
+    cfg = orchestrator_config(tmp_path, stand_in.url, timeouts={"server_wait_s": 6})
     handed = threading.Event()
 
     def on_line(line: str) -> None:
@@ -509,7 +514,7 @@ def test_rl_run_on_a_real_engine_stops_a_dataset_whose_later_rows_are_too_long(t
     cfg = tmp_path / "run.toml"
     cfg.write_text(f'model = "{TINY_MODEL}"\noutput_dir = "{out}"\nseq_len = 64\nmax_steps = 40\n'
                    f'[inference]\nport = {free_port()}\ndtype = "float32"\n'
-                   '[orchestrator]\ndataset = "spin_rows:rows"\nreward = "fake_inference:reward"\n'
+                   '[orchestrator]\ndatasets = [{name = "data", function = "spin_rows:rows", reward = "fake_inference:reward"}]\n'
                    f"scheduling.prompts_per_step = 4\nscheduling.group_size = 2\nsampling.max_tokens = 6\n"
                    f"scheduling.max_in_flight_groups = 8\nscheduling.max_futile_streak = {STREAK}\n"
                    "[trainer]\ntorch_threads = 1\n")

@@ -35,18 +35,19 @@ def server(tmp_path_factory):
         proc.stop()
 
 
-def config(tmp: Path, url: str, orchestrator: dict, **tables: dict) -> Path:
-    """The orchestrator's config against `url`: `orchestrator` its own keys, `tables` its sub-tables'
-    (scheduling, sampling, timeouts, servers) beyond these defaults."""
+def config(tmp: Path, url: str, dataset: dict, **tables: dict) -> Path:
+    """The orchestrator's config against `url`: `dataset` its one [[orchestrator.datasets]] entry,
+    `tables` its sub-tables' (scheduling, sampling, timeouts, servers) beyond these defaults."""
     (tmp / "spin_rows.py").write_text(ROWS)
     sub = {"servers": {"urls": [url], "discover": False},
            "scheduling": {"prompts_per_step": 4, "group_size": 2, "max_in_flight_groups": 8,
                           "max_futile_streak": STREAK},
-           "sampling": {"max_tokens": 6}, "timeouts": {"trainer_s": 300}}
+           "sampling": {"max_tokens": 6}, "timeouts": {"weights_s": 300}}
     for name, keys in tables.items():
         sub[name] = {**sub[name], **keys}
     text = (f'model = "{TINY_MODEL}"\noutput_dir = "{tmp / "run"}"\nseq_len = 64\nmax_steps = 40\n'
-            "max_async_level = 1\n[orchestrator]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in orchestrator.items()))
+            "max_async_level = 1\n[[orchestrator.datasets]]\nname = \"data\"\n"
+            + "".join(f"{k} = {json.dumps(v)}\n" for k, v in dataset.items()))
     for name, keys in sub.items():
         text += f"[orchestrator.{name}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items())
     (tmp / "cfg.toml").write_text(text)
@@ -55,7 +56,7 @@ def config(tmp: Path, url: str, orchestrator: dict, **tables: dict) -> Path:
 
 def test_groups_all_filtered_stop_the_run_naming_the_reward_value(tmp_path, server):
     _, url = server
-    cfg = config(tmp_path, url, {"dataset": "spin_rows:short", "reward": "spin_rows:zero"},
+    cfg = config(tmp_path, url, {"function": "spin_rows:short", "reward": "spin_rows:zero"},
                  scheduling={"filter_zero_variance": True})
     lines, code = run_orchestrator(cfg, tmp_path)
     assert code == 1, "\n".join(lines[-30:])
@@ -70,7 +71,7 @@ def test_groups_all_filtered_stop_the_run_naming_the_reward_value(tmp_path, serv
 
 def test_a_reward_that_always_raises_stops_the_run_naming_it_and_its_error(tmp_path, server):
     _, url = server
-    cfg = config(tmp_path, url, {"dataset": "spin_rows:short", "reward": "spin_rows:broken"},
+    cfg = config(tmp_path, url, {"function": "spin_rows:short", "reward": "spin_rows:broken"},
                  timeouts={"reward_s": 0.5})
     lines, code = run_orchestrator(cfg, tmp_path)
     assert code == 1, "\n".join(lines[-30:])
@@ -86,7 +87,7 @@ def test_no_server_in_rotation_for_the_wait_timeout_stops_the_run_naming_it(tmp_
     """The real server SIGKILLed (its whole group, engine core included) once batch 2 is out: with
     none in rotation for timeouts.server_wait_s the run stops naming it; nothing drawn is lost."""
     proc, url = server
-    cfg = config(tmp_path, url, {"dataset": "spin_rows:short", "reward": "fake_inference:reward"},
+    cfg = config(tmp_path, url, {"function": "spin_rows:short", "reward": "fake_inference:reward"},
                  timeouts={"server_wait_s": 6})
     handed = threading.Event()
 

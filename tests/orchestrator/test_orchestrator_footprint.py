@@ -31,7 +31,7 @@ async def run_orchestrator(tmp_path) -> tuple[int, str]:
     cfg = tmp_path / "cfg.toml"
     cfg.write_text(f'model = "{TINY_MODEL}"\noutput_dir = "{tmp_path / "run"}"\nseq_len = 64\nmax_steps = {STEPS}\n'
                    f'[orchestrator]\nservers.urls = ["http://127.0.0.1:{port}"]\n'
-                   'dataset = "fake_inference:dataset"\nreward = "fake_inference:reward"\n'
+                   'datasets = [{name = "data", function = "fake_inference:dataset", reward = "fake_inference:reward"}]\n'
                    '[orchestrator.scheduling]\nprompts_per_step = 4\ngroup_size = 2\npoll_interval_s = 0.01\n'
                    '[orchestrator.sampling]\nmax_tokens = 6\n')
     trainer = asyncio.create_task(fake_trainer(RunDir(tmp_path / "run"), STEPS, lambda: 0.0))

@@ -74,16 +74,16 @@ def test_orchestrator_metrics_follow_the_batch_record():
     from orchestrator.reporting import prometheus as p
 
     before = {k: sample(p.REGISTRY, f"asyncrl_orchestrator_{n}_total") for k, n in
-              (("failed", "groups_failed"), ("cancelled", "groups_cancelled_off_policy"))}
+              (("episodes_failed_scored", "episodes_failed"), ("cancelled", "groups_cancelled_off_policy"))}
     record = {"step": 7, "in_flight": 5, "buffered": 2, "reward_mean": 0.25, "reward_sampled_mean": 0.2,
-              "staleness_mean": 0.5, "staleness_max": 1, "filtered": 3, "failed": 2, "requeued": 1, "cancelled": 4,
+              "staleness_mean": 0.5, "staleness_max": 1, "filtered": 3, "episodes_failed_scored": 2, "requeued": 1, "cancelled": 4,
               "dropped_stale": 0, "failed_requests": 1, "truncated": 6, "samples_scored": 64, "wait_s": 1.5,
               "group_wait_s": 0.5, "weight_update_s": 0.3}
     p.batch_reported(record, model_tokens=1000, handover_s=0.02)
     assert sample(p.REGISTRY, "asyncrl_orchestrator_step") == 7
     assert sample(p.REGISTRY, "asyncrl_orchestrator_reward_mean") == 0.25
     assert sample(p.REGISTRY, "asyncrl_orchestrator_staleness_max_steps") == 1
-    assert sample(p.REGISTRY, "asyncrl_orchestrator_groups_failed_total") == before["failed"] + 2
+    assert sample(p.REGISTRY, "asyncrl_orchestrator_episodes_failed_total") == before["episodes_failed_scored"] + 2
     assert sample(p.REGISTRY, "asyncrl_orchestrator_groups_cancelled_off_policy_total") == before["cancelled"] + 4
     assert sample(p.REGISTRY, "asyncrl_orchestrator_handover_seconds_count") >= 1
     assert time.time() - sample(p.REGISTRY, "asyncrl_orchestrator_last_batch_timestamp_seconds") < 60
@@ -117,7 +117,7 @@ def test_trainer_serves_its_step_and_writes_its_target(tmp_path, monkeypatch):
 
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     port = free_port()
-    metrics = TrainerMetrics(config(tmp_path, metrics_port=port, mismatch_kl_warn=0.02), 3, torch.device("cpu"))
+    metrics = TrainerMetrics(config(tmp_path, metrics_port=port, mismatch={"kl_warn": 0.02}), 3, torch.device("cpu"))
     target = tmp_path / "run" / "prometheus" / f"trainer-127.0.0.1-{port}.json"
     assert json.loads(target.read_text()) == [{"targets": [f"127.0.0.1:{port}"], "labels": {
         "program": "trainer", "host": "127.0.0.1", "run": "run", "rank": "3"}}]

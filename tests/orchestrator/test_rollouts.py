@@ -23,7 +23,6 @@ from tasks.guess_letter import Game, GuessLetter
 from orchestrator.prompts.tokenizer import load_tokenizer
 from rl.config import RunConfig
 from rl.inference_api import InferenceClient, connector
-from orchestrator_tables import grouped
 
 TOKENIZER = load_tokenizer(str(TINY_MODEL))
 
@@ -34,7 +33,7 @@ def unscored_sources(cfg: RunConfig) -> dict[str, Source]:
     return {d.name: Source(d, cfg.seed) for d in cfg.orchestrator.resolved_datasets()}
 
 def config(**orchestrator) -> RunConfig:
-    return RunConfig.model_validate({"model": str(TINY_MODEL), "seq_len": 64, "orchestrator": grouped(orchestrator)})
+    return RunConfig.model_validate({"model": str(TINY_MODEL), "seq_len": 64, "orchestrator": orchestrator})
 
 
 async def with_server(server: FakeServer, body):
@@ -72,7 +71,8 @@ class AlwaysWrong:
 
 
 def test_multi_turn_episode_interleaves_model_and_environment_tokens():
-    cfg = config(environment="test_rollouts:AlwaysWrong", max_turns=3, max_tokens=2, group_size=2)
+    cfg = config(environment={"class": "test_rollouts:AlwaysWrong", "max_turns": 3}, sampling={"max_tokens": 2},
+                 scheduling={"group_size": 2})
     server = FakeServer()
 
     async def body(client, session):
@@ -139,7 +139,8 @@ def test_a_reward_that_times_out_fails_its_rollouts(spec):
 def test_teacher_logprobs_become_per_token_advantages():
     """The fake policy samples every token at logprob -3.2 and the fake teacher scores every
     token at -0.5: each model token gains coef * (-0.5 - -3.2) on top of its reward advantage."""
-    cfg = config(group_size=2, max_tokens=4, reward="", teacher={"url": "http://unused", "coef": 0.5})
+    cfg = config(scheduling={"group_size": 2}, sampling={"max_tokens": 4}, teacher={"url": "http://unused", "coef": 0.5},
+                 datasets=[{"name": "data", "function": "tasks.reverse:dataset"}])  # no reward: the teacher alone
     policy, teacher = FakeServer(), FakeServer()
 
     async def scenario():

@@ -228,6 +228,7 @@ def test_the_config_gives_the_sandbox_its_memory(monkeypatch):
 
     monkeypatch.setattr(sandbox_budget.BUDGET, "limit_mb", sandbox_budget.BUDGET.limit_mb)
     cfg = RunConfig.model_validate({"model": str(TINY_MODEL), "orchestrator": {
-        "dataset": "tasks.coding:dataset", "reward": "tasks.coding:reward", "sandbox": {"memory_mb": 3000}}})
+        "datasets": [{"function": "tasks.coding:dataset", "reward": "tasks.coding:reward"}],
+        "sandbox": {"memory_mb": 3000}}})
     configured_sources(cfg, None)
     assert sandbox_budget.BUDGET.limit_mb == 3000

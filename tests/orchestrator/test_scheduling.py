@@ -35,7 +35,6 @@ from rl.batch import Batch
 from rl.config import RunConfig
 from rl.rundir import RunDir, mark_stable
 from rl.inference_api import connector
-from orchestrator_tables import grouped
 
 pytestmark = pytest.mark.slow
 
@@ -78,15 +77,19 @@ async def fake_trainer(run: RunDir, steps: int, step_latency, first: int = 1) ->
         mark_stable(d)
 
 
+# The scenarios' dataset: fake_inference's rows, scored by its reward.
+DATASET = {"name": "data", "function": "fake_inference:dataset", "reward": "fake_inference:reward"}
+
+
 def make_config(root: Path, ports: list[int], **overrides) -> RunConfig:
     orchestrator = {
         "servers": {"urls": [f"http://127.0.0.1:{p}" for p in ports]},
-        "dataset": "fake_inference:dataset", "reward": "fake_inference:reward",
+        "datasets": [DATASET],
         "scheduling": {"prompts_per_step": 4, "group_size": 2, "max_in_flight_groups": 10, "poll_interval_s": 0.005},
-        "sampling": {"max_tokens": 6}, "timeouts": {"request_s": 30, "trainer_s": 30},
+        "sampling": {"max_tokens": 6}, "timeouts": {"request_s": 30, "weights_s": 30},
     }
-    # Flat keywords go to their tables (tests/orchestrator_tables.py); a table's keys join its defaults.
-    for key, value in grouped(overrides.pop("orchestrator", {})).items():
+    # A table's keys join its defaults here; other keys replace them.
+    for key, value in overrides.pop("orchestrator", {}).items():
         orchestrator[key] = {**orchestrator[key], **value} if isinstance(value, dict) and key in orchestrator else value
     return RunConfig.model_validate({"model": str(TINY_MODEL), "output_dir": str(root), "seq_len": 64,
                                      "max_steps": 6, **overrides, "orchestrator": orchestrator})
@@ -291,7 +294,8 @@ def test_resume_continues_the_batch_numbers_and_reissues_pending_prompts(tmp_pat
 def test_zero_variance_groups_are_filtered_and_counted(tmp_path):
     server = FakeServer(lambda: 0.0005)
     o = asyncio.run(run_scenario(tmp_path, [server], max_steps=3, orchestrator={
-        "reward": "fake_inference:coin_reward", "scheduling": {"filter_zero_variance": True, "group_size": 2}}))
+        "datasets": [{**DATASET, "reward": "fake_inference:coin_reward"}],
+        "scheduling": {"filter_zero_variance": True, "group_size": 2}}))
     check_rules(o, every_prompt_batched_or_pending=False)
     records = [r for r in o.metrics if r["program"] == "orchestrator"]
     assert sum(r["filtered"] for r in records) > 0
@@ -331,9 +335,9 @@ def test_a_raising_reward_fails_only_that_rollout(tmp_path):
     groups go on with the rest (a group needs two scored rollouts), and the run completes."""
     server = FakeServer(lambda: 0.0005)
     o = asyncio.run(run_scenario(tmp_path, [server], max_steps=3, orchestrator={
-        "reward": "fake_inference:flaky_reward", "scheduling": {"group_size": 4}}))
+        "datasets": [{**DATASET, "reward": "fake_inference:flaky_reward"}], "scheduling": {"group_size": 4}}))
     assert sorted(o.batches) == [1, 2, 3]
-    assert sum(r["failed"] for r in o.metrics if r["program"] == "orchestrator") > 0
+    assert sum(r["episodes_failed_scored"] for r in o.metrics if r["program"] == "orchestrator") > 0
     sizes = [b.num_samples for b in o.batches.values()]
     assert min(sizes) < 16 and min(sizes) >= 8  # 4 groups of 2 to 4 scored rollouts
 
@@ -448,7 +452,7 @@ def test_a_server_that_never_answers_ends_in_a_clear_timeout(tmp_path):
     # The orchestrator's own give-up, naming its trainer_timeout_s, not run_scenario's cap.
     with pytest.raises(TimeoutError, match="gave up after 3 s waiting for 4 groups for batch 1"):
         asyncio.run(run_scenario(tmp_path, [stuck], max_steps=2, timeout_s=60,
-                                 orchestrator={"timeouts": {"request_s": 0.5, "trainer_s": 3}}))
+                                 orchestrator={"timeouts": {"request_s": 0.5, "weights_s": 3}}))
     assert len(stuck.requests) >= 2  # retried after the backoff
 
 

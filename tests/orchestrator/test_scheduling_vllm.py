@@ -28,7 +28,6 @@ from rl.rundir import RunDir, mark_stable
 from test_end_to_end import launch_server, wait_healthy
 from test_scheduling import Collect, Outcome, check_rules, make_config
 from rl.inference_api import connector
-from orchestrator_tables import grouped
 
 pytestmark = pytest.mark.slow
 
@@ -74,9 +73,10 @@ async def copying_trainer(run: RunDir, steps: int) -> None:
 async def real_scenario(root: Path, urls: list[str], in_flight: bool) -> Outcome:
     ports = [int(u.rsplit(":", 1)[1]) for u in urls]
     cfg = make_config(root, ports, max_steps=12, max_async_level=1, orchestrator={
-        "max_tokens": 40, "in_flight_updates": in_flight, "temperature": 1.0, "max_off_policy_steps": 1,
-        "group_size": 2, "prompts_per_step": 4, "max_in_flight_groups": 10, "request_timeout_s": 60,
-        "trainer_timeout_s": 120})
+        "sampling": {"max_tokens": 40, "temperature": 1.0},
+        "scheduling": {"in_flight_updates": in_flight, "max_off_policy_steps": 1, "group_size": 2,
+                       "prompts_per_step": 4, "max_in_flight_groups": 10},
+        "timeouts": {"request_s": 60, "weights_s": 120}})
     run = RunDir(root)
     run.make()
     handovers: dict[int, list[int]] = {}
@@ -188,8 +188,10 @@ def test_a_real_teacher_scores_the_students_real_tokens(servers):
     teacher_dir = RunDir(run).weights_dir(1)
     perturbed_copy(teacher_dir)
     coef = 0.5
-    cfg = RunConfig.model_validate({"model": str(TINY_MODEL), "seq_len": 64, "orchestrator": grouped({
-        "group_size": 4, "max_tokens": 12, "reward": "", "teacher": {"url": teacher_url, "coef": coef}})})
+    cfg = RunConfig.model_validate({"model": str(TINY_MODEL), "seq_len": 64, "orchestrator": {
+        "scheduling": {"group_size": 4}, "sampling": {"max_tokens": 12},
+        "datasets": [{"name": "data", "function": "tasks.reverse:dataset"}],  # no reward: the teacher alone
+        "teacher": {"url": teacher_url, "coef": coef}}})
 
     async def scenario():
         async with aiohttp.ClientSession(connector=connector()) as session:

@@ -21,7 +21,6 @@ from orchestrator.prompts.chat import ChatTemplate
 from rl.config import ConfigError, RunConfig
 from rl.inference_api import GeneratedSample, GenerateRequest, GenerateResponse
 from orchestrator.preflight import orchestrator_code
-from orchestrator_tables import grouped
 
 CHAT_MODEL = ROOT / "models" / "tiny-chat"
 TOKENIZER = Tokenizer.from_file(str(CHAT_MODEL / "tokenizer.json"))
@@ -68,10 +67,14 @@ class NoReward:
 TOOL_TIMEOUT_S = 2
 
 
-def config(env: str = "test_tool_episode:Tools", seq_len: int = 4096, **orchestrator) -> RunConfig:
-    return RunConfig.model_validate({"model": str(CHAT_MODEL), "seq_len": seq_len, "orchestrator": grouped({
-        "environment": env, "max_turns": 4, "group_size": 2, "tool_timeout_s": TOOL_TIMEOUT_S, "max_tokens": 200,
-        **orchestrator})})
+def config(env: str = "test_tool_episode:Tools", seq_len: int = 4096, max_turns: int = 4, args: dict | None = None,
+           **orchestrator) -> RunConfig:
+    """`env`, `args`, `max_turns`: [orchestrator.environment]'s; `orchestrator`: tables of
+    [orchestrator] (sampling's keys join the defaults here)."""
+    sampling = {"max_tokens": 200, **orchestrator.pop("sampling", {})}
+    return RunConfig.model_validate({"model": str(CHAT_MODEL), "seq_len": seq_len, "orchestrator": {
+        "environment": {"class": env, "max_turns": max_turns, "args": args or {}}, "scheduling": {"group_size": 2},
+        "timeouts": {"tool_s": TOOL_TIMEOUT_S}, "sampling": sampling, **orchestrator}})
 
 
 class ScriptedModel:
@@ -221,7 +224,7 @@ def test_a_reward_that_raises_fails_only_its_rollouts():
     ("test_tool_episode:NoReward", {}, "a tool environment needs a reward(messages, row) method"),
     ("test_tool_episode:Tools", {"tools": {"parser": "test_tool_episode:Missing"}},
      "orchestrator.tools.parser = 'test_tool_episode:Missing': module 'test_tool_episode' has no 'Missing'"),
-    ("test_tool_episode:Tools", {"chat": "off"}, "has tools, which need a chat template"),
+    ("test_tool_episode:Tools", {"prompts": {"chat": "off"}}, "has tools, which need a chat template"),
 ])
 def test_bad_tool_environments_are_named_before_start(env, orchestrator, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -237,7 +240,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path):
         "{%- if loop.last and m['tool_calls'] is defined %}{{ m['tool_calls'] | tojson }}{% endif %}"
         "<|im_end|>\n{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
     with pytest.raises(ConfigError, match="renders an assistant turn differently once a tool message follows"):
-        orchestrator_code(config(chat_template=str(template)))
+        orchestrator_code(config(prompts={"chat_template": str(template)}))
 
 
 def test_schemas_reach_the_template():
@@ -279,9 +282,9 @@ def test_an_eval_environment_samples_with_the_evaluation_settings_not_the_runs(t
     held once evaluated the held-out episodes at the run's T = 1.)"""
     from orchestrator.evaluation.environments import EnvironmentEval
     from orchestrator.prompts.tokenizer import load_tokenizer
-    from rl.dataset_config import EvalConfig, EvalEnvironment
+    from rl.config.datasets import EvalConfig, EvalEnvironment
 
-    cfg = config(temperature=1.0, top_k=5)
+    cfg = config(sampling={"temperature": 1.0, "top_k": 5})
     rollouts = Rollouts(cfg, load_tokenizer(cfg.model), {}, None, Tools())
     evaluation = EnvironmentEval(rollouts, EvalEnvironment(name="held", **{"class": "test_tool_episode:Tools"}),
                                  EvalConfig(temperature=temperature, rows=2))

@@ -16,7 +16,6 @@ from tokenizers import Tokenizer
 from conftest import ROOT
 from test_end_to_end import launch_server, wait_healthy
 from rl.inference_api import connector
-from orchestrator_tables import grouped
 
 pytestmark = pytest.mark.slow
 
@@ -45,9 +44,9 @@ def play(url: str, prompts: int, group_size: int):
     from rl.config import RunConfig
     from rl.inference_api import InferenceClient
 
-    cfg = RunConfig.model_validate({"model": str(TOOL_MODEL), "seq_len": SEQ_LEN, "orchestrator": grouped({
-        "environment": "tasks.calculator:Calculator", "max_turns": 3, "max_tokens": 64,
-        "group_size": group_size, "temperature": 1.0})})
+    cfg = RunConfig.model_validate({"model": str(TOOL_MODEL), "seq_len": SEQ_LEN, "orchestrator": {
+        "environment": {"class": "tasks.calculator:Calculator", "max_turns": 3},
+        "sampling": {"max_tokens": 64, "temperature": 1.0}, "scheduling": {"group_size": group_size}}})
     seen = {}
 
     async def scenario():

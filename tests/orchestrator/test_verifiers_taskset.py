@@ -43,7 +43,7 @@ def call(name: str, arguments) -> str:
 
 def run(environment_args: dict, row: dict, script: list[str]):
     """One group of two episodes of the configured taskset, through the orchestrator's rollouts."""
-    cfg = config(ENV, environment_args={"id": TINY, **environment_args})
+    cfg = config(ENV, args={"id": TINY, **environment_args})
     env = VerifiersTaskset(**cfg.orchestrator.environment.args)
     model = ScriptedModel(script)
     rollouts = Rollouts(cfg, load_tokenizer(cfg.model), {}, None, env)
@@ -161,14 +161,14 @@ def test_tool_errors_reach_the_model_and_are_counted():
 
 
 def test_the_config_names_a_taskset_by_id():
-    cfg = config(ENV, environment_args={"id": TINY, "num_tasks": 2})
+    cfg = config(ENV, args={"id": TINY, "num_tasks": 2})
     orchestrator_code(cfg)
     rollouts = Rollouts.from_config(cfg, None)
     assert list(rollouts.kind.tool_episode.tools) == ["calc_add", "calc_mul"]
     assert len(rollouts.kind.env.tasks) == 2
 
     with pytest.raises(ConfigError, match="takes|signature"):
-        orchestrator_code(config(ENV, environment_args={"num_tasks": 2}))  # no id
+        orchestrator_code(config(ENV, args={"num_tasks": 2}))  # no id
 
 
 @pytest.mark.parametrize("args, message", [
@@ -188,7 +188,7 @@ def test_the_config_names_a_taskset_by_id():
      f"verifiers taskset '{TINY}': toolset CalcToolset is a remote MCP server (http://127.0.0.1:9/mcp)"),
 ])
 def test_a_bad_taskset_is_one_line_naming_it(args, message):
-    cfg = config(ENV, environment_args=args)
+    cfg = config(ENV, args=args)
     for start in (orchestrator_code, lambda cfg: Rollouts.from_config(cfg, None)):  # --dry-run, then the program
         with pytest.raises(ConfigError) as e:
             start(cfg)

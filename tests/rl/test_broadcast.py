@@ -127,8 +127,8 @@ def test_parse_address():
 def config(tmp: Path, address: str, timeout_s: float, bucket_mb: int = 1) -> RunConfig:
     return RunConfig.model_validate({
         "model": str(TINY_MODEL), "output_dir": str(tmp / "run"),
-        "weight_sync": {"kind": "broadcast", "address": address, "bucket_mb": bucket_mb, "timeout_s": timeout_s},
-        "trainer": {"keep_weights": 1},
+        "weight_sync": {"kind": "broadcast", "address": address, "bucket_mb": bucket_mb},
+        "timeouts": {"broadcast_s": timeout_s}, "trainer": {"files": {"keep_weights": 1}},
     })
 
 
@@ -237,10 +237,10 @@ def test_a_receiver_that_never_joins_fails_the_sender_naming_the_address(tmp_pat
     finally:
         reap(procs)
     message = str(err.value)
-    assert address in message and "never joined: [2]" in message and "weight_sync.timeout_s" in message
+    assert address in message and "never joined: [2]" in message and "timeouts.broadcast_s" in message
     # Not before its timeout (rl/weights/broadcast.py allows the backend's timers 5% early); with rank 2
     # never coming nothing but that timeout ends the wait, so the error itself shows it fired.
-    assert waited >= 0.95 * cfg.weight_sync.timeout_s, waited
+    assert waited >= 0.95 * cfg.timeouts.broadcast_s, waited
     assert rank == 1 and not ok and address in why
 
 
@@ -318,7 +318,7 @@ def vllm_server(tmp_path_factory, request):
     cfg = tmp / "server.toml"
     cfg.write_text(f'model = "{model}"\noutput_dir = "{run.root}"\nseq_len = 64\n'
                    f'[inference]\nport = {port}\ndtype = "float32"\n'
-                   f'[weight_sync]\nkind = "broadcast"\naddress = "{address}"\ntimeout_s = 60\n')
+                   f'[weight_sync]\nkind = "broadcast"\naddress = "{address}"\n[timeouts]\nbroadcast_s = 60\n')
     server = Program("inference", cfg, tmp)
     url = f"http://127.0.0.1:{port}"
     import httpx
@@ -379,7 +379,8 @@ def test_real_server_receives_a_version_by_broadcast(vllm_server):
 
     url, run, address, model = vllm_server["url"], vllm_server["run"], vllm_server["address"], vllm_server["model"]
     cfg = RunConfig.model_validate({"model": str(model), "output_dir": str(run.root),
-                                    "weight_sync": {"kind": "broadcast", "address": address, "timeout_s": 60}})
+                                    "weight_sync": {"kind": "broadcast", "address": address},
+                                    "timeouts": {"broadcast_s": 60}})
     base = load_file(model / "model.safetensors")
     g = torch.Generator().manual_seed(0)
     new = {k: v + 0.5 * v.std() * torch.randn(v.shape, generator=g) if v.numel() > 1 else v
@@ -612,7 +613,7 @@ def test_a_failed_nccl_collective_raises_naming_the_peer_and_aborts_the_group(fa
     message = str(err.value)
     assert isinstance(err.value, bc.BroadcastTimeout) == (outcome != "the peer died"), message
     peer = "rank 1 (fake worker 1), rank 2 (fake worker 2)" if rank == 0 else f"the trainer (rank 0, hosting {FAKE_ADDRESS})"
-    assert peer in message and "bucket 2/3 of version 4" in message and "weight_sync.timeout_s = 5" in message
+    assert peer in message and "bucket 2/3 of version 4" in message and "timeouts.broadcast_s = 5" in message
     assert "did not finish" not in message and "still blocked" not in message
     assert work.waits == [datetime.timedelta(seconds=5)]
     assert pg.aborted == 1 and group.broken == message

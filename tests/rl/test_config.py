@@ -7,11 +7,13 @@ import subprocess
 import typing
 
 import pytest
+import tomli_w
 from pydantic import BaseModel
 
 from conftest import TINY_MODEL, free_port, rl_command
 from rl.config import ConfigError, load_config
-from rl.orchestrator_config import MOVED, SchedulingConfig
+from rl.config.moved import GONE, MOVED
+from rl.config.orchestrator_tables import SchedulingConfig
 
 
 def run_rl(*args: str) -> subprocess.CompletedProcess:
@@ -37,22 +39,20 @@ def test_off_policy_steps_default_to_async_level(write_toml):
     (["--max_steps", "many"], "config key max_steps"),
     (["--orchestrator.scheduling.max_off_policy_steps", "0", "--max_async_level", "2"], "must be >= max_async_level"),
     (["--orchestrator.scheduling.max_in_flight_groups", "2"], "orchestrator.scheduling.max_in_flight_groups"),
-    (["--orchestrator.environment.class", "m:E", "--orchestrator.reward", "m:r"],
-     "orchestrator.reward is unused when orchestrator.environment.class is set"),
     (["--orchestrator.environment.class", "m:E", "--orchestrator.datasets", '[{path = "d.jsonl"}]'],
      "orchestrator.datasets is unused when orchestrator.environment.class is set"),
     (["--orchestrator.environment.class", "not-a-spec"], "config key orchestrator.environment.class: expected"),
     (["--orchestrator.environment.class_", "m:E"], "unknown config key: orchestrator.environment.class_"),
     (["--orchestrator.environment.max_turns", "0"], "config key orchestrator.environment.max_turns"),
-    (["--orchestrator.reward", ""], "nothing would score the rollouts"),
+    (["--orchestrator.datasets", '[{function = "m:f"}]'], "dataset m: no reward and no orchestrator.teacher.url"),
     (["--transport.kind", "pigeon"], "config key transport.kind"),
-    (["--trainer.micro_batch_tokens", "100", "--seq_len", "256"], "trainer.micro_batch_tokens (100) must be >= seq_len"),
+    (["--trainer.batching.micro_batch_tokens", "100", "--seq_len", "256"], "trainer.batching.micro_batch_tokens (100) must be >= seq_len"),
     (["--trainer.loss.mask_low", "2", "--trainer.loss.mask_high", "1"], "trainer.loss.mask_low (2.0) must be below"),
     (["--trainer.loss.normalization", "batch"], "config key trainer.loss.normalization"),
     (["--trainer.lora.multi_run", "true"], "need LoRA: set trainer.lora.rank > 0"),
     (["--run_name", "../x", "--trainer.lora.rank", "8"], "config key run_name"),
-    (["--run_name", "a", "--trainer.lora.rank", "8", "--transport.kind", "zmq"], 'needs transport.kind = "filesystem"'),
-    (["--trainer.lora.rank", "8", "--weight_sync.kind", "broadcast"], 'weight_sync.kind must be "filesystem"'),
+    (["--run_name", "a", "--trainer.lora.rank", "8", "--transport.kind", "zmq"], 'needs transport.kind = "files"'),
+    (["--trainer.lora.rank", "8", "--weight_sync.kind", "broadcast"], 'weight_sync.kind must be "files"'),
     (["--inference.cpus", "[-1]"], "config key inference.cpus.0"),
     (["--trainer.profile_steps", "[3]"], "trainer.profile_steps: expected [first, last]"),
     (["--trainer.profile_steps", "[4, 2]"], "trainer.profile_steps: expected [first, last]"),
@@ -70,12 +70,14 @@ MOVED_VALUES = {"server_urls": ["http://h:1"], "discover_servers": False, "teach
                 "tool_parser": "m:Parser", "chat": "off", "chat_template": "t.jinja", "chat_template_kwargs": {},
                 "system_prompt": "s", "top_p": 0.5, "min_p": 0.5, "stop": ["x"], "record_kept_sets": True,
                 "normalize_advantages": True, "filter_zero_variance": True, "in_flight_updates": False,
-                "max_in_flight_groups": 20, "environment_args": {}}
-
+                "max_in_flight_groups": 20, "environment_args": {}, "environment": "m:Env",
+                "dtype": "float32", "attention": "sdpa", "compile": True, "activation_checkpointing": True,
+                "reference_offload": True, "pack": False, "micro_batch_tokens": 8192, "sampling_mask": False,
+                "routing_replay": False, "heartbeat_timeout_s": 30}
 
 # The keys that moved, written out here rather than read from MOVED: a key dropped from MOVED (or
-# sent somewhere else) fails its case instead of silently leaving the test.
-OLD_KEYS = {
+# sent somewhere else) fails its case instead of silently leaving the test. `[]`: in each entry.
+_ORCHESTRATOR_KEYS = {
     "server_urls": "servers.urls", "discover_servers": "servers.discover", "server_retry_max_s": "servers.retry_max_s",
     "teacher_url": "teacher.url", "teacher_coef": "teacher.coef", "tool_parser": "tools.parser",
     "overlong_buffer": "overlong.buffer", "overlong_penalty": "overlong.penalty",
@@ -91,13 +93,72 @@ OLD_KEYS = {
     "max_in_flight_groups": "scheduling.max_in_flight_groups",
     "max_off_policy_steps": "scheduling.max_off_policy_steps", "in_flight_updates": "scheduling.in_flight_updates",
     "poll_interval_s": "scheduling.poll_interval_s", "max_futile_streak": "scheduling.max_futile_streak",
-    "reward_timeout_s": "timeouts.reward_s", "trainer_timeout_s": "timeouts.trainer_s",
+    "reward_timeout_s": "timeouts.reward_s", "trainer_timeout_s": "timeouts.weights_s",
     "request_timeout_s": "timeouts.request_s", "servers.request_timeout_s": "timeouts.request_s",
     "server_wait_timeout_s": "timeouts.server_wait_s", "servers.wait_timeout_s": "timeouts.server_wait_s",
     "tool_timeout_s": "timeouts.tool_s", "tools.timeout_s": "timeouts.tool_s",
-    "keep_checkpoints": "checkpoints.keep",
     "environment_args": "environment.args", "max_turns": "environment.max_turns",
+    "timeouts.trainer_s": "timeouts.weights_s", "eval.timeout_s": "timeouts.eval_s",
 }
+OLD_KEYS = {
+    **{f"orchestrator.{old}": f"orchestrator.{new}" for old, new in _ORCHESTRATOR_KEYS.items()},
+    "orchestrator.keep_checkpoints": "checkpoints.keep", "orchestrator.checkpoints.keep": "checkpoints.keep",
+    "trainer.dtype": "trainer.model.dtype", "trainer.attention": "trainer.model.attention",
+    "trainer.compile": "trainer.model.compile", "trainer.activation_checkpointing": "trainer.model.activation_checkpointing",
+    "trainer.reference_offload": "trainer.model.reference_offload",
+    "trainer.logits_chunk_tokens": "trainer.model.logits_chunk_tokens",
+    "trainer.pack": "trainer.batching.pack", "trainer.micro_batch_tokens": "trainer.batching.micro_batch_tokens",
+    "trainer.micro_batch_size": "trainer.batching.micro_batch_size",
+    "trainer.sampling_mask": "trainer.mismatch.sampling_mask", "trainer.routing_replay": "trainer.mismatch.routing_replay",
+    "trainer.mismatch_kl_warn": "trainer.mismatch.kl_warn",
+    "trainer.weights_shard_mb": "trainer.files.weights_shard_mb", "trainer.keep_weights": "trainer.files.keep_weights",
+    "trainer.keep_rollouts": "trainer.files.keep_rollouts",
+    "trainer.batch_timeout_s": "trainer.timeouts.batch_s", "trainer.lora.run_timeout_s": "trainer.timeouts.run_s",
+    "trainer.checkpoint_every": "checkpoints.every", "trainer.keep_checkpoints": "checkpoints.keep",
+    "heartbeat_timeout_s": "timeouts.heartbeat_s", "weight_sync.timeout_s": "timeouts.broadcast_s",
+    "inference.reload_timeout_s": "inference.timeouts.reload_s",
+    **{f"{entries}[].{key}": f"{entries}[].{table}.{key}"
+       for entries in ("orchestrator.datasets", "orchestrator.eval.datasets", "sft.datasets", "sft.eval_datasets")
+       for table, key in [("sampling", k) for k in ("temperature", "top_p", "top_k", "min_p", "max_tokens", "stop")]
+       + [("prompts", "system_prompt")]},
+    "orchestrator.eval.environments[].environment": "orchestrator.eval.environments[].class",
+    "orchestrator.eval.environments[].environment_args": "orchestrator.eval.environments[].args",
+}
+# What each list's entry needs besides the key under test to load.
+ENTRY = {"orchestrator.eval.environments": {"name": "e", "class": "m:Env"}}
+
+
+def nested(path: str, value) -> dict:
+    """{"a": {"b": [{...entry, "c": value}]}} for "a.b[].c"."""
+    if "[]" in path:
+        entries, rest = path.split("[]")
+        entry = {"function": "m:f", "reward": "m:r"} if entries not in ENTRY else dict(ENTRY[entries])
+        if rest.strip(".") in ("environment", "class"):
+            entry.pop("class", None)
+        _merge_into(entry, nested(rest.strip("."), value))
+        return nested(entries, [entry])
+    out: dict = {}
+    node = out
+    *parents, leaf = path.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+    return out
+
+
+def _merge_into(a: dict, b: dict) -> None:
+    for k, v in b.items():
+        if isinstance(v, dict) and isinstance(a.get(k), dict):
+            _merge_into(a[k], v)
+        else:
+            a[k] = v
+
+
+def _at(cfg, path: str):
+    value = cfg
+    for part in path.replace("[]", ".0").split("."):
+        value = value[int(part)] if part.isdigit() else getattr(value, "class_" if part == "class" else part)
+    return value
 
 
 def test_every_moved_key_is_listed_here():
@@ -106,21 +167,92 @@ def test_every_moved_key_is_listed_here():
 
 
 @pytest.mark.parametrize("old, new", OLD_KEYS.items())
-def test_a_key_moved_into_an_orchestrator_table_is_refused_naming_its_new_place(write_toml, old, new):
-    """A config written before [orchestrator]'s tables existed (servers, teacher, tools, overlong;
-    then prompts, sampling, scheduling, timeouts, checkpoints, issue 53; then environment): one line
-    saying where the key lives now, in the TOML file and as a flag; the new place loads."""
+def test_a_moved_key_is_refused_naming_its_new_place(write_toml, old, new):
+    """A config written before its table was regrouped ([orchestrator]'s tables, issue 53; [trainer]
+    grouped by concern, one [checkpoints], timeouts in `timeouts` tables, a dataset's own sampling
+    and prompts as sub-tables, issue 61): one line saying where the key lives now, in the TOML file
+    and, for a plain key, as a flag; the new place loads."""
     value = MOVED_VALUES.get(old.rpartition(".")[2], 3)
-    text = f'model = "m"\n[orchestrator]\n{old} = {json.dumps(value)}\n'
-    for argv in (["@", str(write_toml(text))], ["@", str(write_toml('model = "m"\n', "bare.toml")), f"--orchestrator.{old}", json.dumps(value)]):
+    old_toml = tomli_w.dumps(_with_model(nested(old, value)))
+    argvs = [["@", str(write_toml(old_toml))]]
+    if "[]" not in old:
+        argvs.append(["@", str(write_toml('model = "m"\n', "bare.toml")), f"--{old}", json.dumps(value)])
+    for argv in argvs:
         with pytest.raises(ConfigError) as err:
             load_config(argv)
-        table, _, key = new.rpartition(".")
-        assert str(err.value) == (f"orchestrator.{old} is now orchestrator.{new}: write it as `{key} = ...` under "
-                                  f"[orchestrator.{table}] (or --orchestrator.{new})")
-    cfg, _ = load_config(["@", str(write_toml(f'model = "m"\n[orchestrator]\n{new} = {json.dumps(value)}\n'))])
-    loaded = getattr(getattr(cfg.orchestrator, table), key)
-    assert (str(loaded) if key == "chat_template" else loaded) == value
+        if "[]" in old:
+            entries, inner = new.split("[]")
+            table, _, key = inner.strip(".").rpartition(".")
+            where = f"`{key} = ...` " + (f"under `{table}` " if table else "") + f"in each [[{entries}]] entry"
+            assert str(err.value) == f"{old.replace('[]', '[0]')} is now {new.replace('[]', '[0]')}: write it as {where}"
+        else:
+            table, _, key = new.rpartition(".")
+            assert str(err.value) == f"{old} is now {new}: write it as `{key} = ...` under [{table}] (or --{new})"
+    cfg, _ = load_config(["@", str(write_toml(tomli_w.dumps(_with_model(nested(new, value))), "new.toml"))])
+    loaded = _at(cfg, new)
+    assert (str(loaded) if new.endswith("chat_template") else loaded) == value
+
+
+def _with_model(data: dict) -> dict:
+    return {"model": "m", **data}
+
+
+@pytest.mark.parametrize("key", ["orchestrator.dataset", "orchestrator.reward"])
+def test_the_orchestrators_own_dataset_and_reward_are_refused_for_the_datasets_list(write_toml, key):
+    """One way to name what is rolled out: [[orchestrator.datasets]], each with its reward."""
+    with pytest.raises(ConfigError) as err:
+        load_config(["@", str(write_toml(f'model = "m"\n[orchestrator]\n{key.split(".")[1]} = "m:f"\n'))])
+    assert str(err.value) == GONE[key] and "[[orchestrator.datasets]]" in str(err.value)
+
+
+@pytest.mark.parametrize("table", ["transport", "weight_sync"])
+def test_the_filesystem_kind_is_refused_for_files(write_toml, table):
+    with pytest.raises(ConfigError) as err:
+        load_config(["@", str(write_toml(f'model = "m"\n[{table}]\nkind = "filesystem"\n'))])
+    assert str(err.value) == f'{table}.kind = "filesystem" is now "files": write {table}.kind = "files"'
+    cfg, _ = load_config(["@", str(write_toml(f'model = "m"\n[{table}]\nkind = "files"\n', "new.toml"))])
+    assert getattr(cfg, table).kind == "files" and cfg.weight_delivery == "files"
+
+
+@pytest.mark.parametrize("table, key, value, kind", [
+    ("transport", "address", '"tcp://h:1"', "zmq"), ("transport", "bind", '"tcp://*:1"', "zmq"),
+    ("weight_sync", "address", '"h:1"', "broadcast"), ("weight_sync", "bucket_mb", "64", "broadcast"),
+])
+def test_a_kind_specific_key_is_refused_under_another_kind(write_toml, table, key, value, kind):
+    """transport.address, weight_sync.bucket_mb, ... exist only in their kind's table (a
+    discriminated union): set without that kind, one line names the kind they need."""
+    with pytest.raises(ConfigError) as err:
+        load_config(["@", str(write_toml(f'model = "m"\n[{table}]\n{key} = {value}\n'))])
+    assert str(err.value) == (f'{table}.{key} applies to {table}.kind = "{kind}" only (this config\'s kind: '
+                              f'"files"): set {table}.kind = "{kind}", or remove {table}.{key}')
+    cfg, _ = load_config(["@", str(write_toml(f'model = "m"\n[{table}]\nkind = "{kind}"\n{key} = {value}\n', "k.toml"))])
+    assert getattr(getattr(cfg, table), key) == json.loads(value.replace("'", '"'))
+
+
+# One old form of each kind, refused by the real command line before anything starts.
+CLI_SAMPLES = [
+    ("trainer", "[trainer]\nkeep_checkpoints = 3\n", "trainer.keep_checkpoints is now checkpoints.keep"),
+    ("trainer", "[trainer]\nbatch_timeout_s = 60\n", "trainer.batch_timeout_s is now trainer.timeouts.batch_s"),
+    ("orchestrator", "[orchestrator.checkpoints]\nkeep = 3\n", "orchestrator.checkpoints.keep is now checkpoints.keep"),
+    ("orchestrator", '[orchestrator]\ndataset = "m:f"\n', GONE["orchestrator.dataset"]),
+    ("orchestrator", '[[orchestrator.datasets]]\nfunction = "m:f"\ntemperature = 0.5\n',
+     "orchestrator.datasets[0].temperature is now orchestrator.datasets[0].sampling.temperature"),
+    ("orchestrator", '[[orchestrator.datasets]]\nfunction = "m:f"\nsystem_prompt = "s"\n',
+     "orchestrator.datasets[0].system_prompt is now orchestrator.datasets[0].prompts.system_prompt"),
+    ("inference", '[weight_sync]\nkind = "filesystem"\n', 'weight_sync.kind = "filesystem" is now "files"'),
+    ("inference", "[inference]\nreload_timeout_s = 5\n", "inference.reload_timeout_s is now inference.timeouts.reload_s"),
+    ("run", "heartbeat_timeout_s = 30\n", "heartbeat_timeout_s is now timeouts.heartbeat_s"),
+    ("run", "[orchestrator.timeouts]\ntrainer_s = 30\n", "orchestrator.timeouts.trainer_s is now orchestrator.timeouts.weights_s"),
+    ("trainer", "[transport]\naddress = \"tcp://h:1\"\n", 'transport.address applies to transport.kind = "zmq" only'),
+]
+
+
+@pytest.mark.parametrize("program, text, line", CLI_SAMPLES)
+def test_the_command_line_refuses_an_old_form_with_exit_2_and_one_line(write_toml, program, text, line):
+    result = run_rl(program, "@", str(write_toml(f'model = "m"\n{text}')), "--dry-run")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"rl {program}: {line}"), result.stderr
 
 
 def test_overlong_as_a_string_is_refused_naming_its_table(write_toml):
@@ -183,19 +315,6 @@ def test_environment_table_loads_under_class_and_saves_back_the_same(write_toml)
     assert "--orchestrator.environment.class TEXT" in run_rl("orchestrator", "--help").stdout
 
 
-@pytest.mark.parametrize("entry, old, new", [
-    ('environment = "tasks.calculator:Calculator"', "environment", "class"),
-    ('class = "tasks.calculator:Calculator"\nenvironment_args = {}', "environment_args", "args"),
-])
-def test_an_eval_environment_with_the_old_key_names_is_refused_naming_the_new(write_toml, entry, old, new):
-    text = f'model = "m"\n[[orchestrator.eval.environments]]\nname = "e"\n{entry}\n'
-    with pytest.raises(ConfigError) as err:
-        load_config(["@", str(write_toml(text))])
-    assert str(err.value) == (f"orchestrator.eval.environments: `{old}` is now `{new}` in each "
-                              "[[orchestrator.eval.environments]] entry, as under [orchestrator.environment]: "
-                              f"write `{new} = ...`")
-
-
 def test_an_eval_environment_takes_the_run_max_turns_unless_it_sets_its_own(write_toml):
     text = ('model = "m"\n[orchestrator.environment]\nmax_turns = 5\n'
             '[[orchestrator.eval.environments]]\nname = "a"\nclass = "tasks.calculator:Calculator"\nargs = {k = 1}\n'
@@ -210,7 +329,7 @@ def test_an_eval_environment_takes_the_run_max_turns_unless_it_sets_its_own(writ
 
 @pytest.mark.parametrize("text, args, message", [
     ('model = "m"\nbogus = 1\n', [], "unknown config key: bogus"),
-    ('model = "m"\n[trainer]\nmicro_batch_size = "x"\n', [], "trainer.micro_batch_size"),
+    ('model = "m"\n[trainer.batching]\nmicro_batch_size = "x"\n', [], "trainer.batching.micro_batch_size"),
     ("max_steps = 3\n", [], "missing config key: model"),
     ("model = \n", [], "invalid TOML"),
     ('model = "m"\n', ["@", "no/such/file.toml"], "config file not found: no/such/file.toml"),
@@ -276,7 +395,7 @@ def test_a_saved_config_with_datasets_and_template_options_loads_as_the_same_con
     """What each program saves (output_dir/config/<program>.toml, read again by a multi-run
     trainer and by SLURM jobs) holds tables inside keys (chat_template_kwargs, a dataset's
     task_config) and lists of them; it must parse back to the very same config, and a key left
-    unset (orchestrator.reward) must stay unset, not become its default."""
+    unset (a dataset's sampling.temperature) must stay unset, not become its default."""
     from rl.resolved_config import render_toml
 
     cfg, _ = load_config(["@", str(write_toml('model = "m"\n')),
@@ -287,7 +406,7 @@ def test_a_saved_config_with_datasets_and_template_options_loads_as_the_same_con
                           "--orchestrator.eval.datasets", '[{reasoning_gym = "spell_backward", seed = 10000}]'])
     again, _ = load_config(["@", str(write_toml(render_toml(cfg, omit_secrets=True), "saved.toml"))])
     assert again == cfg
-    assert again.orchestrator.reward is None
+    assert again.orchestrator.datasets[0].sampling.temperature is None
     assert [d.reward for d in again.orchestrator.resolved_datasets()] == ["reasoning_gym", "math_verify"]
 
 
@@ -338,7 +457,7 @@ def test_every_config_key_has_its_docstring():
 
 def test_dry_run_shows_unset_keys_with_their_docs(write_toml, tmp_path):
     """A key whose value is unset (None) is listed as a comment with its docs, not left out."""
-    from rl.orchestrator_config import TeacherConfig
+    from rl.config.orchestrator_tables import TeacherConfig
 
     cfg = write_toml(f'model = "{TINY_MODEL}"\noutput_dir = "{tmp_path / "run"}"\n')
     out = run_rl("run", "@", str(cfg), "--dry-run").stdout

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from conftest import TINY_MODEL, free_port
 from rl.batch import Batch, BatchError
-from rl.config import TransportConfig
+from rl.config import FilesTransport, TransportConfig, ZmqTransport
 from rl.rundir import RunDir
 from rl.transport.registry import batch_receiver, batch_sender
 from test_trainer import write_batches
@@ -44,7 +44,7 @@ def send_all(cfg: TransportConfig, run: RunDir, batches: list[Batch]) -> None:
 @pytest.mark.parametrize("address", ["ipc", "tcp"])
 def test_batches_arrive_whole_and_in_step_order(tmp_path, address):
     addr = f"ipc://{tmp_path}/batches.sock" if address == "ipc" else f"tcp://127.0.0.1:{free_port()}"
-    cfg = TransportConfig(kind="zmq", address=addr)
+    cfg = ZmqTransport(address=addr)
     run = RunDir(tmp_path)
     receiver = batch_receiver(cfg, run)
     try:
@@ -66,7 +66,7 @@ def test_a_foreign_or_corrupt_message_is_dropped_naming_the_address(tmp_path, ca
     """Anyone who can reach the socket can send anything: garbage is logged and dropped, never
     decoded as code, and the trainer goes on waiting for the real batch."""
     addr = f"ipc://{tmp_path}/b.sock"
-    cfg = TransportConfig(kind="zmq", address=addr)
+    cfg = ZmqTransport(address=addr)
     receiver = batch_receiver(cfg, RunDir(tmp_path))
     push = zmq.Context.instance().socket(zmq.PUSH)
     push.connect(addr)
@@ -86,10 +86,10 @@ def test_a_foreign_or_corrupt_message_is_dropped_naming_the_address(tmp_path, ca
 
 
 def test_receiver_times_out_with_a_clear_message(tmp_path):
-    cfg = TransportConfig(kind="zmq", address=f"ipc://{tmp_path}/c.sock")
+    cfg = ZmqTransport(address=f"ipc://{tmp_path}/c.sock")
     receiver = batch_receiver(cfg, RunDir(tmp_path))
     try:
-        with pytest.raises(TimeoutError, match="no batch 1 at ipc://.*trainer.batch_timeout_s"):
+        with pytest.raises(TimeoutError, match="no batch 1 at ipc://.*trainer.timeouts.batch_s"):
             receiver.receive(1, timeout_s=0.3)
     finally:
         receiver.close()
@@ -101,26 +101,26 @@ def test_two_rank_trainer_over_zmq_matches_the_filesystem_run(tmp_path, write_to
     batches = [Batch.read(source.rollout_dir(n)) for n in (1, 2)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     finals = {}
-    for kind in ("filesystem", "zmq"):
+    for kind in ("files", "zmq"):
         run = RunDir(tmp_path / kind)
         address = f"tcp://127.0.0.1:{free_port()}"
         cfg = write_toml(f'model = "{TINY_MODEL}"\noutput_dir = "{run.root}"\nmax_steps = 2\nseed = 3\n'
-                         f'[transport]\nkind = "{kind}"\naddress = "{address}"\n'
-                         "[trainer]\nmicro_batch_size = 2\n[trainer.optim]\nlr = 1e-4\n", f"{kind}.toml")
-        if kind == "filesystem":
+                         f'[transport]\nkind = "{kind}"\n' + (f'address = "{address}"\n' if kind == "zmq" else "") +
+                         "[trainer.batching]\nmicro_batch_size = 2\n[trainer.optim]\nlr = 1e-4\n", f"{kind}.toml")
+        if kind == "files":
             for b in batches:
                 write_batch(b, run.rollout_dir(b.step))
         trainer = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                                     "--master-port", str(free_port()), "-m", "trainer", "@", str(cfg)],
                                    env=env, stderr=subprocess.PIPE, text=True)
         if kind == "zmq":
-            send_all(TransportConfig(kind="zmq", address=address), run, batches)
+            send_all(ZmqTransport(address=address), run, batches)
         _, err = trainer.communicate(timeout=300)
         assert trainer.returncode == 0, err[-3000:]
         finals[kind] = load_file(run.weights_dir(2) / "model.safetensors")
-    assert finals["zmq"].keys() == finals["filesystem"].keys()
+    assert finals["zmq"].keys() == finals["files"].keys()
     for name, tensor in finals["zmq"].items():
-        assert (tensor == finals["filesystem"][name]).all(), name
+        assert (tensor == finals["files"][name]).all(), name
     # With trainer checkpoints on (the default), rank 0 keeps what it received for a resume.
     assert RunDir(tmp_path / "zmq").rollout_steps() == [1, 2]
 
@@ -129,7 +129,7 @@ def test_zmq_receiver_keeps_batches_for_a_resumed_trainer(tmp_path):
     """A trainer resumed from an older checkpoint needs batches the orchestrator sent long ago:
     with keep, every batch received is written to rollouts/step_n and read from there first."""
     run = RunDir(tmp_path / "run")
-    cfg = TransportConfig(kind="zmq", address=f"ipc://{tmp_path}/batches.sock")
+    cfg = ZmqTransport(address=f"ipc://{tmp_path}/batches.sock")
     receiver = batch_receiver(cfg, run, keep=True)
     try:
         sender = threading.Thread(target=send_all, args=(cfg, run, [batch(1), batch(3), batch(2)]))
@@ -156,7 +156,7 @@ def test_a_damaged_batch_file_is_set_aside_and_written_again_by_the_sender(tmp_p
     writes it again; the trainer then trains on the intact one."""
     run = RunDir(tmp_path)
     run.make()
-    cfg = TransportConfig(kind="filesystem")
+    cfg = FilesTransport()
     sent = batch(1)
 
     async def scenario():
@@ -186,7 +186,7 @@ def test_without_reject_a_damaged_batch_file_raises_naming_it(tmp_path):
     write_batch(batch(1), run.rollout_dir(1))
     (run.rollout_dir(1) / "meta.json").write_text("{")
     with pytest.raises(BatchError, match=r"rollouts/step_1/meta.json: not valid JSON"):
-        batch_receiver(TransportConfig(kind="filesystem"), run, reject_damaged=False).receive(1, 5)
+        batch_receiver(FilesTransport(), run, reject_damaged=False).receive(1, 5)
 
 
 def test_a_dropped_connection_is_reported_and_untrained_batches_go_again(tmp_path, caplog):
@@ -194,7 +194,7 @@ def test_a_dropped_connection_is_reported_and_untrained_batches_go_again(tmp_pat
     heartbeats drop a silent connection): the orchestrator says so, and once a trainer is
     there again it gets every batch whose version is not published yet, since one in transit
     went down with the connection."""
-    cfg = TransportConfig(kind="zmq", address=f"tcp://127.0.0.1:{free_port()}")
+    cfg = ZmqTransport(address=f"tcp://127.0.0.1:{free_port()}")
     run = RunDir(tmp_path)
 
     async def main():

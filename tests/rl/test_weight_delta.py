@@ -141,7 +141,7 @@ def publisher(run: RunDir, full_every: int = 8, keep: int = 3):
     cfg = RunConfig.model_validate({"model": str(TINY_MODEL), "output_dir": str(run.root),
                                     "inference": {"dtype": "float32"},
                                     "weight_sync": {"delta": True, "full_every": full_every},
-                                    "trainer": {"keep_weights": keep}})
+                                    "trainer": {"files": {"keep_weights": keep}}})
     pub = FilePublisher(0, None, cfg, run, tied=True)
     return pub, SimpleNamespace(cfg=cfg, run=run)
 

@@ -43,12 +43,12 @@ def test_a_real_server_takes_deltas_by_broadcast_bit_for_bit(tmp_path):
     run = RunDir(tmp_path / "run")
     run.make()
     address = f"127.0.0.1:{free_port()}"
-    sync = f'[weight_sync]\nkind = "broadcast"\naddress = "{address}"\ntimeout_s = 60\ndelta = true\n'
+    sync = f'[weight_sync]\nkind = "broadcast"\naddress = "{address}"\ndelta = true\n[timeouts]\nbroadcast_s = 60\n'
     proc, url = launch_server(tmp_path, "server", TINY_MODEL, run.root, extra=sync)
     cfg = RunConfig.model_validate({"model": str(TINY_MODEL), "output_dir": str(run.root),
                                     "inference": {"dtype": "float32"},
-                                    "weight_sync": {"kind": "broadcast", "address": address, "timeout_s": 60,
-                                                    "delta": True, "full_every": 8}})
+                                    "weight_sync": {"kind": "broadcast", "address": address, "delta": True, "full_every": 8},
+                                    "timeouts": {"broadcast_s": 60}})
     policy = SimpleNamespace(cfg=cfg, run=run)
     box: dict = {}
     try:

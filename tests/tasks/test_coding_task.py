@@ -206,12 +206,12 @@ class PythonToolEnv:
     tools = [python]
 
 
-def _coding_run(**sandbox):
+def _coding_run(task: str = "coding", **sandbox):
     from conftest import TINY_MODEL
     from rl.config import RunConfig
 
     return RunConfig.model_validate({"model": str(TINY_MODEL), "orchestrator": {
-        "dataset": "tasks.coding:dataset", "reward": "tasks.coding:reward", **sandbox}})
+        "datasets": [{"function": f"tasks.{task}:dataset", "reward": f"tasks.{task}:reward"}], **sandbox}})
 
 
 def test_start_up_refuses_a_run_that_executes_code_without_isolation_unless_told(monkeypatch, capsys):
@@ -233,13 +233,12 @@ def test_start_up_refuses_a_run_that_executes_code_without_isolation_unless_told
     with pytest.raises(ConfigError) as refused:
         preflight.sandbox_isolation(_coding_run())
     assert str(refused.value) == (
-        "orchestrator.reward = 'tasks.coding:reward' runs model-written code: bubblewrap not found: "
+        "dataset coding: reward = 'tasks.coding:reward' runs model-written code: bubblewrap not found: "
         "apt-get install bubblewrap, or set orchestrator.sandbox.isolation = \"none\" to run it unisolated")
     preflight.sandbox_isolation(_coding_run(sandbox={"isolation": "none"}))  # told: starts, and says so
-    assert "UNSAFE: orchestrator.reward = 'tasks.coding:reward' runs model-written code unisolated" \
+    assert "UNSAFE: dataset coding: reward = 'tasks.coding:reward' runs model-written code unisolated" \
         in capsys.readouterr().err
-    preflight.sandbox_isolation(_coding_run(dataset="tasks.count:dataset",  # no code run: no check
-                                            reward="tasks.count:reward"))
+    preflight.sandbox_isolation(_coding_run("count"))  # no code run: no check
 
 
 def test_rl_orchestrator_refuses_with_exit_2_and_dry_run_shows_the_isolation(monkeypatch, tmp_path):
@@ -251,7 +250,7 @@ def test_rl_orchestrator_refuses_with_exit_2_and_dry_run_shows_the_isolation(mon
 
     config = tmp_path / "coding.toml"
     config.write_text(f'model = "{TINY_MODEL}"\noutput_dir = "{tmp_path / "run"}"\n[orchestrator]\n'
-                      'dataset = "tasks.coding:dataset"\nreward = "tasks.coding:reward"\n')
+                      'datasets = [{function = "tasks.coding:dataset", reward = "tasks.coding:reward"}]\n')
     monkeypatch.chdir(tmp_path)
     if sandbox.Sandbox.isolation() is None:
         shown = CliRunner().invoke(app, ["orchestrator", "@", str(config), "--dry-run"])
@@ -261,7 +260,7 @@ def test_rl_orchestrator_refuses_with_exit_2_and_dry_run_shows_the_isolation(mon
     refused = CliRunner().invoke(app, ["orchestrator", "@", str(config), "--dry-run"])
     assert refused.exit_code == 2
     assert refused.stderr.strip().splitlines() == [
-        "rl orchestrator: orchestrator.reward = 'tasks.coding:reward' runs model-written code: "
+        "rl orchestrator: dataset coding: reward = 'tasks.coding:reward' runs model-written code: "
         "bubblewrap not found: apt-get install bubblewrap, or set orchestrator.sandbox.isolation = \"none\" "
         "to run it unisolated"]
     assert not (tmp_path / "run").exists()

@@ -297,7 +297,7 @@ def test_the_fused_kernels_context_parallelism_calls_take_what_it_passes():
 def test_launcher_starts_the_configured_ranks_and_refuses_a_layout_its_gpus_cannot_hold():
     from asyncrl.launcher import command, trainer_ranks
     from rl.config import ConfigError, ParallelConfig, RunConfig
-    from rl.parallel_layout import mesh_sizes
+    from rl.config.parallel_layout import mesh_sizes
 
     cfg = RunConfig.model_validate({"model": str(TINY_MODEL), "trainer": {"parallel": {"context": 2, "expert": 2}}})
     assert trainer_ranks(cfg, None) == 4
@@ -327,7 +327,7 @@ def test_rl_trainer_step_with_rows_split_equals_one_rank(write_toml, tmp_path):
     extra = "[trainer.loss]\nratio_level = \"sequence\"\n"
     for run in (one, four):
         write_batches(run, [1])
-    every = ["--trainer.checkpoint_every", "1", "--max_steps", "1"]
+    every = ["--checkpoints.every", "1", "--max_steps", "1"]
     run_trainer(torchrun(4), ["@", config(write_toml, four, "four.toml", extra), *every,
                               "--trainer.parallel.context", "2"])
     run_trainer(rl_command("trainer"), ["@", config(write_toml, one, "one.toml", extra), *every])

@@ -312,8 +312,9 @@ def trainer_args(tmp_path: Path, run, name: str, extra: list[str] = ()) -> list[
     cfg = tmp_path / f"{name}.toml"
     cfg.write_text(f'model = "{TINY_MOE}"\noutput_dir = "{run.root}"\nmax_steps = 2\nseq_len = 32\n'
                    "[inference]\nrecord_routing = true\n"
-                   "[trainer]\nmicro_batch_tokens = 40\ntorch_threads = 1\nrouting_replay = true\n"
-                   "checkpoint_every = 1\nkeep_checkpoints = 2\nkeep_weights = 2\nactivation_checkpointing = true\n"
+                   "[checkpoints]\nevery = 1\nkeep = 2\n"
+                   "[trainer]\ntorch_threads = 1\nbatching.micro_batch_tokens = 40\nmismatch.routing_replay = true\n"
+                   "files.keep_weights = 2\nmodel.activation_checkpointing = true\n"
                    "[trainer.optim]\nlr = 1e-3\n")
     return ["@", str(cfg), *extra]
 

@@ -26,7 +26,7 @@ LORA = "[trainer.lora]\nrank = 4\nalpha = 8\n"
 
 def lora_config(write_toml, root, name: str, *, max_steps: int = 2, lr: float = 2e-3, extra: str = "") -> str:
     text = (f'model = "{TINY_MODEL}"\noutput_dir = "{root}"\nmax_steps = {max_steps}\nseq_len = 32\n{extra}'
-            "[trainer]\nmicro_batch_tokens = 40\ntorch_threads = 1\ncheckpoint_every = 1\n"
+            "[checkpoints]\nevery = 1\n[trainer]\nbatching.micro_batch_tokens = 40\ntorch_threads = 1\n"
             f"[trainer.optim]\nlr = {lr}\n" + LORA)
     return str(write_toml(text, name))
 
@@ -48,7 +48,7 @@ def assert_equal(a: dict, b: dict) -> None:
 # and the multi-run trainer runs with it too, so that its run a sums exactly as this one does.
 # The runs compared with them (the resumed one-rank run, run b alone and in the multi-run
 # trainer) take the same setting.
-CHECKPOINTING = ["--trainer.activation_checkpointing", "true"]
+CHECKPOINTING = ["--trainer.model.activation_checkpointing", "true"]
 
 
 def shared_run(tmp_path_factory, name: str, cmd: list[str]) -> RunDir:
@@ -62,7 +62,7 @@ def shared_run(tmp_path_factory, name: str, cmd: list[str]) -> RunDir:
 
     cfg = lora_config(write, run.root, f"{name}.toml", max_steps=3, lr=2e-3)
     # Every checkpoint kept (3): the one-rank comparison starts from step 1's.
-    run_trainer(cmd, ["@", cfg, *CHECKPOINTING, "--trainer.keep_checkpoints", "3"])
+    run_trainer(cmd, ["@", cfg, *CHECKPOINTING, "--checkpoints.keep", "3"])
     return run
 
 

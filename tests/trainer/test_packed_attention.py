@@ -1,6 +1,6 @@
-"""The trainer at the hardware's pace, checked on CPU: trainer.attention = "varlen" (packed rows
-cut into their samples, trainer/packed_attention.py), trainer.compile (each decoder layer's
-forward compiled, trainer/compiled_layers.py) and trainer.dtype = "auto" (trainer/compute_dtype.py).
+"""The trainer at the hardware's pace, checked on CPU: trainer.model.attention = "varlen" (packed rows
+cut into their samples, trainer/packed_attention.py), trainer.model.compile (each decoder layer's
+forward compiled, trainer/compiled_layers.py) and trainer.model.dtype = "auto" (trainer/compute_dtype.py).
 
 The model is a tiny random Qwen2 with the dimensions tests/float32_rounding.py derives its bounds
 for, loaded as the trainer loads it (load_model: FSDP2 on a one-rank gloo group, the logprob
@@ -60,8 +60,9 @@ def group():
         dist.destroy_process_group()
 
 
-def load(path, **trainer) -> torch.nn.Module:
-    cfg = RunConfig.model_validate({"model": str(path), "seq_len": 64, "trainer": trainer})
+def load(path, **model) -> torch.nn.Module:
+    """`model`: keys of [trainer.model]."""
+    cfg = RunConfig.model_validate({"model": str(path), "seq_len": 64, "trainer": {"model": model}})
     return load_model(cfg, CPU, trainable=True, dtype="float32")[0]
 
 
@@ -245,20 +246,20 @@ def test_explicit_bfloat16_on_an_emulating_cpu_warns_once_at_start(tmp_path, mon
     stub = SimpleNamespace(device=CPU, rank=0)
     for dtype, want, warned in (("bfloat16", "bfloat16", 1), ("auto", "float32", 0), ("float32", "float32", 0)):
         caplog.clear()
-        cfg = RunConfig.model_validate({"model": "m", "trainer": {"dtype": dtype}})
+        cfg = RunConfig.model_validate({"model": "m", "trainer": {"model": {"dtype": dtype}}})
         with caplog.at_level(logging.WARNING, logger="trainer"):
             assert Trainer.compute_dtype(stub, cfg, hf_config) == want
         assert [r.getMessage() for r in caplog.records] == [
-            "trainer.dtype = bfloat16: this CPU has no native bf16 (no avx512_bf16/amx_bf16): matmuls run ~30x "
+            "trainer.model.dtype = bfloat16: this CPU has no native bf16 (no avx512_bf16/amx_bf16): matmuls run ~30x "
             "slower than float32; use auto or float32"] * warned
     assert slow_bf16_warning("bfloat16", "cpu", {"avx512_bf16"}) is None
     assert slow_bf16_warning("bfloat16", "cuda", set()) is None
 
 
 def test_flash_attention_2_needs_bfloat16_or_auto():
-    assert RunConfig.model_validate({"model": "m", "trainer": {"attention": "flash_attention_2"}}).trainer.dtype == "auto"
-    with pytest.raises(ValueError, match='trainer.attention = "flash_attention_2" needs trainer.dtype'):
-        RunConfig.model_validate({"model": "m", "trainer": {"attention": "flash_attention_2", "dtype": "float32"}})
+    assert RunConfig.model_validate({"model": "m", "trainer": {"model": {"attention": "flash_attention_2"}}}).trainer.model.dtype == "auto"
+    with pytest.raises(ValueError, match='trainer.model.attention = "flash_attention_2" needs trainer.model.dtype'):
+        RunConfig.model_validate({"model": "m", "trainer": {"model": {"attention": "flash_attention_2", "dtype": "float32"}}})
 
 
 # --- no [T, T] mask for packed rows (issue 63, item 5) ----------------------------------------

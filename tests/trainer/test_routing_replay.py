@@ -1,4 +1,4 @@
-"""Routing replay (trainer.routing_replay) on a transformers Qwen3-MoE: every MoE layer sends each
+"""Routing replay (trainer.mismatch.routing_replay) on a transformers Qwen3-MoE: every MoE layer sends each
 recorded token to exactly the recorded experts, the router still gets a gradient, unrecorded
 positions keep the router's own choice, agreement is counted per layer; and the batch carries the
 record through packing and padding to the micro-batch positions it belongs to. The engine side

@@ -359,7 +359,7 @@ def test_the_trainer_program_masks_truncated_samples_and_warns_without(sampled, 
     run = RunDir(tmp_path / "run")
     write_batch(sampled, run.rollout_dir(1))
     cfg = write_toml(f'model = "{CHAT_MODEL}"\noutput_dir = "{run.root}"\nmax_steps = 1\nseq_len = 128\n'
-                     f"[trainer]\ntorch_threads = 1\nsampling_mask = {str(mask).lower()}\n")
+                     f"[trainer]\ntorch_threads = 1\nmismatch.sampling_mask = {str(mask).lower()}\n")
     log = run_trainer(rl_command("trainer"), ["@", str(cfg)])
     (m,) = trainer_metrics(run)
     assert m["truncated_frac"] == 1.0
@@ -368,7 +368,7 @@ def test_the_trainer_program_masks_truncated_samples_and_warns_without(sampled, 
     # logprobs within 3 * gap + spread of the engine's (its logit and normaliser against the
     # test's, the engine's normaliser), its unmasked ones at most 3 * gap + log(mass possibly kept).
     view = trainer_view(model, Batch.read(run.rollout_dir(1)), mask=True)
-    warn = 1e-2  # trainer.mismatch_kl_warn's default
+    warn = 1e-2  # trainer.mismatch.kl_warn's default
     if mask:
         # A sampled token can be missing from the rebuilt set only where it is not surely kept.
         assert m["sampling_mask_miss_frac"] <= float(view["may_miss"].double().mean()), m
@@ -385,9 +385,9 @@ def test_the_trainer_program_masks_truncated_samples_and_warns_without(sampled, 
         evaluated = sum(k3_error(float(x)) for x in size) / len(size)
         floor = (low - evaluated) * (1 - gamma(len(size)))
         assert m["mismatch_kl"] >= floor, (m, low, floor)
-    assert ("above trainer.mismatch_kl_warn" in log) == (m["mismatch_kl"] > warn), (m, log[-2000:])
+    assert ("above trainer.mismatch.kl_warn" in log) == (m["mismatch_kl"] > warn), (m, log[-2000:])
     if not mask and m["mismatch_kl"] > warn:
-        assert "trainer.sampling_mask = false" in log, log[-2000:]
+        assert "trainer.mismatch.sampling_mask = false" in log, log[-2000:]
 
 
 # --- replayed kept sets (orchestrator.sampling.record_kept_sets) ---------------------------------------

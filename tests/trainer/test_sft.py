@@ -173,7 +173,7 @@ def test_bad_rows_are_counted_one_line_per_kind_and_a_dataset_without_usable_row
 
 # Checkpointed every step (step 1's checkpoint is what the two-rank test compares with); a
 # checkpoint changes nothing the run computes, so its weights are those of the killed run's too.
-UNINTERRUPTED = "checkpoint_every = 1\nkeep_checkpoints = 6\n" + REVERSE.replace("eval_every = 10", "eval_every = 0")
+UNINTERRUPTED = "[checkpoints]\nevery = 1\nkeep = 6\n" + REVERSE.replace("eval_every = 10", "eval_every = 0")
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +189,7 @@ def uninterrupted(tmp_path_factory) -> Path:
 def test_a_run_killed_after_a_step_resumes_to_the_same_weights(tmp_path, uninterrupted):
     """Checkpoint at step 3, SIGKILL after step 4, --resume: step 6's weights equal, bit for bit,
     those of a run never interrupted (the batches are a function of seed and step)."""
-    body = "checkpoint_every = 3\n" + REVERSE.replace("eval_every = 10", "eval_every = 0")
+    body = "[checkpoints]\nevery = 3\n" + REVERSE.replace("eval_every = 10", "eval_every = 0")
     killed = config(tmp_path / "killed", body, steps=6)
     crashed = sft(killed, env={"ASYNCRL_CRASH_AT": "trainer.after_step:4", "OMP_NUM_THREADS": "1"})
     assert crashed.returncode == -9, crashed.stderr[-2000:]

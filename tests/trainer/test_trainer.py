@@ -183,7 +183,7 @@ def assert_same_step(a: RunDir, b: RunDir, step: int) -> None:
 
 def config(write_toml, run: RunDir, name: str, extra: str = "") -> str:
     return str(write_toml(f'model = "{TINY_MODEL}"\noutput_dir = "{run.root}"\nmax_steps = 2\nseq_len = 32\n'
-                          "[trainer]\nmicro_batch_tokens = 40\ntorch_threads = 1\n"
+                          "[trainer]\nbatching.micro_batch_tokens = 40\ntorch_threads = 1\n"
                           "[trainer.optim]\nlr = 1e-4\n" + extra, name))
 
 
@@ -195,8 +195,8 @@ def train_on_one_and_two_ranks(one: RunDir, two: RunDir, cfg_one: list[str], cfg
     (an entry with a gradient near zero moves by up to lr either way)."""
     for run in (one, two):
         write_batches(run, [1, 2])
-    every = ["--trainer.checkpoint_every", "1"]
-    run_trainer(torchrun(2), cfg_two + every + ["--trainer.activation_checkpointing", "true"])
+    every = ["--checkpoints.every", "1"]
+    run_trainer(torchrun(2), cfg_two + every + ["--trainer.model.activation_checkpointing", "true"])
     run_trainer(rl_command("trainer"), cfg_one + every + ["--max_steps", "1"])
     assert_same_step(two, one, 1)
     shutil.rmtree(one.checkpoint_dir(1) / "trainer")
@@ -212,18 +212,19 @@ def train_on_one_and_two_ranks(one: RunDir, two: RunDir, cfg_one: list[str], cfg
 # (the resumed run must bring the schedule back), and for the killed run a checkpoint at step 3
 # and keep_rollouts = 1.
 STEPS = 6
-SHARED = ("[trainer]\ncheckpoint_every = 3\nkeep_rollouts = 1\nbatch_timeout_s = 120\nactivation_checkpointing = true\n"
+SHARED = ("[checkpoints]\nevery = 3\n[trainer]\nfiles.keep_rollouts = 1\ntimeouts.batch_s = 120\n"
+          "model.activation_checkpointing = true\n"
           "[trainer.optim]\nlr = 1e-3\nschedule = \"cosine\"\nwarmup_steps = 2\nmin_lr_ratio = 0.2\n")
 # Every step checkpointed and every checkpoint and version kept: the one-rank comparison reads
 # steps 1 and 2 of it, the killed run's versions 5 and 6.
-KEEP_ALL = ["--trainer.checkpoint_every", "1", "--trainer.keep_checkpoints", str(STEPS),
-            "--trainer.keep_weights", str(STEPS)]
+KEEP_ALL = ["--checkpoints.every", "1", "--checkpoints.keep", str(STEPS),
+            "--trainer.files.keep_weights", str(STEPS)]
 
 
 def shared_args(directory: Path, run: RunDir, name: str) -> list[str]:
     base, extra = directory / f"{name}.toml", directory / f"{name}.extra.toml"
     base.write_text(f'model = "{TINY_MODEL}"\noutput_dir = "{run.root}"\nmax_steps = {STEPS}\nseq_len = 32\n'
-                    "[trainer]\nmicro_batch_tokens = 40\ntorch_threads = 1\n")
+                    "[trainer]\nbatching.micro_batch_tokens = 40\ntorch_threads = 1\n")
     extra.write_text(SHARED)
     return ["@", str(base), "@", str(extra)]
 
@@ -356,7 +357,7 @@ def test_reference_kl_sequence_ratio_and_bfloat16_run_through_the_real_trainer(t
     run = RunDir(tmp_path / "run")
     write_batches(run, [1, 2, 3])
     extra = ("max_steps = 3\n[inference]\ndtype = \"bfloat16\"\n"
-             "[trainer]\npack = false\nmicro_batch_size = 3\ndtype = \"bfloat16\"\ncheckpoint_every = 3\n"
+             "[checkpoints]\nevery = 3\n[trainer]\nbatching.pack = false\nbatching.micro_batch_size = 3\nmodel.dtype = \"bfloat16\"\n"
              "[trainer.optim]\nlr = 1e-3\n[trainer.loss]\nobjective = \"truncated_is\"\nratio_level = \"sequence\"\n"
              "mask_low = 0.1\nmask_high = 1.02\nkl_coef = 0.1\nkl_target = \"reference\"\nnormalization = \"constant\"\n")
     run_trainer(rl_command("trainer"), ["@", config(write_toml, run, "cfg.toml"),
@@ -401,7 +402,7 @@ def test_each_sample_is_scored_at_its_own_temperature_by_the_real_trainer(tmp_pa
                                   advantage=adv, temperature=temperature)
     samples = [sample(c, a, t) for t in (0.5, 1.0, 1.5) for c, a in ((GOOD, 0.5), (BAD, -0.5), (LONG, 0.25))]
     write_batch(Batch.from_samples(1, samples), run.rollout_dir(1))
-    extra = f"[trainer]\npack = {str(pack).lower()}\nmicro_batch_size = 4\n"
+    extra = f"[trainer.batching]\npack = {str(pack).lower()}\nmicro_batch_size = 4\n"
     run_trainer(rl_command("trainer"), ["@", config(write_toml, run, "cfg.toml"),
                                         "@", str(write_toml(extra, "extra.toml")), "--max_steps", "1"])
     (m,) = trainer_metrics(run)
@@ -415,8 +416,8 @@ def test_each_sample_is_scored_at_its_own_temperature_by_the_real_trainer(tmp_pa
 
 
 def test_chunked_logprobs_and_an_offloaded_reference_train_as_the_plain_trainer_does(tmp_path, write_toml):
-    """trainer.logits_chunk_tokens (the head of trainer/logprob_head.py inside FSDP2's root
-    forward, tied embeddings) and trainer.reference_offload (FSDP2 CPU offload of the KL
+    """trainer.model.logits_chunk_tokens (the head of trainer/logprob_head.py inside FSDP2's root
+    forward, tied embeddings) and trainer.model.reference_offload (FSDP2 CPU offload of the KL
     reference; on this CPU-only machine the code path, not the memory), at a step where the
     policy has moved away from the reference: a full-logits run trains steps 1-3 (lr 1e-2, KL
     term on), and each variant resumes from its step-2 checkpoint for step 3. Step 3's
@@ -427,12 +428,12 @@ def test_chunked_logprobs_and_an_offloaded_reference_train_as_the_plain_trainer_
     apart would compare step 3 from weights that Adam's first step already set apart by
     rounding, an entry with a near-zero gradient moving by lr either way.)"""
     variants = {"full": "logits_chunk_tokens = 0", "chunked": "logits_chunk_tokens = 3",
-                "offloaded": "logits_chunk_tokens = 3\nreference_offload = true"}
+                "offloaded": "logits_chunk_tokens = 3\nreference_offload = true"}  # [trainer.model]
     lr, coef = 1e-2, 0.1
 
     def train(name: str, args: list[str]) -> str:
         run = RunDir(tmp_path / name)
-        extra = (f"[trainer]\n{variants[name]}\n[trainer.optim]\nlr = {lr}\n"
+        extra = (f"[trainer.model]\n{variants[name]}\n[trainer.optim]\nlr = {lr}\n"
                  f"[trainer.loss]\nkl_coef = {coef}\nkl_target = \"reference\"\n")
         stderr = run_trainer(rl_command("trainer"), ["@", config(write_toml, run, f"{name}.toml"),
                                                      "@", str(write_toml(extra, f"{name}_extra.toml"))] + args)
@@ -444,7 +445,7 @@ def test_chunked_logprobs_and_an_offloaded_reference_train_as_the_plain_trainer_
     batch3 = Batch.read(full.rollout_dir(3))
     # Steps 1-3 in one process (a third trainer start, not a fourth: a resume from the step-2
     # checkpoint restores the same state, RNG included), checkpointed at 2 and at its last step.
-    train("full", ["--max_steps", "3", "--trainer.checkpoint_every", "2"])
+    train("full", ["--max_steps", "3", "--checkpoints.every", "2"])
     assert full.checkpoint_steps("trainer") == [2, 3]
     for name in ("chunked", "offloaded"):
         # The run as it was after step 2: step 3's checkpoint, version and record taken out.

@@ -112,14 +112,14 @@ async def _evaluator(cfg: RunConfig, url: str, proc: subprocess.Popen,
     await _until_answering(cfg, client, proc)
     sources = configured_sources(cfg, session, evaluation=True)
     rollouts = Rollouts(cfg, load_tokenizer(str(cfg.model)), {}, None, None)
-    return client, Evaluation(rollouts, sources, cfg.orchestrator.eval)
+    return client, Evaluation(rollouts, sources, cfg.orchestrator.eval, cfg.orchestrator.timeouts.eval_s)
 
 
 async def _one(cfg: RunConfig, client: InferenceClient, evaluation: Evaluation, scratch: RunDir, lora: bool,
                step: int, reload: bool) -> dict:
     """Step `step` evaluated: full fine-tuning reloads its weights (unless the server started on
     them, reload=False); LoRA loads its adapter by name (step 0: the base model itself)."""
-    name, timeout = None, cfg.inference.reload_timeout_s
+    name, timeout = None, cfg.inference.timeouts.reload_s
     if lora and step:
         name = f"eval-v{step}"
         await client.load_lora_adapter(name, str(scratch.weights_dir(step).absolute()), step, timeout)

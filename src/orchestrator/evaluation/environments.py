@@ -12,7 +12,7 @@ import itertools
 
 from orchestrator.callables import load_callable
 from orchestrator.rollout.registry import kind_of
-from rl.dataset_config import EvalConfig, EvalEnvironment
+from rl.config.datasets import EvalConfig, EvalEnvironment
 from rl.inference_api import GenerateRequest, GenerateResponse, InferenceClient
 
 

@@ -32,7 +32,7 @@ from orchestrator.reporting import prometheus
 from orchestrator.rewards import combine, configured_sources
 from orchestrator.rollout.groups import Rollouts
 from rl.config import RunConfig
-from rl.dataset_config import EvalConfig, Sampling
+from rl.config.datasets import EvalConfig, Sampling
 from rl.inference_api import InferenceClient
 from rl.rundir import RunDir
 
@@ -49,8 +49,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 class Evaluation:
-    def __init__(self, rollouts: Rollouts, sources: list[Source], cfg: EvalConfig):
-        self.rollouts, self.sources, self.cfg = rollouts, sources, cfg
+    def __init__(self, rollouts: Rollouts, sources: list[Source], cfg: EvalConfig, timeout_s: float):
+        self.rollouts, self.sources, self.cfg, self.timeout_s = rollouts, sources, cfg, timeout_s  # orchestrator.timeouts.eval_s
         self.quiet = Quiet(log)  # rows that cannot be rendered: a line per row, each evaluation, otherwise
         # The same rows every time: a version's score is comparable with the one before.
         self.rows = {s.name: [s.fetch(d) for d in itertools.islice(s.draws(), cfg.rows)] for s in sources}
@@ -68,7 +68,7 @@ class Evaluation:
                                                     adapter) for i, (row, where) in enumerate(rows)))
             record.update(self.summary(source.name, [s for s in scores if s is not None]))
         for env in self.environments:
-            record.update(await env.run(client, f"{tag}-env", gate, adapter, self.cfg.timeout_s, self.summary))
+            record.update(await env.run(client, f"{tag}-env", gate, adapter, self.timeout_s, self.summary))
         record["eval_s"] = time.monotonic() - start
         return record
 
@@ -102,7 +102,7 @@ class Evaluation:
         # Scores only: no kept sets or routing to carry into a batch.
         request = request.model_copy(update={"kept_sets": False, "routed_experts": False, "lora": adapter})
         async with gate:
-            response = await client.generate(request, self.cfg.timeout_s)
+            response = await client.generate(request, self.timeout_s)
         completions = self.rollouts.decode_all([x.token_ids for x in response.samples])
         scores = await source.reward.score(text, completions, row)
         if any(x is None for x in scores):
@@ -121,7 +121,7 @@ class EvaluationRunner:
         """The run's evaluations: its eval datasets, each with its reward, and eval environments."""
         sources = configured_sources(cfg, session, evaluation=True)
         evaluated = sources or cfg.orchestrator.eval.environments
-        return cls(Evaluation(rollouts, sources, cfg.orchestrator.eval) if evaluated else None,
+        return cls(Evaluation(rollouts, sources, cfg.orchestrator.eval, cfg.orchestrator.timeouts.eval_s) if evaluated else None,
                    pool, run_dir, wait_until, tag)
 
     def __init__(self, evaluation: Evaluation | None, pool: ServerPool, run_dir: RunDir,
@@ -152,7 +152,7 @@ class EvaluationRunner:
 
     async def finish(self, final: int) -> None:
         """Once the final version serves: the evaluations still running end, then it is evaluated."""
-        await asyncio.gather(*self.tasks)  # each bounded by eval.timeout_s
+        await asyncio.gather(*self.tasks)  # each bounded by orchestrator.timeouts.eval_s
         if self.evaluation is not None:
             await self.evaluate(final)
 
@@ -166,7 +166,7 @@ class EvaluationRunner:
                 self.baseline_done.set()
 
     async def evaluate_once(self, step: int) -> None:
-        timeout_s = self.evaluation.cfg.timeout_s
+        timeout_s = self.evaluation.timeout_s
         try:
             await self.wait_until(lambda: self.pool.serving_version >= step and self.pool.pick() is not None,
                                   f"version {step} to serve, to evaluate it", timeout_s)

@@ -29,7 +29,7 @@ import json
 import random
 
 from orchestrator.prompts.queue import Prompt
-from rl.orchestrator_config import CurriculumConfig
+from rl.config.rollout_tables import CurriculumConfig
 
 
 def row_key(prompt: Prompt) -> str:

@@ -23,7 +23,7 @@ from orchestrator.prompts.chat import ChatTemplate, read_json, token_text
 from orchestrator.prompts.fit import dataset_prompt, draw_order
 from orchestrator.prompts.tables import Table, load_table, row_problem
 from rl.config import OrchestratorConfig
-from rl.dataset_config import Dataset
+from rl.config.datasets import Dataset
 
 log = logging.getLogger("orchestrator")
 

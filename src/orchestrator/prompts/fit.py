@@ -37,7 +37,7 @@ from orchestrator.callables import load_callable
 from orchestrator.prompts.chat import ChatTemplate, row_messages
 from orchestrator.prompts.tables import load_table, row_problem
 from rl.config import ConfigError, RunConfig
-from rl.dataset_config import Dataset
+from rl.config.datasets import Dataset
 
 Opening = Callable[[dict], "int | None"]
 """row -> tokens of an episode's first prompt, or None where that episode would fail on its own
@@ -151,9 +151,9 @@ def judge(cfg: RunConfig, what: str, longest: Longest, max_tokens: int, keys: st
 
 def dataset_fits(cfg: RunConfig, what: str, ds: Dataset, longest: Longest, template: ChatTemplate | None) -> None:
     """Judge a dataset's measured sample (`what`: how messages name it)."""
-    keys = "orchestrator.sampling.max_tokens" if ds.spec.max_tokens is None else "the dataset's max_tokens"
+    keys = "orchestrator.sampling.max_tokens" if ds.spec.sampling.max_tokens is None else "the dataset's sampling.max_tokens"
     if template is not None and ds.system_prompt:
-        keys += " or shorten " + ("orchestrator.prompts.system_prompt" if ds.spec.system_prompt is None else "its system_prompt")
+        keys += " or shorten " + ("orchestrator.prompts.system_prompt" if ds.spec.prompts.system_prompt is None else "its prompts.system_prompt")
     judge(cfg, what, longest, ds.sampling.max_tokens, keys)
 
 

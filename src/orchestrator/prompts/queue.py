@@ -78,7 +78,7 @@ def encode_state(step: int, cursor: int, pending: list[Prompt], curriculum: dict
                                        for p in pending],
                            **({"curriculum": curriculum} if curriculum is not None else {})}, default=str).encode()
     except TypeError as e:
-        raise TypeError(f"orchestrator.dataset rows must be JSON-able to checkpoint them: {e}") from None
+        raise TypeError(f"dataset rows must be JSON-able to checkpoint them: {e}") from None
 
 
 def decode_state(data: bytes) -> tuple[int, int, list[Prompt], dict[str, list] | None]:

@@ -1,4 +1,4 @@
-"""A dataset's rows, loaded from where the config says (rl/dataset_config.py): a .jsonl or
+"""A dataset's rows, loaded from where the config says (rl/config/datasets.py): a .jsonl or
 .parquet file, a directory saved by `datasets`' save_to_disk, data files read with `datasets`,
 or a reasoning-gym task. Each becomes a `Table`: rows by position, every row a dict with a
 prompt (text or chat messages). The start-up check (rl/preflight.py) loads them too, so a
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rl.config import ConfigError
-from rl.dataset_config import DatasetConfig
+from rl.config.datasets import DatasetConfig
 
 log = logging.getLogger("orchestrator")
 

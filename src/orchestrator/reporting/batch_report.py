@@ -33,6 +33,7 @@ class Counters:
     model_tokens: int = 0
     cancelled: int = 0
     failed: int = 0
+    """Episodes failed in every group scored (the record's episodes_failed_scored)."""
     failed_requests: int = 0
     filtered: int = 0
     sampled_rewards: list[float] = field(default_factory=list)
@@ -70,13 +71,14 @@ class Reporting:
             "wait_s": trainer_wait + group_wait, "trainer_wait_frac": trainer_wait / elapsed,
             "group_wait_s": group_wait, "handover_s": handover_s,
             "inference_idle_frac": self.pool.take_idle_s() / (elapsed * servers),
-            "cancelled": c.cancelled, "failed": c.failed, "failed_requests": c.failed_requests,
+            "cancelled": c.cancelled, "episodes_failed_scored": c.failed, "failed_requests": c.failed_requests,
             "filtered": c.filtered, "dropped_stale": c.dropped_stale, "requeued": c.requeued,
             "in_flight": in_flight, "buffered": buffered,
             "serving_version": self.pool.serving_version, "servers_in_rotation": len(self.pool.in_rotation),
             "truncated": sum(g.truncated for g in groups), "skipped_rows": c.skipped_rows,
-            # The batch's own groups (`failed` counts every group scored since the last batch).
-            "episodes_failed": sum(g.failed for g in groups), "groups_short": sum(g.short for g in groups),
+            # Two counts of failed episodes, named apart: those of every group scored since the last batch
+            # (filtered, retried and carried-over groups included), and those of this batch's own groups.
+            "episodes_failed_batched": sum(g.failed for g in groups), "groups_short": sum(g.short for g in groups),
             "samples_scored": len(c.sampled_rewards),
             **({"reward_sampled_mean": sum(c.sampled_rewards) / len(c.sampled_rewards)} if c.sampled_rewards else {}),
             **({} if (update_s := self.pool.delivery.take_update_s()) is None else {"weight_update_s": update_s}),

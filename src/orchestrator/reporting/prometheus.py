@@ -55,7 +55,8 @@ OFF_POLICY_BOUND = _gauge("max_off_policy_steps", "The config's staleness bound 
 # Counts since the previous batch in metrics.jsonl, added up.
 COUNTED = {
     "filtered": _counter("groups_filtered", "Groups filtered out (zero reward variance and the like)."),
-    "failed": _counter("groups_failed", "Groups whose reward or environment failed."),
+    "episodes_failed_scored": _counter("episodes_failed", "Episodes (rollouts) whose reward or environment failed, in every "
+                                       "group scored, filtered ones included."),
     "requeued": _counter("groups_requeued", "Groups taken off a server that stopped answering, prompts requeued."),
     "cancelled": _counter("groups_cancelled_off_policy", "In-flight groups aborted as too far off-policy."),
     "dropped_stale": _counter("groups_dropped_stale", "Finished groups dropped as too stale for the next batch."),

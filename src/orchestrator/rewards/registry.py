@@ -17,7 +17,7 @@ from orchestrator.rewards.inline_function import InlineReward
 from orchestrator.rewards.reward import Reward
 from orchestrator.rewards.threaded_function import ThreadedReward
 from rl.config import RunConfig
-from rl.dataset_config import BUILTIN_REWARDS
+from rl.config.datasets import BUILTIN_REWARDS
 
 FUNCTION_REWARDS = {
     "async": AsyncReward,
@@ -27,7 +27,7 @@ FUNCTION_REWARDS = {
 
 
 def make_reward(spec: str, timeout_s: float, session: aiohttp.ClientSession | None, inline: bool = False,
-                key: str = "orchestrator.reward") -> Reward:
+                key: str = "reward") -> Reward:
     """`key`: the config key that names the reward, for a function that does not load."""
     if spec.startswith(("http://", "https://")):
         return HttpReward(spec, timeout_s, session)
@@ -47,7 +47,7 @@ def configured_sources(cfg: RunConfig, session: aiohttp.ClientSession, evaluatio
     sources = []
     for ds in o.resolved_datasets(evaluation):
         source = Source(ds, cfg.seed)
-        key = "orchestrator.reward" if not (o.datasets or evaluation) else f"dataset {ds.name}: reward"
+        key = f"dataset {ds.name}: reward"
         source.reward = make_reward(ds.reward, o.timeouts.reward_s, session, o.reward_inline, key) if ds.reward else None
         sources.append(source)
     return sources

@@ -35,7 +35,7 @@ from orchestrator.prompts.chat import ChatTemplate
 from orchestrator.prompts.dataset_mix import RowError
 from orchestrator.rollout.kind import Aborted, Generate
 from orchestrator.rollout.tool_parsers import ToolCall, ToolParser
-from rl.dataset_config import Sampling
+from rl.config.datasets import Sampling
 from rl.inference_api import GeneratedSample
 
 

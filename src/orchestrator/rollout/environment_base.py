@@ -12,7 +12,7 @@ from orchestrator.prompts.fit import Opening
 from orchestrator.quiet_warning import Quiet
 from orchestrator.rollout.kind import Generate, RolloutKind, Toolkit, Trajectory, gather_or_cancel
 from rl.config import RunConfig
-from rl.dataset_config import Sampling
+from rl.config.datasets import Sampling
 
 log = logging.getLogger("orchestrator")
 

@@ -20,7 +20,7 @@ from orchestrator.rollout.kind import Generate, RolloutKind, Trajectory, gather_
 from orchestrator.rollout.registry import kind_of
 from rl.batch import Sample
 from rl.config import RunConfig
-from rl.dataset_config import Sampling
+from rl.config.datasets import Sampling
 from rl.inference_api import GenerateRequest, InferenceClient
 
 

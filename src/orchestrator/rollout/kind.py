@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from rl.dataset_config import Sampling
+from rl.config.datasets import Sampling
 from rl.inference_api import GeneratedSample, GenerateRequest, GenerateResponse
 from rl.routing_rows import RoutingRows
 

@@ -12,7 +12,7 @@ from orchestrator.reporting import prometheus
 from orchestrator.rewards.reward import combine
 from orchestrator.rollout.kind import Aborted, Generate, RolloutKind, Toolkit, Trajectory
 from rl.config import RunConfig
-from rl.dataset_config import Sampling
+from rl.config.datasets import Sampling
 
 
 class SingleTurn(RolloutKind):

@@ -345,12 +345,12 @@ class AdapterDelivery(WeightDelivery):
 
 
 DELIVERIES: dict[str, Callable[[RunConfig, ServerPool], WeightDelivery]] = {
-    "files": lambda cfg, pool: FileDelivery(pool, cfg.inference.reload_timeout_s, cfg.output_dir,
+    "files": lambda cfg, pool: FileDelivery(pool, cfg.inference.timeouts.reload_s, cfg.output_dir,
                                             cfg.orchestrator.scheduling.in_flight_updates),
-    "broadcast": lambda cfg, pool: BroadcastDelivery(pool, cfg.inference.reload_timeout_s, cfg.output_dir,
+    "broadcast": lambda cfg, pool: BroadcastDelivery(pool, cfg.inference.timeouts.reload_s, cfg.output_dir,
                                                      cfg.orchestrator.scheduling.in_flight_updates, cfg.weight_sync.address,
-                                                     cfg.weight_sync.timeout_s),
-    "adapters": lambda cfg, pool: AdapterDelivery(pool, cfg.inference.reload_timeout_s, cfg.output_dir,
+                                                     cfg.timeouts.broadcast_s),
+    "adapters": lambda cfg, pool: AdapterDelivery(pool, cfg.inference.timeouts.reload_s, cfg.output_dir,
                                                   cfg.adapter_prefix),
 }
 """One line per kind of RunConfig.weight_delivery."""

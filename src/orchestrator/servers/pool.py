@@ -8,7 +8,7 @@ out of rotation at once (one that no longer answers at all: on_fail requeues its
 flight) and health-checked with exponential
 backoff; it rejoins only after it serves the pool's current version, so the async rule (every
 server in rotation serves >= n-1-k) never regresses. A discovered server whose heartbeat stops
-(removed, or silent for heartbeat_timeout_s) leaves the pool; it joins again when it comes back.
+(removed, or silent for timeouts.heartbeat_s) leaves the pool; it joins again when it comes back.
 
 How a version reaches a server (files, broadcast, LoRA adapters) and what its /health means is
 the run's weight delivery (orchestrator/servers/delivery.py); the pool decides who is in rotation and

@@ -22,7 +22,7 @@ async def watch_trainer(cfg: RunConfig, run_dir: RunDir, sender: BatchSender, ne
     trainer restarted with --resume continues), let the sender forget the batches it has
     trained, and stop if a multi-run trainer turned this run away. `next_step()`: the batch
     the orchestrator hands over next."""
-    watch = PeerWatch(heartbeat_path(cfg, "trainer"), "trainer", cfg.heartbeat_timeout_s)
+    watch = PeerWatch(heartbeat_path(cfg, "trainer"), "trainer", cfg.timeouts.heartbeat_s)
     trainer = PeerReporter(watch, log, "batches wait for it (restart it with --resume)")
     ranks: dict[str, PeerReporter] = {}  # the trainer's other ranks, on other nodes maybe
     while True:
@@ -31,7 +31,7 @@ async def watch_trainer(cfg: RunConfig, run_dir: RunDir, sender: BatchSender, ne
             for path in RunDir(cfg.output_dir).heartbeat_dir.glob("trainer-rank*"):
                 if path.name not in ranks:
                     ranks[path.name] = PeerReporter(
-                        PeerWatch(path, path.name, cfg.heartbeat_timeout_s), log,
+                        PeerWatch(path, path.name, cfg.timeouts.heartbeat_s), log,
                         "the trainer's collectives wait for it (torchrun stops the trainer if it is gone)")
             for reporter in ranks.values():
                 reporter.poll()

@@ -22,7 +22,7 @@ class WeightsFollower:
                  in_use: Callable[[], Iterable[tuple[Server, int]]], hold: asyncio.Event):
         """`handed_over()`: the last batch handed to the trainer; `in_use()`: the (server, version)
         pairs groups and evaluations in flight started on; `hold`: version 0 serves until it is set
-        (the baseline evaluation, bounded by eval.timeout_s)."""
+        (the baseline evaluation, bounded by orchestrator.timeouts.eval_s)."""
         self.run_dir, self.base_model, self.pool, self.delivery = run_dir, base_model, pool, delivery
         self.changed, self.handed_over, self.in_use, self.hold = changed, handed_over, in_use, hold
         self.poll_interval_s = poll_interval_s

@@ -25,7 +25,7 @@ from orchestrator.prompts.tables import load_table
 from orchestrator.prompts.tokenizer import load_tokenizer
 from orchestrator.sft.assistant_mask import MaskError, conversation_tokens
 from rl.config import ConfigError, RunConfig
-from rl.dataset_config import DatasetConfig
+from rl.config.datasets import DatasetConfig
 from rl.rundir import RunDir
 from rl.sft_data import SftData, sft_data_dir
 
@@ -67,7 +67,7 @@ def conversation(row, spec: DatasetConfig, system_prompt: str) -> tuple[list[dic
     if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                                  for m in messages):
         raise MaskError(f"{spec.messages_key!r} is not a list of messages with roles")
-    system = system_prompt if spec.system_prompt is None else spec.system_prompt
+    system = system_prompt if spec.prompts.system_prompt is None else spec.prompts.system_prompt
     if system and messages and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system}, *messages]
     tools = row.get("tools")
@@ -151,7 +151,7 @@ def sft_setup(cfg: RunConfig) -> None:
     (all of them are read by prepare, before the model loads)."""
     if not cfg.sft.datasets:
         raise ConfigError("sft.datasets is empty: list the rows to train on ([[sft.datasets]])")
-    if cfg.weight_sync.kind != "filesystem":
+    if cfg.weight_delivery == "broadcast":
         raise ConfigError('weight_sync.kind = "broadcast": rl sft writes its weights as files (no servers to '
                           'stream them to); leave weight_sync.kind unset')
     if cfg.trainer.lora.multi_run:

@@ -118,7 +118,7 @@ class BatchReceiver(ABC):
             now = time.monotonic()
             if now - start > timeout_s:
                 raise TimeoutError(f"no batch {step} at {self.source(step)} after {timeout_s:.0f} s "
-                                   "(trainer.batch_timeout_s); is the orchestrator running?")
+                                   "(trainer.timeouts.batch_s); is the orchestrator running?")
             if now - last_beat > HEARTBEAT_S:
                 log.info("waiting for batch %d for %.0f s", step, now - start)
                 last_beat = now

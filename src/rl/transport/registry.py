@@ -10,7 +10,7 @@ from rl.transport.files import FileReceiver, FileSender
 from rl.transport.zeromq import ZmqReceiver, ZmqSender
 
 KINDS: dict[str, tuple[type[BatchSender], type[BatchReceiver]]] = {
-    "filesystem": (FileSender, FileReceiver),
+    "files": (FileSender, FileReceiver),
     "zmq": (ZmqSender, ZmqReceiver),
 }
 

@@ -60,7 +60,7 @@ class BroadcastError(RuntimeError):
 
 
 class BroadcastTimeout(BroadcastError, TimeoutError):
-    """A member did not show up (or did not take part) within weight_sync.timeout_s."""
+    """A member did not show up (or did not take part) within timeouts.broadcast_s."""
 
 
 # --- the manifest --------------------------------------------------------------------------
@@ -396,7 +396,7 @@ class Group:
                                    or waited >= self.timeout_s * 0.95) else BroadcastError
         return cls(f"weight broadcast group at {self.address} (rank {self.rank} of {self.world_size}, "
                    f"{self.backend_name}): {what} failed after {waited:.1f} s "
-                   f"(weight_sync.timeout_s = {self.timeout_s:g}) with {self._peers()}: {text}")
+                   f"(timeouts.broadcast_s = {self.timeout_s:g}) with {self._peers()}: {text}")
 
     def _formation_error(self, e: BaseException, start: float) -> BroadcastError:
         err = self._error("forming the group", e, start)
@@ -504,7 +504,7 @@ class Group:
 
 def _timeout_error(address: str, what: str, timeout_s: float, e: BaseException) -> BroadcastTimeout:
     return BroadcastTimeout(f"weight broadcast group at {address}: {what} within {timeout_s:g} s "
-                            f"(weight_sync.timeout_s): {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+                            f"(timeouts.broadcast_s): {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
 
 
 def host_group(address: str, timeout_s: float, device) -> Group:

@@ -5,7 +5,7 @@
     [[sft.eval_datasets]]
     path = "data/heldout.jsonl"
 
-The rows come from the same dataset forms as RL's (rl/dataset_config.py: jsonl, parquet, HF
+The rows come from the same dataset forms as RL's (rl/config/datasets.py: jsonl, parquet, HF
 datasets directories, reasoning-gym tasks, functions), are rendered by the model's chat template
 (orchestrator.prompts.chat_template, orchestrator.prompts.chat_template_kwargs and orchestrator.prompts.system_prompt,
 as the RL run that follows will render them) and trained on the assistant's tokens only. The
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from rl.config_section import Section
-from rl.dataset_config import DatasetConfig
+from rl.config.section import Section
+from rl.config.datasets import DatasetConfig
 
 
 class SftConfig(Section):

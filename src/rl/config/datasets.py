@@ -1,14 +1,15 @@
 """What a dataset is, in the config: where its rows come from, which fields hold the prompt and
 the answer, what scores it, and how its completions are sampled. `[[orchestrator.datasets]]`
-lists them; several are mixed by weight. A run without that list has one dataset made from
-orchestrator.dataset and orchestrator.reward, as before.
+lists them; several are mixed by weight. A run without that list trains on the tiny model's string
+reversal (tasks.reverse).
 
     [[orchestrator.datasets]]
     name = "arithmetic"
     reasoning_gym = "basic_arithmetic"          # or path = "data/train.jsonl", or function = "m:f"
     task_config = { min_terms = 2, max_terms = 3 }
     weight = 2.0
-    temperature = 0.8                           # unset keys take orchestrator.<key>
+    reward = "reasoning_gym"                    # the default for reasoning_gym rows
+    sampling = { temperature = 0.8 }            # unset keys take [orchestrator.sampling]'s
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rl.addresses import check_http_url
-from rl.config_section import Section
+from rl.config.section import Section
 
 # reward = "<name>" shorthands for the scorers shipped in tasks/.
 BUILTIN_REWARDS = {
@@ -51,6 +52,37 @@ class Sampling(BaseModel):
     min_p: float
     max_tokens: int
     stop: tuple[str, ...]
+
+
+class DatasetSampling(Section):
+    """A dataset's own sampling (`sampling = {...}` in its [[orchestrator.datasets]] entry): each
+    key set here replaces orchestrator.sampling's for this dataset's rows; unset keys take it."""
+
+    temperature: float | None = Field(None, gt=0)
+    """This dataset's sampling temperature; unset: orchestrator.sampling.temperature."""
+
+    top_p: float | None = Field(None, gt=0, le=1)
+    """This dataset's nucleus sampling; unset: orchestrator.sampling.top_p."""
+
+    top_k: int | None = Field(None, ge=-1)
+    """This dataset's top-k (-1: off); unset: orchestrator.sampling.top_k."""
+
+    min_p: float | None = Field(None, ge=0, le=1)
+    """This dataset's min-p; unset: orchestrator.sampling.min_p."""
+
+    max_tokens: int | None = Field(None, ge=1)
+    """This dataset's longest completion, tokens; unset: orchestrator.sampling.max_tokens."""
+
+    stop: list[str] | None = None
+    """This dataset's stop strings; unset: orchestrator.sampling.stop."""
+
+
+class DatasetPrompts(Section):
+    """A dataset's own prompt settings (`prompts = {...}` in its entry), replacing
+    orchestrator.prompts' for its rows."""
+
+    system_prompt: str | None = None
+    """System message put before each prompt that has none. Unset: orchestrator.prompts.system_prompt."""
 
 
 class DatasetConfig(Section):
@@ -98,9 +130,6 @@ class DatasetConfig(Section):
     answer_key: str = "answer"
     """Field holding the reference answer, which rewards read as row["answer"]."""
 
-    system_prompt: str | None = None
-    """System message put before each prompt that has none. Unset: orchestrator.prompts.system_prompt."""
-
     shuffle: bool = True
     """Shuffle rows with the run's seed, again for every pass (function datasets: never)."""
 
@@ -111,29 +140,20 @@ class DatasetConfig(Section):
     reward: str = ""
     """`module:function(prompt, completion, row)` returning a float or a dict of named floats; an
     http(s):// URL; "math_verify" (final answer against row["answer"]); or "reasoning_gym" (the
-    task's scorer; the default for reasoning_gym datasets). Empty: orchestrator.reward."""
+    task's scorer; the default for reasoning_gym datasets). Empty: none, where a teacher
+    (orchestrator.teacher.url) alone drives learning."""
 
     reward_weights: dict[str, float] = {}
     """A reward returning named components: the weight of each in the reward (missing: 1.0). Each
     component's mean is logged."""
 
-    temperature: float | None = Field(None, gt=0)
-    """This dataset's sampling temperature; unset: orchestrator.sampling.temperature."""
+    sampling: DatasetSampling = DatasetSampling()
+    """This dataset's sampling where it differs from [orchestrator.sampling] (the same keys, under
+    the same name: `sampling = { temperature = 0.8, max_tokens = 512 }`)."""
 
-    top_p: float | None = Field(None, gt=0, le=1)
-    """This dataset's nucleus sampling; unset: orchestrator.sampling.top_p."""
-
-    top_k: int | None = Field(None, ge=-1)
-    """This dataset's top-k (-1: off); unset: orchestrator.sampling.top_k."""
-
-    min_p: float | None = Field(None, ge=0, le=1)
-    """This dataset's min-p; unset: orchestrator.sampling.min_p."""
-
-    max_tokens: int | None = Field(None, ge=1)
-    """This dataset's longest completion, tokens; unset: orchestrator.sampling.max_tokens."""
-
-    stop: list[str] | None = None
-    """This dataset's stop strings; unset: orchestrator.sampling.stop."""
+    prompts: DatasetPrompts = DatasetPrompts()
+    """This dataset's prompt settings where they differ from [orchestrator.prompts]
+    (`prompts = { system_prompt = "..." }`)."""
 
     @field_validator("function")
     @classmethod
@@ -223,9 +243,6 @@ class EvalConfig(Section):
 
     every: int = Field(0, ge=0)
     """Evaluate every this many steps too; 0: only the starting weights and the last version."""
-
-    timeout_s: float = Field(600, gt=0)
-    """Longest one evaluation may take before it is given up (logged) and the run goes on."""
 
     @model_validator(mode="after")
     def _greedy_once(self) -> EvalConfig:

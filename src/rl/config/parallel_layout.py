@@ -4,7 +4,8 @@ before any engine starts)."""
 
 from __future__ import annotations
 
-from rl.config import ConfigError, ParallelConfig
+from rl.config.load import ConfigError
+from rl.config.trainer import ParallelConfig
 
 
 def mesh_sizes(parallel: ParallelConfig, world: int) -> tuple[int, int, int]:
