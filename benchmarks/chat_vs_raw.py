@@ -28,7 +28,7 @@ from orchestrator.prompts.queue import PromptQueue  # noqa: E402
 from orchestrator.rollout.groups import Rollouts  # noqa: E402
 from orchestrator.rewards.registry import make_reward  # noqa: E402
 from orchestrator.prompts.dataset_mix import Source, mix  # noqa: E402
-from orchestrator.prompts.tokenizer import load_tokenizer  # noqa: E402
+from orchestrator.rendering.tokenizer import load_tokenizer  # noqa: E402
 from rl.config import RunConfig  # noqa: E402
 from rl.inference_api import InferenceClient  # noqa: E402
 from test_end_to_end import launch_server, wait_healthy  # noqa: E402
@@ -47,9 +47,8 @@ async def rollouts_per_s(url: str, chat: str, groups: int) -> dict:
     cfg = config(chat)
     async with aiohttp.ClientSession() as session:
         sources = {d.name: Source(d, cfg.seed) for d in cfg.orchestrator.resolved_datasets()}
-        for s in sources.values():
-            s.reward = make_reward(s.ds.reward, 60, session, key="reward")
-        rollouts = Rollouts(cfg, load_tokenizer(str(MODEL)), sources, None, None)
+        rewards = {name: make_reward(s.ds.reward, 60, session, key="reward") for name, s in sources.items()}
+        rollouts = Rollouts(cfg, load_tokenizer(str(MODEL)), sources, None, None, rewards)
         queue = PromptQueue(mix(list(sources.values()), cfg.seed), lambda n, d: sources[n].fetch(d))
         client = InferenceClient(url, session)
         gate = asyncio.Semaphore(IN_FLIGHT)

@@ -1,4 +1,4 @@
-"""The sandbox (orchestrator/rollout/sandbox.py) against hostile code: each case's outcome, time, and what
+"""The sandbox (orchestrator/sandbox/sandbox.py) against hostile code: each case's outcome, time, and what
 was left running afterwards; then what isolation costs: the time of one run of a trivial program
 and runs per second (sequential, and CONCURRENT at once), with bubblewrap and without (limits
 only). The tables in docs/tools.md.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from orchestrator.rollout.sandbox import SLOTS, Limits, Sandbox  # noqa: E402
+from orchestrator.sandbox.sandbox import SLOTS, Limits, Sandbox  # noqa: E402
 
 CASES = [
     ("infinite loop", "while True: pass", {}),
@@ -81,7 +81,7 @@ async def _cost(code: str) -> dict[str, tuple[float, float, float]]:
 
 
 def cost() -> None:
-    from orchestrator.rollout import sandbox
+    from orchestrator.sandbox import sandbox
 
     print(f"isolation: {Sandbox.describe()}")
     # Both sides on the interpreter isolated runs use (the system's, as root): unisolated runs

@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 
-from orchestrator.rollout.sandbox import Sandbox  # noqa: E402
+from orchestrator.sandbox.sandbox import Sandbox  # noqa: E402
 from tasks.coding import SANDBOX  # noqa: E402
 from test_sandbox_total import FORK_FILL, SOCKET_FILL  # noqa: E402  (the tests' probes, at full size)
 

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from tokenizers import Tokenizer  # noqa: E402
 
-from orchestrator.prompts.chat import ChatTemplate  # noqa: E402
+from orchestrator.rendering.chat import ChatTemplate  # noqa: E402
 from orchestrator.rollout.tool_episode import ToolEpisode  # noqa: E402
 from orchestrator.rollout.tool_parsers import tool_parser  # noqa: E402
 from orchestrator.rollout.tool_functions import load_tools  # noqa: E402

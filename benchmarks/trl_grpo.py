@@ -126,7 +126,7 @@ def gym_task(name: str, task_config: dict, rows: int, seed: int):
 def model_tokenizer(model: str):
     """The model directory's tokenizer.json as it is. AutoTokenizer under transformers 5 rebuilds a
     tokenizer of a known model type from its class's recipe, which turns the char-level tiny
-    models' tokenizer into a byte-level BPE (src/orchestrator/prompts/tokenizer.py): TRL would then train
+    models' tokenizer into a byte-level BPE (src/orchestrator/rendering/tokenizer.py): TRL would then train
     on other ids than the model was made with."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 

@@ -64,7 +64,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 def prompts(ctx: Context) -> list[list[int]]:
     """A few prompts as token ids, through the orchestrator's own tokenizer."""
-    from orchestrator.prompts.tokenizer import load_tokenizer
+    from orchestrator.rendering.tokenizer import load_tokenizer
 
     tok = load_tokenizer(ctx.model)
     encoded = [tok.encode(t) for t in ("The capital of France is", "1, 2, 3, 4,", "Once upon a time")]

@@ -21,7 +21,7 @@ def metrics() -> list[tuple[str, str, str, tuple[str, ...], str]]:
     import torch
 
     from inference import metrics as inference
-    from orchestrator.reporting import prometheus as orchestrator
+    from orchestrator import prometheus as orchestrator
     from rl.config import RunConfig
     from trainer.metrics import MFU, TrainerMetrics
 

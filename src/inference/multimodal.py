@@ -1,5 +1,5 @@
 """Images on /generate: a request's `images` (base64 of encoded image files, PNG from the
-orchestrator: orchestrator/prompts/images.py) become vLLM's multi-modal input beside the prompt's
+orchestrator: orchestrator/rendering/images.py) become vLLM's multi-modal input beside the prompt's
 token ids, which hold one placeholder token per image. vLLM's renderer (render_cmpl_async, as
 its own routes use it) runs the model's multi-modal processor: it expands each placeholder and
 computes the pixels. The expanded ids go back in the answer (prompt_token_ids): the orchestrator

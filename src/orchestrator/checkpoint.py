@@ -17,7 +17,7 @@ import logging
 from typing import NamedTuple
 
 from orchestrator.preflight import orchestrator_state_refusal
-from orchestrator.prompts.queue import Prompt, decode_state, encode_state
+from orchestrator.prompts import Prompt, decode_state, encode_state
 from rl.batch import Batch
 from rl.rundir import RunDir, mark_stable, write_file_atomic
 from rl.transport.interface import BatchSender

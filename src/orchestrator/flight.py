@@ -15,10 +15,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from orchestrator import prometheus
 from orchestrator.async_rule import is_fresh, oldest_usable_version
 from orchestrator.group_outcomes import GroupOutcomes
 from orchestrator.prompts import Curriculum, Prompt, PromptQueue, RowError
-from orchestrator.reporting import Counters, prometheus
+from orchestrator.reporting import Counters
 from orchestrator.rollout import Aborted, Group, Rollouts
 from orchestrator.servers import Server, ServerPool, WeightDelivery
 from rl.inference_api import GenerateRequest, GenerateResponse, InferenceError

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import logging
 
-from orchestrator.prompts.dataset_mix import RowError
-from orchestrator.prompts.queue import Prompt, PromptQueue
+from orchestrator.prompts import Prompt, PromptQueue, RowError
 from orchestrator.quiet_warning import Quiet
-from orchestrator.rollout.groups import Group
-from orchestrator.rollout.kind import RolloutKind
+from orchestrator.rollout import Group, RolloutKind
 from orchestrator.streaks import Streaks
 from rl.config.orchestrator import OrchestratorConfig
 

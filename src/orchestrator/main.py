@@ -12,9 +12,9 @@ import signal
 
 import aiohttp
 
+from orchestrator import prometheus
 from orchestrator.orchestrator import Orchestrator
-from orchestrator.reporting import prometheus
-from orchestrator.rollout import sandbox
+from orchestrator.sandbox import OUTCOME_LISTENERS
 from orchestrator.streaks import Spinning
 from rl.config import RunConfig
 from rl.inference_api import connector
@@ -51,7 +51,7 @@ def main(cfg: RunConfig) -> int:
                   "e.g. compose configs/lora_multi/reverse.toml)")
         return 2
     RunDir(cfg.run_dir).make()
-    sandbox.OUTCOME_LISTENERS.append(prometheus.sandbox_run)  # the programs rewards run, by outcome
+    OUTCOME_LISTENERS.append(prometheus.sandbox_run)  # the programs rewards run, by outcome
     try:
         asyncio.run(_main(cfg))
     except asyncio.CancelledError:

@@ -34,7 +34,7 @@ from orchestrator.bounded_wait import wait_visibly
 from orchestrator.evaluation import EvaluationRunner
 from orchestrator.flight import Flight, InFlight
 from orchestrator.hand_over import HandOver
-from orchestrator.prompts import Curriculum, PromptQueue
+from orchestrator.prompts import Curriculum, PromptQueue, Rows
 from orchestrator.reporting import Reporting
 from orchestrator.rollout import Group, Rollouts
 from orchestrator.servers import ServerPool, WeightsFollower, watch_trainer
@@ -54,7 +54,8 @@ class Orchestrator:
         self.delivery = self.pool.delivery  # files, broadcast or LoRA adapters, chosen once
         # Request ids must not collide with a previous orchestrator's still running on a server.
         self.tag = secrets.token_hex(3)
-        self.rollouts = Rollouts.from_config(cfg, session)
+        self.rows = Rows.for_run(cfg)  # the datasets, or the environment's dataset
+        self.rollouts = Rollouts.from_config(cfg, session, self.rows)
         self.evaluations = EvaluationRunner.for_run(cfg, session, self.rollouts, self.pool, self.run_dir,
                                                     self.wait_until, self.tag)
         self.hand_over = HandOver(cfg, self.run_dir)
@@ -62,7 +63,7 @@ class Orchestrator:
         self.next_step, cursor, pending, record, self.unsent = self.hand_over.resume()
         self.curriculum = (Curriculum(self.settings.curriculum, cfg.seed, record)
                            if self.settings.curriculum.enabled else None)
-        self.queue = PromptQueue(self.rollouts.kind.draws(cfg.seed), self.rollouts.kind.fetch, cursor, pending,
+        self.queue = PromptQueue(self.rows.draws(cfg.seed), self.rows.fetch, cursor, pending,
                                  admit=self.curriculum.admit if self.curriculum else None)
         self.flight = Flight(self.settings, self.pool, self.delivery, self.rollouts, self.queue, self.curriculum,
                              self.changed, self.tag)
@@ -72,7 +73,7 @@ class Orchestrator:
             handed_over=lambda: self.next_step - 1, hold=self.evaluations.baseline_done,
             in_use=lambda: [*self.flight.pins(), *self.evaluations.pins])
         self.background: list[asyncio.Task] = []
-        self.reporting = Reporting(cfg, self.run_dir, self.pool, per_dataset=len(self.rollouts.kind.sources) > 1)
+        self.reporting = Reporting(cfg, self.run_dir, self.pool, per_dataset=len(self.rows.sources) > 1)
         if self.next_step > 1:  # resumed: its predecessor may have died between checkpoint and record
             last = self.next_step - 1
             self.reporting.recover(last, lambda: self.unsent if self.unsent is not None

@@ -11,13 +11,12 @@ from collections.abc import Callable
 
 import jinja2
 
+from orchestrator import sandbox as sandboxing  # its Sandbox read when asked: see executes_code
 from orchestrator.callables import load_callable
-from orchestrator.prompts.chat import ChatTemplate
-from orchestrator.prompts.fit import dataset_fits, environment_fits, error_line, measure, sample, tokenizer_of
-from orchestrator.prompts.images import images_at_start_up
-from orchestrator.rollout import sandbox as sandboxing  # the module, not its Sandbox: see executes_code
-from orchestrator.rollout.registry import kind_of
-from orchestrator.sft.data import sft_setup
+from orchestrator.rendering import (ChatTemplate, dataset_fits, environment_fits, error_line, images_at_start_up,
+                                    measure, sample, tokenizer_of)
+from orchestrator.rollout import kind_of
+from orchestrator.sft import sft_setup
 from rl.config import ConfigError, RunConfig
 from rl.config.datasets import BUILTIN_REWARDS, Dataset
 from rl.inference_api import kept_set_bound
@@ -93,7 +92,7 @@ def kept_sets_fit(cfg: RunConfig) -> None:
 def executes_code(obj) -> bool:
     """The rule for "this run executes model-written code": the module that defines `obj` (a
     reward, a dataset function, an environment class or one of its tools) imports
-    orchestrator.rollout.sandbox, holding its Sandbox class or a Sandbox (tasks/coding.py,
+    orchestrator.sandbox, holding its Sandbox class or a Sandbox (tasks/coding.py,
     tasks/python_tool.py)."""
     module = sys.modules.get(getattr(obj, "__module__", None) or "")
     box = sandboxing.Sandbox
@@ -121,7 +120,7 @@ def _code_runners(cfg: RunConfig) -> list[str]:
 
 def sandbox_isolation(cfg: RunConfig) -> None:
     """A run that executes model-written code starts only where it is isolated
-    (orchestrator/rollout/sandbox.py), or where the config says orchestrator.sandbox.isolation = "none";
+    (orchestrator/sandbox/sandbox.py), or where the config says orchestrator.sandbox.isolation = "none";
     either way one line says which isolation the run gets (--dry-run shows it)."""
     runners = _code_runners(cfg)
     if not runners:
@@ -150,7 +149,7 @@ def trackers(cfg: RunConfig) -> None:
 def orchestrator_data(cfg: RunConfig) -> None:
     """Each training and eval dataset: its file and columns exist (reasoning-gym tasks too), the
     chat template (if any) renders the first row the run draws, and the first rows drawn leave
-    room for max_tokens (orchestrator/prompts/fit.py). One table load and one pass per dataset."""
+    room for max_tokens (orchestrator/rendering/fit.py). One table load and one pass per dataset."""
     _datasets_data(cfg, _datasets(cfg))
 
 
@@ -217,7 +216,7 @@ def _function_key(ds: Dataset, listed: bool) -> str:
 
 
 def _sample(cfg: RunConfig, ds: Dataset, listed: bool) -> list[tuple[object, str]]:
-    """The first rows the run draws from a dataset (orchestrator/prompts/fit.py sample), at least one."""
+    """The first rows the run draws from a dataset (orchestrator/rendering/fit.py sample), at least one."""
     key = _function_key(ds, listed)
     try:
         rows = sample(cfg, ds, f"dataset {ds.name}")  # its rows: "dataset <name> row <i>"

@@ -1,5 +1,5 @@
 """Decoding an image file that a dataset row or another process handed over: the orchestrator's
-rows (orchestrator/prompts/images.py) and /generate's `images` (inference/multimodal.py) share one
+rows (orchestrator/rendering/images.py) and /generate's `images` (inference/multimodal.py) share one
 bound, so that a server refuses no image the orchestrator accepted.
 
 Pillow's own decompression-bomb check is only a warning below twice its limit and is set through a

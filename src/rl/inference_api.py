@@ -72,7 +72,7 @@ class GenerateRequest(Body):
     images: list[str] = Field([], max_length=16)
     """Base64 image files (PNG), in the order of the prompt's image placeholders: one placeholder
     token per image in prompt_token_ids, which the model's processor in the server expands
-    (orchestrator/prompts/images.py, inference/multimodal.py)."""
+    (orchestrator/rendering/images.py, inference/multimodal.py)."""
 
 
 def kept_set_bound(top_k: int, vocab: int) -> int:

@@ -1,5 +1,5 @@
 """Small coding tasks with tests, generated (seeded), and their reward: the model's code run in
-the sandbox (orchestrator/rollout/sandbox.py) on each test's arguments, its return values compared here,
+the sandbox (orchestrator/sandbox/sandbox.py) on each test's arguments, its return values compared here,
 outside, with the expected ones; scored by the share that match.
 
     [[orchestrator.datasets]]
@@ -32,7 +32,7 @@ import random
 import re
 from collections.abc import Iterator
 
-from orchestrator.rollout.sandbox import Limits, RunResult, Sandbox
+from orchestrator.sandbox.sandbox import Limits, RunResult, Sandbox
 
 SANDBOX = Sandbox(Limits(wall_s=10, cpu_s=5, memory_mb=512, output_bytes=4096))
 FENCE = re.compile(r"```(?:python|py)?\n(.*?)```", re.DOTALL)

@@ -1,4 +1,4 @@
-"""A `python` tool for tool environments: the model's code runs in orchestrator/rollout/sandbox.py
+"""A `python` tool for tool environments: the model's code runs in orchestrator/sandbox/sandbox.py
 (bubblewrap's namespaces: no network, no host process, no file of the repository or the run, a
 scratch directory of its own; and its limits) and the tool answers with what it printed, and why
 it stopped when it did not end well ("[timed out]", "[out of memory]", ...). An environment that
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from orchestrator.rollout.sandbox import Limits, Sandbox
+from orchestrator.sandbox.sandbox import Limits, Sandbox
 
 SANDBOX = Sandbox(Limits(wall_s=10, cpu_s=5, memory_mb=512, output_bytes=4096))
 log = logging.getLogger("orchestrator")

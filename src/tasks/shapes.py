@@ -4,7 +4,7 @@ in its own colour, placed without overlap, and the question "How many shapes are
 picture? Answer with a number."; the answer is the count as a digit.
 
 Rows are OpenAI chat messages with the picture as a data: URL image part
-(orchestrator/prompts/images.py), so they need no files. Seeded and split: training row i of
+(orchestrator/rendering/images.py), so they need no files. Seeded and split: training row i of
 seed s is drawn from Random("train/s/i"), held-out row i from Random("heldout/i") whatever the
 seed, so the two never share a draw (tests/tasks/test_shapes_task.py checks no picture repeats).
 

@@ -1,5 +1,5 @@
 """The trainer's side of images: a sample's images arrive as the PNG bytes the server sampled
-with (orchestrator/prompts/images.py), and the trainer re-processes them with the model's own
+with (orchestrator/rendering/images.py), and the trainer re-processes them with the model's own
 image processor, so the pixels are the server's exactly (PNG is lossless; the processor is the
 same code on the same bytes). Why bytes and not processed pixels: for models/tiny-vlm a 100x60
 picture is 293 bytes of PNG against 48 KB of float32 pixel_values plus a 32 KB pixel mask (the

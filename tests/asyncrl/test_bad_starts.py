@@ -135,7 +135,7 @@ CASES = [
     Case("inference core missing", ("inference", "run"), ("--inference.cpus", "[4096]"), "inference.cpus = [4096]: core(s) [4096]"),
     Case("orchestrator core missing", ("orchestrator", "run"), ("--orchestrator.cpus", "[4096]"), "orchestrator.cpus = [4096]"),
     Case("trainer core missing", ("trainer", "run"), ("--trainer.cpus", "[4096]"), "trainer.cpus = [4096]"),
-    # datasets and chat templates (orchestrator.datasets, orchestrator/prompts/tables.py, orchestrator/prompts/chat.py)
+    # datasets and chat templates (orchestrator.datasets, orchestrator/prompts/tables.py, orchestrator/rendering/chat.py)
     Case("dataset file missing", ("orchestrator", "run"),
          ("--orchestrator.datasets", '[{{path = "{tmp}/nowhere.jsonl", reward = "math_verify"}}]'),
          "dataset nowhere: path = {tmp}/nowhere.jsonl: no such file or directory"),
@@ -153,7 +153,7 @@ CASES = [
          "chat template ({tmp}/broken.jinja) line 1"),
     Case("chat on, model without template", ("orchestrator", "run"), ("--orchestrator.prompts.chat", "on"),
          'orchestrator.prompts.chat = "on": ' + str(TINY_MODEL) + " has no chat template"),
-    # prompts that leave no room for a completion (orchestrator/prompts/fit.py): the run would skip every row
+    # prompts that leave no room for a completion (orchestrator/rendering/fit.py): the run would skip every row
     Case("prompts longer than seq_len - max_tokens", ("orchestrator", "run"), ("--orchestrator.sampling.max_tokens", "60"),
          "dataset data: 50 of the first 64 prompts drawn leave less than max_tokens (60) within seq_len (64); the longest is 9 tokens (dataset data row 6)"),
     Case("environment's first prompt longer than seq_len - max_tokens", ("orchestrator", "run"),

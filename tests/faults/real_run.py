@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 from conftest import TINY_MODEL, rl_command
 from orchestrator.prompts.queue import decode_state
 from tasks import reverse
-from orchestrator.prompts.tokenizer import load_tokenizer
+from orchestrator.rendering.tokenizer import load_tokenizer
 from rl.batch import Batch
 from rl.rundir import RunDir
 from test_end_to_end import Program

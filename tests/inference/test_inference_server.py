@@ -418,7 +418,7 @@ def test_a_multi_turn_episode_on_real_vllm(server):
     from orchestrator.prompts.queue import Prompt
     from orchestrator.rollout.groups import Rollouts
     from tasks.guess_letter import GuessLetter
-    from orchestrator.prompts.tokenizer import load_tokenizer
+    from orchestrator.rendering.tokenizer import load_tokenizer
     from rl.config import RunConfig
     from rl.inference_api import InferenceClient
 

@@ -17,9 +17,9 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from conftest import ROOT
-from orchestrator.prompts.chat import ChatTemplate
-from orchestrator.prompts.images import image_support, render_image_prompt, template_messages
-from orchestrator.prompts.tokenizer import load_tokenizer
+from orchestrator.rendering.chat import ChatTemplate
+from orchestrator.rendering.images import image_support, render_image_prompt, template_messages
+from orchestrator.rendering.tokenizer import load_tokenizer
 from rl.rundir import RunDir
 from test_end_to_end import launch_server, wait_healthy
 from test_vlm_prompts import data_url, picture
@@ -155,7 +155,7 @@ def test_the_orchestrators_client_carries_images_and_checks_the_expansion(server
 
     import aiohttp
 
-    from orchestrator.prompts.images import ImageError, ImagePrompt, check_expanded, request_fields
+    from orchestrator.rendering.images import ImageError, ImagePrompt, check_expanded, request_fields
     from rl.inference_api import GenerateRequest, InferenceClient
 
     prompt = rendered(chat(picture(70, 70, (20, 160, 40))))

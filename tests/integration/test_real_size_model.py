@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoTokenizer
 
 from conftest import ROOT
-from orchestrator.prompts.chat import ChatTemplate
+from orchestrator.rendering.chat import ChatTemplate
 
 SCRIPT = ROOT / "scripts" / "make_real_size_model.py"
 # Qwen2.5-0.5B-Instruct's config.json, but for num_hidden_layers (24 there).

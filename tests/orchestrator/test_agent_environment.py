@@ -21,7 +21,7 @@ from conftest import ROOT, free_port, rl_command
 from orchestrator.rollout.agent_environment import rebuilt
 from orchestrator.rollout.groups import Rollouts
 from tasks.calculator_agent import TOOLS, CalculatorAgent
-from orchestrator.prompts.tokenizer import load_tokenizer
+from orchestrator.rendering.tokenizer import load_tokenizer
 from rl.batch import Batch
 from rl.config import load_config
 from rl.inference_api import GeneratedSample, GenerateResponse

@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerFast
 
 from chat_tokenizers import build, chatml, llama3
 from orchestrator.sft.assistant_mask import MaskError, conversation_tokens
-from orchestrator.prompts.chat import ChatTemplate
+from orchestrator.rendering.chat import ChatTemplate
 
 CHATML_MARKED = (
     "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"

@@ -1,4 +1,4 @@
-"""Chat prompts (orchestrator/prompts/chat.py, orchestrator/prompts/dataset_mix.py): rendered with jinja2 alone, they give the
+"""Chat prompts (orchestrator/rendering/chat.py, orchestrator/prompts/dataset_mix.py): rendered with jinja2 alone, they give the
 ids transformers' apply_chat_template gives; a completion ends at the template's end-of-turn
 token as well as eos; system prompts, template options and template files apply; rows and
 templates that cannot render are named."""
@@ -11,9 +11,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from chat_tokenizers import chatml, llama3
-from orchestrator.prompts.dataset_mix import Renderer, RowError
-from orchestrator.prompts.tokenizer import load_tokenizer
-from orchestrator.prompts.chat import ChatTemplate
+from orchestrator.prompts.dataset_mix import RowError
+from orchestrator.rendering.renderer import Renderer
+from orchestrator.rendering.tokenizer import load_tokenizer
+from orchestrator.rendering.chat import ChatTemplate
 from rl.config import ConfigError, RunConfig
 
 CONVERSATIONS = [

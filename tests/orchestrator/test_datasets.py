@@ -26,7 +26,7 @@ from orchestrator.rewards.reward import combine
 from orchestrator.prompts.dataset_mix import Source, mix
 from tasks import gym_tasks
 from tasks.math_answer import reward as math_reward
-from orchestrator.prompts.tokenizer import load_tokenizer
+from orchestrator.rendering.tokenizer import load_tokenizer
 from rl.config import ConfigError, RunConfig
 from orchestrator.prompts.tables import load_table
 from test_rollouts import with_server
@@ -214,9 +214,8 @@ def test_completions_cut_at_max_tokens(overlong):
 
     async def body(client, session):
         srcs = {s.name: s for s in sources(cfg)}
-        for s in srcs.values():
-            s.reward = make_reward(s.ds.reward, 5.0, session, key="r")
-        rollouts = Rollouts(cfg, load_tokenizer(str(TINY_MODEL)), srcs, None, None)
+        rewards = {name: make_reward(s.ds.reward, 5.0, session, key="r") for name, s in srcs.items()}
+        rollouts = Rollouts(cfg, load_tokenizer(str(TINY_MODEL)), srcs, None, None, rewards)
         prompt = queue(cfg).take()
         return await rollouts.group(prompt, "g", lambda r: client.generate(r, 10))
 
@@ -232,3 +231,32 @@ def test_completions_cut_at_max_tokens(overlong):
     # Every sample says how it was drawn.
     assert all((s.temperature, s.top_k, s.top_p, s.min_p) == (0.7, 5, 1.0, 0.0) for s in group.samples)
     assert request.n == 4
+
+
+def test_a_runs_rows_come_from_the_prompts_station_whichever_kind_plays_them():
+    """orchestrator/prompts/rows.py: the queue draws the datasets' seeded mix, or the environment's
+    dataset(seed), from the prompts station; the rollout kind no longer hands rows back up to it.
+    A dataset's source carries no reward: the rewards station's are by the dataset's name."""
+    from orchestrator.prompts import Rows
+    from orchestrator.rewards import configured_rewards
+    from tasks.guess_letter import GuessLetter
+
+    cfg = run_config([{"name": "a", "function": "tasks.reverse:dataset", "reward": "tasks.reverse:reward"},
+                      {"name": "b", "function": "tasks.count:dataset", "reward": "tasks.count:reward", "weight": 2.0}])
+    rows = Rows.for_run(cfg)
+    assert rows.env is None and set(rows.sources) == {"a", "b"}
+    drawn = [rows.fetch(*d) for d in itertools.islice(rows.draws(cfg.seed), 12)]
+    taken = queue(cfg)  # the same stream as the datasets' mix drawn by hand
+    assert drawn == [(p.row, p.where) for p in (taken.take() for _ in range(12))]
+    assert {d[0] for d in itertools.islice(rows.draws(cfg.seed), 12)} == {"a", "b"}
+    assert not hasattr(rows.sources["a"], "reward")
+    rewards = configured_rewards(cfg, None)
+    assert set(rewards) == {"a", "b"} and rewards["a"].spec == "tasks.reverse:reward"
+
+    env_cfg = RunConfig.model_validate({"model": str(TINY_MODEL), "orchestrator": {
+        "environment": {"class": "tasks.guess_letter:GuessLetter"}}})
+    rows = Rows.for_run(env_cfg)
+    assert isinstance(rows.env, GuessLetter) and rows.sources == {}
+    first = list(itertools.islice(rows.draws(env_cfg.seed), 3))
+    assert first == [("", r) for r in itertools.islice(GuessLetter().dataset(env_cfg.seed), 3)]
+    assert rows.fetch(*first[0]) == (first[0][1], "orchestrator.environment")

@@ -14,7 +14,7 @@ from orchestrator.evaluation.held_out import Evaluation, pass_at_k
 from orchestrator.rollout.groups import Rollouts
 from orchestrator.rewards.registry import make_reward
 from orchestrator.prompts.dataset_mix import Source
-from orchestrator.prompts.tokenizer import load_tokenizer
+from orchestrator.rendering.tokenizer import load_tokenizer
 from rl.config import ConfigError, RunConfig, load_config
 from test_rollouts import with_server
 from rl.inference_api import connector
@@ -45,10 +45,9 @@ def test_samples_per_row_give_accuracy_and_pass_at_k():
 
     async def body(client, session):
         sources = [Source(d, cfg.seed) for d in cfg.orchestrator.resolved_datasets(evaluation=True)]
-        for s in sources:
-            s.reward = make_reward(s.ds.reward, 5.0, session, inline=True, key="r")
+        rewards = {s.name: make_reward(s.ds.reward, 5.0, session, inline=True, key="r") for s in sources}
         rollouts = Rollouts(cfg, load_tokenizer(str(TINY_MODEL)), {}, None, None)  # renders, as in a run
-        return await Evaluation(rollouts, sources, cfg.orchestrator.eval, cfg.orchestrator.timeouts.eval_s).run(client, 3, 7, "t", None)
+        return await Evaluation(rollouts, sources, cfg.orchestrator.eval, rewards, cfg.orchestrator.timeouts.eval_s).run(client, 3, 7, "t", None)
 
     record = asyncio.run(with_server(server, body))
     assert all(r.n == 4 and r.prompt for r in server.requests.values()) and len(server.requests) == 6
@@ -75,11 +74,10 @@ def test_eval_datasets_beside_a_text_environment_render_and_stop_as_datasets_do(
 
     async def body(client, session):
         sources = [Source(d, cfg.seed) for d in cfg.orchestrator.resolved_datasets(evaluation=True)]
-        for s in sources:
-            s.reward = make_reward(s.ds.reward, 5.0, session, inline=True, key="r")
+        rewards = {s.name: make_reward(s.ds.reward, 5.0, session, inline=True, key="r") for s in sources}
         rollouts = Rollouts(cfg, load_tokenizer(str(TINY_MODEL)), {}, None, GuessLetter())
         assert rollouts.kind.stop_token_ids == []  # the environment's own requests
-        return rollouts, await Evaluation(rollouts, sources, cfg.orchestrator.eval, cfg.orchestrator.timeouts.eval_s).run(client, 0, 1, "t", None)
+        return rollouts, await Evaluation(rollouts, sources, cfg.orchestrator.eval, rewards, cfg.orchestrator.timeouts.eval_s).run(client, 0, 1, "t", None)
 
     rollouts, record = asyncio.run(with_server(server, body))
     assert record["eval/d/rows"] == 2 and len(SEEN) == 2
@@ -128,10 +126,9 @@ def test_a_greedy_evaluation_on_a_real_engine_takes_one_sample_per_row_and_repea
 
             client.generate = observed
             sources = [Source(d, cfg.seed) for d in cfg.orchestrator.resolved_datasets(evaluation=True)]
-            for s in sources:
-                s.reward = make_reward(s.ds.reward, 5.0, session, inline=True, key="r")
+            rewards = {s.name: make_reward(s.ds.reward, 5.0, session, inline=True, key="r") for s in sources}
             rollouts = Rollouts(cfg, load_tokenizer(str(TINY_MODEL)), {}, None, None)
-            evaluation = Evaluation(rollouts, sources, cfg.orchestrator.eval, cfg.orchestrator.timeouts.eval_s)
+            evaluation = Evaluation(rollouts, sources, cfg.orchestrator.eval, rewards, cfg.orchestrator.timeouts.eval_s)
             first = await evaluation.run(client, 0, 0, "a", None)
             shutil.copytree(TINY_MODEL, run.weights_dir(1))
             async with session.post(f"{url}/update_weights",

@@ -19,7 +19,7 @@ from orchestrator.rollout.environment import Turn
 from orchestrator.prompts.queue import Prompt
 from orchestrator.rollout.groups import Rollouts
 from tasks.calculator_agent import CalculatorAgent
-from orchestrator.prompts.tokenizer import load_tokenizer
+from orchestrator.rendering.tokenizer import load_tokenizer
 from rl.config import load_config
 from rl.inference_api import GeneratedSample, GenerateResponse
 from test_rollouts import config, with_server

@@ -1,7 +1,7 @@
 """No run that spins (docs/reliability.md): a config whose rows or groups can only come to nothing
 ends with one line naming the culprit, why and the fix, instead of drawing rows forever.
 
-- At start-up (orchestrator/prompts/fit.py): prompts that leave no room for max_tokens within seq_len are
+- At start-up (orchestrator/rendering/fit.py): prompts that leave no room for max_tokens within seq_len are
   refused by `rl orchestrator` / `rl run`, exit 2, before any engine starts.
 - At run time (orchestrator/streaks.py): rows skipped, groups filtered or failed
   orchestrator.scheduling.max_futile_streak times in a row, or no server in rotation for
@@ -254,7 +254,7 @@ def test_the_check_measures_the_ids_the_orchestrator_sends(tmp_path):
     """The same rendering code: the check's count equals the length of the prompt ids the
     orchestrator's Renderer and tool episodes make, row by row (a chat dataset with a system
     prompt, and the tool environment)."""
-    from orchestrator.prompts.fit import measure, sample, tokenizer_of
+    from orchestrator.rendering.fit import measure, sample, tokenizer_of
     from orchestrator.rollout.groups import Rollouts
     from orchestrator.rollout.tool_environment import ToolEpisodes
     from rl.config import load_config
@@ -543,7 +543,7 @@ def test_rl_run_on_a_real_engine_stops_a_dataset_whose_later_rows_are_too_long(t
 def test_a_text_environment_row_whose_episode_raises_is_that_row_alone(tmp_path):
     """At run time such a row is one failed rollout, not a reason to refuse the run: it is left
     out of the measure; every episode measured is closed."""
-    from orchestrator.prompts.fit import environment_fits
+    from orchestrator.rendering.fit import environment_fits
     from orchestrator.rollout.text_environment import TextEpisodes
     from rl.config import load_config
 

@@ -1,7 +1,7 @@
 """`rl orchestrator` as a program stays light and stops quietly: a whole run (against the stand-in
 server and trainer of tests/orchestrator/test_scheduling.py) never imports torch, triton, vLLM or transformers,
 which it has no use for, and whose native extensions printed ~30 "nanobind: leaked ..." lines at
-every exit (orchestrator/prompts/tokenizer.py says where they came from)."""
+every exit (orchestrator/rendering/tokenizer.py says where they came from)."""
 
 from __future__ import annotations
 

@@ -71,7 +71,7 @@ def sample(registry, metric: str, **labels) -> float | None:
 
 
 def test_orchestrator_metrics_follow_the_batch_record():
-    from orchestrator.reporting import prometheus as p
+    from orchestrator import prometheus as p
 
     before = {k: sample(p.REGISTRY, f"asyncrl_orchestrator_{n}_total") for k, n in
               (("episodes_failed_scored", "episodes_failed"), ("cancelled", "groups_cancelled_off_policy"))}
@@ -93,10 +93,10 @@ def test_orchestrator_metrics_follow_the_batch_record():
 
 
 def test_sandbox_runs_are_counted_by_outcome():
-    from orchestrator.reporting import prometheus as p
-    from orchestrator.rollout.sandbox import Limits, Sandbox
+    from orchestrator import prometheus as p
+    from orchestrator.sandbox.sandbox import Limits, Sandbox
 
-    from orchestrator.rollout.sandbox import OUTCOME_LISTENERS
+    from orchestrator.sandbox.sandbox import OUTCOME_LISTENERS
 
     before = sample(p.REGISTRY, "asyncrl_orchestrator_sandbox_runs_total", outcome="error") or 0
     OUTCOME_LISTENERS.append(p.sandbox_run)  # as orchestrator/main.py does

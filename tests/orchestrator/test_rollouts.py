@@ -20,7 +20,7 @@ from orchestrator.rewards.registry import make_reward
 from orchestrator.rewards.reward import Teacher
 from orchestrator.prompts.dataset_mix import Source
 from tasks.guess_letter import Game, GuessLetter
-from orchestrator.prompts.tokenizer import load_tokenizer
+from orchestrator.rendering.tokenizer import load_tokenizer
 from rl.config import RunConfig
 from rl.inference_api import InferenceClient, connector
 

@@ -1,4 +1,4 @@
-"""orchestrator/rollout/sandbox.py against hostile code, for real: each case is contained, answered with
+"""orchestrator/sandbox/sandbox.py against hostile code, for real: each case is contained, answered with
 its outcome, and leaves nothing running. On a machine where runs cannot be isolated (no
 bubblewrap, or no unprivileged user namespaces) the isolation cases are skipped, saying why; CI's
 machine runs them. tests/orchestrator/test_sandbox_hostile.py holds the isolation cases against canaries, as
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from orchestrator.rollout.sandbox import Limits, RunResult, Sandbox
+from orchestrator.sandbox.sandbox import Limits, RunResult, Sandbox
 
 ISOLATION = Sandbox.isolation()
 isolated = pytest.mark.skipif(ISOLATION is not None, reason=ISOLATION or "")
@@ -149,7 +149,7 @@ def test_runs_side_by_side_do_not_share_a_directory():
 
 
 def test_without_isolation_a_run_says_so_and_a_run_that_requires_it_refuses(monkeypatch):
-    from orchestrator.rollout import sandbox
+    from orchestrator.sandbox import sandbox
 
     monkeypatch.setattr(sandbox, "_probe", lambda: (None, "bubblewrap not found: apt-get install bubblewrap"))
     assert Sandbox.isolation() == "bubblewrap not found: apt-get install bubblewrap"
@@ -165,7 +165,7 @@ def test_a_run_dies_with_the_process_that_started_it():
     run behind, children that called setsid included (bwrap's --die-with-parent, the PID namespace)."""
     code, mark = marked("import os, time\nfor _ in range(3):\n    if os.fork() == 0:\n        os.setsid()\n"
                         "        break\ntime.sleep(60)")
-    starter = subprocess.Popen([sys.executable, "-c", "import asyncio, sys\nfrom orchestrator.rollout.sandbox import Limits, "
+    starter = subprocess.Popen([sys.executable, "-c", "import asyncio, sys\nfrom orchestrator.sandbox.sandbox import Limits, "
                                 "Sandbox\nasyncio.run(Sandbox(Limits(wall_s=60)).run(sys.argv[1]))", code],
                                env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
 
@@ -191,7 +191,7 @@ def test_a_run_dies_with_the_process_that_started_it():
 def test_runs_cancelled_while_starting_end_and_leave_nothing_running(monkeypatch):
     """A reward's timeout may cancel a run while asyncio starts its process, or waits for room:
     the cancel returns and nothing of the run is left."""
-    from orchestrator.rollout.sandbox_budget import BUDGET
+    from orchestrator.sandbox.sandbox_budget import BUDGET
 
     monkeypatch.setattr(BUDGET, "limit_mb", 10**6)  # all at once: many are starting when cancelled
     code, mark = marked("import time; time.sleep(30)")
@@ -220,8 +220,8 @@ def test_runs_cancelled_while_starting_end_and_leave_nothing_running(monkeypatch
 SHUTDOWN_WHILE_STARTING = """
 import asyncio, os, sys
 from pathlib import Path
-from orchestrator.rollout.sandbox import Limits, Sandbox
-from orchestrator.rollout.sandbox_budget import BUDGET
+from orchestrator.sandbox.sandbox import Limits, Sandbox
+from orchestrator.sandbox.sandbox_budget import BUDGET
 
 runs, steps, wall_s, code, mark = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5]
 BUDGET.configure(10**7)  # every run starts at once: none waits for room
@@ -257,7 +257,7 @@ def test_a_shutdown_while_runs_start_ends_before_their_clock_and_leaves_nothing(
     (asyncio's own subprocesses hung here forever: a start cancelled before its pipes were
     connected is never woken), sooner than the runs' wall clock would have stopped them, and
     nothing of any run is left running, nor its cgroup."""
-    from orchestrator.rollout.sandbox_cgroup import PREFIX, Bound
+    from orchestrator.sandbox.sandbox_cgroup import PREFIX, Bound
 
     runs, wall_s = 32, 30.0
     code, mark = marked("import time; time.sleep(3600)")  # longer than anything here waits

@@ -1,4 +1,4 @@
-"""orchestrator/rollout/sandbox.py against a hostile program, as root and as an unprivileged user (issue
+"""orchestrator/sandbox/sandbox.py against a hostile program, as root and as an unprivileged user (issue
 52; docs/tools.md's hostile table). Each case plants a canary on the host (a process with a secret
 in its command line and environment, files in the repository and in a run directory, a listening
 port, unix sockets, IPC objects, an inherited descriptor), checks that it is there from outside,
@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(os.environ.get("HOSTILE_REPO", Path(__file__).resolve().parents[2]))  # the copy's: where it came from
 # The sandbox's modules to drive: another directory of them, for checking that the suite fails
 # with a protection removed (HOSTILE_SANDBOX_DIR=...).
-SANDBOX_DIR = Path(os.environ.get("HOSTILE_SANDBOX_DIR", ROOT / "src" / "orchestrator" / "rollout"))
+SANDBOX_DIR = Path(os.environ.get("HOSTILE_SANDBOX_DIR", ROOT / "src" / "orchestrator" / "sandbox"))
 NOBODY = 65534
 CLONE_NEWUSER, PTRACE_ATTACH, IPC_CREAT, IPC_RMID = 0x10000000, 16, 0o1000, 0
 
@@ -190,18 +190,18 @@ PRELUDE = "import json, os, sys\nC = json.loads(sys.stdin.read())\n" \
 
 
 def _sandbox_module():
-    """The sandbox from the copy beside this file (orchestrator/rollout/sandbox*.py), not the
+    """The sandbox from the copy beside this file (orchestrator/sandbox/sandbox*.py), not the
     checkout's: the copy is what `nobody` can read."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    return importlib.import_module("orchestrator.rollout.sandbox")
+    return importlib.import_module("orchestrator.sandbox.sandbox")
 
 
 def _copied(sandbox_dir: Path, into: Path) -> Path:
     """This file and the sandbox's modules copied into `into`, readable by anyone: the driver's
     script, and the package it imports (empty __init__ files: nothing else of the project)."""
-    package = into / "orchestrator" / "rollout"
+    package = into / "orchestrator" / "sandbox"
     package.mkdir(parents=True)
-    for name in ("orchestrator/__init__.py", "orchestrator/rollout/__init__.py"):
+    for name in ("orchestrator/__init__.py", "orchestrator/sandbox/__init__.py"):
         (into / name).write_text("")
     for module in sandbox_dir.glob("sandbox*.py"):
         shutil.copy(module, package / module.name)
@@ -256,7 +256,7 @@ class Canaries:
         os.set_inheritable(self.fd, True)  # what a careless parent would hand on
         here = Path(__file__).resolve().parent  # the copy the driver runs from: readable by whoever runs it
         repository = [str(ROOT / "pyproject.toml"), str(ROOT / "src")] if os.access(ROOT / "src", os.R_OK) else []
-        self.files = [*repository, str(here / "orchestrator" / "rollout" / "sandbox.py"), str(here), str(self.run_file),
+        self.files = [*repository, str(here / "orchestrator" / "sandbox" / "sandbox.py"), str(here), str(self.run_file),
                       str(run_dir), "/root", "/home", "/etc/passwd", "/bin/sh"]  # the host's accounts, a shell
 
     def outside(self) -> dict:
@@ -372,7 +372,7 @@ def needs_seccomp() -> None:
     import pytest
 
     if platform.machine() != "x86_64":
-        pytest.skip("the sandbox's seccomp filter is for x86_64 only (orchestrator/rollout/sandbox.py)")
+        pytest.skip("the sandbox's seccomp filter is for x86_64 only (orchestrator/sandbox/sandbox.py)")
 
 
 def inside(mode: str, case: str) -> dict:

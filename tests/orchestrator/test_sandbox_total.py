@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.rollout import sandbox, sandbox_budget
-from orchestrator.rollout.sandbox import Limits, Sandbox
-from orchestrator.rollout.sandbox_cgroup import Bound
+from orchestrator.sandbox import sandbox, sandbox_budget
+from orchestrator.sandbox.sandbox import Limits, Sandbox
+from orchestrator.sandbox.sandbox_cgroup import Bound
 
 cgroup = pytest.mark.skipif(not isinstance(Bound.detect(), Bound) or Sandbox.isolation() is not None,
                             reason=f"no cgroup bound here: {Sandbox.total()}")
@@ -223,12 +223,12 @@ def test_reward_calls_at_once_fit_the_sandbox_memory(monkeypatch):
 
 def test_the_config_gives_the_sandbox_its_memory(monkeypatch):
     from conftest import TINY_MODEL
-    from orchestrator.rewards.registry import configured_sources
+    from orchestrator.rewards.registry import configured_rewards
     from rl.config import RunConfig
 
     monkeypatch.setattr(sandbox_budget.BUDGET, "limit_mb", sandbox_budget.BUDGET.limit_mb)
     cfg = RunConfig.model_validate({"model": str(TINY_MODEL), "orchestrator": {
         "datasets": [{"function": "tasks.coding:dataset", "reward": "tasks.coding:reward"}],
         "sandbox": {"memory_mb": 3000}}})
-    configured_sources(cfg, None)
+    configured_rewards(cfg, None)
     assert sandbox_budget.BUDGET.limit_mb == 3000

@@ -180,7 +180,7 @@ def test_a_real_teacher_scores_the_students_real_tokens(servers):
     from orchestrator.rollout.groups import Rollouts
     from orchestrator.rewards.reward import Teacher
     from orchestrator.prompts.dataset_mix import Source
-    from orchestrator.prompts.tokenizer import load_tokenizer
+    from orchestrator.rendering.tokenizer import load_tokenizer
     from rl.config import RunConfig
     from rl.inference_api import InferenceClient
 

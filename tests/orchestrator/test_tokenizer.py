@@ -1,4 +1,4 @@
-"""The orchestrator's tokenizer (orchestrator/prompts/tokenizer.py): tokenizer.json read without
+"""The orchestrator's tokenizer (orchestrator/rendering/tokenizer.py): tokenizer.json read without
 transformers gives the ids transformers' AutoTokenizer gave on every text the shipped tasks make,
 and on any text at all the ids of the tokenizer the tiny model was trained with."""
 
@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from conftest import ROOT, TINY_MODEL
 from tasks import count, echo, guess_letter, reverse
-from orchestrator.prompts.tokenizer import load_tokenizer
+from orchestrator.rendering.tokenizer import load_tokenizer
 
 OURS = load_tokenizer(str(TINY_MODEL))
 HF = AutoTokenizer.from_pretrained(TINY_MODEL)

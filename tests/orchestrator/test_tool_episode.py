@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 
 from conftest import ROOT
 from orchestrator.rollout.groups import Rollouts
-from orchestrator.prompts.chat import ChatTemplate
+from orchestrator.rendering.chat import ChatTemplate
 from rl.config import ConfigError, RunConfig
 from rl.inference_api import GeneratedSample, GenerateRequest, GenerateResponse
 from orchestrator.preflight import orchestrator_code
@@ -115,7 +115,7 @@ TOOL_REPLIES = [
 
 def run_group(cfg: RunConfig, model) -> tuple[Rollouts, object]:
     from orchestrator.prompts.queue import Prompt
-    from orchestrator.prompts.tokenizer import load_tokenizer
+    from orchestrator.rendering.tokenizer import load_tokenizer
 
     env = Tools()
     rollouts = Rollouts(cfg, load_tokenizer(cfg.model), {}, None, env)
@@ -176,7 +176,7 @@ def test_the_reward_reads_the_conversation_in_openai_form():
             return 0.0
 
     from orchestrator.prompts.queue import Prompt
-    from orchestrator.prompts.tokenizer import load_tokenizer
+    from orchestrator.rendering.tokenizer import load_tokenizer
 
     cfg = config()
     rollouts = Rollouts(cfg, load_tokenizer(cfg.model), {}, None, Recording())
@@ -212,7 +212,7 @@ def test_a_reward_that_raises_fails_only_its_rollouts():
             raise KeyError("answer")
 
     from orchestrator.prompts.queue import Prompt
-    from orchestrator.prompts.tokenizer import load_tokenizer
+    from orchestrator.rendering.tokenizer import load_tokenizer
 
     cfg = config()
     rollouts = Rollouts(cfg, load_tokenizer(cfg.model), {}, None, Raises())
@@ -245,7 +245,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path):
 
 def test_schemas_reach_the_template():
     cfg = config()
-    from orchestrator.prompts.tokenizer import load_tokenizer
+    from orchestrator.rendering.tokenizer import load_tokenizer
 
     rollouts = Rollouts(cfg, load_tokenizer(cfg.model), {}, None, Tools())
     text = rollouts.kind.tool_episode.template.render([{"role": "user", "content": "x"}], True,
@@ -281,7 +281,7 @@ def test_an_eval_environment_samples_with_the_evaluation_settings_not_the_runs(t
     rollouts keep theirs. (A copy of the settings that set keys the sampling table no longer
     held once evaluated the held-out episodes at the run's T = 1.)"""
     from orchestrator.evaluation.environments import EnvironmentEval
-    from orchestrator.prompts.tokenizer import load_tokenizer
+    from orchestrator.rendering.tokenizer import load_tokenizer
     from rl.config.datasets import EvalConfig, EvalEnvironment
 
     cfg = config(sampling={"temperature": 1.0, "top_k": 5})

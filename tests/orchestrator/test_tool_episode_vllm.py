@@ -40,7 +40,7 @@ def play(url: str, prompts: int, group_size: int):
     from orchestrator.prompts.queue import Prompt
     from orchestrator.rollout.groups import Rollouts
     from tasks.calculator import Calculator
-    from orchestrator.prompts.tokenizer import load_tokenizer
+    from orchestrator.rendering.tokenizer import load_tokenizer
     from rl.config import RunConfig
     from rl.inference_api import InferenceClient
 
@@ -79,7 +79,7 @@ def model_spans(mask: list[int]) -> list[tuple[int, int]]:
 
 
 def test_tool_episodes_on_the_real_engine_keep_the_sampled_ids(server):
-    from orchestrator.prompts.chat import ChatTemplate, row_messages
+    from orchestrator.rendering.chat import ChatTemplate, row_messages
     from orchestrator.rollout.tool_functions import Tool
     from tasks.calculator import Calculator
 

@@ -17,7 +17,7 @@ pytest.importorskip("verifiers.v1", reason="the verifiers extra (pip install asy
 
 from orchestrator.prompts.queue import Prompt  # noqa: E402
 from orchestrator.rollout.groups import Rollouts  # noqa: E402
-from orchestrator.prompts.tokenizer import load_tokenizer  # noqa: E402
+from orchestrator.rendering.tokenizer import load_tokenizer  # noqa: E402
 from orchestrator.rollout.verifiers_taskset import VerifiersTaskset  # noqa: E402
 from rl.config import ConfigError  # noqa: E402
 from orchestrator.preflight import orchestrator_code  # noqa: E402

@@ -1,4 +1,4 @@
-"""Image chats rendered by the orchestrator (orchestrator/prompts/images.py, no transformers)
+"""Image chats rendered by the orchestrator (orchestrator/rendering/images.py, no transformers)
 against the model's own AutoProcessor: the same ids token for token, placeholders included, and
 the same pixels from the PNG bytes the batch carries as from the original image. Bad image
 parts: one error naming the part."""
@@ -13,10 +13,10 @@ import pytest
 from PIL import Image, ImageDraw
 
 from conftest import ROOT
-from orchestrator.prompts.chat import ChatTemplate
-from orchestrator.prompts.images import (ImageError, Shrunk, image_support, read_source, render_image_prompt,
+from orchestrator.rendering.chat import ChatTemplate
+from orchestrator.rendering.images import (ImageError, Shrunk, image_support, read_source, render_image_prompt,
                                          template_messages)
-from orchestrator.prompts.tokenizer import load_tokenizer
+from orchestrator.rendering.tokenizer import load_tokenizer
 
 MODEL = ROOT / "models" / "tiny-vlm"
 

@@ -217,7 +217,7 @@ def _coding_run(task: str = "coding", **sandbox):
 def test_start_up_refuses_a_run_that_executes_code_without_isolation_unless_told(monkeypatch, capsys):
     from conftest import TINY_MODEL
     from orchestrator import preflight
-    from orchestrator.rollout import sandbox
+    from orchestrator.sandbox import sandbox
     from rl.config import ConfigError, RunConfig
 
     assert preflight.sandbox_isolation in preflight.CHECKS
@@ -245,7 +245,7 @@ def test_rl_orchestrator_refuses_with_exit_2_and_dry_run_shows_the_isolation(mon
     from typer.testing import CliRunner
 
     from conftest import TINY_MODEL
-    from orchestrator.rollout import sandbox
+    from orchestrator.sandbox import sandbox
     from asyncrl.main import app
 
     config = tmp_path / "coding.toml"

@@ -11,9 +11,9 @@ import itertools
 from PIL import Image
 
 from conftest import ROOT
-from orchestrator.prompts.chat import ChatTemplate
-from orchestrator.prompts.images import image_support, render_image_prompt
-from orchestrator.prompts.tokenizer import load_tokenizer
+from orchestrator.rendering.chat import ChatTemplate
+from orchestrator.rendering.images import image_support, render_image_prompt
+from orchestrator.rendering.tokenizer import load_tokenizer
 from tasks import shapes
 
 

@@ -12,9 +12,9 @@ import torch
 
 from conftest import ROOT
 from float32_rounding import LOGIT_ERROR
-from orchestrator.prompts.chat import ChatTemplate
-from orchestrator.prompts.images import image_support, render_image_prompt
-from orchestrator.prompts.tokenizer import load_tokenizer
+from orchestrator.rendering.chat import ChatTemplate
+from orchestrator.rendering.images import image_support, render_image_prompt
+from orchestrator.rendering.tokenizer import load_tokenizer
 from test_vlm_prompts import data_url, part, picture
 from trainer import packed_attention
 from trainer.vision import vision_for

@@ -40,9 +40,10 @@ import aiohttp
 
 from orchestrator.bounded_wait import HEARTBEAT_S
 from orchestrator.evaluation.held_out import Evaluation
-from orchestrator.prompts.tokenizer import load_tokenizer
-from orchestrator.rewards.registry import configured_sources
-from orchestrator.rollout.groups import Rollouts
+from orchestrator.prompts import configured_sources
+from orchestrator.rendering import load_tokenizer
+from orchestrator.rewards import configured_rewards
+from orchestrator.rollout import Rollouts
 from rl.config import RunConfig
 from rl.faults import crash_point
 from rl.inference_api import InferenceClient, InferenceError
@@ -110,9 +111,10 @@ async def _evaluator(cfg: RunConfig, url: str, proc: subprocess.Popen,
                      session: aiohttp.ClientSession) -> tuple[InferenceClient, Evaluation]:
     client = InferenceClient(url, session, cfg.inference.api_token)
     await _until_answering(cfg, client, proc)
-    sources = configured_sources(cfg, session, evaluation=True)
+    sources = configured_sources(cfg, evaluation=True)
     rollouts = Rollouts(cfg, load_tokenizer(str(cfg.model)), {}, None, None)
-    return client, Evaluation(rollouts, sources, cfg.orchestrator.eval, cfg.orchestrator.timeouts.eval_s)
+    rewards = configured_rewards(cfg, session, evaluation=True)
+    return client, Evaluation(rollouts, sources, cfg.orchestrator.eval, rewards, cfg.orchestrator.timeouts.eval_s)
 
 
 async def _one(cfg: RunConfig, client: InferenceClient, evaluation: Evaluation, scratch: RunDir, lora: bool,

@@ -11,7 +11,7 @@ import asyncio
 import itertools
 
 from orchestrator.callables import load_callable
-from orchestrator.rollout.registry import kind_of
+from orchestrator.rollout import kind_of
 from rl.config.datasets import EvalConfig, EvalEnvironment
 from rl.inference_api import GenerateRequest, GenerateResponse, InferenceClient
 

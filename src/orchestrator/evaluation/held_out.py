@@ -25,20 +25,19 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
+from orchestrator import prometheus
 from orchestrator.evaluation.environments import EnvironmentEval
-from orchestrator.prompts import RowError, Source
+from orchestrator.prompts import RowError, Source, configured_sources
 from orchestrator.quiet_warning import Quiet
-from orchestrator.reporting import prometheus
-from orchestrator.rewards import combine, configured_sources
-from orchestrator.rollout.groups import Rollouts
+from orchestrator.rewards import Reward, combine, configured_rewards, weights_over
+from orchestrator.rollout import Rollouts
 from rl.config import RunConfig
 from rl.config.datasets import EvalConfig, Sampling
 from rl.inference_api import InferenceClient
 from rl.rundir import RunDir
 
 if TYPE_CHECKING:
-    from orchestrator.servers.pool import ServerPool
-    from orchestrator.servers.server import Server
+    from orchestrator.servers import Server, ServerPool
 
 log = logging.getLogger("orchestrator")
 
@@ -49,8 +48,11 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 class Evaluation:
-    def __init__(self, rollouts: Rollouts, sources: list[Source], cfg: EvalConfig, timeout_s: float):
-        self.rollouts, self.sources, self.cfg, self.timeout_s = rollouts, sources, cfg, timeout_s  # orchestrator.timeouts.eval_s
+    def __init__(self, rollouts: Rollouts, sources: list[Source], cfg: EvalConfig, rewards: dict[str, Reward | None],
+                 timeout_s: float):
+        """`rewards`: the eval datasets' rewards, by the datasets' names (orchestrator/rewards/);
+        `timeout_s`: orchestrator.timeouts.eval_s."""
+        self.rollouts, self.sources, self.cfg, self.rewards, self.timeout_s = rollouts, sources, cfg, rewards, timeout_s
         self.quiet = Quiet(log)  # rows that cannot be rendered: a line per row, each evaluation, otherwise
         # The same rows every time: a version's score is comparable with the one before.
         self.rows = {s.name: [s.fetch(d) for d in itertools.islice(s.draws(), cfg.rows)] for s in sources}
@@ -104,10 +106,11 @@ class Evaluation:
         async with gate:
             response = await client.generate(request, self.timeout_s)
         completions = self.rollouts.decode_all([x.token_ids for x in response.samples])
-        scores = await source.reward.score(text, completions, row)
+        reward = self.rewards[source.name]
+        scores = await reward.score(text, completions, row)
         if any(x is None for x in scores):
             return None
-        return [combine(x, source.reward_weights)[0] for x in scores]
+        return [combine(x, weights_over(reward, source.ds.reward_weights))[0] for x in scores]
 
 
 class EvaluationRunner:
@@ -119,9 +122,11 @@ class EvaluationRunner:
                 run_dir: RunDir, wait_until: Callable[[Callable[[], bool], str, float], Awaitable[float]],
                 tag: str) -> EvaluationRunner:
         """The run's evaluations: its eval datasets, each with its reward, and eval environments."""
-        sources = configured_sources(cfg, session, evaluation=True)
+        sources = configured_sources(cfg, evaluation=True)
+        rewards = configured_rewards(cfg, session, evaluation=True)
         evaluated = sources or cfg.orchestrator.eval.environments
-        return cls(Evaluation(rollouts, sources, cfg.orchestrator.eval, cfg.orchestrator.timeouts.eval_s) if evaluated else None,
+        return cls(Evaluation(rollouts, sources, cfg.orchestrator.eval, rewards,
+                              cfg.orchestrator.timeouts.eval_s) if evaluated else None,
                    pool, run_dir, wait_until, tag)
 
     def __init__(self, evaluation: Evaluation | None, pool: ServerPool, run_dir: RunDir,

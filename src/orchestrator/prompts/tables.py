@@ -46,7 +46,7 @@ class Table:
 
 def content_parts(content) -> bool:
     """OpenAI's content parts ({"type": "text" | "image_url", ...}): image chats
-    (orchestrator/prompts/images.py)."""
+    (orchestrator/rendering/images.py)."""
     return isinstance(content, list) and bool(content) and all(
         isinstance(p, dict) and isinstance(p.get("type"), str) for p in content)
 

@@ -14,15 +14,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from orchestrator.reporting import prometheus
+from orchestrator import prometheus
 from orchestrator.reporting.tracking import Tracker
 from rl.batch import Batch
 from rl.config import RunConfig
 from rl.rundir import RunDir
 
 if TYPE_CHECKING:
-    from orchestrator.rollout.groups import Group
-    from orchestrator.servers.pool import ServerPool
+    from orchestrator.rollout import Group
+    from orchestrator.servers import ServerPool
 
 log = logging.getLogger("orchestrator")
 

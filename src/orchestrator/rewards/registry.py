@@ -10,12 +10,12 @@ import inspect
 import aiohttp
 
 from orchestrator.callables import load_callable
-from orchestrator.prompts.dataset_mix import Source
 from orchestrator.rewards.async_function import AsyncReward
 from orchestrator.rewards.http_endpoint import HttpReward
 from orchestrator.rewards.inline_function import InlineReward
 from orchestrator.rewards.reward import Reward
 from orchestrator.rewards.threaded_function import ThreadedReward
+from orchestrator.sandbox import BUDGET
 from rl.config import RunConfig
 from rl.config.datasets import BUILTIN_REWARDS
 
@@ -36,18 +36,16 @@ def make_reward(spec: str, timeout_s: float, session: aiohttp.ClientSession | No
     return FUNCTION_REWARDS[kind](spec, timeout_s, fn)
 
 
-def configured_sources(cfg: RunConfig, session: aiohttp.ClientSession, evaluation: bool = False) -> list[Source]:
-    """The run's training datasets (or, `evaluation`, its eval datasets), each with its reward."""
+def configured_rewards(cfg: RunConfig, session: aiohttp.ClientSession | None,
+                       evaluation: bool = False) -> dict[str, Reward | None]:
+    """The reward of each of the run's training datasets (or, `evaluation`, its eval datasets), by
+    the dataset's name (None: a dataset without one)."""
     o = cfg.orchestrator
-    # The reward calls scoring at once: their sandboxed runs fit the sandbox's memory. Imported
-    # here: orchestrator.rollout's package imports this one.
-    from orchestrator.rollout.sandbox_budget import BUDGET
-
+    # The reward calls scoring at once: their sandboxed runs fit the sandbox's memory.
     BUDGET.configure(o.sandbox.memory_mb)
-    sources = []
+    rewards = {}
     for ds in o.resolved_datasets(evaluation):
-        source = Source(ds, cfg.seed)
         key = f"dataset {ds.name}: reward"
-        source.reward = make_reward(ds.reward, o.timeouts.reward_s, session, o.reward_inline, key) if ds.reward else None
-        sources.append(source)
-    return sources
+        rewards[ds.name] = (make_reward(ds.reward, o.timeouts.reward_s, session, o.reward_inline, key)
+                            if ds.reward else None)
+    return rewards

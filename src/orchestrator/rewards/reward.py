@@ -66,6 +66,11 @@ def combine(score: Score, weights: dict[str, float]) -> tuple[float, dict[str, f
     return sum(weights.get(k, 1.0) * v for k, v in score.items()), score
 
 
+def weights_over(reward: Reward | None, dataset_weights: dict[str, float]) -> dict[str, float]:
+    """The reward function's own component weights, with its dataset's (reward_weights) over them."""
+    return {**(reward.weights if reward else {}), **dataset_weights}
+
+
 class Reward(ABC):
     """Scores a group's completions; returns one Score or None (failed) per completion.
     `spec`: what the config names (a URL, a built-in name, "module:function")."""

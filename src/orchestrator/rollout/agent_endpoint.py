@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from orchestrator.prompts.chat import ChatTemplate
-from orchestrator.prompts.dataset_mix import RowError
+from orchestrator.prompts import RowError
+from orchestrator.rendering import ChatTemplate
 from orchestrator.rollout.kind import Aborted, Generate
 from orchestrator.rollout.tool_parsers import ToolCall, ToolParser
 from rl.config.datasets import Sampling

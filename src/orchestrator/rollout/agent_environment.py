@@ -29,8 +29,7 @@ from dataclasses import dataclass
 import jinja2
 
 from orchestrator.callables import load_callable
-from orchestrator.prompts.chat import ChatTemplate
-from orchestrator.prompts.fit import Opening
+from orchestrator.rendering import ChatTemplate, Opening
 from orchestrator.rollout.agent_endpoint import AgentEndpoint
 from orchestrator.rollout.environment_base import EnvironmentKind
 from orchestrator.rollout.kind import Aborted, Generate, Toolkit, Trajectory
@@ -62,8 +61,8 @@ class AgentAccess:
 class AgentEpisodes(EnvironmentKind):
     fit_keys = "orchestrator.sampling.max_tokens or shorten the questions (the agent's first request is measured as one user turn)"
 
-    def __init__(self, cfg: RunConfig, toolkit: Toolkit, renderer, sources, env):
-        super().__init__(cfg, toolkit, renderer, sources, env)
+    def __init__(self, cfg: RunConfig, toolkit: Toolkit, renderer, sources, env, rewards=None):
+        super().__init__(cfg, toolkit, renderer, sources, env, rewards)
         self.stop_token_ids = renderer.stop_token_ids
         self.endpoint = AgentEndpoint(needed_template(cfg, renderer.template), toolkit.encode, toolkit.decode,
                                       tool_parser(self.settings.tools.parser), toolkit.request, self.env_sampling,

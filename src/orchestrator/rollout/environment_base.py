@@ -1,15 +1,16 @@
-"""What the environment kinds share (orchestrator/rollout/text_environment.py, tool_episodes.py): the rows
-come from the environment's dataset(seed), a group is group_size episodes that each fail on their
-own, and every turn samples with the orchestrator's settings (orchestrator/rollout/kind.py)."""
+"""What the environment kinds share (orchestrator/rollout/text_environment.py, tool_environment.py): the
+rows come from the environment's dataset(seed) (drawn by orchestrator/prompts/rows.py), a group is
+group_size episodes that each fail on their own, and every turn samples with the orchestrator's
+settings (orchestrator/rollout/kind.py)."""
 
 from __future__ import annotations
 
 import logging
 from abc import abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
-from orchestrator.prompts.fit import Opening
 from orchestrator.quiet_warning import Quiet
+from orchestrator.rendering import Opening
 from orchestrator.rollout.kind import Generate, RolloutKind, Toolkit, Trajectory, gather_or_cancel
 from rl.config import RunConfig
 from rl.config.datasets import Sampling
@@ -18,7 +19,7 @@ log = logging.getLogger("orchestrator")
 
 
 class EnvironmentKind(RolloutKind):
-    """What the two environment kinds share (orchestrator/rollout/text_environment.py, tool_episodes.py):
+    """What the two environment kinds share (orchestrator/rollout/text_environment.py, tool_environment.py):
     rows from the environment's dataset(seed), group_size episodes per prompt (each failing on
     its own), the orchestrator's sampling settings for every turn. A kind adds `episode`, and
     `start_up`, its start-up checks (orchestrator/preflight.py)."""
@@ -26,7 +27,7 @@ class EnvironmentKind(RolloutKind):
     fit_keys = "orchestrator.sampling.max_tokens"
     """What a refusal for prompts too long to leave max_tokens tells the user to change."""
 
-    def __init__(self, cfg: RunConfig, toolkit: Toolkit, renderer, sources, env):
+    def __init__(self, cfg: RunConfig, toolkit: Toolkit, renderer, sources, env, rewards=None):
         self.cfg, self.settings, self.toolkit, self.env = cfg, cfg.orchestrator, toolkit, env
         self.env_sampling = self.settings.sampling_for()
         self.error = ""  # the latest episode failure (Group.error)
@@ -36,17 +37,11 @@ class EnvironmentKind(RolloutKind):
     @abstractmethod
     def start_up(cls, cfg: RunConfig, env) -> Callable[[object], Opening]:
         """Check what the kind needs of `env` (ConfigError naming the culprit); returns, for a
-        tokenizer, how many tokens a row's opening prompt takes (orchestrator/prompts/fit.py)."""
+        tokenizer, how many tokens a row's opening prompt takes (orchestrator/rendering/fit.py)."""
 
     @abstractmethod
     async def episode(self, row: dict, eid: str, generate: Generate) -> Trajectory | None:
         """One episode; None if it failed on its own (`failed`)."""
-
-    def draws(self, seed: int) -> Iterator[tuple[str, object]]:
-        return (("", row) for row in self.env.dataset(seed))
-
-    def fetch(self, source: str, draw) -> tuple[dict, str]:
-        return draw, "orchestrator.environment"
 
     def sampling(self, prompt) -> Sampling:
         return self.env_sampling

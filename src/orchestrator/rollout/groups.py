@@ -1,5 +1,5 @@
-"""From one prompt to one scored group of samples: the run's rollout kind (orchestrator/
-rollout_kind.py: datasets, a text or a tool environment) makes the group's trajectories; here they
+"""From one prompt to one scored group of samples: the run's rollout kind (orchestrator/rollout/
+kind.py: datasets, a text or a tool environment) makes the group's trajectories; here they
 become samples: group-relative advantages, overlong masking, the optional teacher's per-token signal.
 """
 
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import aiohttp
 from tokenizers import Tokenizer
 
-from orchestrator.callables import load_callable
-from orchestrator.prompts import Prompt, Renderer, RowError, Source, load_tokenizer
-from orchestrator.rewards import Teacher, configured_sources
+from orchestrator.prompts import Prompt, RowError, Rows, Source
+from orchestrator.rendering import Renderer, load_tokenizer
+from orchestrator.rewards import Reward, Teacher, configured_rewards
 from orchestrator.rollout.advantages import group_advantages
 from orchestrator.rollout.kind import Generate, RolloutKind, Trajectory, gather_or_cancel
 from orchestrator.rollout.registry import kind_of
@@ -61,29 +61,32 @@ class Rollouts:
     """Builds the run's rollout kind once (orchestrator/rollout/registry.py) and is its Toolkit:
     the tokenizer's way in and out, and the generate request."""
 
-    def __init__(self, cfg: RunConfig, tokenizer, sources: dict[str, Source], teacher: Teacher | None, env):
+    def __init__(self, cfg: RunConfig, tokenizer, sources: dict[str, Source], teacher: Teacher | None, env,
+                 rewards: dict[str, Reward | None] | None = None):
+        """`sources`: the datasets by name (orchestrator/prompts/); `rewards`: their rewards by the same
+        names (orchestrator/rewards/); `env`: the built environment, else None."""
         self.cfg, self.settings = cfg, cfg.orchestrator
         self.tokenizer, self.teacher = tokenizer, teacher
-        # A Rust tokenizer (orchestrator/prompts/tokenizer.py), or the one behind a fast HF tokenizer,
+        # A Rust tokenizer (orchestrator/rendering/tokenizer.py), or the one behind a fast HF tokenizer,
         # called directly: the HF wrapper costs ~10x more per call, which shows at thousands of
         # groups per second.
         self.fast = tokenizer if isinstance(tokenizer, Tokenizer) else getattr(tokenizer, "backend_tokenizer", None)
         # Datasets and tool episodes render through it; evaluation's datasets too, whatever the kind.
         self.renderer = Renderer(self.settings, cfg.model, self.fast, self.encode)
-        self.kind: RolloutKind = kind_of(env)(cfg, self, self.renderer, sources, env)
+        self.kind: RolloutKind = kind_of(env)(cfg, self, self.renderer, sources, env, rewards)
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, session: aiohttp.ClientSession) -> Rollouts:
-        """A run's: its environment or datasets, its teacher if any."""
+    def from_config(cls, cfg: RunConfig, session: aiohttp.ClientSession, rows: Rows | None = None) -> Rollouts:
+        """A run's: the environment or datasets its rows come from (`rows`, the prompts station's;
+        made from the config if not given), the datasets' rewards, its teacher if any."""
         o = cfg.orchestrator
-        spec = o.environment
-        env = load_callable(spec.class_, "orchestrator.environment.class")(**spec.args) if spec.class_ else None
-        sources = {} if env else {s.name: s for s in configured_sources(cfg, session)}
+        rows = rows or Rows.for_run(cfg)
+        rewards = configured_rewards(cfg, session) if rows.sources else {}
         teacher = None
         if o.teacher.url:
             teacher = Teacher(InferenceClient(o.teacher.url, session, cfg.inference.api_token),
                               o.teacher.coef, o.timeouts.request_s)
-        return cls(cfg, load_tokenizer(cfg.model), sources, teacher, env)
+        return cls(cfg, load_tokenizer(cfg.model), rows.sources, teacher, rows.env, rewards)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.fast is not None:

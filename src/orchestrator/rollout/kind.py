@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -24,7 +24,7 @@ from rl.inference_api import GeneratedSample, GenerateRequest, GenerateResponse
 from rl.routing_rows import RoutingRows
 
 if TYPE_CHECKING:
-    from orchestrator.prompts.queue import Prompt
+    from orchestrator.prompts import Prompt
 
 Generate = Callable[[GenerateRequest], Awaitable[GenerateResponse]]
 """Handed in by the scheduler (orchestrator/orchestrator.py): it pins the group to a server and
@@ -108,21 +108,15 @@ class Toolkit(Protocol):
 
 
 class RolloutKind(ABC):
-    """One kind of rollout, built once per run as KIND(cfg, toolkit, renderer, sources, env)
-    (orchestrator/rollout/registry.py). `stop_token_ids`: where its completions end beyond the
-    sampling settings' own stops."""
+    """One kind of rollout, built once per run as KIND(cfg, toolkit, renderer, sources, env, rewards)
+    (orchestrator/rollout/registry.py): `sources` the datasets by name, `rewards` their rewards by
+    the same names (the datasets kind's), `env` the built environment (the environment kinds').
+    The rows it plays come from the prompts station (orchestrator/prompts/rows.py), not from it.
+    `stop_token_ids`: where its completions end beyond the sampling settings' own stops."""
 
     stop_token_ids: list[int] = []
     sources: dict = {}
     """The datasets drawn from, by name (the datasets kind's; reporting breaks a step down by them)."""
-
-    @abstractmethod
-    def draws(self, seed: int) -> Iterator[tuple[str, object]]:
-        """The run's stream of (dataset name, draw) for orchestrator/prompts/queue.py."""
-
-    @abstractmethod
-    def fetch(self, source: str, draw) -> tuple[dict, str]:
-        """A draw's (row, where it came from)."""
 
     @abstractmethod
     def sampling(self, prompt: Prompt) -> Sampling:

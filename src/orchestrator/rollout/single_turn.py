@@ -4,27 +4,25 @@ request of group_size completions, each scored by the dataset's reward (orchestr
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
-from orchestrator.prompts.dataset_mix import Renderer, Source, mix
-from orchestrator.prompts.queue import Prompt
-from orchestrator.reporting import prometheus
-from orchestrator.rewards.reward import combine
+from orchestrator import prometheus
+from orchestrator.prompts import Prompt, Source
+from orchestrator.rendering import Renderer
+from orchestrator.rewards import Reward, combine, weights_over
 from orchestrator.rollout.kind import Aborted, Generate, RolloutKind, Toolkit, Trajectory
 from rl.config import RunConfig
 from rl.config.datasets import Sampling
 
 
 class SingleTurn(RolloutKind):
-    def __init__(self, cfg: RunConfig, toolkit: Toolkit, renderer: Renderer, sources: dict[str, Source], env=None):
+    def __init__(self, cfg: RunConfig, toolkit: Toolkit, renderer: Renderer, sources: dict[str, Source], env=None,
+                 rewards: dict[str, Reward | None] | None = None):
         self.settings, self.toolkit, self.renderer, self.sources = cfg.orchestrator, toolkit, renderer, sources
+        self.rewards = rewards or {}
         self.stop_token_ids = renderer.stop_token_ids
 
-    def draws(self, seed: int) -> Iterator[tuple[str, object]]:
-        return mix(list(self.sources.values()), seed)
-
-    def fetch(self, source: str, draw) -> tuple[dict, str]:
-        return self.sources[source].fetch(draw)
+    def reward(self, source: Source) -> Reward | None:
+        return self.rewards.get(source.name)
 
     def source(self, prompt: Prompt) -> Source:
         # "": a prompt checkpointed before datasets had names, when there was only one.
@@ -43,16 +41,16 @@ class SingleTurn(RolloutKind):
             raise Aborted(gid)
         completions = self.toolkit.decode_all([s.token_ids for s in response.samples])
         scoring = time.monotonic()
-        scores = (await source.reward.score(text, completions, prompt.row) if source.reward
-                  else [0.0] * len(completions))
+        reward = self.reward(source)
+        scores = await reward.score(text, completions, prompt.row) if reward else [0.0] * len(completions)
         prometheus.REWARD_SECONDS.observe(time.monotonic() - scoring)
         out = []
         for s, score in zip(response.samples, scores):
             if score is None:
                 out.append(None)
                 continue
-            reward, components = combine(score, source.reward_weights)
-            t = Trajectory([], [], [], [], reward, components, s.finish_reason == "length")
+            value, components = combine(score, weights_over(reward, source.ds.reward_weights))
+            t = Trajectory([], [], [], [], value, components, s.finish_reason == "length")
             t.reward -= self.overlong_penalty(len(s.token_ids), request.max_tokens, t)
             t.add(ids)
             t.add(s.token_ids, s)
@@ -70,7 +68,7 @@ class SingleTurn(RolloutKind):
         return penalty
 
     def last_error(self, prompt: Prompt) -> str:
-        reward = self.source(prompt).reward
+        reward = self.reward(self.source(prompt))
         return f"reward {reward.spec} {reward.last_error}" if reward and reward.last_error else ""
 
     def culprit(self, prompt: Prompt) -> str:

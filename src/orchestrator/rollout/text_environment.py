@@ -9,7 +9,7 @@ import asyncio
 import inspect
 from collections.abc import Callable
 
-from orchestrator.prompts.fit import Opening
+from orchestrator.rendering import Opening
 from orchestrator.rollout.environment import Turn
 from orchestrator.rollout.environment_base import EnvironmentKind
 from orchestrator.rollout.kind import Aborted, Generate, Trajectory

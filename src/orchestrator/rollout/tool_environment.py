@@ -10,8 +10,7 @@ from collections.abc import Callable
 import jinja2
 
 from orchestrator.callables import load_callable
-from orchestrator.prompts.chat import ChatTemplate
-from orchestrator.prompts.fit import Opening
+from orchestrator.rendering import ChatTemplate, Opening
 from orchestrator.rollout.environment_base import EnvironmentKind
 from orchestrator.rollout.kind import Aborted, Generate, Toolkit, Trajectory
 from orchestrator.rollout.tool_episode import TemplateDrift, ToolEpisode, opening_messages
@@ -25,8 +24,8 @@ class ToolEpisodes(EnvironmentKind):
     fit_keys = ("orchestrator.sampling.max_tokens or shorten the environment's system prompt, tool schemas "
                 "(docstrings) or questions")
 
-    def __init__(self, cfg: RunConfig, toolkit: Toolkit, renderer, sources, env):
-        super().__init__(cfg, toolkit, renderer, sources, env)
+    def __init__(self, cfg: RunConfig, toolkit: Toolkit, renderer, sources, env, rewards=None):
+        super().__init__(cfg, toolkit, renderer, sources, env, rewards)
         self.stop_token_ids = renderer.stop_token_ids
         tools = self.settings.tools
         self.tool_episode = ToolEpisode(

@@ -21,7 +21,7 @@ import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from orchestrator.prompts.chat import ChatTemplate, row_messages
+from orchestrator.rendering import ChatTemplate, row_messages
 from orchestrator.rollout.tool_functions import Tool, ToolError
 from orchestrator.rollout.tool_parsers import BadCall, ToolCall, ToolParser
 from rl.inference_api import GeneratedSample
@@ -71,7 +71,7 @@ class ToolEpisode:
 
     def first_messages(self, row: dict) -> list[dict]:
         """The environment's own messages(row) if it has one, else the row's prompt or messages
-        (as the start-up check measured them: orchestrator/prompts/fit.py)."""
+        (as the start-up check measured them: orchestrator/rendering/fit.py)."""
         return opening_messages(self.env, row)
 
     async def run(self, row: dict, eid: str, sample_turn: SampleTurn, add) -> EpisodeLog:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import jinja2
 
-from orchestrator.prompts.chat import ChatTemplate
+from orchestrator.rendering import ChatTemplate
 
 
 class MaskError(Exception):

@@ -19,10 +19,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from orchestrator.callables import load_callable
-from orchestrator.prompts.chat import ChatTemplate
-from orchestrator.prompts.dataset_mix import stop_token_ids
-from orchestrator.prompts.tables import load_table
-from orchestrator.prompts.tokenizer import load_tokenizer
+from orchestrator.prompts import load_table
+from orchestrator.rendering import ChatTemplate, load_tokenizer, stop_token_ids
 from orchestrator.sft.assistant_mask import MaskError, conversation_tokens
 from rl.config import ConfigError, RunConfig
 from rl.config.datasets import DatasetConfig

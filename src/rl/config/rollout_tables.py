@@ -30,7 +30,7 @@ class ToolsConfig(Section):
 class SandboxConfig(Section):
     isolation: Literal["bwrap", "none"] = "bwrap"
     """How model-written code is isolated where a run executes it (the coding task's reward, the
-    python tool: orchestrator/rollout/sandbox.py). "bwrap": by bubblewrap's namespaces; a run refuses to
+    python tool: orchestrator/sandbox/sandbox.py). "bwrap": by bubblewrap's namespaces; a run refuses to
     start where it is missing or cannot work, saying how to fix it. "none": start there anyway,
     the code running with limits only (unsafe, said once at start-up); where bubblewrap works,
     runs are isolated all the same."""
@@ -38,7 +38,7 @@ class SandboxConfig(Section):
     memory_mb: int = Field(4096, ge=64)
     """The memory all of the orchestrator's sandboxed runs at once may hold (coding rewards scored
     a group at a time, python tool calls): a run waits until its worst case fits beside the others
-    (orchestrator/rollout/sandbox_budget.py). Its worst case is its own total where the host gives
+    (orchestrator/sandbox/sandbox_budget.py). Its worst case is its own total where the host gives
     cgroups (1024 MB for tasks.coding), else its address space times its processes (16 x 512 MB):
     the start-up line says which."""
 

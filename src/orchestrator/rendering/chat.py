@@ -1,6 +1,6 @@
 """A model's chat template, rendered the way transformers' `apply_chat_template` renders it, but
 with jinja2 alone: the orchestrator never imports transformers (which imports torch;
-orchestrator/prompts/tokenizer.py says why). tests/orchestrator/test_chat.py checks the ids against
+orchestrator/rendering/tokenizer.py says why). tests/orchestrator/test_chat.py checks the ids against
 apply_chat_template's.
 
 Where the template lives, first found wins: the file orchestrator.prompts.chat_template names;

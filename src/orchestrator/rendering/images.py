@@ -5,7 +5,7 @@ turns such a chat into what the server samples after and the trainer scores: the
 ids, each image's placeholder expanded as the model's own processor expands it, and the images
 themselves as PNG bytes (lossless: the server and the trainer decode the same pixels).
 
-Without transformers (the orchestrator never imports it: orchestrator/prompts/tokenizer.py): the
+Without transformers (the orchestrator never imports it: orchestrator/rendering/tokenizer.py): the
 template is rendered by chat.py, the expansion is the processor's, read from the model's
 processor_config.json (one class per processor kind, PROCESSORS), and tests/orchestrator/test_vlm_prompts.py
 checks the ids against AutoProcessor's token for token.

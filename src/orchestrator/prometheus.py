@@ -1,11 +1,11 @@
 """The orchestrator's Prometheus metrics (orchestrator.metrics_port; docs/observability.md).
 
-Most are fed from what the station already reports: each batch's metrics.jsonl record
-(batch_report.py) sets the step's gauges and adds its counts since the previous batch to the
+Most are fed from what the reporting station already reports: each batch's metrics.jsonl record
+(reporting/batch_report.py) sets the step's gauges and adds its counts since the previous batch to the
 counters, each evaluation's record its scores. The rest are read when Prometheus scrapes (the
 servers in rotation, the run directory's disk) or timed where nothing else records them: the
 reward's and the inference requests' latencies (rollout/single_turn.py, flight.py) and the
-sandbox's runs by outcome (rollout/sandbox.py).
+sandbox's runs by outcome (sandbox/sandbox.py).
 
 Every name starts with asyncrl_orchestrator_; the run, host and program labels come from the
 target file (rl/prometheus.py). Labels here are bounded by the code or the config: a sandbox
@@ -82,7 +82,7 @@ DISK_SIZE = _gauge("run_dir_size_bytes", "Size of the run directory's filesystem
 
 
 def sandbox_run(outcome: str) -> None:
-    """One sandboxed run ended (rollout/sandbox.py OUTCOME_LISTENERS, added by orchestrator/main.py)."""
+    """One sandboxed run ended (sandbox/sandbox.py OUTCOME_LISTENERS, added by orchestrator/main.py)."""
     SANDBOX_RUNS.labels(outcome).inc()
 
 

@@ -61,13 +61,13 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-from orchestrator.rollout.sandbox_budget import BUDGET
-from orchestrator.rollout.sandbox_bwrap import bwrap_argv, bwrap_version, seccomp_filter, seccomp_pipe
-from orchestrator.rollout.sandbox_bwrap import probe as _probe
-from orchestrator.rollout.sandbox_cgroup import Bound, RunGroup
-from orchestrator.rollout.sandbox_limits import Limits, confine
-from orchestrator.rollout.sandbox_supervise import namespace_gone, outcome_of, supervise
-from orchestrator.rollout.sandbox_users import SLOTS, free_slot
+from orchestrator.sandbox.sandbox_budget import BUDGET
+from orchestrator.sandbox.sandbox_bwrap import bwrap_argv, bwrap_version, seccomp_filter, seccomp_pipe
+from orchestrator.sandbox.sandbox_bwrap import probe as _probe
+from orchestrator.sandbox.sandbox_cgroup import Bound, RunGroup
+from orchestrator.sandbox.sandbox_limits import Limits, confine
+from orchestrator.sandbox.sandbox_supervise import namespace_gone, outcome_of, supervise
+from orchestrator.sandbox.sandbox_users import SLOTS, free_slot
 
 __all__ = ["SLOTS", "Limits", "RunResult", "Sandbox", "OUTCOME_LISTENERS"]
 

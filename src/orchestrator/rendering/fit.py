@@ -12,13 +12,14 @@ when nothing is left. So a few long rows among short ones are fine: one warning 
 at least half of the sample leaves less than max_tokens: the run would mostly truncate or skip.
 That includes the case where no sampled prompt leaves any room at all.
 
-How a row becomes prompt text (`dataset_prompt`) and the order the run draws a table's rows in
-(`draw_order`) live here: the check and the run (orchestrator/prompts/dataset_mix.py: Renderer, Source.draws)
+How a row becomes prompt text (`dataset_prompt`) lives here, and the check samples a table's rows
+in the order the run draws them (`draw_order`, the prompts station's): the check and the run
+(orchestrator/rendering/renderer.py: Renderer; orchestrator/prompts/dataset_mix.py: Source.draws)
 must use the same. An environment's opening prompt is measured by its kind (`start_up`,
-orchestrator/rollout/text_environment.py and tool_episodes.py).
+orchestrator/rollout/text_environment.py and tool_environment.py).
 
 Measured with the model's tokenizer.json through the Rust `tokenizers` library (no torch, as in
-orchestrator/prompts/tokenizer.py); a model without one is not measured here (the orchestrator would
+orchestrator/rendering/tokenizer.py); a model without one is not measured here (the orchestrator would
 load transformers for it, which imports torch).
 """
 
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +34,8 @@ from pathlib import Path
 import jinja2
 
 from orchestrator.callables import load_callable
-from orchestrator.prompts.chat import ChatTemplate, row_messages
-from orchestrator.prompts.tables import load_table, row_problem
+from orchestrator.prompts import draw_order, load_table, row_problem
+from orchestrator.rendering.chat import ChatTemplate, row_messages
 from rl.config import ConfigError, RunConfig
 from rl.config.datasets import Dataset
 
@@ -52,15 +52,6 @@ def error_line(e: BaseException) -> str:
     """An exception as one line: its type and its message's first line (a traceback-like message
     from a user's code must not break the one-line refusal)."""
     return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
-
-
-def draw_order(n: int, ds: Dataset, seed: int, p: int) -> list[int]:
-    """The positions of a dataset's table of `n` rows, as the run draws them in pass `p` (`seed`:
-    the dataset's); a str seed gives the same order on every machine and Python run."""
-    order = list(range(n))
-    if ds.spec.shuffle:
-        random.Random(f"{seed}/{ds.name}/{p}").shuffle(order)
-    return order
 
 
 def dataset_prompt(template: ChatTemplate | None, ds: Dataset, row: dict) -> tuple[str, list[dict] | None]:

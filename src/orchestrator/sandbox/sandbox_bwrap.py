@@ -15,8 +15,8 @@ import struct
 import subprocess
 import sys
 
-from orchestrator.rollout.sandbox_limits import Limits, confine
-from orchestrator.rollout.sandbox_users import slot
+from orchestrator.sandbox.sandbox_limits import Limits, confine
+from orchestrator.sandbox.sandbox_users import slot
 
 INSIDE_ID = 65534  # the user and group a program sees itself as ("nobody")
 INSTALL = "apt-get install bubblewrap"

@@ -18,7 +18,7 @@ import os
 import signal
 import subprocess
 
-from orchestrator.rollout.sandbox_limits import Limits
+from orchestrator.sandbox.sandbox_limits import Limits
 
 OUTPUT_FLOOD = 64
 EXIT_GRACE_S = 0.5  # output still arriving after the program exits, from what it started

@@ -1,0 +1,63 @@
+"""A row -> the prompt text a reward sees and the prompt's token ids, as every single-turn request
+(orchestrator/rollout/single_turn.py) and held-out evaluation (orchestrator/evaluation/held_out.py)
+sends it, and where a completion ends (the stop token ids). The text is the one the start-up check
+measured (fit.py: dataset_prompt); the chat template is chat.py's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jinja2
+
+from orchestrator.prompts import RowError, row_problem
+from orchestrator.rendering.chat import ChatTemplate, read_json, token_text
+from orchestrator.rendering.fit import dataset_prompt
+from rl.config import OrchestratorConfig
+from rl.config.datasets import Dataset
+
+
+class Renderer:
+    """A row -> (the prompt text a reward sees, prompt ids). Chat: the row's messages (or its
+    prompt as one user message), a system message first if configured, through the chat
+    template with the generation prompt. Raw: the prompt text as is."""
+
+    def __init__(self, o: OrchestratorConfig, model: Path, tokenizer, encode):
+        self.encode = encode
+        self.template = ChatTemplate.configured(o, model)
+        self.stop_token_ids = stop_token_ids(model, tokenizer, self.template)
+
+    def render(self, ds: Dataset, row: dict, where: str) -> tuple[str, list[int]]:
+        problem = row_problem(row, ds.spec)
+        if problem is not None:
+            raise RowError(f"{where} {problem}", f"set dataset {ds.name}'s prompt_key / messages_key to the fields "
+                           "that hold the prompt")
+        messages = row.get(ds.spec.messages_key)
+        if self.template is None:
+            if messages is not None:
+                raise RowError(f"{where} holds chat messages but the model has no chat template",
+                               "set orchestrator.prompts.chat_template, or use a chat model")
+            text, _ = dataset_prompt(None, ds, row)
+            return text, self.encode(text)
+        try:  # the text the start-up check measured (orchestrator/rendering/fit.py)
+            text, messages = dataset_prompt(self.template, ds, row)
+        except jinja2.TemplateError as e:
+            raise RowError(f"{where}: the chat template ({self.template.origin}) failed: {e}",
+                           "fix the template (orchestrator.prompts.chat_template) or the row") from None
+        # The reward sees what the user asked (the last user message), not the markup.
+        asked = next((m["content"] for m in reversed(messages) if m["role"] == "user"), text)
+        return asked, self.encode(text, add_special_tokens=False)
+
+
+def stop_token_ids(model: Path, tokenizer, template: ChatTemplate | None) -> list[int]:
+    """Where a completion ends: the tokenizer's eos, generation_config.json's eos ids (several in
+    chat models), and the template's end-of-turn token."""
+    ids: list[int] = []
+    eos = token_text(read_json(Path(model) / "tokenizer_config.json").get("eos_token"))
+    if eos is not None and tokenizer is not None and tokenizer.token_to_id(eos) is not None:
+        ids.append(tokenizer.token_to_id(eos))
+    generation = read_json(Path(model) / "generation_config.json").get("eos_token_id")
+    ids += generation if isinstance(generation, list) else [generation] if isinstance(generation, int) else []
+    if template is not None and tokenizer is not None:
+        ids += template.end_of_turn(tokenizer)
+    return sorted(set(ids))
