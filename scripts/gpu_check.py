@@ -12,6 +12,8 @@ Items, each in a process of its own with a timeout, its logs under --out/<item>/
   trainer-N    the same step under torchrun on N GPUs (2 gloo ranks on CPU)
   context-N    the same step with every row split across the N GPUs (trainer.parallel.context =
                N, NCCL; GPU only: tests/trainer/test_context_parallel.py runs it on gloo)
+  expert-N     one trainer step of models/tiny-moe with its experts split across 2 GPUs
+               (trainer.parallel.expert = 2, NCCL; GPU only: tests/trainer/test_expert_parallel.py runs it on gloo)
   broadcast    weights streamed trainer -> a real `rl inference` server (NCCL on GPU, gloo on
                CPU), driven by the orchestrator's own ServerPool, bit-exact against a file reload
   reload       published versions reloaded by a real server (POST /update_weights, as the
@@ -57,8 +59,8 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from gpu_check_items import (CheckFailed, Context, check_environment, check_lora, check_run, check_trainer,
-                             first_line, last_line, package_version)
+from gpu_check_items import (CheckFailed, Context, check_environment, check_expert, check_lora, check_run,
+                             check_trainer, first_line, last_line, package_version)
 from gpu_check_processes import PeakMemory, become_subreaper, clean_up, descendants, nvidia_smi
 from gpu_check_memory import check_memory_share
 from gpu_check_placement import check_placement, check_reload_v2, check_shared_gpu
@@ -84,6 +86,7 @@ ITEMS = [
     Item("trainer-1", 0, 600, "one `rl trainer` step on a synthetic batch"),
     Item("trainer-N", 1, 600, "one trainer step under torchrun on N ranks"),
     Item("context-N", 1, 600, "one trainer step with every row split across N GPUs (trainer.parallel.context)"),
+    Item("expert-N", 1, 600, "one trainer step of the tiny MoE, experts split across 2 GPUs (trainer.parallel.expert)"),
     Item("broadcast", 2, 600, "weights broadcast trainer -> server, bit-exact against a file reload"),
     Item("reload", 1, 600, "file reload on a real server: outputs change, equal a fresh load"),
     Item("lora", 1, 900, "a 2-step `rl run` with LoRA adapters"),
@@ -95,8 +98,9 @@ ITEMS = [
     Item("memory-share", 1, 900, "a shared GPU's memory: each program against the placement's model"),
 ]
 GPU_ONLY = ("placement", "shared-gpu", "reload-v2", "memory-share")  # issue 51's GPU path: nothing to check on CPU
-# Context parallelism's CPU path is tests/trainer/test_context_parallel.py's (gloo, against one rank).
-NCCL_ONLY = ("context-N",)
+# Context and expert parallelism's CPU paths are tests/trainer/test_context_parallel.py's and
+# tests/trainer/test_expert_parallel.py's (gloo, against one rank).
+NCCL_ONLY = {"context-N": "tests/trainer/test_context_parallel.py", "expert-N": "tests/trainer/test_expert_parallel.py"}
 NAMES = [i.name for i in ITEMS]
 
 
@@ -170,10 +174,10 @@ def skip_reason(item: str, machine: dict, gpus: int) -> str | None:
     """Why an item cannot run here, or None. On CPU every item has a CPU path."""
     count = machine["cuda_devices"]
     if count == 0 and item in NCCL_ONLY:
-        return "GPU only (its gloo path: tests/trainer/test_context_parallel.py)"
+        return f"GPU only (its gloo path: {NCCL_ONLY[item]})"
     if count == 0:
         return "GPU only (rl/gpu_placement.py's decisions are tested on CPU)" if item in GPU_ONLY else None
-    if item == "context-N" and (gpus or count) < 2:
+    if item in ("context-N", "expert-N") and (gpus or count) < 2:
         return f"needs 2 GPUs, found {count}" if not gpus else "--gpus 1: nothing to split across"
     if item == "trainer-N" and (gpus or count) < 2:
         return f"needs 2 GPUs, found {count}" if not gpus else "--gpus 1: one rank is trainer-1"
@@ -337,6 +341,7 @@ CHECKS = {
     "trainer-1": lambda ctx: check_trainer(ctx, 1),
     "trainer-N": lambda ctx: check_trainer(ctx, ctx.ranks),
     "context-N": lambda ctx: check_trainer(ctx, ctx.ranks, {"trainer": {"parallel": {"context": ctx.ranks}}}),
+    "expert-N": check_expert,
     "broadcast": check_broadcast,
     "reload": check_reload,
     "lora": check_lora,

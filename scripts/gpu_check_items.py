@@ -13,7 +13,7 @@ import random
 import re
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 
@@ -132,7 +132,7 @@ def write_config(path: Path, ctx: Context, root: Path, extra: dict, port: int | 
     inference = {"dtype": s.inference_dtype, **({"port": port} if port else {})}
     if s.gpu_memory_utilization:
         inference["gpu_memory_utilization"] = s.gpu_memory_utilization
-    trainer = {"dtype": s.trainer_dtype, **({} if ctx.gpu else {"torch_threads": 1})}
+    trainer = {"model": {"dtype": s.trainer_dtype}, **({} if ctx.gpu else {"torch_threads": 1})}
     doc = {"model": model or ctx.model, "output_dir": str(root), "seq_len": ctx.seq_len, "seed": 0,
            "inference": inference, "trainer": trainer}
     path.write_text(tomli_w.dumps(merged(doc, extra)))
@@ -239,6 +239,17 @@ def check_trainer(ctx: Context, ranks: int, extra: dict | None = None) -> tuple[
     note = (f"step_s {r['step_s']:.2f}, loss {r['loss']:.4g}, {ctx.scale.trainer_dtype}, {ranks} rank(s) {backend}, "
             f"{r.get('trainer_tokens_per_s', 0):.0f} tok/s")
     return note, {k: r[k] for k in ("step_s", "loss", "write_s", "trainer_tokens_per_s") if k in r}
+
+
+MOE_MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-moe"
+EXPERT_RANKS = 2  # tiny-moe's 4 experts per layer over 2 ranks; expert parallelism spans every rank
+
+
+def check_expert(ctx: Context) -> tuple[str, dict]:
+    """expert-N: check_trainer's step on the project's tiny Qwen3-MoE with its experts split over
+    2 GPUs (all-to-all dispatch over NCCL, whatever --gpus says: the expert group is the world)."""
+    moe = replace(ctx, model=str(MOE_MODEL))
+    return check_trainer(moe, EXPERT_RANKS, {"trainer": {"parallel": {"expert": EXPERT_RANKS}}})
 
 
 # --- lora, run: `rl run` on a task the check writes ---------------------------------------------------

@@ -19,7 +19,8 @@ from urllib.parse import urlsplit
 import jinja2
 
 from rl.resolved_config import render_toml
-from rl.config import RunConfig
+from rl.config import ConfigError, RunConfig
+from rl.parallel_layout import mesh_sizes
 from rl.rundir import RunDir
 from rl.transport.registry import receiver_endpoint
 
@@ -103,6 +104,35 @@ def _servers(cfg: RunConfig) -> list[dict]:
             for j in range(s.servers_per_node)]
 
 
+def trainer_ranks_per_node(cfg: RunConfig) -> tuple[int, list[str]]:
+    """Trainer ranks per trainer node, refused unless [trainer.parallel] fills the trainer's world,
+    and notes. With GPUs, one rank per GPU (the world: slurm.trainer_nodes x slurm.gpus_per_node);
+    on a CPU cluster (gpus_per_node = 0), the layout's ranks split evenly over the nodes
+    (trainer.parallel.data = 0: one context x expert group per node)."""
+    s, p, notes = cfg.slurm, cfg.trainer.parallel, []
+    inner = p.context * p.expert
+    if s.gpus_per_node:
+        per = s.gpus_per_node
+    elif not p.data:
+        per = inner
+    elif p.data * inner % s.trainer_nodes:
+        raise SlurmError(f"trainer.parallel: data x context x expert = {p.data * inner} rank(s) do not split "
+                         f"evenly over slurm.trainer_nodes ({s.trainer_nodes}) of a CPU cluster "
+                         "(slurm.gpus_per_node = 0)")
+    else:
+        per = p.data * inner // s.trainer_nodes
+    try:
+        mesh_sizes(p, s.trainer_nodes * per)
+    except ConfigError as e:
+        world = (p.data or 1) * inner
+        fit = f"; slurm.trainer_nodes = {world // per} would" if world % per == 0 else ""
+        raise SlurmError(f"{e} (slurm.trainer_nodes {s.trainer_nodes} x {per} rank(s) per node{fit})") from None
+    if inner > 1 and per % inner:
+        notes.append(f"trainer.parallel: context x expert groups of {inner} ranks span nodes ({per} rank(s) per "
+                     "node): their per-layer collectives cross the network")
+    return per, notes
+
+
 def _sbatch_lines(cfg: RunConfig) -> list[str]:
     s = cfg.slurm
     lines = [f"--job-name={s.job_name}", f"--nodes={s.inference_nodes + s.trainer_nodes}",
@@ -132,6 +162,8 @@ def _template(cfg: RunConfig) -> tuple[str, str]:
 def variables(cfg: RunConfig) -> tuple[dict, list[str]]:
     """What the template gets (docs/slurm.md lists each), and notes for stderr."""
     transport_port, broadcast_port, notes = _check(cfg)
+    per_node, layout_notes = trainer_ranks_per_node(cfg)
+    notes += layout_notes
     s = cfg.slurm
     run = RunDir(cfg.run_dir)
     return {
@@ -148,7 +180,7 @@ def variables(cfg: RunConfig) -> tuple[dict, list[str]]:
         "trainer_nodes": s.trainer_nodes,
         "servers": _servers(cfg),
         "gpus_per_node": s.gpus_per_node,
-        "nproc_per_node": max(s.gpus_per_node, 1),
+        "nproc_per_node": per_node,
         "rendezvous_port": s.rendezvous_port,
         "transport_port": transport_port,
         "broadcast_port": broadcast_port,

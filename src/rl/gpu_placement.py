@@ -205,8 +205,10 @@ def compute_bytes(cfg: RunConfig) -> int:
 
 
 def micro_batch_tokens(cfg: RunConfig) -> int:
-    t = cfg.trainer.batching
-    return max(t.micro_batch_tokens, cfg.seq_len) if t.pack else t.micro_batch_size * cfg.seq_len
+    """Tokens one rank's forward holds: a context-parallel row is split across its ranks."""
+    t, context = cfg.trainer.batching, cfg.trainer.parallel.context
+    whole = max(t.micro_batch_tokens * context, cfg.seq_len) if t.pack else t.micro_batch_size * cfg.seq_len
+    return -(-whole // context)
 
 
 def trainer_need(cfg: RunConfig, shape: ModelShape, ranks: int = 1) -> dict[str, float]:

@@ -4,7 +4,8 @@ metrics_port + its local rank, its target file labelled with its global rank.
 
 MFU is exported only where the device's peak is known (PEAK_BF16_FLOPS, bfloat16 compute): the
 model's FLOPs are estimated as 6 x parameters per token trained (forward and backward, attention
-left out), the usual estimate, so it is a lower bound for long sequences.
+left out), the usual estimate, so it is a lower bound for long sequences; over the peak of every
+rank (the batch's tokens are the whole world's work), so every rank reports the job's MFU.
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ class TrainerMetrics:
     """One rank's metrics. Without trainer.metrics_port nothing is served and step() only sets
     values nobody reads."""
 
-    def __init__(self, cfg: RunConfig, rank: int, device: torch.device):
+    def __init__(self, cfg: RunConfig, rank: int, device: torch.device, world: int = 1):
         self.registry = r = CollectorRegistry(auto_describe=True)
-        self.device = device
+        self.device, self.world = device, world
         self.params, self.peak = 0, None  # at the first step: the model and its dtype come after this
         p = "asyncrl_trainer_"
         self.step_ = Gauge(p + "step", "Last step trained.", registry=r)
@@ -97,7 +98,9 @@ class TrainerMetrics:
         self.tokens_per_s.set(record["trainer_tokens_per_s"])
         self.tokens.inc(record["tokens"])
         if self.mfu is not None and record["step_s"] > 0:
-            self.mfu.set(6 * self.params * record["tokens"] / record["step_s"] / self.peak)
+            # The whole batch's FLOPs (every rank's record holds the whole batch's tokens) over
+            # the whole world's peak: each rank reports the job's utilisation.
+            self.mfu.set(6 * self.params * record["tokens"] / record["step_s"] / (self.peak * self.world))
         self.memory.set(peak_memory_bytes(self.device))
         self.step_s.observe(record["step_s"])
         self.publish_s.observe(record["write_s"])

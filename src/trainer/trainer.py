@@ -17,6 +17,7 @@ from transformers import AutoConfig
 
 from rl.batch import BatchError
 from rl.config import RunConfig
+from rl.config.trainer import BatchingConfig
 from rl.faults import crash_point
 from rl.heartbeat import PeerReporter, PeerWatch, heartbeat_path, set_phase
 from trainer.preflight import trainer_state_refusal
@@ -25,6 +26,7 @@ from rl.transport.interface import BatchReceiver
 from rl.transport.registry import batch_receiver
 from trainer import checkpoint
 from trainer.compute_dtype import cpu_flags, resolve_dtype, slow_bf16_warning
+from trainer.context_parallel import ContextShare
 from trainer.data import MicroBatch, loss_weights, rank_micro_batches, receive_batch, to_device
 from trainer.loss import STATS, policy_loss
 from trainer.metrics import TrainerMetrics
@@ -45,6 +47,24 @@ log = logging.getLogger("trainer")
 _MASK_SUMS = ("truncated_tokens", "mask_misses", "mask_replayed")
 
 
+def rows_per_micro_batch(t: BatchingConfig, seq_len: int, context: int) -> int:
+    """Packed rows (of seq_len) or padded samples per micro-batch. micro_batch_tokens is what one
+    rank holds, and a context group splits each row over its `context` ranks: it holds `context`
+    times that."""
+    return max(1, t.micro_batch_tokens * context // seq_len) if t.pack else t.micro_batch_size
+
+
+def routing_record(mb: MicroBatch, share: ContextShare) -> tuple:
+    """(routing, routed, trained) for the routers' hooks (RoutingReplay.recorded): under context
+    parallelism the routers see this rank's share of each row, so the record is cut alike."""
+    trained = torch.zeros(mb.tokens.shape, dtype=torch.bool)
+    trained[:, :-1] = mb.loss_mask > 0  # position t predicts token t + 1
+    routing, routed = mb.routing, mb.routed
+    if share.size > 1 and routing is not None:
+        routing, routed, trained = share.local(routing, 0), share.local(routed, False), share.local(trained, False)
+    return routing, routed, trained
+
+
 class Trainer:
     """One rank's trainer: the model (and reference), the publisher, and the step on a batch."""
 
@@ -57,7 +77,7 @@ class Trainer:
         # The mesh (trainer/parallel.py): which share of the batch, and of each row, is this rank's.
         self.layout = build_layout(cfg.trainer.parallel, self.device)
         self.rank, self.world = self.layout.rank, self.layout.world
-        self.metrics = TrainerMetrics(cfg, self.rank, self.device)  # served with trainer.metrics_port
+        self.metrics = TrainerMetrics(cfg, self.rank, self.device, self.world)  # served with trainer.metrics_port
         torch.manual_seed(cfg.seed)
         if cfg.trainer.torch_threads:
             torch.set_num_threads(cfg.trainer.torch_threads)
@@ -73,7 +93,8 @@ class Trainer:
         self.tuning = tuning(self.model, self.lora)
         self.flash = self.model.config._attn_implementation.startswith("flash")
         if self.rank == 0:
-            log.info("attention: %s, dtype: %s", self.model.config._attn_implementation, self.dtype)
+            log.info("attention: %s, dtype: %s, %d rank(s): data %d x context %d x expert %d",
+                     self.model.config._attn_implementation, self.dtype, self.world, *self.layout.sizes)
         loss = cfg.trainer.loss
         self.reference = (load_model(cfg, self.device, trainable=False, dtype=self.dtype, layout=self.layout)[0] if loss.kl_coef > 0
                           and loss.kl_target == "reference" and self.tuning.own_reference else None)
@@ -160,7 +181,7 @@ class Trainer:
         # Packing is the trainer's (its memory); the normalisation is the run's (its loss).
         t, loss = self.cfg.trainer.batching, policy.cfg.trainer.loss
         weights = loss_weights(batch, loss.normalization, loss.norm_length or policy.cfg.seq_len)
-        per = max(1, t.micro_batch_tokens // self.cfg.seq_len) if t.pack else t.micro_batch_size
+        per = rows_per_micro_batch(t, self.cfg.seq_len, self.layout.context.size)
         return rank_micro_batches(batch, self.layout.batch_rank, self.layout.batch_ranks,
                                   row_len=self.cfg.seq_len if t.pack else None,
                                   per_micro_batch=per, pad_id=self.pad_id, weights=weights)
@@ -264,12 +285,7 @@ class Trainer:
     def routing_recorded(self, mb: MicroBatch):
         """Around a micro-batch's forward and backward: the engine's routing for the MoE layers'
         hooks (trainer/routing_replay.py; NoRouting for a dense model)."""
-        trained = torch.zeros(mb.tokens.shape, dtype=torch.bool)
-        trained[:, :-1] = mb.loss_mask > 0  # position t predicts token t + 1
-        routing, routed, share = mb.routing, mb.routed, self.layout.context
-        if share.size > 1 and routing is not None:  # the routers see this rank's share of each row
-            routing, routed, trained = share.local(routing, 0), share.local(routed, False), share.local(trained, False)
-        return self.routing.recorded(routing, routed, trained)
+        return self.routing.recorded(*routing_record(mb, self.layout.context))
 
     def train_step(self, micro_batches: list[MicroBatch], policy: Policy) -> dict:
         # loss_weight already divides by the whole batch's normaliser (trainer/data.py), so the

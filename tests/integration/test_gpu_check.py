@@ -22,9 +22,9 @@ pytestmark = pytest.mark.slow
 
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
 CHAT_MODEL = ROOT / "models" / "tiny-chat"
-ITEMS = ["environment", "trainer-1", "trainer-N", "context-N", "broadcast", "reload", "lora", "run", "sft", "placement",
-         "shared-gpu", "reload-v2", "memory-share"]
-GPU_ONLY = ["context-N", "placement", "shared-gpu", "reload-v2", "memory-share"]
+ITEMS = ["environment", "trainer-1", "trainer-N", "context-N", "expert-N", "broadcast", "reload", "lora", "run", "sft",
+         "placement", "shared-gpu", "reload-v2", "memory-share"]
+GPU_ONLY = ["context-N", "expert-N", "placement", "shared-gpu", "reload-v2", "memory-share"]
 PORTS = 8  # trainer-N 1, broadcast 2, reload 1, lora 1, run 1, shared-gpu 1, reload-v2 1
 
 
@@ -52,7 +52,7 @@ def test_every_item_passes_on_cpu_and_the_report_lists_them(tmp_path):
             assert item["result"] == "SKIP" and item["note"].startswith("GPU only"), item
             continue
         # CPU: every item has a CPU path. One GPU: the items that need two say so.
-        if item["result"] == "SKIP" and one_gpu and name in ("trainer-N", "context-N", "broadcast"):
+        if item["result"] == "SKIP" and one_gpu and name in ("trainer-N", "context-N", "expert-N", "broadcast"):
             assert item["note"].startswith("needs 2 GPUs, found 1"), item
             continue
         assert item["result"] == "PASS", (item, (tmp_path / "out" / name / "check.log").read_text()[-3000:]
@@ -117,7 +117,9 @@ def test_gpu_machines_skip_what_they_cannot_run_and_place_programs_on_their_gpus
     assert [n for n in ITEMS if gc.skip_reason(n, cpu, 0)] == GPU_ONLY
     assert gc.skip_reason("trainer-N", one, 0) == "needs 2 GPUs, found 1"
     assert gc.skip_reason("broadcast", one, 0).startswith("needs 2 GPUs, found 1: NCCL")
-    assert [n for n in ITEMS if gc.skip_reason(n, one, 0)] == ["trainer-N", "context-N", "broadcast"]
+    assert [n for n in ITEMS if gc.skip_reason(n, one, 0)] == ["trainer-N", "context-N", "expert-N", "broadcast"]
+    assert gc.skip_reason("expert-N", cpu, 0) == "GPU only (its gloo path: tests/trainer/test_expert_parallel.py)"
+    assert gc.skip_reason("context-N", cpu, 0) == "GPU only (its gloo path: tests/trainer/test_context_parallel.py)"
     assert gc.skip_reason("trainer-N", two, 4) == "--gpus 4: found 2 GPUs"
 
     ctx = items.Context(model=str(CHAT_MODEL), dir=str(tmp_path), ports=[29555], cuda=2, visible=["3", "5"], ranks=2)
@@ -169,3 +171,27 @@ def test_the_memory_share_item_compares_each_program_with_the_model(tmp_path):
     assert mem.verdict(within, model)[0]
     ok, line = mem.verdict({**within, "trainer": model["trainer_gib"] + 1}, model)
     assert not ok and line.startswith("trainer reached")
+
+
+def test_the_expert_item_steps_the_tiny_moe_with_its_experts_over_two_gpus(tmp_path, monkeypatch):
+    """expert-N's decisions without a GPU: the project's tiny MoE, two ranks whatever --gpus says
+    (the expert group is the world), trainer.parallel.expert = 2 in a config the schema accepts,
+    torchrun on the first two visible GPUs."""
+    from rl.config import RunConfig
+
+    gc, items = load_script()
+    ctx = items.Context(model=str(CHAT_MODEL), dir=str(tmp_path), ports=[29555], cuda=4, visible=["3", "5", "6", "7"],
+                        ranks=4)
+    asked = []
+    monkeypatch.setattr(items, "check_trainer", lambda c, ranks, extra: asked.append((c, ranks, extra)) or ("", {}))
+    items.check_expert(ctx)
+    ((moe, ranks, extra),) = asked
+    assert Path(moe.model) == ROOT / "models" / "tiny-moe" and ranks == 2 and ctx.model == str(CHAT_MODEL)
+    cfg = RunConfig.model_validate(tomllib.loads(items.write_config(tmp_path / "moe.toml", moe, tmp_path / "run",
+                                                                    {"max_steps": 1, **extra}).read_text()))
+    assert cfg.trainer.parallel.expert == 2 and Path(cfg.model) == ROOT / "models" / "tiny-moe"
+    assert cfg.trainer.dtype == "bfloat16"
+    cmd, env = items.trainer_command(moe, ranks)
+    assert cmd[2:5] == ["torch.distributed.run", "--nproc-per-node", "2"] and env["CUDA_VISIBLE_DEVICES"] == "3,5"
+    assert gc.CHECKS["expert-N"] is items.check_expert
+

@@ -27,7 +27,9 @@ class SlurmConfig(Section):
     The orchestrator runs on the first trainer node too: it needs CPU only."""
 
     gpus_per_node: int = Field(8, ge=0)
-    """GPUs per node; the trainer runs one rank per GPU (0: a CPU cluster, one rank per node)."""
+    """GPUs per node; the trainer runs one rank per GPU (0: a CPU cluster, [trainer.parallel]'s
+    ranks split evenly over the trainer nodes: one context x expert group per node when
+    trainer.parallel.data = 0)."""
 
     partition: str = ""
     """#SBATCH --partition; empty: the cluster's default."""

@@ -87,9 +87,11 @@ class RunConfig(Section):
                     "seq_len bounds prompt + completion, so no prompt would fit"
                 )
         t = self.trainer
-        if t.batching.pack and t.batching.micro_batch_tokens < self.seq_len:
+        context = t.parallel.context  # a row is split across the context ranks: each holds 1/context
+        if t.batching.pack and t.batching.micro_batch_tokens * context < self.seq_len:
+            split = f" x trainer.parallel.context ({context})" if context > 1 else ""
             raise ValueError(
-                f"trainer.batching.micro_batch_tokens ({t.batching.micro_batch_tokens}) must be >= seq_len "
+                f"trainer.batching.micro_batch_tokens ({t.batching.micro_batch_tokens}){split} must be >= seq_len "
                 f"({self.seq_len}): a sample of seq_len tokens must fit in one micro-batch"
             )
         if t.model.attention == "flash_attention_2" and t.model.dtype == "float32":

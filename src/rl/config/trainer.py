@@ -68,7 +68,9 @@ class BatchingConfig(Section):
 
     micro_batch_tokens: int = Field(8192, ge=8)
     """pack = true: tokens per forward/backward pass on each rank (micro_batch_tokens // seq_len
-    packed rows, at least one). Gradients accumulate over micro-batches. On a GPU, as many as
+    packed rows, at least one; with trainer.parallel.context = C a row is split across C ranks,
+    so a micro-batch is C x micro_batch_tokens // seq_len rows and seq_len may reach
+    C x micro_batch_tokens). Gradients accumulate over micro-batches. On a GPU, as many as
     memory allows: a 0.5B model on an H100 stepped 1.5x faster at 32768 than at 8192 (the GPU
     was 59% busy at 8192; docs/performance.md, "On an H100")."""
 
