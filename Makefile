@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo test clean-demo
+.PHONY: install demo vlm-demo test clean-demo
 
 # pip compiles every installed file to bytecode one after another (~1 min of a 2:09 install
 # here); compileall does the same on every core in ~0:27. (torch/testing holds a file in 3.12
@@ -43,6 +43,16 @@ demo: install
 	rm -rf runs/demo
 	$(VENV)/bin/rl run @ configs/demo.toml
 
+# The VLM demo (docs/vlm.md): models/tiny-vlm (built if absent) learns to count shapes in
+# pictures: rl sft on image chats, then rl run from its weights; held-out greedy accuracy on 200
+# pictures before and after each, and where the plots are.
+vlm-demo: install
+	test -f models/tiny-vlm/model.safetensors || $(PY) scripts/make_vlm_model.py
+	rm -rf runs/vlm_sft runs/vlm_demo
+	$(VENV)/bin/rl sft @ configs/vlm_sft.toml
+	$(VENV)/bin/rl run @ configs/vlm_demo.toml
+	$(PY) scripts/vlm_demo_summary.py runs/vlm_sft runs/vlm_demo
+
 # Three workers (pytest-xdist), each taking whole files (a module's vLLM server starts once):
 # much of the suite waits on engines, processes and timeouts, so a third worker fills the CPU
 # the first two leave idle (on 2 cores, fresh clone of 2026-11-25: 2 workers 15:56, 3 workers
@@ -57,4 +67,4 @@ test: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=10
 
 clean-demo:
-	rm -rf runs/demo
+	rm -rf runs/demo runs/vlm_sft runs/vlm_demo

@@ -29,6 +29,9 @@ Items, each in a process of its own with a timeout, its logs under --out/<item>/
                scheduling on): every token's version exact (GPU only, like the two above)
   memory-share a 2-step `rl run` on one shared GPU with a KL reference model: the memory each
                program reaches against rl/gpu_placement.py's model of it (GPU only)
+  vlm          `rl sft` on image chats through the trainer's vision path, at SmolVLM-Instruct's
+               shape (2.25B, random weights, built on first use; models/tiny-vlm on CPU): held-out
+               loss falls, s/step, tokens/s, peak GPU memory
 
 Each is PASS, FAIL (one line why, and the log to read) or SKIP (why); exit code 1 when one
 FAILed. docs/performance.md ("The GPU check") describes the items and shows a CPU report.
@@ -36,7 +39,7 @@ FAILed. docs/performance.md ("The GPU check") describes the items and shows a CP
 This file runs the items and reports; the items themselves are in gpu_check_items.py (environment,
 trainer, lora, run, and the context all share), gpu_check_serving.py (broadcast, reload: a real
 server), gpu_check_sft.py (sft), gpu_check_placement.py (placement, shared-gpu, reload-v2) and
-gpu_check_memory.py (memory-share), the process trees and their memory in gpu_check_processes.py.
+gpu_check_memory.py (memory-share), gpu_check_vlm.py (vlm), the process trees and their memory in gpu_check_processes.py.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ from gpu_check_memory import check_memory_share
 from gpu_check_placement import check_placement, check_reload_v2, check_shared_gpu
 from gpu_check_serving import check_broadcast, check_reload
 from gpu_check_sft import check_sft
+from gpu_check_vlm import check_vlm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,6 +100,7 @@ ITEMS = [
     Item("shared-gpu", 1, 900, "a 2-step `rl run` on one GPU: the trainer starts once the server serves"),
     Item("reload-v2", 1, 600, "an in-flight reload on vLLM's V2 runner: every token's version exact"),
     Item("memory-share", 1, 900, "a shared GPU's memory: each program against the placement's model"),
+    Item("vlm", 0, 1200, "`rl sft` on image chats at a 2B VLM's shape: the trainer's vision path"),
 ]
 GPU_ONLY = ("placement", "shared-gpu", "reload-v2", "memory-share")  # issue 51's GPU path: nothing to check on CPU
 # Context and expert parallelism's CPU paths are tests/trainer/test_context_parallel.py's and
@@ -347,6 +352,7 @@ CHECKS = {
     "lora": check_lora,
     "run": check_run,
     "sft": check_sft,
+    "vlm": check_vlm,
     "placement": check_placement,
     "shared-gpu": check_shared_gpu,
     "reload-v2": check_reload_v2,

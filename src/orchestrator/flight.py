@@ -52,6 +52,7 @@ class Flight:
         self.chores: set[asyncio.Task] = set()
         # What would make the run spin ends it.
         self.outcomes = GroupOutcomes(settings, rollouts.kind, queue, has_teacher=rollouts.teacher is not None)
+        self.bad_images: set[str] = set()  # each said once per run (a table's rows come back every pass)
 
     def __len__(self) -> int:
         """Groups that count against max_in_flight_groups: in flight or finished, not batched."""
@@ -139,6 +140,10 @@ class Flight:
             self.pool.fail(g.server, str(e))
         elif isinstance(e, RowError):  # said once per batch, with the count (the batch's report), not per row
             self.counters.skipped_rows += 1
+            self.counters.skipped_image_rows += e.image
+            if e.image and str(e) not in self.bad_images and len(self.bad_images) < 10_000:
+                self.bad_images.add(str(e))
+                log.warning("row skipped: %s", e)
             self.counters.first_skip = self.counters.first_skip or str(e)
             self.outcomes.skipped(g.prompt, e)
         else:  # a teacher that is down, a tokenizer that chokes

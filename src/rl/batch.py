@@ -28,6 +28,13 @@ top_k), empty when the batch carries none; then per token `routed` (1 where the 
 of that position was recorded) and `routed_experts`, each token's [layers, top_k] expert ids
 (uint8: vLLM's own record is uint8 up to 256 experts), zeros where not routed. Prompt tokens have
 rows too: routing replay needs every position the model attends over.
+
+Images (a vision-language policy: docs/vlm.md): per sample `image_counts` (how many images its
+prompt holds, in the order of its placeholders), per image `image_sizes` (bytes), and
+`image_bytes`, the images' PNG files back to back. The trainer re-processes them with the
+model's own image processor (trainer/vision.py): PNG is lossless, so it sees the pixels the
+server saw, in a fraction of the processed pixels' bytes. A batch without images carries the
+three empty; a batch written before images existed lacks them and decodes as one without.
 """
 
 from __future__ import annotations
@@ -76,6 +83,9 @@ class Sample:
     # record (1) (rl/batch.py module docstring); None: none recorded.
     routed_experts: np.ndarray | None = None
     routed: np.ndarray | None = None
+    # The prompt's images as PNG bytes, in the order of its image placeholders (rl/batch.py
+    # module docstring); empty for a text sample.
+    images: list[bytes] = dataclasses.field(default_factory=list)
 
     @functools.cached_property
     def oldest_version(self) -> int:
@@ -115,6 +125,16 @@ def routing_arrays(samples: list[Sample]) -> dict[str, np.ndarray]:
             "routed_experts": np.concatenate(experts).reshape(-1)}
 
 
+def image_arrays(samples: list[Sample]) -> dict[str, np.ndarray]:
+    """Batch.image_counts / image_sizes / image_bytes; all empty when no sample has an image."""
+    if not any(s.images for s in samples):
+        return {}
+    images = [im for s in samples for im in s.images]
+    return {"image_counts": np.asarray([len(s.images) for s in samples], np.int64),
+            "image_sizes": np.asarray([len(im) for im in images], np.int64),
+            "image_bytes": np.frombuffer(b"".join(images), np.uint8).copy()}
+
+
 @dataclass
 class Batch:
     step: int
@@ -137,6 +157,10 @@ class Batch:
     routing_shape: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
     routed: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.uint8))
     routed_experts: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.uint8))
+    # int64 [num_samples], int64 [num_images], uint8 [sum(image_sizes)]: see the module docstring.
+    image_counts: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
+    image_sizes: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
+    image_bytes: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.uint8))
 
     @property
     def num_samples(self) -> int:
@@ -176,6 +200,7 @@ class Batch:
                                    dtype=np.int32),
             kept_ids=cat("kept_ids", np.int32),
             **routing_arrays(samples),
+            **image_arrays(samples),
         )
         # Refused here, where the culprit is known, rather than by the trainer that decodes it.
         if problem := batch.sampling_problem():
@@ -188,6 +213,24 @@ class Batch:
             return None
         return self.routed_experts.reshape(len(self.tokens), *self.routing_shape.tolist())
 
+    @functools.cached_property
+    def _image_starts(self) -> tuple[np.ndarray, np.ndarray]:
+        """(first image of each sample, first byte of each image)."""
+        return (np.cumsum(self.image_counts) - self.image_counts, np.cumsum(self.image_sizes) - self.image_sizes)
+
+    def sample_images(self, i: int) -> list[bytes]:
+        """Sample i's images (PNG bytes), in the order of its placeholders."""
+        if not len(self.image_counts) or not self.image_counts[i]:
+            return []
+        first, offsets = self._image_starts
+        k = int(first[i])
+        return [self.image_bytes[int(offsets[j]):int(offsets[j] + self.image_sizes[j])].tobytes()
+                for j in range(k, k + int(self.image_counts[i]))]
+
+    @property
+    def has_images(self) -> bool:
+        return bool(len(self.image_counts)) and bool(self.image_counts.any())
+
     def sample_slices(self) -> list[slice]:
         ends = np.cumsum(self.lengths)
         return [slice(int(e - n), int(e)) for e, n in zip(ends, self.lengths)]
@@ -199,8 +242,11 @@ class Batch:
                "temperatures": (np.float32, "sample"), "top_p": (np.float32, "sample"), "top_k": (np.int64, "sample"),
                "min_p": (np.float32, "sample"), "kept_counts": (np.int32, "token"), "kept_ids": (np.int32, "kept"),
                "routing_shape": (np.int64, "routing_shape"), "routed": (np.uint8, "routed"),
-               "routed_experts": (np.uint8, "routing")}
+               "routed_experts": (np.uint8, "routing"), "image_counts": (np.int64, "image_counts"),
+               "image_sizes": (np.int64, "image_sizes"), "image_bytes": (np.uint8, "image_bytes")}
     _TENSORS = tuple(_SCHEMA)
+    # Absent from a batch written before images were carried: decoded as empty.
+    _OPTIONAL = ("image_counts", "image_sizes", "image_bytes")
 
     # --- encoding: the same two blobs on disk and on the wire ---------------------------------
 
@@ -237,6 +283,8 @@ class Batch:
         except Exception as e:  # safetensors raises its own error types on a bad header
             raise BatchError(f"{source}: not a safetensors payload ({e})") from None
         for name, (dtype, per) in cls._SCHEMA.items():
+            if name not in arrays and name in cls._OPTIONAL:
+                arrays[name] = np.zeros(0, dtype)
             if name not in arrays:
                 raise BatchError(f"{source}: tensor {name!r} is missing")
             a = arrays[name]
@@ -259,15 +307,20 @@ class Batch:
                              f"[layers, top_k] or nothing")
         width = int(np.prod(self.routing_shape)) if len(self.routing_shape) else 0
         for name, (_, per) in self._SCHEMA.items():
+            images = len(self.image_counts) > 0
             want = {"token": t, "sample": n, "kept": int(self.kept_counts.sum(dtype=np.int64)),
                     "routing_shape": len(self.routing_shape), "routed": t if width else 0,
-                    "routing": t * width}[per]
+                    "routing": t * width, "image_counts": n if images else 0,
+                    "image_sizes": int(self.image_counts.sum()) if images else 0,
+                    "image_bytes": int(self.image_sizes.sum()) if images else 0}[per]
             if len(getattr(self, name)) != want:
                 raise BatchError(f"{source}: tensor {name!r} has {len(getattr(self, name))} values, expected {want}")
         if (self.lengths < 1).any() or int(self.lengths.sum()) != t:
             raise BatchError(f"{source}: lengths do not add up to the token count")
         if (self.tokens < 0).any():
             raise BatchError(f"{source}: negative token ids")
+        if (self.image_counts < 0).any() or (self.image_sizes < 1).any():
+            raise BatchError(f"{source}: negative image_counts or an empty image")
         if (self.kept_counts < 0).any() or (self.kept_ids < 0).any():
             raise BatchError(f"{source}: negative kept_counts or kept_ids")
         if not set(np.unique(self.loss_mask).tolist()) <= {0, 1}:

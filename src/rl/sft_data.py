@@ -5,6 +5,11 @@ Per token: `tokens` and `loss_mask` (1 on the assistant's tokens), every convers
 back; per conversation: `lengths` and `dataset` (its index in `names`). The metadata holds the
 datasets' names and weights, so that the trainer mixes them as the config says.
 
+Image chats (docs/vlm.md) add, only when some conversation has images: each image's PNG bytes
+back to back (`image_bytes`, uint8), each image's size (`image_sizes`) and each conversation's
+count of images (`image_counts`), in the order of its placeholders: the bytes the trainer's
+vision path (trainer/vision.py) re-processes, as it does for RL batches.
+
 Which conversations batch n trains on is a pure function of the data, the seed and n
 (`batch_rows`): a resumed run trains on exactly the batches the first one would have.
 """
@@ -34,6 +39,9 @@ class SftData:
     dataset: np.ndarray  # int64 [conversations]: index into names
     names: list[str]
     weights: list[float]
+    image_bytes: np.ndarray | None = None  # uint8 [all images' PNG bytes]
+    image_sizes: np.ndarray | None = None  # int64 [images]
+    image_counts: np.ndarray | None = None  # int64 [conversations]
 
     @property
     def num_rows(self) -> int:
@@ -48,6 +56,22 @@ class SftData:
         end = start + int(self.lengths[i])
         return self.tokens[start:end], self.loss_mask[start:end]
 
+    def images(self, i: int) -> list[bytes]:
+        """Conversation i's images (PNG bytes), in the order of its placeholders."""
+        if self.image_counts is None or not self.image_counts[i]:
+            return []
+        first = int(self.image_starts[i])
+        ends = self.image_ends[first:first + int(self.image_counts[i])]
+        return [self.image_bytes[e - n:e].tobytes() for e, n in zip(ends, self.image_sizes[first:first + len(ends)])]
+
+    @functools.cached_property
+    def image_starts(self) -> np.ndarray:
+        return np.cumsum(self.image_counts) - self.image_counts
+
+    @functools.cached_property
+    def image_ends(self) -> np.ndarray:
+        return np.cumsum(self.image_sizes)
+
     @functools.cached_property
     def starts(self) -> np.ndarray:
         """Where each conversation begins in `tokens` (once: row() is on every step's path)."""
@@ -57,8 +81,10 @@ class SftData:
         """One file, renamed into place whole."""
         meta = {"format": "asyncrl.sft.v1", "names": json.dumps(self.names), "weights": json.dumps(self.weights)}
         tmp = path.with_name(f".{path.name}.tmp")
-        save_file({"tokens": self.tokens, "loss_mask": self.loss_mask, "lengths": self.lengths,
-                   "dataset": self.dataset}, str(tmp), metadata=meta)
+        arrays = {"tokens": self.tokens, "loss_mask": self.loss_mask, "lengths": self.lengths, "dataset": self.dataset}
+        if self.image_counts is not None and self.image_counts.any():
+            arrays.update(image_bytes=self.image_bytes, image_sizes=self.image_sizes, image_counts=self.image_counts)
+        save_file(arrays, str(tmp), metadata=meta)
         tmp.replace(path)
         fsync_dir(path.parent)
 
@@ -72,7 +98,7 @@ class SftData:
             raise ValueError(f"{path}: not asyncrl supervised data (format {meta.get('format')!r})")
         t = load_file(str(path))
         return cls(t["tokens"], t["loss_mask"], t["lengths"], t["dataset"], json.loads(meta["names"]),
-                   json.loads(meta["weights"]))
+                   json.loads(meta["weights"]), t.get("image_bytes"), t.get("image_sizes"), t.get("image_counts"))
 
 
 def batch_rows(data: SftData, seed: int, batch_size: int, step: int) -> list[int]:

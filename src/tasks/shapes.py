@@ -8,7 +8,7 @@ Rows are OpenAI chat messages with the picture as a data: URL image part
 seed s is drawn from Random("train/s/i"), held-out row i from Random("heldout/i") whatever the
 seed, so the two never share a draw (tests/tasks/test_shapes_task.py checks no picture repeats).
 
-Config use (once rl run carries images; until then image datasets are refused at start-up):
+Config use (rl run carries the images: docs/vlm.md):
     [orchestrator]
     dataset = "tasks.shapes:dataset"
     reward = "tasks.shapes:reward"
@@ -64,6 +64,19 @@ def dataset(seed: int) -> Iterator[dict]:
     while True:
         yield make_row(random.Random(f"train/{seed}/{i}"))
         i += 1
+
+
+def sft_rows(seed: int) -> Iterator[dict]:
+    """`rl sft`'s rows: the training stream of another seed (seed + 1,000,000: not the RL run's
+    rows) with the answer as the assistant's turn."""
+    for row in dataset(seed + 1_000_000):
+        yield {"messages": [*row["messages"], {"role": "assistant", "content": row["answer"]}]}
+
+
+def sft_heldout(seed: int) -> Iterator[dict]:
+    """The held-out rows with their answers as the assistant's turn: `rl sft`'s held-out loss."""
+    for row in heldout(seed):
+        yield {"messages": [*row["messages"], {"role": "assistant", "content": row["answer"]}]}
 
 
 def heldout(seed: int) -> Iterator[dict]:

@@ -96,6 +96,13 @@ class MicroBatch:
     # bool where there is one (trainer/routing_replay.py); None when the batch carries none.
     routing: torch.Tensor | None = None
     routed: torch.Tensor | None = None
+    # The images (PNG bytes) of the micro-batch's samples in the order of their placeholders in
+    # the rows, row after row (trainer/vision.py fills the placeholders in that order); None when
+    # the batch carries none.
+    images: list[bytes] | None = None
+    # [R, T] bool, with images: where the engine sampled the token. A sampled image token (the
+    # model may write <image>) is text to the engine, not a placeholder (trainer/vision.py).
+    sampled: torch.Tensor | None = None
 
     def truncation(self, vocab: int) -> Truncation | NoTruncation:
         """The loss tokens of samples drawn from a truncated distribution, with their settings;
@@ -185,6 +192,10 @@ def rank_micro_batches(batch: Batch, rank: int, world: int, *, row_len: int | No
             width = mb.tokens.shape[1]
             mb.routing = _laid_out(routing.astype(np.int64), slices, group, width, 0)
             mb.routed = _laid_out(batch.routed.astype(bool), slices, group, width, False)
+    if batch.has_images:
+        for mb, group in zip(out, groups[rank]):
+            mb.images = [im for row in group for i in row for im in batch.sample_images(i)]
+            mb.sampled = _laid_out(batch.token_versions >= 0, slices, group, mb.tokens.shape[1], False)
     # A rank with fewer micro-batches than its peers still joins every collective: padding rows,
     # attended (an all-masked row would give NaN), with nothing to learn from.
     out += [_padding(pad_id, packed=row_len is not None) for _ in range(count - len(out))]

@@ -11,7 +11,8 @@ from trainer.tuning import Tuning
 
 class FullTuning(Tuning):
     def params(self, slot: int | None) -> list[torch.nn.Parameter]:
-        return list(self.model.parameters())
+        # A frozen part (a VLM's vision tower: trainer.vision.train_tower) gets no optimizer state.
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     def reference_logprobs(self, forward, reference: torch.nn.Module | None):
         return forward(reference)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rl.config import LoRAConfig
+from trainer.vision import tower_prefix
 
 
 class Adapters(nn.Module):
@@ -45,8 +46,12 @@ class LoRA:
         self.layers: dict[str, Adapters] = {}
         model.requires_grad_(False)
         targets = set(cfg.target_modules)
+        tower = tower_prefix(model)
         for name, module in model.named_modules():
-            # Only inside the decoder layers: vLLM serves no adapter on lm_head or embeddings.
+            # Only inside the decoder layers: vLLM serves no adapter on lm_head or embeddings, nor
+            # on a vision-language model's vision tower (its encoder layers look alike by name).
+            if tower is not None and name.startswith(tower):
+                continue
             if isinstance(module, nn.Linear) and ".layers." in name and name.rsplit(".", 1)[-1] in targets:
                 adapters = Adapters(module.in_features, module.out_features, cfg.rank, slots)
                 module.add_module("lora", adapters)

@@ -6,7 +6,7 @@ full logits."""
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from rl.config import RunConfig
 from trainer import context_parallel, packed_attention
@@ -20,6 +20,7 @@ from trainer.loss import token_logprobs_and_entropy
 from trainer.parallel import Layout, apply_fsdp
 from trainer.routing_replay import routers
 from trainer.sampling_mask import NO_TRUNCATION, NoTruncation, Truncation
+from trainer import vision
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -58,11 +59,15 @@ def load_model(cfg: RunConfig, device: torch.device, trainable: bool, lora_slots
     # Packed rows carry no attention mask: transformers derives the block-diagonal mask (sdpa)
     # or the varlen boundaries (flash attention) from the restarting position ids; "varlen" gets
     # them from forward_logits.
-    model = AutoModelForCausalLM.from_pretrained(
+    sees = vision.is_vision_language(AutoConfig.from_pretrained(cfg.model))
+    auto = AutoModelForImageTextToText if sees else AutoModelForCausalLM
+    model = auto.from_pretrained(
         cfg.model, dtype=torch.float32 if trainable else _DTYPES[dtype], attn_implementation=attention).to(device)
     lora = None
     if trainable:
         model.train()
+        if sees:
+            vision.freeze(model, cfg.trainer.vision.train_tower)
         if cfg.trainer.model.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if lora_slots:
@@ -79,6 +84,8 @@ def load_model(cfg: RunConfig, device: torch.device, trainable: bool, lora_slots
         assert experts is not None, "expert parallelism needs the trainer's layout"
         apply_expert_parallel(model, experts["expert"])
     apply_fsdp(model, _DTYPES[dtype], offload=not trainable and cfg.trainer.model.reference_offload, experts=experts)
+    if sees:  # after sharding: the hook runs inside the root's forward (trainer/vision.py)
+        vision.install(model, cfg.model)
     return model, lora
 
 
@@ -96,6 +103,8 @@ def forward_logits(model: torch.nn.Module, mb: MicroBatch, device: torch.device,
         lengths = packed_attention.document_lengths(mb.position_ids, mb.attention_mask, mb.tokens.shape)
         documents, mask = packed_attention.boundaries(lengths, device), None
     flat = single_row and positions is not None and tokens.shape[0] > 1
+    if getattr(model, "asyncrl_vision", None) is not None:  # a VLM (trainer/vision.py install): every forward
+        documents["images"] = (mb.images or [], None if mb.sampled is None else to_device(mb.sampled, device))
     logits = model(
         input_ids=tokens.reshape(1, -1) if flat else tokens,
         position_ids=positions.reshape(1, -1) if flat else positions,
@@ -155,6 +164,9 @@ def split_logprobs(model: torch.nn.Module, mb: MicroBatch, device: torch.device,
     if not isinstance(head, LogprobHead):
         raise ValueError(f"trainer.parallel.context > 1 needs the chunked logprob head: {type(model).__name__} "
                          "changes its logits after the lm_head, or trainer.model.logits_chunk_tokens = 0")
+    if mb.images is not None:
+        raise ValueError("trainer.parallel.context > 1 with images: not supported (each share would need its "
+                         "placeholders' image features; docs/vlm.md)")
     rows, width = mb.tokens.shape
     padded = share.span(width)[0]
     tail = torch.arange(padded - width).expand(rows, -1)  # the padding: a document of its own

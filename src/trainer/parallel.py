@@ -123,8 +123,8 @@ def apply_fsdp(model: torch.nn.Module, compute_dtype: torch.dtype, offload: bool
         # One FSDPMeshInfo object for every expert parameter: FSDP2 groups parameters by it.
         info = FSDPMeshInfo(experts["expert_data"], shard_mesh_dim=0)
         kwargs["shard_placement_fn"] = lambda p: ShardPlacementResult(Shard(0), info) if p in expert_params else None
-    for layer in model.model.layers:
-        fully_shard(layer, **kwargs)
+    for unit in shard_units(model):
+        fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
 
 
@@ -147,6 +147,19 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.T
     for group in by_mesh.values():
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
+
+
+def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules sharded one by one below the root: a text model's decoder layers; a
+    vision-language model's decoder layers, its vision encoder's layers and then the whole
+    vision tower (its embeddings and norm), so that the vision forward gathers only the tower's
+    parameters, and a frozen tower's units hold no trainable ones (trainer/vision.py)."""
+    from trainer.vision import is_vision_language, towers
+
+    if not is_vision_language(model.config):
+        return list(model.model.layers)
+    tower, vision_layers, text_layers = towers(model)
+    return text_layers + vision_layers + [tower]
 
 
 def share_bytes(data: bytes | None, device: torch.device) -> bytes:

@@ -37,17 +37,33 @@ log = logging.getLogger("trainer")
 
 def as_batch(data: SftData, rows: list[int], step: int) -> Batch:
     """Conversations in the batch format the RL trainer takes (advantages and logprobs unused),
-    sliced from the arrays as they are: no per-token Python lists on the step's path."""
+    sliced from the arrays as they are: no per-token Python lists on the step's path. Image
+    chats carry their PNG bytes as an RL batch does: the micro-batches hand them to the
+    model's vision path (trainer/vision.py) in the order of the packed rows' placeholders."""
     pieces = [data.row(i) for i in rows]
     tokens = np.concatenate([t for t, _ in pieces])
     n, k = len(tokens), len(rows)
-    return Batch(step=step, tokens=tokens.astype(np.int64), loss_mask=np.concatenate([m for _, m in pieces]),
+    mask = np.concatenate([m for _, m in pieces])
+    # The assistant's tokens count as sampled (version 0), the rest as given (-1): an image token is a
+    # placeholder only where it was given (trainer/vision.py).
+    return Batch(step=step, tokens=tokens.astype(np.int64), loss_mask=mask,
                  logprobs=np.zeros(n, np.float32), advantages=np.ones(n, np.float32),
-                 token_versions=np.zeros(n, np.int64), lengths=data.lengths[rows].astype(np.int64),
+                 token_versions=np.where(mask > 0, 0, -1).astype(np.int64), lengths=data.lengths[rows].astype(np.int64),
                  rewards=np.zeros(k, np.float32), versions=np.zeros(k, np.int64),
                  temperatures=np.ones(k, np.float32), top_p=np.ones(k, np.float32),
                  top_k=np.full(k, -1, np.int64), min_p=np.zeros(k, np.float32),
-                 kept_counts=np.zeros(n, np.int32), kept_ids=np.zeros(0, np.int32))
+                 kept_counts=np.zeros(n, np.int32), kept_ids=np.zeros(0, np.int32), **batch_images(data, rows))
+
+
+def batch_images(data: SftData, rows: list[int]) -> dict[str, np.ndarray]:
+    """Batch.image_counts / image_sizes / image_bytes of these conversations; none without images."""
+    images = [data.images(i) for i in rows]
+    if not any(images):
+        return {}
+    flat = [im for ims in images for im in ims]
+    return {"image_counts": np.asarray([len(ims) for ims in images], np.int64),
+            "image_sizes": np.asarray([len(im) for im in flat], np.int64),
+            "image_bytes": np.frombuffer(b"".join(flat), np.uint8).copy()}
 
 
 class SftTrainer(Trainer):

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
 CHAT_MODEL = ROOT / "models" / "tiny-chat"
 ITEMS = ["environment", "trainer-1", "trainer-N", "context-N", "expert-N", "broadcast", "reload", "lora", "run", "sft",
-         "placement", "shared-gpu", "reload-v2", "memory-share"]
+         "placement", "shared-gpu", "reload-v2", "memory-share", "vlm"]
 GPU_ONLY = ["context-N", "expert-N", "placement", "shared-gpu", "reload-v2", "memory-share"]
 PORTS = 8  # trainer-N 1, broadcast 2, reload 1, lora 1, run 1, shared-gpu 1, reload-v2 1
 
@@ -77,6 +77,8 @@ def test_every_item_passes_on_cpu_and_the_report_lists_them(tmp_path):
         assert sft["resume_max_diff"] == 0.0 and "straight_max_diff" not in sft, sft
         assert sft["heldout_loss"][1] < sft["heldout_loss"][0]
         assert sft["lora_heldout_loss"][1] < sft["lora_heldout_loss"][0]
+        vlm = items["vlm"]["metrics"]  # the trainer's vision path, on models/tiny-vlm
+        assert vlm["model"] == "tiny-vlm" and vlm["heldout_loss"][1] < vlm["heldout_loss"][0], vlm
 
 
 def test_a_failing_item_says_why_and_names_its_log(tmp_path):

@@ -45,7 +45,7 @@ def test_prompt_ids_equal_apply_chat_template(tmp_path, make):
     hf = AutoTokenizer.from_pretrained(model)
     r = renderer(model)
     for messages in CONVERSATIONS:
-        _, ids = r.render(dataset(), {"messages": messages}, "row 0")
+        _, ids, _ = r.render(dataset(), {"messages": messages}, "row 0")
         assert ids == hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                              return_dict=False), messages
 
@@ -66,7 +66,7 @@ def test_a_prompt_string_is_one_user_message_after_the_system_prompt(tmp_path):
     model = chatml(tmp_path / "tok")
     hf = AutoTokenizer.from_pretrained(model)
     ds = dataset({"system_prompt": "Be terse."})
-    asked, ids = renderer(model).render(ds, {"prompt": "What is 2 + 3?"}, "row 0")
+    asked, ids, _ = renderer(model).render(ds, {"prompt": "What is 2 + 3?"}, "row 0")
     assert asked == "What is 2 + 3?"  # what the reward sees: the question, not the markup
     assert ids == hf.apply_chat_template([{"role": "system", "content": "Be terse."},
                                           {"role": "user", "content": "What is 2 + 3?"}],

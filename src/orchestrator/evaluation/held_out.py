@@ -95,9 +95,9 @@ class Evaluation:
                             top_k=s.top_k if sampled else -1, min_p=s.min_p if sampled else 0.0,
                             max_tokens=s.max_tokens, stop=s.stop)
         try:
-            text, ids = self.rollouts.renderer.render(source.ds, row, where)
+            text, ids, images = self.rollouts.renderer.render(source.ds, row, where, source.image_roots)
             request = self.rollouts.request(request_id, ids, self.cfg.samples, sampling, where,
-                                            self.rollouts.renderer.stop_token_ids)
+                                            self.rollouts.renderer.stop_token_ids, images=images)
         except RowError as e:
             self.quiet.warn(e.fix, f"eval row skipped: {e}")  # the same fix: the same cause
             return None

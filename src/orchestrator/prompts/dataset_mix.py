@@ -14,6 +14,7 @@ import itertools
 import logging
 import random
 from collections.abc import Iterator
+from pathlib import Path
 
 from orchestrator.callables import load_callable
 from orchestrator.prompts.tables import Table, load_table
@@ -28,9 +29,9 @@ class RowError(Exception):
     what would make such rows usable, for the line that stops a run skipping every row
     (orchestrator/streaks.py)."""
 
-    def __init__(self, message: str, fix: str):
+    def __init__(self, message: str, fix: str, image: bool = False):
         super().__init__(message)
-        self.fix = fix
+        self.fix, self.image = fix, image
 
 
 def draw_order(n: int, ds: Dataset, seed: int, p: int) -> list[int]:
@@ -51,6 +52,9 @@ class Source:
         self.ds, self.name, self.spec = ds, ds.name, ds.spec
         self.seed = seed if self.spec.seed is None else self.spec.seed
         self.table: Table | None = None if self.spec.function else load_table(self.spec, self.seed)
+        # Where a row's image paths may point (orchestrator/rendering/images.py): the dataset file's
+        # directory, or for a function or HF dataset the directory the run started in.
+        self.image_roots = [Path(self.spec.path).resolve().parent if self.spec.path else Path.cwd()]
 
     def draws(self) -> Iterator[int | dict]:
         """This dataset's order: positions in its table, or the rows of its function."""

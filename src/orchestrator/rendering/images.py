@@ -242,9 +242,8 @@ def render_image_prompt(template, support, tokenizer, messages: list[dict], root
 
 def images_at_start_up(model: Path, dataset: str, rows: list[tuple[object, str]], messages_key: str) -> None:
     """Refuse (ConfigError, exit 2) a dataset whose first rows drawn hold image parts when the
-    model reads text only; and, for now, on any model: `rl run` does not yet carry a row's
-    images through rollouts to the trainer (docs/vlm.md), and rendering such a row as text
-    would train on prompts the model never saw."""
+    model reads text only (rendering such a row as text would train on prompts the model never
+    saw); a vision-language model's processor must be one this module expands (image_support)."""
     for row, where in rows:
         messages = row.get(messages_key) if isinstance(row, dict) else None
         if not isinstance(messages, list) or not has_images(messages):
@@ -252,8 +251,7 @@ def images_at_start_up(model: Path, dataset: str, rows: list[tuple[object, str]]
         if image_support(model) is None:
             raise ConfigError(f"dataset {dataset}: {where} holds an image part, but {model} reads text only "
                               "(no processor_config.json): use a vision-language model or drop the images")
-        raise ConfigError(f"dataset {dataset}: {where} holds an image part: images in datasets are not yet "
-                          "carried through rl run (docs/vlm.md); /generate and the trainer's vision forward take them")
+        return
 
 
 def request_fields(prompt: ImagePrompt) -> dict:

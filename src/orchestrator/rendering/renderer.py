@@ -13,6 +13,7 @@ import jinja2
 from orchestrator.prompts import RowError, row_problem
 from orchestrator.rendering.chat import ChatTemplate, read_json, token_text
 from orchestrator.rendering.fit import dataset_prompt
+from orchestrator.rendering.images import ImageError, ImagePrompt, has_images, image_support, render_image_prompt
 from rl.config import OrchestratorConfig
 from rl.config.datasets import Dataset
 
@@ -23,11 +24,17 @@ class Renderer:
     template with the generation prompt. Raw: the prompt text as is."""
 
     def __init__(self, o: OrchestratorConfig, model: Path, tokenizer, encode):
-        self.encode = encode
+        self.encode, self.tokenizer = encode, tokenizer
         self.template = ChatTemplate.configured(o, model)
         self.stop_token_ids = stop_token_ids(model, tokenizer, self.template)
+        self.image_support = image_support(model)  # None: the model reads text only
 
-    def render(self, ds: Dataset, row: dict, where: str) -> tuple[str, list[int]]:
+    def render(self, ds: Dataset, row: dict, where: str, roots: list[Path] = ()
+               ) -> tuple[str, list[int], ImagePrompt | None]:
+        """(what a reward sees, the prompt ids as the trainer sees them, the row's images or None).
+        A row with image parts is rendered with the model's processor's expansion
+        (orchestrator/rendering/images.py); an unusable image is a RowError naming the row and
+        the image (the row skipped and counted: skipped_image_rows)."""
         problem = row_problem(row, ds.spec)
         if problem is not None:
             raise RowError(f"{where} {problem}", f"set dataset {ds.name}'s prompt_key / messages_key to the fields "
@@ -38,7 +45,7 @@ class Renderer:
                 raise RowError(f"{where} holds chat messages but the model has no chat template",
                                "set orchestrator.prompts.chat_template, or use a chat model")
             text, _ = dataset_prompt(None, ds, row)
-            return text, self.encode(text)
+            return text, self.encode(text), None
         try:  # the text the start-up check measured (orchestrator/rendering/fit.py)
             text, messages = dataset_prompt(self.template, ds, row)
         except jinja2.TemplateError as e:
@@ -46,7 +53,16 @@ class Renderer:
                            "fix the template (orchestrator.prompts.chat_template) or the row") from None
         # The reward sees what the user asked (the last user message), not the markup.
         asked = next((m["content"] for m in reversed(messages) if m["role"] == "user"), text)
-        return asked, self.encode(text, add_special_tokens=False)
+        if not has_images(messages):
+            return asked, self.encode(text, add_special_tokens=False), None
+        if isinstance(asked, list):  # its text parts
+            asked = "".join(p.get("text", "") for p in asked if isinstance(p, dict) and p.get("type") == "text")
+        try:
+            prompt = render_image_prompt(self.template, self.image_support, self.tokenizer, messages, list(roots),
+                                         row.get("images") or ())
+        except ImageError as e:
+            raise RowError(f"{where}: {e}", "fix or drop the row's image (docs/vlm.md, Bad input)", image=True) from None
+        return asked, prompt.token_ids, prompt
 
 
 def stop_token_ids(model: Path, tokenizer, template: ChatTemplate | None) -> list[int]:

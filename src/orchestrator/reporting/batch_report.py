@@ -44,6 +44,9 @@ class Counters:
     """Groups taken off a server that stopped answering, prompts requeued."""
     skipped_rows: int = 0
     """Rows that cannot make a prompt (no prompt, a template that fails on them, too long)."""
+    skipped_image_rows: int = 0
+    """Of those, rows skipped for an image (missing, unreadable, outside the roots, a decompression
+    bomb, too many: orchestrator/prompts/images.py)."""
     first_skip: str = ""
     """Why the first of them was skipped (logged with the count, once per batch)."""
     started: float = field(default_factory=time.monotonic)
@@ -76,6 +79,7 @@ class Reporting:
             "in_flight": in_flight, "buffered": buffered,
             "serving_version": self.pool.serving_version, "servers_in_rotation": len(self.pool.in_rotation),
             "truncated": sum(g.truncated for g in groups), "skipped_rows": c.skipped_rows,
+            "skipped_image_rows": c.skipped_image_rows,
             # Two counts of failed episodes, named apart: those of every group scored since the last batch
             # (filtered, retried and carried-over groups included), and those of this batch's own groups.
             "episodes_failed_batched": sum(g.failed for g in groups), "groups_short": sum(g.short for g in groups),

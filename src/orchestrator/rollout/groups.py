@@ -13,7 +13,7 @@ import aiohttp
 from tokenizers import Tokenizer
 
 from orchestrator.prompts import Prompt, RowError, Rows, Source
-from orchestrator.rendering import Renderer, load_tokenizer
+from orchestrator.rendering import ImagePrompt, Renderer, load_tokenizer, request_fields
 from orchestrator.rewards import Reward, Teacher, configured_rewards
 from orchestrator.rollout.advantages import group_advantages
 from orchestrator.rollout.kind import Generate, RolloutKind, Trajectory, gather_or_cancel
@@ -102,16 +102,20 @@ class Rollouts:
         return self.decode_all([ids])[0]
 
     def request(self, request_id: str, tokens: list[int], n: int, sampling: Sampling,
-                where: str = "a prompt", stop_token_ids: list[int] | None = None) -> GenerateRequest:
+                where: str = "a prompt", stop_token_ids: list[int] | None = None,
+                images: ImagePrompt | None = None) -> GenerateRequest:
         """`stop_token_ids`: where completions end besides the sampling's stops (default: the
-        run's kind's)."""
+        run's kind's). `images`: the prompt's images (`tokens` then its ids with the
+        placeholders expanded, which the room is measured on; the request carries one
+        placeholder per image and the images: orchestrator/prompts/images.py)."""
         # A teacher scores the finished sequence plus one generated token: leave it that room.
         room = self.cfg.seq_len - len(tokens) - (1 if self.teacher is not None else 0)
         if room < 1:
             raise RowError(f"{where}: {len(tokens)} tokens leave no room to generate within seq_len {self.cfg.seq_len}",
                            # max_tokens is no help: generation is already cut to the room left (below)
                            "raise seq_len or shorten the prompts (system prompt, tool schemas)")
-        return GenerateRequest(request_id=request_id, prompt_token_ids=tokens, n=n,
+        prompt = request_fields(images) if images is not None else {"prompt_token_ids": tokens}
+        return GenerateRequest(request_id=request_id, **prompt, n=n,
                                max_tokens=min(sampling.max_tokens, room), temperature=sampling.temperature,
                                top_p=sampling.top_p, top_k=sampling.top_k, min_p=sampling.min_p,
                                stop=list(sampling.stop), kept_sets=self.records_kept_sets(sampling),
@@ -138,7 +142,7 @@ class Rollouts:
         samples = [Sample(t.tokens, self.trained_mask(t), t.logprobs, [a * m for m in t.loss_mask], t.versions,
                           t.reward, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                           min_p=sampling.min_p, kept_counts=t.kept_counts, kept_ids=t.kept_ids,
-                          **t.routing_fields())
+                          images=t.images, **t.routing_fields())
                    for t, a in pieces]
         if self.teacher is not None:
             await self.add_teacher_signal(samples, gid)

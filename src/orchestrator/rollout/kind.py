@@ -69,6 +69,8 @@ class Trajectory:
     # merged over the turns: positions no answer covers (the last sampled token, environment
     # tokens after the last turn) stay unrecorded, and replay uses the trainer's own routing there.
     routing: RoutingRows | None = None
+    # The prompt's images (PNG bytes, in the order of its placeholders): rl/batch.py Sample.images.
+    images: list[bytes] = dataclasses.field(default_factory=list)
 
     def add(self, ids: list[int], model: GeneratedSample | None = None) -> None:
         self.tokens += ids
@@ -104,7 +106,8 @@ class Toolkit(Protocol):
     def decode_all(self, ids: list[list[int]]) -> list[str]: ...
 
     def request(self, request_id: str, tokens: list[int], n: int, sampling: Sampling,
-                where: str = "a prompt", stop_token_ids: list[int] | None = None) -> GenerateRequest: ...
+                where: str = "a prompt", stop_token_ids: list[int] | None = None,
+                images=None) -> GenerateRequest: ...
 
 
 class RolloutKind(ABC):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 
 from orchestrator import prometheus
-from orchestrator.prompts import Prompt, Source
-from orchestrator.rendering import Renderer
+from orchestrator.prompts import Prompt, RowError, Source
+from orchestrator.rendering import ImageError, Renderer, check_expanded
 from orchestrator.rewards import Reward, combine, weights_over
 from orchestrator.rollout.kind import Aborted, Generate, RolloutKind, Toolkit, Trajectory
 from rl.config import RunConfig
@@ -33,12 +33,19 @@ class SingleTurn(RolloutKind):
 
     async def trajectories(self, prompt: Prompt, gid: str, generate: Generate) -> list[Trajectory | None]:
         source = self.source(prompt)
-        text, ids = self.renderer.render(source.ds, prompt.row, prompt.where or f"row {prompt.index}")
+        where = prompt.where or f"row {prompt.index}"
+        text, ids, images = self.renderer.render(source.ds, prompt.row, where, source.image_roots)
         request = self.toolkit.request(gid, ids, self.settings.scheduling.group_size, source.ds.sampling,
-                                       f"{prompt.where or source.name}, draw {prompt.index}")
+                                       f"{prompt.where or source.name}, draw {prompt.index}", images=images)
         response = await generate(request)
         if any(s.finish_reason == "abort" for s in response.samples):
             raise Aborted(gid)
+        if images is not None:
+            try:  # the prompt the server sampled after must be the one the trainer scores
+                check_expanded(images, response.prompt_token_ids, where)
+            except ImageError as e:
+                raise RowError(str(e), "the server's processor differs from the model's processor_config.json",
+                               image=True) from None
         completions = self.toolkit.decode_all([s.token_ids for s in response.samples])
         scoring = time.monotonic()
         reward = self.reward(source)
@@ -54,6 +61,7 @@ class SingleTurn(RolloutKind):
             t.reward -= self.overlong_penalty(len(s.token_ids), request.max_tokens, t)
             t.add(ids)
             t.add(s.token_ids, s)
+            t.images = images.images if images is not None else []
             out.append(t)
         return out
 

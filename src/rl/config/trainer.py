@@ -132,6 +132,14 @@ class TrainerTimeoutsConfig(Section):
     it can rejoin."""
 
 
+class VisionConfig(Section):
+    """A vision-language policy (docs/vlm.md); ignored for a text-only model."""
+
+    train_tower: bool = False
+    """Train the vision tower (patch embedding, encoder, its norm) too; false: it stays as loaded
+    (no gradient, no optimizer state) while the connector and the language model train."""
+
+
 class TrainerConfig(Section):
     cpus: list[NonNegativeInt] = []
     """Cores this program and everything it starts may run on; empty: all (see inference.cpus)."""
@@ -177,6 +185,9 @@ class TrainerConfig(Section):
 
     parallel: ParallelConfig = ParallelConfig()
     """Data, context and expert parallel sizes (their product: the trainer's world size)."""
+
+    vision: VisionConfig = VisionConfig()
+    """A vision-language model's vision tower: frozen or trained."""
 
     model: ModelConfig = ModelConfig()
     """How the model is built and computed: dtype, attention, compile, memory savers."""
