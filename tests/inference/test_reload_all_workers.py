@@ -105,9 +105,9 @@ class Engine:
         pass
 
 
-def served(run: RunDir, engine: Engine, **weight_sync) -> ServedWeights:
+def served(run: RunDir, engine: Engine, timeouts: dict | None = None, **weight_sync) -> ServedWeights:
     cfg = RunConfig.model_validate({"model": str(TINY_MODEL), "output_dir": str(run.root),
-                                    "weight_sync": {"delta": True, **weight_sync}})
+                                    "weight_sync": {"delta": True, **weight_sync}, "timeouts": timeouts or {}})
     weights = ServedWeights(cfg, WeightRoots(cfg), Generations(cfg.seq_len, AdaptersOff(None, 0)))
     weights.engine = weights.generations.engine = engine
     return weights
@@ -220,7 +220,8 @@ class Broadcast:
         self.run.make()
         address = f"127.0.0.1:{free_port()}"
         self.workers = [Worker(0), Worker(1)]
-        self.weights = served(self.run, Engine(self.workers), kind="broadcast", address=address, timeout_s=60)
+        self.weights = served(self.run, Engine(self.workers), kind="broadcast", address=address,
+                               timeouts={"broadcast_s": 60})
         box: dict = {}
         host = threading.Thread(target=lambda: box.update(group=bc.host_group(address, 60, "cpu")))
         host.start()
