@@ -11,8 +11,9 @@ from trainer.tuning import Tuning
 
 class FullTuning(Tuning):
     def params(self, slot: int | None) -> list[torch.nn.Parameter]:
-        # A frozen part (a VLM's vision tower: trainer.vision.train_tower) gets no optimizer state.
-        return [p for p in self.model.parameters() if p.requires_grad]
+        # A frozen part (a VLM's vision tower: trainer.vision.train_tower) never gets a gradient,
+        # and AdamW skips (no state, no weight decay) a parameter without one.
+        return list(self.model.parameters())
 
     def reference_logprobs(self, forward, reference: torch.nn.Module | None):
         return forward(reference)

@@ -76,6 +76,8 @@ def load_model(cfg: RunConfig, device: torch.device, trainable: bool, lora_slots
     else:
         model.eval()
         model.requires_grad_(False)
+    if sees:
+        vision.bidirectional(model)
     install(model, cfg.trainer.model.logits_chunk_tokens)
     if compile_wanted(cfg.trainer.model.compile, device.type, lora is not None, bool(routers(model))):
         compile_layers(model)

@@ -83,3 +83,41 @@ def test_two_ranks_train_a_vlm_with_the_vision_tower_frozen_or_trained(tmp_path,
     for part in ("connector", "text"):
         moved = [k for k in base[part] if not torch.equal(base[part][k], after[part][k])]
         assert len(moved) > len(base[part]) // 2, (part, len(moved), len(base[part]))
+
+
+def test_the_real_trainer_scores_each_sample_with_its_own_pictures(tmp_path, write_toml):
+    """One rank, one step, on-policy by construction: each sample's loss tokens are its prompt's
+    tokens after the picture, their "engine" logprobs float64 transformers' given that picture.
+    The trainer's mismatch_kl is within the mean k3 of float32 rounding's bound
+    (tests/integration/test_vlm_run.py vlm_logit_error); the same batch with the pictures rotated among the
+    samples (what a trainer pairing images with the wrong samples would score) is far outside."""
+    import numpy as np
+
+    from test_vlm_run import U, exact_logprobs, float64_model, vlm_logit_error
+
+    vision, error = float64_model(), vlm_logit_error()
+    close = vision.image_token_id  # the last placeholder; the block then closes with one more token
+    made, bounds = [], []
+    for s in image_samples(1)[:5]:
+        ids = s.tokens
+        cut = max(i for i, t in enumerate(ids) if t == close) + 2  # after <fake_token_around_image>
+        lp, scale = exact_logprobs(vision, ids, s.images, [-1] * len(ids))
+        rest = ids[cut:]
+        lps = [float(lp[t - 1, ids[t]]) for t in range(cut, len(ids))]
+        bounds += [2 * error * float(scale[t - 1]) + abs(lps[t - cut]) * U for t in range(cut, len(ids))]
+        x = single_turn(ids[:cut], rest, lps, [0] * len(rest), reward=1.0, advantage=0.0)
+        x.images = s.images
+        made.append(x)
+    b = np.asarray(bounds)
+    bound = float(np.mean(np.exp(b) - b - 1))
+    kls = {}
+    for name, images in (("own", [x.images for x in made]), ("rotated", [x.images for x in made[1:] + made[:1]])):
+        run = RunDir(tmp_path / name)
+        for x, im in zip(made, images):
+            x.images = im
+        write_batch(Batch.from_samples(1, made), run.rollout_dir(1))
+        cfg = write_toml(f'model = "{MODEL}"\noutput_dir = "{run.root}"\nmax_steps = 1\nseq_len = 96\n'
+                         "[trainer]\nmicro_batch_tokens = 200\ntorch_threads = 1\n", f"{name}.toml")
+        run_trainer([sys.executable, "-m", "trainer"], ["@", str(cfg)])
+        kls[name] = trainer_metrics(run)[0]["mismatch_kl"]
+    assert kls["own"] <= bound < kls["rotated"], (kls, bound)

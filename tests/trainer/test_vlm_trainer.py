@@ -17,7 +17,7 @@ from orchestrator.rendering.images import image_support, render_image_prompt
 from orchestrator.rendering.tokenizer import load_tokenizer
 from test_vlm_prompts import data_url, part, picture
 from trainer import packed_attention
-from trainer.vision import vision_for
+from trainer.vision import bidirectional, vision_for
 
 MODEL = ROOT / "models" / "tiny-vlm"
 
@@ -28,6 +28,7 @@ def vision():
 
     packed_attention.register()
     model = Idefics3ForConditionalGeneration.from_pretrained(MODEL, attn_implementation=packed_attention.NAME)
+    bidirectional(model)  # as the trainer loads it (trainer/model.py)
     return vision_for(model.eval(), MODEL)
 
 
