@@ -115,9 +115,9 @@ def healthy(url: str) -> bool:
 
 def image_request(model: Path) -> tuple[dict, list[int]]:
     """A greedy /generate of one shapes picture, and the expanded prompt the trainer would see."""
-    from orchestrator.prompts.chat import ChatTemplate
-    from orchestrator.prompts.images import image_support, render_image_prompt, request_fields
-    from orchestrator.prompts.tokenizer import load_tokenizer
+    from orchestrator.rendering.chat import ChatTemplate
+    from orchestrator.rendering.images import image_support, render_image_prompt, request_fields
+    from orchestrator.rendering.tokenizer import load_tokenizer
     from tasks import shapes
 
     row = next(shapes.heldout(0))

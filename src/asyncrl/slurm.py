@@ -20,7 +20,7 @@ import jinja2
 
 from rl.resolved_config import render_toml
 from rl.config import ConfigError, RunConfig
-from rl.parallel_layout import mesh_sizes
+from rl.config.parallel_layout import mesh_sizes
 from rl.rundir import RunDir
 from rl.transport.registry import receiver_endpoint
 

@@ -29,7 +29,7 @@ def image_samples(step: int) -> list:
     text-only sample among them (a batch may mix the two)."""
     from orchestrator.rendering import ChatTemplate
     from orchestrator.rendering.images import image_support, render_image_prompt
-    from orchestrator.prompts.tokenizer import load_tokenizer
+    from orchestrator.rendering.tokenizer import load_tokenizer
     from tasks.shapes import make_row
 
     template, support, tok = ChatTemplate.load(MODEL), image_support(MODEL), load_tokenizer(str(MODEL))
