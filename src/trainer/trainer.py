@@ -56,12 +56,16 @@ def rows_per_micro_batch(t: BatchingConfig, seq_len: int, context: int) -> int:
 
 def routing_record(mb: MicroBatch, share: ContextShare) -> tuple:
     """(routing, routed, trained) for the routers' hooks (RoutingReplay.recorded): under context
-    parallelism the routers see this rank's share of each row, so the record is cut alike."""
+    parallelism the routers see this rank's share of each row, so the record is cut alike, and
+    so is `trained` for a micro-batch without a record (a rank's padding micro-batch), whose
+    shape is the one the hooks' stand-in record takes."""
     trained = torch.zeros(mb.tokens.shape, dtype=torch.bool)
     trained[:, :-1] = mb.loss_mask > 0  # position t predicts token t + 1
     routing, routed = mb.routing, mb.routed
-    if share.size > 1 and routing is not None:
-        routing, routed, trained = share.local(routing, 0), share.local(routed, False), share.local(trained, False)
+    if share.size > 1:
+        trained = share.local(trained, False)
+        if routing is not None:
+            routing, routed = share.local(routing, 0), share.local(routed, False)
     return routing, routed, trained
 
 

@@ -254,3 +254,28 @@ def test_the_engine_recorder_files_rows_by_request_and_position_keeping_the_firs
     b_rows = RoutedExperts(**rec.describe(), **taken["gen-1"])
     assert b_rows.positions == 9 and b_rows.missing == list(range(7))  # b's prompt ran before recording
     assert rec.take(["gen-0"]) == {} and rec.running == {} and rec.finished_bytes == 0
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_a_padding_micro_batch_replays_on_each_context_share(index):
+    """A rank with fewer micro-batches than its peers trains padding ones (trainer/data.py), which
+    carry no record; under context parallelism its routers see its share of the row, and the
+    stand-in record must be that share's size (found in `rl run` at data 2 x context 2 x expert 2
+    on tiny-moe: the whole row's record met a share's router, and the rank died)."""
+    from trainer.context_parallel import ContextShare
+    from trainer.data import _padding
+    from trainer.trainer import routing_record
+
+    model = tiny_moe()
+    mb, share = _padding(0, packed=True), ContextShare(None, 2, index)
+    replay = RoutingReplay(model, replay=True)
+    seen, handles = experts_used(model)
+    try:
+        with replay.recorded(*routing_record(mb, share)), torch.no_grad():
+            model(input_ids=share.local(mb.tokens, 0), position_ids=share.local(mb.position_ids, 0))
+    finally:
+        replay.remove()
+        for h in handles:
+            h.remove()
+    assert [s.shape for s in seen] == [(1, TOP_K)] * LAYERS  # the share's one token, its own routing
+    assert replay.take_sums().tolist() == [0.0] * (LAYERS + 3)  # nothing recorded, replayed or trained
