@@ -232,3 +232,161 @@ def test_an_engine_that_expands_otherwise_fails_the_episode():
     group = asyncio.run(r.group(Prompt(0, next(ShapesAgent().dataset(0))), "g8", Scripted(written, expanded=[1, 2, 3])))
     assert group.failed == 2 and group.samples == []
     assert "request 0: the server expanded the image placeholders to 3 ids" in group.error, group.error
+
+
+# --- on the real engine ------------------------------------------------------------------------
+
+
+class Transcripts(ShapesAgent):
+    """tasks/shapes_agent.py's agent, keeping each episode's conversation as it sent it."""
+
+    def __init__(self):
+        self.kept: list[list[dict]] = []
+
+    async def conversation(self, row: dict, access) -> list[dict]:
+        messages = await super().conversation(row, access)
+        self.kept.append(messages)
+        return messages
+
+
+@pytest.fixture(scope="module")
+def played(tmp_path_factory):
+    """Two groups of two episodes of Transcripts on `rl inference` (real vLLM, models/tiny-vlm);
+    the server is stopped once they are played (the trainer's run then has the cores)."""
+    import aiohttp
+
+    from rl.inference_api import InferenceClient
+    from test_end_to_end import launch_server, wait_healthy
+
+    tmp = tmp_path_factory.mktemp("agent_images")
+    env = Transcripts()
+    r = rollouts(env)
+    rows = [row for row, _ in zip(env.dataset(0), range(2))]
+    proc, url = launch_server(tmp, "server", VLM, tmp / "run", seq_len=SEQ_LEN)
+    try:
+        wait_healthy(proc, url)
+
+        async def main():
+            async with aiohttp.ClientSession() as session:
+                client = InferenceClient(url, session)
+
+                async def generate(request):
+                    return await client.generate(request, timeout=120)
+
+                groups = [await r.group(Prompt(i, row), f"g{i}", generate) for i, row in enumerate(rows)]
+                await r.kind.endpoint.stop()
+                return groups
+
+        groups = asyncio.run(main())
+    finally:
+        proc.stop()
+    episodes = []  # (the row, the episode's samples)
+    for row, group in zip(rows, groups):
+        assert group.failed == 0 and len(group.episodes) == 2, group
+        at = 0
+        for e in group.episodes:
+            episodes.append((row, group.samples[at:at + e["samples"]]))
+            at += e["samples"]
+    return {"episodes": episodes, "kept": env.kept, "tmp": tmp, "tokenizer": r}
+
+
+def processor_ids(messages: list[dict], pictures: list[bytes]) -> list[int]:
+    """The model's own AutoProcessor on the conversation, the generation prompt after it."""
+    from transformers import AutoProcessor
+
+    from orchestrator.rendering import template_messages
+
+    processor = AutoProcessor.from_pretrained(VLM)
+    text = processor.apply_chat_template(template_messages(messages), add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[text], images=[[Image.open(io.BytesIO(p)) for p in pictures]], return_tensors="pt")
+    return inputs["input_ids"][0].tolist()
+
+
+@pytest.mark.slow
+def test_each_sample_is_the_processors_conversation_with_the_boards_in_order(played):
+    for row, samples in played["episodes"]:
+        first, second = (base64.b64decode(b) for b in row["boards"])
+        assert pixels(first).tolist() != pixels(second).tolist()
+        # The conversation as the agent sent it: two user turns with a board each, the model's first answer between.
+        sent = [m for m in played["kept"] if m[0]["content"][0] == picture_part(first)]
+        last = samples[-1]
+        whole = [(m, processor_ids(m[:3], [first, second])) for m in sent]
+        matched = [(m, ids) for m, ids in whole if last.tokens[:len(ids)] == ids]
+        assert matched, (last.tokens, [ids for _, ids in whole])
+        messages, ids = matched[0]
+        # Its last request's prompt, placeholders expanded as AutoProcessor does, then what the model wrote.
+        assert len(last.tokens) > len(ids) and all(last.loss_mask[len(ids):])
+        assert [pixels(p).tolist() for p in last.images] == [pixels(first).tolist(), pixels(second).tolist()]
+        opening = processor_ids(messages[:1], [first])
+        assert samples[0].tokens[:len(opening)] == opening and sum(samples[0].loss_mask[:len(opening)]) == 0
+        if len(samples) == 2:  # the first answer re-rendered otherwise than sampled: two samples
+            assert [pixels(p).tolist() for p in samples[0].images] == [pixels(first).tolist()]
+            assert sum(last.loss_mask[:len(ids)]) == 0
+        else:
+            assert len(samples) == 1 and sum(last.loss_mask[:len(ids)]) > 0
+        assert {v for v, m in zip(last.versions, last.loss_mask) if m} == {0}
+
+
+def engine_against_float64(played, images=lambda s: s.images):
+    """Per sampled token: (the engine's logprob, float64 transformers' given `images(sample)`,
+    the float32 bound for one program: tests/integration/test_vlm_run.py); samples for which
+    `images` gives None are left out."""
+    from test_vlm_run import U, exact_logprobs, float64_model, vlm_logit_error
+
+    vision, error = float64_model(), vlm_logit_error()
+    out = []
+    for _, samples in played["episodes"]:
+        for s in samples:
+            if images(s) is None:
+                continue
+            lp, scale = exact_logprobs(vision, s.tokens, images(s), s.versions)
+            for t in range(1, len(s.tokens)):
+                if s.loss_mask[t]:
+                    out.append((s.logprobs[t], float(lp[t - 1, s.tokens[t]]),
+                                2 * error * float(scale[t - 1]) + abs(s.logprobs[t]) * U))
+    return out
+
+
+def own_pictures(played) -> list[tuple[float, float, float]]:
+    if "own" not in played:  # (the two tests below share it)
+        played["own"] = engine_against_float64(played)
+    return played["own"]
+
+
+@pytest.mark.slow
+def test_the_engine_sampled_after_these_pictures_in_this_order(played):
+    own = own_pictures(played)
+    assert len(own) >= 16 and all(abs(e - x) <= tol for e, x, tol in own), [x for x in own if abs(x[0] - x[1]) > x[2]]
+    # The samples with both boards, the boards swapped (the first turn's sample has one).
+    swapped = engine_against_float64(played, lambda s: s.images[::-1] if len(s.images) == 2 else None)
+    moved = sum(abs(e - x) > tol for e, x, tol in swapped)
+    assert moved > len(swapped) // 2, (moved, len(swapped))
+
+
+@pytest.mark.slow
+def test_the_trainer_scores_the_episodes_as_the_engine_sampled_them(played, write_toml):
+    """The real trainer (one rank, one step) on the episodes' samples: each sampled token's
+    log ratio within twice the bound (two float32 programs), so mismatch_kl (mean k3 over the
+    loss tokens) within the mean k3 of those bounds; the same batch with each sample's two
+    boards swapped (a trainer pairing placeholders with the wrong pictures) is outside it."""
+    import dataclasses
+
+    from rl.batch import Batch
+    from rl.rundir import RunDir
+    from samples import write_batch
+    from test_trainer import run_trainer, trainer_metrics
+
+    samples = [s for _, pieces in played["episodes"] for s in pieces]
+    assert sum(len(s.images) == 2 for s in samples) >= 4
+    swapped = [dataclasses.replace(s, images=s.images[::-1]) for s in samples]
+    kls = {}
+    for name, batch in (("own", samples), ("swapped", swapped)):
+        run = RunDir(played["tmp"] / name)
+        write_batch(Batch.from_samples(1, batch), run.rollout_dir(1))
+        cfg = write_toml(f'model = "{VLM}"\noutput_dir = "{run.root}"\nmax_steps = 1\nseq_len = {SEQ_LEN}\n'
+                         "[trainer]\ntorch_threads = 1\n[trainer.batching]\nmicro_batch_tokens = 512\n", f"{name}.toml")
+        run_trainer([sys.executable, "-m", "trainer"], ["@", str(cfg)])
+        [metrics] = trainer_metrics(run)
+        kls[name] = metrics["mismatch_kl"]
+    b = 2 * np.asarray([tol for _, _, tol in own_pictures(played)])
+    assert kls["own"] <= float(np.mean(np.exp(b) - b - 1)) < kls["swapped"], (kls, len(b))
