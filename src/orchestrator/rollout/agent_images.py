@@ -12,8 +12,7 @@ agent's message must not reach. Every refusal names the part (`messages[2].conte
 
 from __future__ import annotations
 
-from orchestrator.rendering import ImageError, ImagePrompt, decode, read_source
-from orchestrator.rendering.images import render_image_prompt
+from orchestrator.rendering import ImageError, ImagePrompt, decode, read_source, render_image_prompt
 
 
 def image_positions(messages: list[dict]) -> list[tuple[str, object]]:
