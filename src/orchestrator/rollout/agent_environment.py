@@ -21,8 +21,9 @@ An agent may put pictures in its user or tool turns (`image_url` parts with data
 observation that is a picture): each request is rendered with the model's processor's expansion
 and sent with its pictures (orchestrator/rollout/agent_images.py), and each sample carries the
 pictures of its last request in placeholder order (`Trajectory.images`, as a dataset row's). A
-request grows the previous one only if its pictures begin with the previous one's, pixel for
-pixel: the same placeholder ids with another picture are another conversation. A picture the
+request grows the previous one only if its pictures begin with the previous one's (the PNGs the
+endpoint made, byte for byte): the same placeholder ids with another picture are another
+conversation. A picture the
 endpoint refuses fails the episode with one line naming the episode and the part.
 """
 
@@ -37,8 +38,7 @@ from dataclasses import dataclass
 import jinja2
 
 from orchestrator.callables import load_callable
-from orchestrator.rendering import ChatTemplate, Opening
-from orchestrator.rendering import ImageError
+from orchestrator.rendering import ChatTemplate, ImageError, Opening
 from orchestrator.rollout.agent_endpoint import AgentEndpoint
 from orchestrator.rollout.agent_images import AgentImages
 from orchestrator.rollout.environment_base import EnvironmentKind
