@@ -36,9 +36,9 @@ def sampled(ids: list[int], version: int = 0, finish: str = "stop") -> Generated
 
 
 def test_a_growing_conversation_is_one_sample_and_edited_history_starts_another():
-    turns = [([1, 2, 3], sampled([10, 11], version=0)),
-             ([1, 2, 3, 10, 11, 20, 21], sampled([12], version=1)),   # grew: one sample
-             ([1, 2, 3, 99], sampled([13, 14], version=1))]            # history edited: a new one
+    turns = [([1, 2, 3], sampled([10, 11], version=0), []),
+             ([1, 2, 3, 10, 11, 20, 21], sampled([12], version=1), []),   # grew: one sample
+             ([1, 2, 3, 99], sampled([13, 14], version=1), [])]            # history edited: a new one
     t = rebuilt(turns, reward=0.75)
     assert t.tokens == [1, 2, 3, 10, 11, 20, 21, 12]
     assert t.loss_mask == [0, 0, 0, 1, 1, 0, 0, 1]
@@ -100,7 +100,7 @@ def test_the_endpoint_answers_the_official_client_as_openai_does():
     text = toolkit.renderer.template.render([{"role": "user", "content": "Calculate 2+3."}], True, TOOLS)
     assert request.prompt_token_ids == toolkit.encode(text, add_special_tokens=False)
     assert request.max_tokens == 20 and request.temperature == 1.0  # tools_demo's temperature, not the agent's 0
-    assert record.turns == [(request.prompt_token_ids, sampled(written))]
+    assert record.turns == [(request.prompt_token_ids, sampled(written), [])]
     assert ["stream" in refusals[0], "n: one completion" in refusals[1], "unknown API key" in refusals[2]] == [True] * 3
 
 

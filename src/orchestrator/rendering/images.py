@@ -221,17 +221,18 @@ class ImagePrompt:
 
 
 def render_image_prompt(template, support, tokenizer, messages: list[dict], roots: list[Path],
-                        row_images=()) -> ImagePrompt:
+                        row_images=(), tools: list[dict] | None = None) -> ImagePrompt:
     """A chat with image parts -> its prompt ids (placeholders expanded) and its images.
     `template`: chat.py's ChatTemplate; `tokenizer`: a tokenizers.Tokenizer; `row_images`: the
-    row's images column, for {"type": "image"} parts. Raises ImageError."""
+    row's images column, for {"type": "image"} parts; `tools`: the tool schemas the template
+    renders (an agent's request: orchestrator/rollout/agent_images.py). Raises ImageError."""
     sources = image_parts(messages, row_images)
     if support is None:
         raise ImageError("the model has no image processor (processor_config.json): it reads text only")
     if len(sources) > support.max_images:
         raise ImageError(f"{len(sources)} images, more than the {support.max_images} a prompt may hold")
     images = [png(decode(read_source(s, roots), support.max_pixels, f"image {i}")) for i, s in enumerate(sources)]
-    text = template.render(template_messages(messages))
+    text = template.render(template_messages(messages), True, tools)
     found = text.count(support.image_token)
     if found != len(images):
         raise ImageError(f"the chat template wrote {found} {support.image_token} for {len(images)} images")

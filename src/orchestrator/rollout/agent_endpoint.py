@@ -4,13 +4,15 @@ every running episode. The episode is named by the API key the agent's client se
 made per episode); each request is
 
 1. rendered by the model's chat template (messages and `tools`, the generation prompt), as the
-   built-in tool loop renders it;
+   built-in tool loop renders it; a request with `image_url` parts (data: URLs) is rendered with
+   the model's processor's placeholder expansion and sent with its pictures
+   (orchestrator/rollout/agent_images.py), and the engine's expansion must be the trainer's;
 2. sampled through the episode's own `generate` (the scheduler's: the group's server, its
    request ids recorded so a stale group is aborted there, per-token versions and logprobs),
    with the run's sampling settings (orchestrator.sampling.temperature, top_p, ...): the agent's own are
    ignored, since the trainer recomputes the policy under the run's; its `max_tokens` (or
    `max_completion_tokens`) is honoured up to orchestrator.sampling.max_tokens;
-3. recorded in the episode's order (prompt ids, the sampled GeneratedSample), from which the
+3. recorded in the episode's order (prompt ids, the sampled GeneratedSample, the pictures), from which the
    trajectory is rebuilt without re-tokenising what the model wrote; a request that leaves no
    room within seq_len is answered empty with finish_reason "length" (nothing sampled), as the
    built-in tool loop ends such an episode;
@@ -18,7 +20,10 @@ made per episode); each request is
    (`message.tool_calls`, arguments as a JSON string, finish_reason "tool_calls"), usage.
 
 Refused with one line (OpenAI's error shape): an unknown key (401), a body that is not a chat
-request, `stream`, `n` > 1 (400).
+request, `stream`, `n` > 1 (400). A picture that cannot be used (unreadable, not a data: URL, a
+decompression bomb, too many, a text-only model) is refused (400) naming the part, and fails its
+episode whatever the agent does next (`AgentEpisode.failure`): a conversation the model did not
+see as the agent meant it is not trained on.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from orchestrator.prompts import RowError
-from orchestrator.rendering import ChatTemplate
+from orchestrator.rendering import ChatTemplate, ImageError, ImagePrompt, check_expanded, has_images
+from orchestrator.rollout.agent_images import AgentImages
 from orchestrator.rollout.kind import Aborted, Generate
 from orchestrator.rollout.tool_parsers import ToolCall, ToolParser
 from rl.config.datasets import Sampling
@@ -44,10 +50,18 @@ class AgentEpisode:
     """One running episode: where its requests go, and what they sampled."""
     eid: str
     generate: Generate
-    turns: list[tuple[list[int], GeneratedSample]] = field(default_factory=list)
+    turns: list[tuple[list[int], GeneratedSample, list[bytes]]] = field(default_factory=list)
+    """Per request: its prompt ids (placeholders expanded), what was sampled, its pictures (PNG,
+    in placeholder order)."""
     aborted: bool = False
     out_of_room: bool = False
     """A request found no room left within seq_len (answered empty, finish_reason "length")."""
+    failure: str = ""
+    """Why the episode fails whatever its agent does next (a refused picture), else ""."""
+
+    def refuse(self, status: int, message: str) -> RequestError:
+        self.failure = self.failure or message
+        return RequestError(status, message)
 
 
 class RequestError(Exception):
@@ -58,8 +72,9 @@ class RequestError(Exception):
 
 class AgentEndpoint:
     def __init__(self, template: ChatTemplate, encode, decode, parser: ToolParser, request, sampling: Sampling,
-                 model_name: str):
+                 model_name: str, images: AgentImages | None = None):
         self.template, self.encode, self.decode, self.parser = template, encode, decode, parser
+        self.images = images or AgentImages(template, None, None)
         self.request, self.sampling, self.model_name = request, sampling, model_name
         self.episodes: dict[str, AgentEpisode] = {}
         self.runner: web.AppRunner | None = None
@@ -114,31 +129,50 @@ class AgentEndpoint:
             return web.json_response({"error": {"message": str(e), "type": "invalid_request_error"}}, status=e.status)
 
     async def answer(self, episode: AgentEpisode, body: dict) -> dict:
+        if episode.failure:
+            raise RequestError(400, f"the episode has failed: {episode.failure}")
         messages, tools = self.checked(body)
-        try:
-            text = self.template.render(messages, True, tools or None)
-        except Exception as e:  # jinja2.TemplateError and the template's own bugs
-            raise RequestError(400, f"messages: the chat template ({self.template.origin}) fails on them: {e}") from None
-        ids = self.encode(text, add_special_tokens=False)
+        turn = len(episode.turns)
+        ids, pictures = self.prompt(episode, turn, messages, tools)
         limit = body.get("max_completion_tokens") or body.get("max_tokens") or self.sampling.max_tokens
         sampling = self.sampling.model_copy(update={"max_tokens": max(1, min(int(limit), self.sampling.max_tokens))})
-        turn = len(episode.turns)
         try:
-            wanted = self.request(f"{episode.eid}-r{turn}", ids, 1, sampling, f"episode {episode.eid}'s request {turn}")
+            wanted = self.request(f"{episode.eid}-r{turn}", ids, 1, sampling, f"episode {episode.eid}'s request {turn}",
+                                  images=pictures)
         except RowError:
             # No room left within seq_len: an empty answer cut at its length, as the built-in
             # tool loop ends such an episode; the agent's loop sees no call and ends too.
             episode.out_of_room = True
             return self.reply(episode, turn, len(ids), "", [], "length", 0)
         try:
-            sample = (await episode.generate(wanted)).samples[0]
+            response = await episode.generate(wanted)
+            sample = response.samples[0]
         except Aborted:
             sample = None
         if sample is None or sample.finish_reason == "abort":
             episode.aborted = True  # the group was cancelled (stale) or its server is going down
             raise RequestError(503, "the episode was cancelled")
-        episode.turns.append((ids, sample))
+        if pictures is not None:
+            try:  # the prompt the engine sampled after must be the one the trainer scores
+                check_expanded(pictures, response.prompt_token_ids, f"request {turn}")
+            except ImageError as e:
+                raise episode.refuse(502, str(e)) from None
+        episode.turns.append((ids, sample, pictures.images if pictures is not None else []))
         return self.completion(episode, turn, ids, sample)
+
+    def prompt(self, episode: AgentEpisode, turn: int, messages: list[dict], tools: list[dict]
+               ) -> tuple[list[int], ImagePrompt | None]:
+        """The request's prompt ids as the trainer sees them, and its pictures (None without)."""
+        try:
+            if has_images(messages):
+                pictures = self.images.prompt(messages, tools or None)
+                return pictures.token_ids, pictures
+            text = self.template.render(messages, True, tools or None)
+        except ImageError as e:
+            raise episode.refuse(400, f"request {turn}: {e}") from None
+        except Exception as e:  # jinja2.TemplateError and the template's own bugs
+            raise RequestError(400, f"messages: the chat template ({self.template.origin}) fails on them: {e}") from None
+        return self.encode(text, add_special_tokens=False), None
 
     def checked(self, body: dict) -> tuple[list[dict], list[dict]]:
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:

@@ -16,6 +16,15 @@ order: where each request's prompt ids begin with the previous request's prompt 
 (the conversation only grew), the requests are one sample, the ids between two completions
 context (mask 0); where the agent edited or dropped history, a new sample starts. An episode may
 so become several samples, each with the episode's reward (and its advantage).
+
+An agent may put pictures in its user or tool turns (`image_url` parts with data: URLs: an
+observation that is a picture): each request is rendered with the model's processor's expansion
+and sent with its pictures (orchestrator/rollout/agent_images.py), and each sample carries the
+pictures of its last request in placeholder order (`Trajectory.images`, as a dataset row's). A
+request grows the previous one only if its pictures begin with the previous one's (the PNGs the
+endpoint made, byte for byte): the same placeholder ids with another picture are another
+conversation. A picture the
+endpoint refuses fails the episode with one line naming the episode and the part.
 """
 
 from __future__ import annotations
@@ -29,8 +38,9 @@ from dataclasses import dataclass
 import jinja2
 
 from orchestrator.callables import load_callable
-from orchestrator.rendering import ChatTemplate, Opening
+from orchestrator.rendering import ChatTemplate, ImageError, Opening
 from orchestrator.rollout.agent_endpoint import AgentEndpoint
+from orchestrator.rollout.agent_images import AgentImages
 from orchestrator.rollout.environment_base import EnvironmentKind
 from orchestrator.rollout.kind import Aborted, Generate, Toolkit, Trajectory
 from orchestrator.rollout.tool_environment import needed_template
@@ -64,9 +74,10 @@ class AgentEpisodes(EnvironmentKind):
     def __init__(self, cfg: RunConfig, toolkit: Toolkit, renderer, sources, env, rewards=None):
         super().__init__(cfg, toolkit, renderer, sources, env, rewards)
         self.stop_token_ids = renderer.stop_token_ids
-        self.endpoint = AgentEndpoint(needed_template(cfg, renderer.template), toolkit.encode, toolkit.decode,
-                                      tool_parser(self.settings.tools.parser), toolkit.request, self.env_sampling,
-                                      str(cfg.model))
+        template = needed_template(cfg, renderer.template)
+        self.endpoint = AgentEndpoint(template, toolkit.encode, toolkit.decode, tool_parser(self.settings.tools.parser),
+                                      toolkit.request, self.env_sampling, str(cfg.model),
+                                      AgentImages(template, renderer.image_support, toolkit.fast))
         # An agent that neither asks nor answers: its turns' own bounds, and its tools' time.
         s = self.settings
         self.timeout_s = s.environment.max_turns * (s.timeouts.request_s + s.timeouts.tool_s)
@@ -81,11 +92,13 @@ class AgentEpisodes(EnvironmentKind):
         except Exception as e:
             if record.aborted:
                 raise Aborted(eid) from None
-            return self.failed(eid, e)
+            return self.failed(eid, ImageError(record.failure) if record.failure else e)
         finally:
             self.endpoint.close(key)
         if record.aborted:
             raise Aborted(eid)
+        if record.failure:  # the agent went on after a refused picture: still not trained on
+            return self.failed(eid, ImageError(record.failure))
         if not record.turns:
             return self.failed(eid, RuntimeError("the agent never asked the model"))
         t = rebuilt(record.turns, reward)
@@ -124,18 +137,19 @@ class AgentEpisodes(EnvironmentKind):
         return opening
 
 
-def rebuilt(turns: list[tuple[list[int], GeneratedSample]], reward: float) -> Trajectory:
+def rebuilt(turns: list[tuple[list[int], GeneratedSample, list[bytes]]], reward: float) -> Trajectory:
     """The episode's samples from its requests in order (module docstring): the first, with the
-    rest as its `parts`."""
+    rest as its `parts`. Each request: its prompt ids, what it sampled, its pictures."""
     pieces: list[Trajectory] = []
-    for ids, sample in turns:
+    for ids, sample, images in turns:
         last = pieces[-1] if pieces else None
-        if last is not None and ids[:len(last.tokens)] == last.tokens:
+        if last is not None and ids[:len(last.tokens)] == last.tokens and images[:len(last.images)] == last.images:
             last.add(ids[len(last.tokens):])
         else:
             last = Trajectory([], [], [], [], reward)
             last.add(ids)
             pieces.append(last)
+        last.images = list(images)
         last.add(sample.token_ids, sample)
         last.truncated = last.truncated or sample.finish_reason == "length"
     first = pieces[0]
