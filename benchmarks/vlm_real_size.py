@@ -135,7 +135,7 @@ def serve(model: Path, dtype: str, port: int, env: dict) -> dict:
         os.link(f, out / "weights" / "step_1" / f.name)
     cfg = out.parent / "serve.toml"
     cfg.write_text(f'model = "{model}"\noutput_dir = "{out}"\nseq_len = 256\n[inference]\nport = {port}\n'
-                   f'dtype = "{dtype}"\nreload_timeout_s = 1800\n')
+                   f'dtype = "{dtype}"\n[inference.timeouts]\nreload_s = 1800\n')
     url = f"http://127.0.0.1:{port}"
     start = time.perf_counter()
     logf = open(OUT / "serve.log", "w")

@@ -44,7 +44,7 @@ def check_vlm(ctx: Context) -> tuple[str, dict]:
     sft = {"batch_size": 16 if ctx.gpu else 8, "eval_every": steps, "eval_rows": 16,
            "datasets": [{"name": "shapes", "function": "tasks.shapes:sft_rows", "size": 400}],
            "eval_datasets": [{"name": "heldout", "function": "tasks.shapes:sft_heldout"}]}
-    extra = {"max_steps": steps, "seq_len": 256, "trainer": {"checkpoint_every": 0, "optim": {"lr": 1e-4}},
+    extra = {"max_steps": steps, "seq_len": 256, "checkpoints": {"every": 0}, "trainer": {"optim": {"lr": 1e-4}},
              "sft": sft}
     cfg = write_config(ctx.path / "vlm.toml", ctx, root, extra, model=str(model))
     log = ctx.path / "vlm.log"

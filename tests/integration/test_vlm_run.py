@@ -77,7 +77,7 @@ def vlm_run(tmp_path_factory):
                    "[orchestrator]\nscheduling.prompts_per_step = 4\nscheduling.group_size = 4\n"
                    "scheduling.filter_zero_variance = false\nsampling.max_tokens = 8\n"
                    f'[[orchestrator.datasets]]\npath = "{tmp / "data" / "shapes.jsonl"}"\nreward = "tasks.shapes:reward"\n'
-                   "[trainer]\nkeep_rollouts = 5\ntorch_threads = 1\n")
+                   "[trainer]\nfiles.keep_rollouts = 5\ntorch_threads = 1\n")
     result = subprocess.run(rl_command("run", "@", str(cfg)), capture_output=True, text=True, timeout=600, cwd=tmp)
     log = (out / "logs" / "orchestrator.log").read_text(errors="replace") if (out / "logs").exists() else ""
     assert result.returncode == 0, result.stderr[-3000:] + log[-3000:]

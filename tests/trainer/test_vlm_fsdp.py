@@ -52,7 +52,7 @@ def train_two_ranks(tmp_path, write_toml, name: str, extra: str) -> RunDir:
     for step in (1, 2):
         write_batch(Batch.from_samples(step, image_samples(step)), run.rollout_dir(step))
     cfg = write_toml(f'model = "{MODEL}"\noutput_dir = "{run.root}"\nmax_steps = 2\nseq_len = 96\n'
-                     "[trainer]\nmicro_batch_tokens = 200\ntorch_threads = 1\n[trainer.optim]\nlr = 1e-2\n"
+                     "[trainer]\nbatching.micro_batch_tokens = 200\ntorch_threads = 1\n[trainer.optim]\nlr = 1e-2\n"
                      + extra, f"{name}.toml")
     run_trainer([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                  "--master-port", str(free_port()), "-m", "trainer"], ["@", str(cfg)])
@@ -117,7 +117,7 @@ def test_the_real_trainer_scores_each_sample_with_its_own_pictures(tmp_path, wri
             x.images = im
         write_batch(Batch.from_samples(1, made), run.rollout_dir(1))
         cfg = write_toml(f'model = "{MODEL}"\noutput_dir = "{run.root}"\nmax_steps = 1\nseq_len = 96\n'
-                         "[trainer]\nmicro_batch_tokens = 200\ntorch_threads = 1\n", f"{name}.toml")
+                         "[trainer]\nbatching.micro_batch_tokens = 200\ntorch_threads = 1\n", f"{name}.toml")
         run_trainer([sys.executable, "-m", "trainer"], ["@", str(cfg)])
         kls[name] = trainer_metrics(run)[0]["mismatch_kl"]
     assert kls["own"] <= bound < kls["rotated"], (kls, bound)
