@@ -171,7 +171,7 @@ async def broadcast_version(ctx: Context, url: str, cfg, run, state: dict, files
         client = InferenceClient(url, s)
         before = await greedy(client, ids)
         pool = ServerPool([url], s, None, 30,
-                          lambda p: BroadcastDelivery(p, 300, None, False, ws.address, ws.timeout_s))
+                          lambda p: BroadcastDelivery(p, 300, None, False, ws.address, cfg.timeouts.broadcast_s))
         await pool.connect(60)
         thread = in_thread(lambda: WeightBroadcaster(cfg, run, tied=ctx.tied), box)
         await pool.delivery.prepare()

@@ -172,13 +172,15 @@ def render(cfg: Path, *extra: str) -> subprocess.CompletedProcess:
                           timeout=60)
 
 
-def big_config(write_toml, output_dir: Path, port: int = 8000, extra: str = "") -> Path:
-    """2 inference nodes x 2 servers, 2 trainer nodes, 4 GPUs each, ZMQ and weight broadcast."""
+def big_config(write_toml, output_dir: Path, port: int = 8000, extra: str = "", files: bool = False) -> Path:
+    """2 inference nodes x 2 servers, 2 trainer nodes, 4 GPUs each, ZMQ and weight broadcast
+    (`files`: batches and weights through the run directory instead)."""
+    kinds = ('[transport]\nkind = "files"\n[weight_sync]\nkind = "files"\n' if files else
+             '[transport]\nkind = "zmq"\naddress = "tcp://127.0.0.1:5557"\n'
+             '[weight_sync]\nkind = "broadcast"\naddress = "127.0.0.1:29710"\n')
     return write_toml(
         f'model = "{TINY_MODEL}"\noutput_dir = "{output_dir}"\n'
-        f'[inference]\nport = {port}\napi_token = "do-not-embed-me"\n'
-        '[transport]\nkind = "zmq"\naddress = "tcp://127.0.0.1:5557"\n'
-        '[weight_sync]\nkind = "broadcast"\naddress = "127.0.0.1:29710"\n'
+        f'[inference]\nport = {port}\napi_token = "do-not-embed-me"\n' + kinds +
         '[slurm]\ninference_nodes = 2\nservers_per_node = 2\ntrainer_nodes = 2\ngpus_per_node = 4\n'
         'partition = "gpu"\naccount = "rl"\ntime_limit = "2:00:00"\njob_name = "rev"\n'
         'sbatch_args = ["--exclusive", "--mem=0"]\nsetup = ["export FROM_SETUP=1"]\n'
@@ -314,8 +316,7 @@ def test_missing_template_is_a_one_line_error(write_toml, tmp_path):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--trainer.lora.rank", "8", "--trainer.lora.multi_run", "true", "--transport.kind", "files",
-      "--weight_sync.kind", "files"], "trainer.lora.multi_run"),
+    (["--trainer.lora.rank", "8", "--trainer.lora.multi_run", "true", "files"], "trainer.lora.multi_run"),
     (["--slurm.servers_per_node", "3"], "slurm.gpus_per_node (4) must be a multiple of slurm.servers_per_node (3)"),
     (["--inference.advertise_url", "http://lb:80"], "inference.advertise_url"),
     (["--orchestrator.teacher.url", "http://127.0.0.1:9000"], "orchestrator.teacher.url"),
@@ -323,7 +324,8 @@ def test_missing_template_is_a_one_line_error(write_toml, tmp_path):
     (["--transport.address", "tcp://host"], "transport.address"),
 ])
 def test_configs_that_cannot_work_on_a_cluster_are_refused(write_toml, tmp_path, extra, message):
-    out = render(big_config(write_toml, tmp_path / "run"), *extra)
+    files = extra[-1:] == ["files"]  # batches and weights through files (kind-specific keys are refused elsewhere)
+    out = render(big_config(write_toml, tmp_path / "run", files=files), *extra[:len(extra) - files])
     assert out.returncode == 2
     assert len(out.stderr.strip().splitlines()) == 1 and message in out.stderr, out.stderr
 

@@ -55,7 +55,7 @@ def test_the_server_follows_each_update_of_a_vlm(tmp_path, route):
                    f'[[orchestrator.datasets]]\npath = "{tmp_path / "data" / "shapes.jsonl"}"\n'
                    'reward = "odd_reward:reward"\n'
                    "[trainer]\nfiles.keep_rollouts = 5\ntorch_threads = 1\n[trainer.optim]\nlr = 5e-2\n"
-                   + ROUTES[route].replace("[weight_sync]\n", f'[weight_sync]\naddress = "127.0.0.1:{free_port()}"\n'))
+                   + ROUTES[route].replace('kind = "broadcast"\n', f'kind = "broadcast"\naddress = "127.0.0.1:{free_port()}"\n'))
     result = subprocess.run(rl_command("run", "@", str(cfg)), capture_output=True, text=True, timeout=600,
                             cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -85,8 +85,7 @@ reward_weights = {{ exact = 0.0 }}
 [[orchestrator.datasets]]
 reasoning_gym = "spell_backward"
 task_config = {{ max_word_len = 8 }}
-temperature = 0.7
-top_k = 20
+sampling = {{ temperature = 0.7, top_k = 20 }}
 [orchestrator.eval]
 rows = 8
 [[orchestrator.eval.datasets]]

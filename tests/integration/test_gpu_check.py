@@ -192,7 +192,7 @@ def test_the_expert_item_steps_the_tiny_moe_with_its_experts_over_two_gpus(tmp_p
     cfg = RunConfig.model_validate(tomllib.loads(items.write_config(tmp_path / "moe.toml", moe, tmp_path / "run",
                                                                     {"max_steps": 1, **extra}).read_text()))
     assert cfg.trainer.parallel.expert == 2 and Path(cfg.model) == ROOT / "models" / "tiny-moe"
-    assert cfg.trainer.dtype == "bfloat16"
+    assert cfg.trainer.model.dtype == "bfloat16"
     cmd, env = items.trainer_command(moe, ranks)
     assert cmd[2:5] == ["torch.distributed.run", "--nproc-per-node", "2"] and env["CUDA_VISIBLE_DEVICES"] == "3,5"
     assert gc.CHECKS["expert-N"] is items.check_expert

@@ -176,7 +176,7 @@ def test_the_publisher_writes_full_then_deltas_and_keeps_their_base(tmp_path):
 KILLED_WRITER = """
 import sys
 from pathlib import Path
-sys.path[:0] = [{tests!r}, {src!r}]
+sys.path[:0] = [{here!r}, {tests!r}, {src!r}]
 from rl.rundir import RunDir
 from test_weight_delta import publisher, step_tensors
 run = RunDir({root!r})
@@ -190,7 +190,8 @@ for step in (1, 2, 3):
 def test_a_trainer_killed_while_writing_a_delta_leaves_nothing_loadable(tmp_path):
     run = RunDir(tmp_path / "run")
     run.make()
-    script = KILLED_WRITER.format(tests=str(ROOT / "tests"), src=str(ROOT / "src"), root=str(run.root))
+    script = KILLED_WRITER.format(here=str(Path(__file__).resolve().parent), tests=str(ROOT / "tests"),
+                                  src=str(ROOT / "src"), root=str(run.root))
     out = subprocess.run([sys.executable, "-c", script], env={**os.environ, "ASYNCRL_CRASH_AT": "weights.staged:3"},
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == -9, out.stderr[-2000:]
