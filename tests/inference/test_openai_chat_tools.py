@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import ROOT, rl_command
+from conftest import ROOT, free_port, rl_command
 from tasks.calculator import Calculator, rows
 from orchestrator.rollout.tool_functions import Tool
 from rl.inference_api import connector
@@ -103,7 +103,7 @@ def test_token_ids_are_the_engines_and_answers_carry_their_version(server):
 def test_a_parser_vllm_does_not_have_is_refused_at_start_up(tmp_path):
     cfg = tmp_path / "bad.toml"
     cfg.write_text(f'model = "{TOOL_MODEL}"\noutput_dir = "{tmp_path / "run"}"\nseq_len = 256\n'
-                   '[inference]\ntool_call_parser = "no_such_parser"\n')
+                   f'[inference]\nport = {free_port()}\ntool_call_parser = "no_such_parser"\n')
     result = subprocess.run(rl_command("inference", "@", str(cfg)), capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()

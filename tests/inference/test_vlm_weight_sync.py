@@ -49,7 +49,7 @@ def test_the_server_follows_each_update_of_a_vlm(tmp_path, route):
     out = tmp_path / "out"
     cfg = tmp_path / "run.toml"
     cfg.write_text(f'model = "{MODEL}"\noutput_dir = "{out}"\nmax_steps = 3\nseq_len = 96\nmax_async_level = 0\n'
-                   '[inference]\ndtype = "float32"\n'
+                   f'[inference]\nport = {free_port()}\ndtype = "float32"\n'
                    "[orchestrator]\nscheduling.prompts_per_step = 4\nscheduling.group_size = 4\n"
                    "scheduling.filter_zero_variance = false\nsampling.max_tokens = 8\n"
                    f'[[orchestrator.datasets]]\npath = "{tmp_path / "data" / "shapes.jsonl"}"\n'

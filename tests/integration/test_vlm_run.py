@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, rl_command
+from conftest import ROOT, free_port, rl_command
 from float32_rounding import LAYERS, U, WIDEST
 from rl.batch import Batch
 from rl.rundir import RunDir
@@ -73,7 +73,7 @@ def vlm_run(tmp_path_factory):
     out = tmp / "out"
     cfg = tmp / "run.toml"
     cfg.write_text(f'model = "{MODEL}"\noutput_dir = "{out}"\nmax_steps = 3\nseq_len = 96\nmax_async_level = 1\n'
-                   '[inference]\ndtype = "float32"\n'
+                   f'[inference]\nport = {free_port()}\ndtype = "float32"\n'
                    "[orchestrator]\nscheduling.prompts_per_step = 4\nscheduling.group_size = 4\n"
                    "scheduling.filter_zero_variance = false\nsampling.max_tokens = 8\n"
                    f'[[orchestrator.datasets]]\npath = "{tmp / "data" / "shapes.jsonl"}"\nreward = "tasks.shapes:reward"\n'
