@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from conftest import free_port
+from rl.heartbeat import current_instance
 from tasks.reverse import ALPHABET
 
 LETTER_IDS = range(3, 29)  # the tiny model's char vocabulary: a-z
@@ -146,6 +147,8 @@ class FakeServer:
     aborted: set[str] = field(default_factory=set)
     running: int = 0
     updates: int = 0
+    instance: str | None = None
+    """The instance /health names; None: this process's heartbeat's, as the real server's."""
 
     def __post_init__(self):
         self.admit = asyncio.Event()  # cleared while an update holds new requests back
@@ -169,7 +172,10 @@ class FakeServer:
     async def health(self, request: web.Request) -> web.Response:
         if self.down:
             return web.json_response({"error": "down"}, status=503)
-        return web.json_response({"status": "ok", "version": self.version, "path": "", "running": self.running})
+        # As the real server: the instance its process's heartbeat names (a test that announces
+        # the stand-in starts a Heartbeat in its own process), so the pool takes it as announced.
+        return web.json_response({"status": "ok", "version": self.version, "path": "", "running": self.running,
+                                  "instance": self.instance or current_instance()})
 
     async def generate(self, request: web.Request) -> web.Response:
         if self.down:

@@ -28,6 +28,7 @@ from inference.openai_versions import VersionHeaders
 from inference.reload import ServedWeights
 from rl.config import RunConfig
 from rl.inference_api import ROUTES, Route, UpdateWeightsRequest, resolve_token
+from rl.heartbeat import current_instance
 
 
 def validation_message(errors: list[dict]) -> str:
@@ -126,7 +127,10 @@ class Routes:
     async def health(self) -> dict:
         self.weights.failures.check_not_overdue()
         await self.engine.check_health()
+        # The instance its heartbeat names: the orchestrator checks that the program answering at
+        # this URL is the one its run directory announces there (orchestrator/servers/identity.py).
         return {"status": "ok", "version": self.generations.version, "path": self.weights.path,
+                "instance": current_instance(),
                 "running": len(self.generations.running), "aborted": self.generations.aborted,
                 **self.adapters.health()}
 

@@ -187,7 +187,8 @@ ROUTES: dict[str, Route] = {
     "health": Route(
         "GET", "/health", None, None,
         'engine health, the version now serving, its path, the engine requests running and those an '
-        '/abort stopped while they ran, since start: {"status", "version", "path", "running", "aborted"}, and '
+        '/abort stopped while they ran, since start, and the instance its heartbeat names: {"status", "version", '
+        '"path", "running", "aborted", "instance"}, and '
         'with trainer.lora.rank > 0 "adapters": {name: version}; 503 while a reload outlives '
         'inference.timeouts.reload_s'),
     "generate": Route(

@@ -17,6 +17,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from conftest import TINY_MODEL
+from rl.heartbeat import server_heartbeat_path
 from rl.inference_api import connector
 from rl.rundir import RunDir
 from test_end_to_end import Program, launch_server, wait_healthy
@@ -49,7 +50,7 @@ def server(tmp_path_factory):
         # The engine's first batches are several times slower: keep them out of the timings.
         asyncio.run(_warm_up(url))
         yield {"url": url, "zero": str(zero), "model": str(TINY_MODEL), "first_completion": first,
-               "pid": proc.proc.pid, "log": proc.log}
+               "pid": proc.proc.pid, "log": proc.log, "root": run.root}
     finally:
         proc.stop()
 
@@ -406,8 +407,10 @@ def test_health_reports_version_and_running_requests(server):
 
     busy, idle = asyncio.run(main())
     assert busy is not None and busy["running"] == MAX_NUM_SEQS and busy["version"] == 7
+    # The instance is the one its heartbeat announces (the orchestrator's identity check).
+    announced = server_heartbeat_path(server["root"], url).read_text().splitlines()[0]
     assert idle == {"status": "ok", "version": 7, "path": str(TINY_MODEL.resolve()), "running": 0,
-                    "aborted": busy["aborted"]}  # nothing aborted: the run ended by itself
+                    "aborted": busy["aborted"], "instance": announced}  # nothing aborted: the run ended by itself
 
 
 def test_a_multi_turn_episode_on_real_vllm(server):

@@ -97,7 +97,7 @@ def test_the_orchestrator_waiting_for_servers_says_so_and_gives_up_at_its_wait_t
     url, (lines, code) = waited["url"], waited["orchestrator"]
     text = "\n".join(line for _, line in lines)
     beat = rf"waiting for inference server\(s\) {re.escape(url)} to come up"
-    gave = rf"{re.escape(url)} not healthy after 25 s \(orchestrator.timeouts.server_wait_s\)"
+    gave = rf"{re.escape(url)} \(.+\) not healthy after 25 s \(orchestrator.timeouts.server_wait_s\)"
     # servers.py connect(): a beat once more than 10 s passed since the last (or the start), the
     # deadline checked first: beats at > 10 s and (a turn of the loop permitting) > 20 s, none
     # after 25 s.

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from orchestrator.servers.delivery import WeightDelivery, weight_delivery
+from orchestrator.servers.identity import Identity
 from orchestrator.servers.server import Server
 from orchestrator.streaks import Spinning
 from rl.heartbeat import SERVING, PeerWatch, announced_url, server_heartbeats
@@ -47,20 +48,23 @@ class ServerPool:
     def for_run(cls, cfg: RunConfig, session: aiohttp.ClientSession,
                 on_fail: Callable[[Server], None] | None = None) -> ServerPool:
         """The run's servers, with the weight delivery of its weight_sync kind."""
+        own = None if cfg.orchestrator.servers.urls else cfg.inference.url
         return cls(cfg.urls, session, cfg.inference.api_token, cfg.orchestrator.servers.retry_max_s,
-                   lambda pool: weight_delivery(cfg, pool), on_fail=on_fail)
+                   lambda pool: weight_delivery(cfg, pool), on_fail=on_fail, identity=Identity(cfg.output_dir, own))
 
     def __init__(self, urls: list[str], session: aiohttp.ClientSession, token: str | None, retry_max_s: float,
                  delivery: Callable[[ServerPool], WeightDelivery],
-                 on_fail: Callable[[Server], None] | None = None):
+                 on_fail: Callable[[Server], None] | None = None, identity: Identity | None = None):
         """`delivery(pool)`: makes the run's weight delivery (orchestrator/servers/delivery.py), which
         brings a server to the current version before it (re)joins rotation.
-        `on_fail(server)`: called when a server leaves rotation, to requeue its groups."""
+        `on_fail(server)`: called when a server leaves rotation, to requeue its groups.
+        `identity`: checks that the program answering at a URL is the run's (none: any that answers)."""
         self.session, self.token = session, token
         self.servers = [Server(InferenceClient(u.rstrip("/"), session, token)) for u in urls]
         self.on_fail = on_fail
         self.retry_max_s = retry_max_s
         self.delivery = delivery(self)
+        self.identity = identity
 
     @property
     def version(self) -> int:
@@ -80,6 +84,10 @@ class ServerPool:
 
     def updated(self, s: Server) -> None:
         s.updating, s.update = False, None
+
+    def impostor(self, s: Server, health: dict) -> str | None:
+        """Why the program answering at s.url is not the run's server (identity.py); None: it is."""
+        return self.identity.problem(s.url, health) if self.identity is not None else None
 
     def note(self, s: Server, health: dict) -> None:
         """Record what a server (joining, or answering again) serves, as its delivery reads it."""
@@ -183,6 +191,15 @@ class ServerPool:
 
     # --- start-up and health -------------------------------------------------------------
 
+    def joins(self, s: Server, health: dict) -> bool:
+        """At start-up: `s` answered; it joins unless another program answers at its URL, said
+        once per reason (it is asked again: the run's own server may just not be announced yet)."""
+        problem = self.impostor(s, health)
+        if problem and problem != s.last_error:
+            log.warning("server %s not joining: %s", s.url, problem)
+        s.last_error = problem or ""
+        return problem is None
+
     async def connect(self, timeout_s: float, every: bool = False) -> None:
         """Wait until a first server answers /health (servers start in ~30 s on a CPU), or with
         `every` until all listed ones do (a broadcast group needs every member at once). Those
@@ -192,7 +209,9 @@ class ServerPool:
             pending = [s for s in self.servers if not s.joined]
             results = await asyncio.gather(*(s.client.health() for s in pending), return_exceptions=True)
             for s, r in zip(pending, results):
-                if not isinstance(r, BaseException):
+                if isinstance(r, BaseException):
+                    s.last_error = str(r)
+                elif self.joins(s, r):
                     self.note(s, r)
                     s.healthy = s.joined = True
                     s.idle_since = time.monotonic()
@@ -201,8 +220,9 @@ class ServerPool:
             if ready:
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"inference server(s) {', '.join(s.url for s in left)} not healthy "
-                                   f"after {timeout_s:.0f} s (orchestrator.timeouts.server_wait_s)")
+                named = ", ".join(f"{s.url} ({s.last_error or 'no answer'})" for s in left)
+                raise TimeoutError(f"inference server(s) {named} not healthy after {timeout_s:.0f} s "
+                                   "(orchestrator.timeouts.server_wait_s)")
             if time.monotonic() - last_beat > 10:
                 log.info("waiting for inference server(s) %s to come up", ", ".join(s.url for s in left))
                 last_beat = time.monotonic()
@@ -220,6 +240,8 @@ class ServerPool:
                 continue  # changed while we asked
             if isinstance(r, BaseException):
                 self.fail(s, f"health check failed: {r}", gone=True)
+            elif problem := self.impostor(s, r):
+                self.fail(s, problem, gone=True)  # ours is gone: its groups will not finish
             elif not s.updating and not self.delivery.still_serves(s, r):
                 self.fail(s, f"reports version {self.delivery.reported_version(r)}, expected {s.version} (restarted?)")
 
@@ -251,6 +273,8 @@ class ServerPool:
             health = await s.client.health()
             if s not in self.servers:
                 return  # removed while we asked: a re-added one with its URL is another
+            if problem := self.impostor(s, health):
+                raise InferenceError(f"{s.url}: {problem}")
             self.note(s, health)
             # Until it serves the current version: a load() while it was brought to one
             # moved the version on (and skipped it: it is not in rotation yet), so it is
