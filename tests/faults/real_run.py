@@ -34,8 +34,8 @@ from tasks import reverse
 from orchestrator.rendering.tokenizer import load_tokenizer
 from rl.batch import Batch
 from rl.rundir import RunDir
-from test_end_to_end import Program
-from test_trainer import run_trainer
+from programs import Program
+from trainer_runs import run_trainer
 
 MAX_STEPS = 6
 MAX_ASYNC = 1

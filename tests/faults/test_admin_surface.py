@@ -14,7 +14,7 @@ import aiohttp
 import httpx
 import pytest
 from conftest import TINY_MODEL, rl_command
-from test_end_to_end import start_server
+from programs import start_server
 
 from rl.config import RunConfig
 from rl.inference_api import TOKEN_ENV, InferenceClient, InferenceError, connector

@@ -32,7 +32,7 @@ from conftest import TINY_MODEL
 from orchestrator.servers.delivery import ANSWER_MARGIN_S
 from orchestrator.orchestrator import Orchestrator
 from rl.rundir import RunDir, mark_stable
-from test_end_to_end import launch_server, wait_healthy
+from programs import launch_server, wait_healthy
 from test_scheduling import Collect, make_config
 from test_scheduling_vllm import copying_trainer
 from rl.inference_api import connector

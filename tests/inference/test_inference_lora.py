@@ -22,7 +22,7 @@ from conftest import TINY_MODEL
 from float32_rounding import logit_error
 from rl.config import RunConfig
 from rl.rundir import RunDir
-from test_end_to_end import start_server
+from programs import start_server
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ from conftest import TINY_MODEL
 from rl.heartbeat import server_heartbeat_path
 from rl.inference_api import connector
 from rl.rundir import RunDir
-from test_end_to_end import Program, launch_server, wait_healthy
+from programs import Program, launch_server, wait_healthy
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ from tasks.calculator import Calculator, rows
 from orchestrator.rollout.tool_functions import Tool
 from rl.inference_api import connector
 from rl.rundir import RunDir
-from test_end_to_end import launch_server, wait_healthy
+from programs import launch_server, wait_healthy
 from test_inference_server import post, wait_running
 
 pytestmark = pytest.mark.slow

@@ -21,7 +21,7 @@ import pytest
 from conftest import TINY_MODEL
 from inference.server import SHUTDOWN_GRACE_S
 from rl.rundir import RunDir, mark_stable
-from test_end_to_end import launch_server, wait_healthy
+from programs import launch_server, wait_healthy
 
 pytestmark = pytest.mark.slow
 

@@ -51,7 +51,7 @@ from inference.reload_kinds import FilesReload
 from rl.config import load_config
 from rl.inference_api import UpdateWeightsRequest, connector
 from rl.rundir import RunDir, mark_stable
-from test_end_to_end import launch_server, wait_healthy
+from programs import launch_server, wait_healthy
 from test_engine_stalls_vllm import engine_core
 
 SEQ_LEN = 1024  # the tiny model allowed 1,024 positions: a long greedy request runs for a second or more

@@ -26,7 +26,7 @@ MOE_LOGIT_ERROR = logit_error(9)
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from test_end_to_end import launch_server, wait_healthy
+    from programs import launch_server, wait_healthy
 
     tmp = tmp_path_factory.mktemp("routing")
     proc, url = launch_server(tmp, "inference", MOE_MODEL, tmp / "run", "record_routing = true\n")

@@ -21,7 +21,7 @@ from orchestrator.rendering.chat import ChatTemplate
 from orchestrator.rendering.images import image_support, render_image_prompt, template_messages
 from orchestrator.rendering.tokenizer import load_tokenizer
 from rl.rundir import RunDir
-from test_end_to_end import launch_server, wait_healthy
+from programs import launch_server, wait_healthy
 from test_vlm_prompts import data_url, picture
 
 pytestmark = pytest.mark.slow

@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 from conftest import TINY_MODEL, rl_command
 from rl.batch import Batch
 from rl.rundir import RunDir
-from test_end_to_end import Program, start_server, train
-from test_trainer import run_trainer
+from programs import Program, start_server, train
+from trainer_runs import run_trainer
 
 pytestmark = pytest.mark.slow
 

@@ -102,7 +102,7 @@ def test_a_greedy_evaluation_on_a_real_engine_takes_one_sample_per_row_and_repea
 
     from rl.inference_api import InferenceClient
     from rl.rundir import RunDir
-    from test_end_to_end import start_server
+    from programs import start_server
 
     SEEN.clear()
     run = RunDir(tmp_path / "run")

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import TINY_MODEL
 from rl.rundir import RunDir
-from test_end_to_end import launch_server, wait_healthy
+from programs import launch_server, wait_healthy
 from test_no_spin import ROWS, drawn_rows, run_orchestrator, the_error
 
 pytestmark = pytest.mark.slow

@@ -25,7 +25,7 @@ from float32_rounding import float64_logprobs
 from orchestrator.orchestrator import Orchestrator
 from rl.batch import Batch
 from rl.rundir import RunDir, mark_stable
-from test_end_to_end import launch_server, wait_healthy
+from programs import launch_server, wait_healthy
 from test_scheduling import Collect, Outcome, check_rules, make_config
 from rl.inference_api import connector
 

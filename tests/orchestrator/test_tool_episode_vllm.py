@@ -14,7 +14,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from conftest import ROOT
-from test_end_to_end import launch_server, wait_healthy
+from programs import launch_server, wait_healthy
 from rl.inference_api import connector
 
 pytestmark = pytest.mark.slow

@@ -308,7 +308,7 @@ MOE_MODEL = TINY_MODEL.parent / "tiny-moe"  # the same tokenizer; every layer 4 
 # weights; transformers' greedy tokens below would tell.
 @pytest.fixture(scope="module", params=[TINY_MODEL, MOE_MODEL], ids=["dense", "moe"])
 def vllm_server(tmp_path_factory, request):
-    from test_end_to_end import Program
+    from programs import Program
 
     model = request.param
     tmp = tmp_path_factory.mktemp("broadcast")

@@ -18,7 +18,7 @@ from rl.batch import Batch, BatchError
 from rl.config import FilesTransport, TransportConfig, ZmqTransport
 from rl.rundir import RunDir
 from rl.transport.registry import batch_receiver, batch_sender
-from test_trainer import write_batches
+from trainer_runs import write_batches
 from samples import single_turn, write_batch
 
 pytestmark = pytest.mark.slow

@@ -215,7 +215,7 @@ def server(tmp_path_factory):
     """A vLLM server with weight_sync.delta = true, and versions written by the trainer's
     FilePublisher: 1 full, 2-4 deltas against it (the chain), 5 the full file of version 4 (no
     digest: vLLM's own reload), 6 another full version with a digest."""
-    from test_end_to_end import launch_server, wait_healthy
+    from programs import launch_server, wait_healthy
 
     tmp = tmp_path_factory.mktemp("delta")
     run = RunDir(tmp / "run")

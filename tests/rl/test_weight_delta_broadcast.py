@@ -37,7 +37,7 @@ def in_thread(fn, box: dict) -> threading.Thread:
 
 
 def test_a_real_server_takes_deltas_by_broadcast_bit_for_bit(tmp_path):
-    from test_end_to_end import launch_server, wait_healthy
+    from programs import launch_server, wait_healthy
     from trainer.publish import BroadcastPublisher
 
     run = RunDir(tmp_path / "run")

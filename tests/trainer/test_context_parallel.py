@@ -255,10 +255,10 @@ def test_layout_that_does_not_fill_the_world_is_refused(tmp_path):
 
 def test_sft_with_context_parallelism(tmp_path):
     """`rl sft` on two ranks splitting every row (trainer.parallel.context = 2) takes the same first
-    step as one rank (tests/trainer/test_trainer.py assert_same_step's bounds), its metrics counted once."""
+    step as one rank (tests/trainer_runs.py assert_same_step's bounds), its metrics counted once."""
     from rl.rundir import RunDir
     from test_sft import UNINTERRUPTED, config
-    from test_trainer import ENV, assert_same_step
+    from trainer_runs import ENV, assert_same_step
 
     one, two = config(tmp_path / "one", UNINTERRUPTED, steps=1), config(tmp_path / "two", UNINTERRUPTED, steps=1)
     result = subprocess.run(rl_command("sft", "@", str(one)), capture_output=True, text=True, timeout=600, env=ENV)
@@ -317,11 +317,11 @@ def test_launcher_starts_the_configured_ranks_and_refuses_a_layout_its_gpus_cann
 def test_rl_trainer_step_with_rows_split_equals_one_rank(write_toml, tmp_path):
     """The RL trainer (`python -m trainer` under torchrun): world 4 = data 2 x context 2, every
     packed row split, with sequence-level ratios (GSPO: a sample's mean over both shares), takes
-    the same first step as one rank (tests/trainer/test_trainer.py assert_same_step's bounds), its metrics
+    the same first step as one rank (tests/trainer_runs.py assert_same_step's bounds), its metrics
     (loss, tokens, entropy) counted once per context group."""
     from rl.rundir import RunDir
-    from test_trainer import (assert_same_step, config, rl_command, run_trainer, torchrun, trainer_metrics,
-                              write_batches)
+    from conftest import rl_command
+    from trainer_runs import assert_same_step, config, run_trainer, torchrun, trainer_metrics, write_batches
 
     one, four = RunDir(tmp_path / "one"), RunDir(tmp_path / "four")
     extra = "[trainer.loss]\nratio_level = \"sequence\"\n"

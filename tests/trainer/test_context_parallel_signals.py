@@ -144,7 +144,7 @@ def write_truncated_batch(run, step: int) -> None:
 
     from rl.batch import Batch, Sample
     from samples import write_batch
-    from test_trainer import BAD, GOOD, LONG, PROMPT
+    from trainer_runs import BAD, GOOD, LONG, PROMPT
 
     rng = np.random.default_rng(step)
     samples = []
@@ -157,11 +157,12 @@ def write_truncated_batch(run, step: int) -> None:
 
 def test_the_sampling_mask_and_per_token_advantages_on_split_rows_equal_one_rank(write_toml, tmp_path):
     """`rl trainer` on two ranks splitting every row (context 2) and on one rank take the same
-    first step (tests/trainer/test_trainer.py assert_same_step's bounds) on a batch of truncated samples
+    first step (tests/trainer_runs.py assert_same_step's bounds) on a batch of truncated samples
     (the sampling mask rebuilds each kept set on the rank holding the position; the misses are
     summed over the group) with per-token advantages; the mask's metrics are the one rank's."""
     from rl.rundir import RunDir
-    from test_trainer import assert_same_step, config, rl_command, run_trainer, torchrun, trainer_metrics
+    from conftest import rl_command
+    from trainer_runs import assert_same_step, config, run_trainer, torchrun, trainer_metrics
 
     one, two = RunDir(tmp_path / "one"), RunDir(tmp_path / "two")
     for run in (one, two):

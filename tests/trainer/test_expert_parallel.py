@@ -29,7 +29,7 @@ TINY_MOE = ROOT / "models" / "tiny-moe"
 # Per MoE layer on a logit's path: q/k/v, scores, values, o, the router, gate/up, down, the
 # weighted sum of top_k outputs (float32_rounding.py's derivation, two more products than dense).
 MOE_LOGIT_ERROR = logit_error(8)
-# tests/trainer/test_trainer.py assert_same_step: reordering a float32 sum of n <= ~400 terms moves it by
+# tests/trainer_runs.py assert_same_step: reordering a float32 sum of n <= ~400 terms moves it by
 # < 3e-5 of their magnitude; a gradient entry is compared within 1e-4 of the largest entry, and a
 # wrongly dispatched token moves entries by a large share of it.
 GRAD_SHARE = 1e-4
@@ -332,13 +332,13 @@ def safetensors_layout(path: Path) -> dict:
 def test_the_trainer_at_ep2_steps_checkpoints_publishes_and_resumes_as_without_ep(tmp_path):
     """Two ranks at trainer.parallel.expert = 2 (routing replay on, activation checkpointing: the
     all-to-alls run again in backward) against one rank: step 1 from the same start equal within
-    tests/trainer/test_trainer.py's derived bounds (loss, gradient norm, each gradient entry, the weights),
+    tests/trainer_runs.py assert_same_step's derived bounds (loss, gradient norm, each gradient entry, the weights),
     read from both DCP checkpoints, which hold the same full tensors by the same names; the
     published weights the same HF names, dtypes and shapes; the EP step-1 checkpoint resumed on one
     rank without EP takes step 2 as the EP run did (within the same bounds); and an EP=2 run
     resumed from it publishes step 2 bit for bit as the uninterrupted EP run did."""
     from rl.rundir import RunDir
-    from test_trainer import assert_same_step, run_trainer, torchrun, trainer_metrics, weights
+    from trainer_runs import assert_same_step, run_trainer, torchrun, trainer_metrics, weights
 
     ep, one = RunDir(tmp_path / "ep"), RunDir(tmp_path / "one")
     for run in (ep, one):
@@ -372,13 +372,13 @@ def test_the_trainer_at_ep2_steps_checkpoints_publishes_and_resumes_as_without_e
 def test_the_trainer_at_data_2_x_expert_2_steps_checkpoints_publishes_and_resumes_as_one_rank(tmp_path):
     """Four ranks, data 2 x expert 2 (trainer.parallel.expert = 2, data filled in: each expert
     shard FSDP2-sharded over its two data replicas), routing replay on and activation
-    checkpointing, against one rank: step 1 within tests/trainer/test_trainer.py's derived bounds (read
+    checkpointing, against one rank: step 1 within tests/trainer_runs.py assert_same_step's derived bounds (read
     from both DCP checkpoints: the same keys, full shapes), the same published safetensors
     layout, every trained token replayed; the one-rank trainer resumed from the 2 x 2 step-1
     checkpoint takes step 2 as the 2 x 2 run did; a 2 x 2 run resumed from it publishes step 2 bit
     for bit as the uninterrupted run."""
     from rl.rundir import RunDir
-    from test_trainer import assert_same_step, run_trainer, torchrun, trainer_metrics, weights
+    from trainer_runs import assert_same_step, run_trainer, torchrun, trainer_metrics, weights
 
     grid, one = RunDir(tmp_path / "grid"), RunDir(tmp_path / "one")
     for run in (grid, one):

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import TINY_MODEL, rl_command
 from rl.rundir import RunDir
-from test_trainer import (BAD, ENV, GOOD, assert_same_step, completion_logprob, run_trainer, torchrun,
+from trainer_runs import (BAD, ENV, GOOD, assert_same_step, completion_logprob, run_trainer, torchrun,
                           trainer_metrics, write_batches)
 
 pytestmark = pytest.mark.slow

@@ -147,7 +147,7 @@ def test_masked_logprobs_keep_their_gradient_on_the_kept_set_only():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from test_end_to_end import launch_server, wait_healthy
+    from programs import launch_server, wait_healthy
 
     tmp = tmp_path_factory.mktemp("sampling_mask")
     proc, url = launch_server(tmp, "inference", CHAT_MODEL, tmp / "run", seq_len=128)
@@ -354,7 +354,7 @@ def test_the_trainer_program_masks_truncated_samples_and_warns_without(sampled, 
     the cause."""
     from conftest import rl_command
     from rl.rundir import RunDir
-    from test_trainer import run_trainer, trainer_metrics
+    from trainer_runs import run_trainer, trainer_metrics
 
     run = RunDir(tmp_path / "run")
     write_batch(sampled, run.rollout_dir(1))

@@ -218,10 +218,10 @@ def test_batches_are_a_function_of_seed_and_step_and_each_pass_sees_every_row_on
 def test_two_ranks_take_the_same_step_as_one(tmp_path, uninterrupted):
     """One SFT step on two ranks (rank 0 prepares the data while rank 1 waits for it in the
     rendezvous) equals the one-rank run's first step within what summing in another order allows
-    (tests/trainer/test_trainer.py assert_same_step derives the bounds)."""
+    (tests/trainer_runs.py assert_same_step derives the bounds)."""
     from conftest import free_port
     from rl.rundir import RunDir
-    from test_trainer import ENV, assert_same_step
+    from trainer_runs import ENV, assert_same_step
 
     two = config(tmp_path / "two", UNINTERRUPTED, steps=1)
     two_ranks = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",

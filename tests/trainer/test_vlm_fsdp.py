@@ -17,7 +17,7 @@ from conftest import ROOT, free_port
 from rl.batch import Batch
 from rl.rundir import RunDir
 from samples import single_turn, write_batch
-from test_trainer import run_trainer, trainer_metrics
+from trainer_runs import run_trainer, trainer_metrics
 
 pytestmark = pytest.mark.slow
 
