@@ -20,7 +20,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from safetensors.torch import load_file
 
 from conftest import ROOT, free_port, rl_command
 from float32_rounding import logit_error
@@ -329,49 +328,11 @@ def safetensors_layout(path: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_the_trainer_at_ep2_steps_checkpoints_publishes_and_resumes_as_without_ep(tmp_path):
-    """Two ranks at trainer.parallel.expert = 2 (routing replay on, activation checkpointing: the
-    all-to-alls run again in backward) against one rank: step 1 from the same start equal within
-    tests/trainer_runs.py assert_same_step's derived bounds (loss, gradient norm, each gradient entry, the weights),
-    read from both DCP checkpoints, which hold the same full tensors by the same names; the
-    published weights the same HF names, dtypes and shapes; the EP step-1 checkpoint resumed on one
-    rank without EP takes step 2 as the EP run did (within the same bounds); and an EP=2 run
-    resumed from it publishes step 2 bit for bit as the uninterrupted EP run did."""
-    from rl.rundir import RunDir
-    from trainer_runs import assert_same_step, run_trainer, torchrun, trainer_metrics, weights
-
-    ep, one = RunDir(tmp_path / "ep"), RunDir(tmp_path / "one")
-    for run in (ep, one):
-        write_moe_batches(run, [1, 2])
-    expert = ["--trainer.parallel.expert", "2"]
-    log = run_trainer(torchrun(2), trainer_args(tmp_path, ep, "ep", expert))
-    run_trainer(rl_command("trainer"), trainer_args(tmp_path, one, "one", ["--max_steps", "1"]))
-    assert_same_step(ep, one, 1)
-    assert safetensors_layout(ep.weights_dir(1)) == safetensors_layout(one.weights_dir(1))
-    replayed = [m["routing_replayed_frac"] for m in trainer_metrics(ep)]
-    assert replayed == [1.0, 1.0], replayed  # every trained token's experts were the record's
-
-    flat = RunDir(tmp_path / "flat")  # the one-rank run's directory again, to resume without EP
-    shutil.copytree(one.root, flat.root)
-    for run in (one, flat):
-        shutil.rmtree(run.checkpoint_dir(1) / "trainer")
-        shutil.copytree(ep.checkpoint_dir(1) / "trainer", run.checkpoint_dir(1) / "trainer")
-    run_trainer(rl_command("trainer"), trainer_args(tmp_path, flat, "flat", ["--resume"]))
-    assert_same_step(ep, flat, 2)  # the EP checkpoint loaded without EP: DCP reshards the experts
-    log = run_trainer(torchrun(2), trainer_args(tmp_path, one, "one", expert + ["--resume"]))
-    assert "resumed from checkpoints/step_1: next batch is 2" in log, log[-3000:]
-    a, b = weights(ep, 2), weights(one, 2)
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
-    assert not torch.equal(weights(ep, 1)["model.layers.0.mlp.experts.gate_up_proj"],
-                           a["model.layers.0.mlp.experts.gate_up_proj"])
-
-
-@pytest.mark.slow
 def test_the_trainer_at_data_2_x_expert_2_steps_checkpoints_publishes_and_resumes_as_one_rank(tmp_path):
     """Four ranks, data 2 x expert 2 (trainer.parallel.expert = 2, data filled in: each expert
-    shard FSDP2-sharded over its two data replicas), routing replay on and activation
+    shard FSDP2-sharded over its two data replicas; the harder layout of the two a trainer step
+    can take with EP: expert 2 alone on two ranks is this without the replicas, and its
+    logprobs and gradients are checked against one rank above), routing replay on and activation
     checkpointing, against one rank: step 1 within tests/trainer_runs.py assert_same_step's derived bounds (read
     from both DCP checkpoints: the same keys, full shapes), the same published safetensors
     layout, every trained token replayed; the one-rank trainer resumed from the 2 x 2 step-1
@@ -404,6 +365,8 @@ def test_the_trainer_at_data_2_x_expert_2_steps_checkpoints_publishes_and_resume
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+    assert not torch.equal(weights(grid, 1)["model.layers.0.mlp.experts.gate_up_proj"],
+                           a["model.layers.0.mlp.experts.gate_up_proj"])  # the experts trained
 
 
 def test_the_fsdp2_internals_the_expert_mesh_uses_take_what_it_passes():
