@@ -20,11 +20,15 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import aiohttp
 from aiohttp import web
 
-from conftest import free_port
+from conftest import TINY_MODEL, free_port
+from rl.config import RunConfig
 from rl.heartbeat import current_instance
+from rl.inference_api import InferenceClient, connector
 from tasks.reverse import ALPHABET
+
 
 LETTER_IDS = range(3, 29)  # the tiny model's char vocabulary: a-z
 EOS = 1
@@ -289,6 +293,23 @@ async def start(server: FakeServer, port: int) -> web.AppRunner:
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     return runner
+
+
+def tiny_config(**orchestrator) -> RunConfig:
+    """The tiny model's run config with these [orchestrator] settings."""
+    return RunConfig.model_validate({"model": str(TINY_MODEL), "seq_len": 64, "orchestrator": orchestrator})
+
+
+async def with_server(server: FakeServer, body):
+    """`body(client, session)` against `server` on a free port (an InferenceClient of ours)."""
+    port = free_port()
+    runner = await start(server, port)
+    try:
+        async with aiohttp.ClientSession(connector=connector()) as session:
+            client = InferenceClient(f"http://127.0.0.1:{port}", session)
+            return await body(client, session)
+    finally:
+        await runner.cleanup()
 
 
 if __name__ == "__main__":  # a null server for benchmarks/orchestrator_throughput.py

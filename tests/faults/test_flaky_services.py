@@ -19,7 +19,7 @@ from aiohttp import web
 import fake_inference
 from fake_inference import FakeServer, score_over_http
 from orchestrator.rewards.registry import make_reward
-from test_scheduling import DATASET, check_rules, run_scenario
+from scenarios import DATASET, check_rules, run_scenario
 
 SWAP_WARNING = "the hung threads are leaked"
 HANG_GUARD_S = 60  # a scenario that has not ended by then hangs (none takes a second when right)

@@ -33,7 +33,7 @@ from orchestrator.servers.delivery import ANSWER_MARGIN_S
 from orchestrator.orchestrator import Orchestrator
 from rl.rundir import RunDir, mark_stable
 from programs import launch_server, wait_healthy
-from test_scheduling import Collect, make_config
+from scenarios import Collect, make_config
 from test_scheduling_vllm import copying_trainer
 from rl.inference_api import connector
 

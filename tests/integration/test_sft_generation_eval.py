@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import free_port, rl_command
-from test_sft import CHAT_MODEL, config, records, sft
+from sft_runs import CHAT_MODEL, config, records, sft
 
 pytestmark = pytest.mark.slow
 

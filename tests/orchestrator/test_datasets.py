@@ -18,19 +18,18 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import TINY_MODEL
-from fake_inference import FakeServer
+from fake_inference import FakeServer, with_server
+from orchestrator.prompts.dataset_mix import Source, mix
 from orchestrator.prompts.queue import PromptQueue, decode_state, encode_state
-from orchestrator.rollout.groups import Rollouts
+from orchestrator.prompts.tables import load_table
+from orchestrator.rendering.tokenizer import load_tokenizer
 from orchestrator.rewards.registry import make_reward
 from orchestrator.rewards.reward import combine
-from orchestrator.prompts.dataset_mix import Source, mix
+from orchestrator.rollout.groups import Rollouts
+from rl.config import ConfigError, RunConfig
+from rl.inference_api import connector
 from tasks import gym_tasks
 from tasks.math_answer import reward as math_reward
-from orchestrator.rendering.tokenizer import load_tokenizer
-from rl.config import ConfigError, RunConfig
-from orchestrator.prompts.tables import load_table
-from test_rollouts import with_server
-from rl.inference_api import connector
 
 
 def write_jsonl(path, rows, extra_lines=()):

@@ -9,15 +9,15 @@ import aiohttp
 import pytest
 
 from conftest import TINY_MODEL
-from fake_inference import FakeServer
+from fake_inference import FakeServer, with_server
 from orchestrator.evaluation.held_out import Evaluation, pass_at_k
-from orchestrator.rollout.groups import Rollouts
-from orchestrator.rewards.registry import make_reward
 from orchestrator.prompts.dataset_mix import Source
 from orchestrator.rendering.tokenizer import load_tokenizer
+from orchestrator.rewards.registry import make_reward
+from orchestrator.rollout.groups import Rollouts
 from rl.config import ConfigError, RunConfig, load_config
-from test_rollouts import with_server
 from rl.inference_api import connector
+
 
 SEEN: dict[str, list[float]] = {}
 

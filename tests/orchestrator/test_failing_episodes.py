@@ -13,17 +13,17 @@ import itertools
 import pytest
 
 from conftest import ROOT
-from fake_inference import FakeServer
+from fake_inference import FakeServer, tiny_config, with_server
+from orchestrator.prompts.queue import Prompt
+from orchestrator.rendering.tokenizer import load_tokenizer
 from orchestrator.rollout.advantages import group_advantages
 from orchestrator.rollout.environment import Turn
-from orchestrator.prompts.queue import Prompt
 from orchestrator.rollout.groups import Rollouts
-from tasks.calculator_agent import CalculatorAgent
-from orchestrator.rendering.tokenizer import load_tokenizer
 from rl.config import load_config
 from rl.inference_api import GeneratedSample, GenerateResponse
-from test_rollouts import config, with_server
-from test_scheduling import DATASET, run_scenario
+from scenarios import DATASET, run_scenario
+from tasks.calculator_agent import CalculatorAgent
+
 
 DOOMED = "doomed"
 
@@ -105,7 +105,7 @@ def test_a_group_left_below_min_group_episodes_fails_as_before():
 
 def test_min_group_episodes_above_group_size_is_refused():
     with pytest.raises(ValueError, match="more than group_size"):
-        config(scheduling={"group_size": 4, "min_group_episodes": 5})
+        tiny_config(scheduling={"group_size": 4, "min_group_episodes": 5})
 
 
 class SometimesRaising:
@@ -132,7 +132,7 @@ class SometimesRaising:
 
 
 def test_a_text_environment_whose_step_raises_costs_that_episode():
-    cfg = config(environment={"class": "test_failing_episodes:SometimesRaising", "max_turns": 2},
+    cfg = tiny_config(environment={"class": "test_failing_episodes:SometimesRaising", "max_turns": 2},
                  sampling={"max_tokens": 2}, scheduling={"group_size": 4})
 
     async def body(client, session):

@@ -12,7 +12,7 @@ import sys
 from conftest import ROOT, TINY_MODEL, free_port
 from fake_inference import FakeServer, start
 from rl.rundir import RunDir
-from test_scheduling import fake_trainer
+from scenarios import fake_trainer
 
 HEAVY = ("torch", "triton", "vllm", "transformers")
 # `python -m asyncrl ...`, plus a report of the heavy modules loaded by the time the interpreter exits

@@ -12,39 +12,25 @@ import pytest
 from aiohttp import web
 
 from conftest import TINY_MODEL, free_port
-from fake_inference import FakeServer, score_over_http, start
-from orchestrator.rollout.environment import Turn
+from fake_inference import FakeServer, score_over_http, start, tiny_config, with_server
+from orchestrator.prompts.dataset_mix import Source
 from orchestrator.prompts.queue import Prompt
-from orchestrator.rollout.groups import Rollouts
+from orchestrator.rendering.tokenizer import load_tokenizer
 from orchestrator.rewards.registry import make_reward
 from orchestrator.rewards.reward import Teacher
-from orchestrator.prompts.dataset_mix import Source
-from tasks.guess_letter import Game, GuessLetter
-from orchestrator.rendering.tokenizer import load_tokenizer
+from orchestrator.rollout.environment import Turn
+from orchestrator.rollout.groups import Rollouts
 from rl.config import RunConfig
 from rl.inference_api import InferenceClient, connector
+from tasks.guess_letter import Game, GuessLetter
+
 
 TOKENIZER = load_tokenizer(str(TINY_MODEL))
-
 
 
 def unscored_sources(cfg: RunConfig) -> dict[str, Source]:
     """The config's datasets with no reward (every rollout scores 0)."""
     return {d.name: Source(d, cfg.seed) for d in cfg.orchestrator.resolved_datasets()}
-
-def config(**orchestrator) -> RunConfig:
-    return RunConfig.model_validate({"model": str(TINY_MODEL), "seq_len": 64, "orchestrator": orchestrator})
-
-
-async def with_server(server: FakeServer, body):
-    port = free_port()
-    runner = await start(server, port)
-    try:
-        async with aiohttp.ClientSession(connector=connector()) as session:
-            client = InferenceClient(f"http://127.0.0.1:{port}", session)
-            return await body(client, session)
-    finally:
-        await runner.cleanup()
 
 
 def test_guess_letter_game():
@@ -71,7 +57,7 @@ class AlwaysWrong:
 
 
 def test_multi_turn_episode_interleaves_model_and_environment_tokens():
-    cfg = config(environment={"class": "test_rollouts:AlwaysWrong", "max_turns": 3}, sampling={"max_tokens": 2},
+    cfg = tiny_config(environment={"class": "test_rollouts:AlwaysWrong", "max_turns": 3}, sampling={"max_tokens": 2},
                  scheduling={"group_size": 2})
     server = FakeServer()
 
@@ -139,7 +125,7 @@ def test_a_reward_that_times_out_fails_its_rollouts(spec):
 def test_teacher_logprobs_become_per_token_advantages():
     """The fake policy samples every token at logprob -3.2 and the fake teacher scores every
     token at -0.5: each model token gains coef * (-0.5 - -3.2) on top of its reward advantage."""
-    cfg = config(scheduling={"group_size": 2}, sampling={"max_tokens": 4}, teacher={"url": "http://unused", "coef": 0.5},
+    cfg = tiny_config(scheduling={"group_size": 2}, sampling={"max_tokens": 4}, teacher={"url": "http://unused", "coef": 0.5},
                  datasets=[{"name": "data", "function": "tasks.reverse:dataset"}])  # no reward: the teacher alone
     policy, teacher = FakeServer(), FakeServer()
 

@@ -26,7 +26,7 @@ from orchestrator.orchestrator import Orchestrator
 from rl.batch import Batch
 from rl.rundir import RunDir, mark_stable
 from programs import launch_server, wait_healthy
-from test_scheduling import Collect, Outcome, check_rules, make_config
+from scenarios import Collect, Outcome, check_rules, make_config
 from rl.inference_api import connector
 
 pytestmark = pytest.mark.slow

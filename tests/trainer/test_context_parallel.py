@@ -257,7 +257,7 @@ def test_sft_with_context_parallelism(tmp_path):
     """`rl sft` on two ranks splitting every row (trainer.parallel.context = 2) takes the same first
     step as one rank (tests/trainer_runs.py assert_same_step's bounds), its metrics counted once."""
     from rl.rundir import RunDir
-    from test_sft import UNINTERRUPTED, config
+    from sft_runs import UNINTERRUPTED, config
     from trainer_runs import ENV, assert_same_step
 
     one, two = config(tmp_path / "one", UNINTERRUPTED, steps=1), config(tmp_path / "two", UNINTERRUPTED, steps=1)

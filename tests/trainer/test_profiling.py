@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from test_sft import REVERSE, config, sft
+from sft_runs import REVERSE, config, sft
 
 
 def test_a_profiled_window_writes_its_table_trace_and_one_line(tmp_path):

@@ -4,7 +4,6 @@ in a real process, weights a transformers model loads, exact --resume after a SI
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,42 +15,7 @@ from safetensors.numpy import load_file
 from conftest import ROOT, TINY_MODEL, rl_command
 from float32_rounding import LOGIT_ERROR, float64_logprobs, gamma, log_softmax_error, logit_error
 from rl.sft_data import SftData, batch_rows
-
-CHAT_MODEL = TINY_MODEL.parent / "tiny-chat"
-
-
-def sft(cfg: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(rl_command("sft", "@", str(cfg), *args), capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **(env or {})})
-
-
-def config(tmp_path: Path, body: str, model: Path = TINY_MODEL, steps: int = 20) -> Path:
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    path = tmp_path / "sft.toml"
-    path.write_text(f'model = "{model}"\noutput_dir = "{tmp_path / "run"}"\nmax_steps = {steps}\nseq_len = 64\n'
-                    "[trainer]\ntorch_threads = 1\n" + body)
-    return path
-
-
-def records(run: Path, program: str) -> list[dict]:
-    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["program"] == program]
-
-
-REVERSE = """[trainer.optim]
-lr = 1e-4  # 1e-3 overshoots: this model is trained already (held-out loss 2.14 -> 2.32 in 20 steps)
-[sft]
-batch_size = 16
-eval_every = 10
-[[sft.datasets]]
-function = "tasks.reverse:dataset"
-size = 400
-completion_key = "answer"
-[[sft.eval_datasets]]
-name = "heldout"
-function = "tasks.reverse:dataset"
-seed = 7
-completion_key = "answer"
-"""
+from sft_runs import CHAT_MODEL, REVERSE, UNINTERRUPTED, config, records, sft
 
 
 def test_sft_learns_and_publishes_a_model_transformers_loads(tmp_path):
@@ -169,11 +133,6 @@ def test_bad_rows_are_counted_one_line_per_kind_and_a_dataset_without_usable_row
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("rl sft: sft.datasets chats: none of its first rows is usable")
-
-
-# Checkpointed every step (step 1's checkpoint is what the two-rank test compares with); a
-# checkpoint changes nothing the run computes, so its weights are those of the killed run's too.
-UNINTERRUPTED = "[checkpoints]\nevery = 1\nkeep = 6\n" + REVERSE.replace("eval_every = 10", "eval_every = 0")
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from rl.config import RunConfig
 from rl.config.datasets import DatasetConfig
 from rl.sft_data import SftData
 from tasks import shapes
-from test_sft import config, records, sft
+from sft_runs import config, records, sft
 from test_vlm_prompts import data_url, part, picture
 
 MODEL = ROOT / "models" / "tiny-vlm"
