@@ -55,12 +55,43 @@ def packed_batch() -> Batch:
     return Batch.from_samples(1, samples)
 
 
-def worker(rank: int, world: int, context: int, port: int, opts: dict, out: str) -> None:
-    """One rank: the micro-batch's logprobs and the gradients of its loss, saved by rank 0.
-    opts["moe"]: models/tiny-moe (its own routing) instead of the dense model; opts["expert"]:
-    its experts split over that many ranks (trainer/expert_parallel.py)."""
+# Every case of a world size runs in one spawn of that many ranks: a rank's start (torch,
+# transformers, our trainer imported afresh: ~6 CPU s) was most of this file's time when each
+# case spawned its own (29 rank starts, ~180 CPU s; now 7). Each case: (context, opts).
+CASES = {
+    1: [(1, {}), (1, {"checkpointing": True, "lora": True}), (1, {"moe": True})],
+    2: [(2, {}), (2, {"checkpointing": True, "lora": True}), (2, {"moe": True}),
+        (2, {"broken": "keys_before"}), (2, {"broken": "local_positions"})],
+    4: [(4, {}), (2, {}), (2, {"moe": True, "expert": 2}), (2, {"moe": True, "expert": 2, "broken": "expert_group"})],
+}
+
+
+def case_name(world: int, context: int, opts: dict) -> str:
+    return f"w{world}_cp{context}_" + "_".join(f"{k}{v}" for k, v in sorted(opts.items()))
+
+
+def worker(rank: int, world: int, port: int, out: str) -> None:
+    """One rank of every case of its world size, in order (every rank runs the same sequence:
+    each case builds its meshes anew on the one process group)."""
     import torch.distributed as dist
 
+    from trainer import context_parallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    parts = context_parallel._parts
+    for context, opts in CASES[world]:
+        try:
+            one_case(rank, world, context, opts, f"{out}/{case_name(world, context, opts)}.safetensors")
+        finally:
+            context_parallel._parts = parts  # a broken case's split stays with it
+    dist.destroy_process_group()
+
+
+def one_case(rank: int, world: int, context: int, opts: dict, out: str) -> None:
+    """The micro-batch's logprobs and the gradients of its loss, saved by rank 0.
+    opts["moe"]: models/tiny-moe (its own routing) instead of the dense model; opts["expert"]:
+    its experts split over that many ranks (trainer/expert_parallel.py)."""
     from rl.config import LoRAConfig, LossConfig, ParallelConfig
     from trainer import context_parallel
     from trainer.data import loss_weights, rank_micro_batches
@@ -70,8 +101,6 @@ def worker(rank: int, world: int, context: int, port: int, opts: dict, out: str)
     from trainer.model import micro_batch_logprobs
     from trainer.parallel import apply_fsdp, build_layout
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     layout = build_layout(ParallelConfig(context=context, expert=opts.get("expert", 1)), torch.device("cpu"))
     if opts.get("broken") == "keys_before":  # a share's queries miss the keys of earlier shares
         context_parallel._parts = lambda q0, q1, s, start: [(start + q0, start + q1, True)]
@@ -133,14 +162,24 @@ def worker(rank: int, world: int, context: int, port: int, opts: dict, out: str)
         save_file({"logprobs": logprobs.detach().clone(), "entropy": entropy.detach().clone(),
                    "loss": loss.detach()[None], "scale": max(scales)[None],
                    "mask": mb.loss_mask, **{f"grad.{n}": g.contiguous() for n, g in grads.items()}}, out)
-    dist.destroy_process_group()
 
 
-def run(world: int, context: int, tmp_path, **opts) -> dict[str, torch.Tensor]:
-    out = str(tmp_path / f"cp{context}_{world}_{'_'.join(f'{k}{v}' for k, v in sorted(opts.items()))}.safetensors")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    mp.spawn(worker, args=(world, context, free_port(), opts, out), nprocs=world, join=True)
-    return load_file(out)
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """run(world, context, **opts): that case's results; the first case asked of a world size
+    spawns its ranks once for all of that world's CASES."""
+    out = tmp_path_factory.mktemp("cases")
+    spawned: set[int] = set()
+
+    def result(world: int, context: int, **opts) -> dict[str, torch.Tensor]:
+        assert (context, opts) in CASES[world], (world, context, opts)
+        if world not in spawned:
+            os.environ["OMP_NUM_THREADS"] = "1"
+            mp.spawn(worker, args=(world, free_port(), str(out)), nprocs=world, join=True)
+            spawned.add(world)
+        return load_file(out / f"{case_name(world, context, opts)}.safetensors")
+
+    return result
 
 
 def assert_equal_within_rounding(got: dict, want: dict, chained: int = CHAINED) -> None:
@@ -164,29 +203,28 @@ def assert_equal_within_rounding(got: dict, want: dict, chained: int = CHAINED) 
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    path = tmp_path_factory.mktemp("cp1")
-    return {opts: run(1, 1, path, **dict(opts)) for opts in [(), (("checkpointing", True), ("lora", True))]}
+def reference(run):
+    return {opts: run(1, 1, **dict(opts)) for opts in [(), (("checkpointing", True), ("lora", True))]}
 
 
 @pytest.mark.parametrize("context", [2, 4])
-def test_context_parallel_equals_one_rank(context, reference, tmp_path):
-    got = run(context, context, tmp_path)
+def test_context_parallel_equals_one_rank(context, reference, run):
+    got = run(context, context)
     assert_equal_within_rounding(got, reference[()])
     # The comparison is sharp: some gradient entries are far from zero.
     assert max(float(v.abs().max()) for k, v in got.items() if k.startswith("grad.")) > 1e-3
 
 
-def test_context_parallel_with_lora_and_checkpointing(reference, tmp_path):
-    got = run(2, 2, tmp_path, checkpointing=True, lora=True)
+def test_context_parallel_with_lora_and_checkpointing(reference, run):
+    got = run(2, 2, checkpointing=True, lora=True)
     want = reference[(("checkpointing", True), ("lora", True))]
     assert any(k.startswith("grad.") and ".lora." in k for k in want)
     assert_equal_within_rounding(got, want)
 
 
-def test_data_and_context_ranks_together(reference, tmp_path):
+def test_data_and_context_ranks_together(reference, run):
     """World 4 = data 2 x context 2: each context pair trains its share of the batch."""
-    got = run(4, 2, tmp_path)
+    got = run(4, 2)
     want = reference[()]
     # The data ranks' samples differ, so only the summed gradient compares: rank 0's logprobs are
     # its own samples'.
@@ -196,28 +234,28 @@ def test_data_and_context_ranks_together(reference, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def moe_reference(tmp_path_factory):
-    return run(1, 1, tmp_path_factory.mktemp("moe1"), moe=True)
+def moe_reference(run):
+    return run(1, 1, moe=True)
 
 
-def test_a_moe_model_under_context_parallelism_equals_one_rank(moe_reference, tmp_path):
+def test_a_moe_model_under_context_parallelism_equals_one_rank(moe_reference, run):
     """models/tiny-moe with every row split over 2 context ranks: each rank's routers and experts
     see its share of the tokens (routing is per token), and the logprobs and every gradient equal
     one rank's within the float64 bound (MoE's products counted)."""
-    got = run(2, 2, tmp_path, moe=True)
+    got = run(2, 2, moe=True)
     assert any(".experts." in k for k in got)
     assert_equal_within_rounding(got, moe_reference, chained=MOE_CHAINED)
 
 
-def test_context_2_x_expert_2_equals_one_rank(moe_reference, tmp_path):
+def test_context_2_x_expert_2_equals_one_rank(moe_reference, run):
     """World 4 = context 2 x expert 2 (data 1): the two expert ranks train different samples,
     each row split over a context pair; experts split 2 + 2 across each expert group and
     FSDP2-sharded over the context pair (their "expert_data" dim). The summed gradients (experts
     included) equal one rank's on the whole batch, within the float64 bound; a dispatch within
     the wrong group (the context pair, which holds the same experts) fails it."""
-    got = run(4, 2, tmp_path, moe=True, expert=2)
+    got = run(4, 2, moe=True, expert=2)
     assert_same_gradients(got, moe_reference, MOE_CHAINED)
-    wrong = run(4, 2, tmp_path, moe=True, expert=2, broken="expert_group")
+    wrong = run(4, 2, moe=True, expert=2, broken="expert_group")
     with pytest.raises(AssertionError, match="differ by"):
         assert_same_gradients(wrong, moe_reference, MOE_CHAINED)
 
@@ -234,8 +272,8 @@ def assert_same_gradients(got: dict, want: dict, chained: int) -> None:
 
 
 @pytest.mark.parametrize("broken", ["keys_before", "local_positions"])
-def test_a_wrong_split_is_caught(broken, reference, tmp_path):
-    got = run(2, 2, tmp_path, broken=broken)
+def test_a_wrong_split_is_caught(broken, reference, run):
+    got = run(2, 2, broken=broken)
     with pytest.raises(AssertionError, match="differ by"):
         assert_equal_within_rounding(got, reference[()])
 
