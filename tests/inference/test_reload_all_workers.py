@@ -37,12 +37,12 @@ from inference.adapters import AdaptersOff
 from inference.generation import Generations
 from inference.reload import ServedWeights
 from inference.worker_extension import WeightReloadExtension
-from rl.weights import broadcast as bc
-from rl.weights import delta as wd
 from rl.config import RunConfig
 from rl.inference_api import InitBroadcasterRequest, UpdateWeightsRequest
 from rl.rundir import RunDir, mark_stable
-from test_weight_delta import EMBED, publisher, step_tensors
+from rl.weights import broadcast as bc
+from rl.weights import delta as wd
+from weight_versions import EMBED, publisher, step_tensors
 
 
 class Worker(WeightReloadExtension):

@@ -16,29 +16,24 @@ inference/delta_reload.py DeltaFiles, staging.py delta_files).
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import httpx
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import ROOT, TINY_MODEL
-from rl.weights import delta as wd
 from rl.config import RunConfig
 from rl.rundir import STABLE, RunDir
-
-PROMPTS = ([3, 4, 5, 29], [10, 11, 29], [28, 27, 26, 25, 29])
-EMBED = "model.embed_tokens.weight"
+from rl.weights import delta as wd
+from weight_versions import EMBED, detail, greedy, publisher, serving, step_tensors, update
 
 
 # --- the format -------------------------------------------------------------------------------
@@ -112,40 +107,6 @@ def test_a_bad_full_every_exits_2_with_one_line(tmp_path):
 # --- the trainer's side -----------------------------------------------------------------------
 
 
-def step_tensors(step: int) -> dict[str, torch.Tensor]:
-    """The tiny model's tensors after `step` sparse updates (3% of each tensor's values a step,
-    the same ones moved again at times): what gather_full_state_dict hands over, lm_head included."""
-    tensors = dict(_stepped(step))
-    return {**tensors, "lm_head.weight": tensors[EMBED]}
-
-
-@functools.lru_cache(maxsize=None)
-def _stepped(step: int) -> tuple[tuple[str, torch.Tensor], ...]:
-    """Each step from the one before (cached: the tests ask for the same steps many times)."""
-    if step <= 1:
-        return tuple(sorted(load_file(TINY_MODEL / "model.safetensors").items()))
-    g = torch.Generator().manual_seed(step)
-    out = []
-    for name, t in _stepped(step - 1):
-        t = t.clone()
-        flat = t.view(-1)
-        picked = torch.rand(flat.shape, generator=g) < 0.03
-        flat[picked] += 0.05 * torch.randn(int(picked.sum()), generator=g)
-        out.append((name, t))
-    return tuple(out)
-
-
-def publisher(run: RunDir, full_every: int = 8, keep: int = 3):
-    from trainer.publish import FilePublisher
-
-    cfg = RunConfig.model_validate({"model": str(TINY_MODEL), "output_dir": str(run.root),
-                                    "inference": {"dtype": "float32"},
-                                    "weight_sync": {"delta": True, "full_every": full_every},
-                                    "trainer": {"files": {"keep_weights": keep}}})
-    pub = FilePublisher(0, None, cfg, run, tied=True)
-    return pub, SimpleNamespace(cfg=cfg, run=run)
-
-
 def test_the_publisher_writes_full_then_deltas_and_keeps_their_base(tmp_path):
     run = RunDir(tmp_path / "run")
     run.make()
@@ -178,7 +139,7 @@ import sys
 from pathlib import Path
 sys.path[:0] = [{here!r}, {tests!r}, {src!r}]
 from rl.rundir import RunDir
-from test_weight_delta import publisher, step_tensors
+from weight_versions import publisher, step_tensors
 run = RunDir({root!r})
 pub, policy = publisher(run)
 for step in (1, 2, 3):
@@ -235,32 +196,6 @@ def server(tmp_path_factory):
         yield SimpleNamespace(proc=proc, url=url, run=run, tmp=tmp, publisher=pub)
     finally:
         proc.stop()
-
-
-def update(url: str, path: Path, version: int) -> tuple[int, str]:
-    r = httpx.post(f"{url}/update_weights", json={"path": str(path), "version": version, "mode": "wait"}, timeout=120)
-    return r.status_code, r.text
-
-
-def greedy(url: str) -> list[tuple[list[int], list[float]]]:
-    out = []
-    for i, prompt in enumerate(PROMPTS):
-        r = httpx.post(f"{url}/generate", timeout=60, json={"request_id": f"g{time.monotonic_ns()}-{i}",
-                                                            "prompt_token_ids": list(prompt), "max_tokens": 12,
-                                                            "temperature": 0})
-        assert r.status_code == 200, r.text
-        sample = r.json()["samples"][0]
-        out.append((sample["token_ids"], sample["logprobs"]))
-    return out
-
-
-def detail(text: str) -> str:
-    """The message of an error answer (vLLM's handler renders every HTTPException)."""
-    return json.loads(text)["error"]["message"]
-
-
-def serving(url: str) -> int:
-    return httpx.get(f"{url}/health", timeout=10).json()["version"]
 
 
 @pytest.mark.slow

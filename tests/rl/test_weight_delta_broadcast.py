@@ -15,11 +15,12 @@ import pytest
 from safetensors.torch import save_file
 
 from conftest import TINY_MODEL, free_port
-from rl.weights import broadcast as bc
-from rl.weights import delta as wd
 from rl.config import RunConfig
 from rl.rundir import STABLE, RunDir
-from test_weight_delta import detail, greedy, step_tensors, update
+from rl.weights import broadcast as bc
+from rl.weights import delta as wd
+from weight_versions import detail, greedy, step_tensors, update
+
 
 pytestmark = pytest.mark.slow
 
