@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from test_prometheus_metrics import exported_names, names_in
+from prometheus_names import exported_names, names_in
+
 
 RULES = ROOT / "deploy" / "prometheus" / "asyncrl_rules.yml"
 TESTS = RULES.with_name("asyncrl_rules_test.yml")

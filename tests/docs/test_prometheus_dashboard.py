@@ -5,35 +5,12 @@ vLLM's panels, every query naming only metrics the code exports or vLLM serves.
 
 from __future__ import annotations
 
-import json
 import re
 
-from conftest import ROOT
-from test_prometheus_metrics import exported_names, names_in
+from prometheus_names import dashboard, exported_names, expressions, names_in, rows
 
-DASHBOARD = ROOT / "deploy" / "grafana" / "asyncrl.json"
+
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
-
-
-def dashboard() -> dict:
-    return json.loads(DASHBOARD.read_text())
-
-
-def rows() -> dict[str, list[dict]]:
-    """Each row's title: the panels under it."""
-    out: dict[str, list[dict]] = {}
-    current = None
-    for panel in dashboard()["panels"]:
-        if panel["type"] == "row":
-            current = out.setdefault(panel["title"], [])
-        else:
-            assert current is not None, f"{panel['title']}: above every row"
-            current.append(panel)
-    return out
-
-
-def expressions() -> list[str]:
-    return [t["expr"] for panels in rows().values() for p in panels for t in p["targets"]]
 
 
 def test_importable_as_it_is():

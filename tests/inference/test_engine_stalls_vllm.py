@@ -25,17 +25,18 @@ from pathlib import Path
 
 import aiohttp
 import httpx
-import psutil
 import pytest
 
 from conftest import TINY_MODEL
-from orchestrator.servers.delivery import ANSWER_MARGIN_S
+from engine_processes import engine_core
 from orchestrator.orchestrator import Orchestrator
-from rl.rundir import RunDir, mark_stable
+from orchestrator.servers.delivery import ANSWER_MARGIN_S
 from programs import launch_server, wait_healthy
+from rl.inference_api import connector
+from rl.rundir import RunDir, mark_stable
 from scenarios import Collect, make_config
 from test_scheduling_vllm import copying_trainer
-from rl.inference_api import connector
+
 
 pytestmark = pytest.mark.slow
 
@@ -89,13 +90,6 @@ def long_server(tmp_path):
         yield model, url, proc
     finally:
         proc.stop()
-
-
-def engine_core(proc) -> psutil.Process:
-    """The server's engine-core process (vLLM names it VLLM::EngineCore)."""
-    cores = [p for p in psutil.Process(proc.proc.pid).children(recursive=True) if "EngineCore" in p.name()]
-    assert len(cores) == 1, [p.name() for p in psutil.Process(proc.proc.pid).children(recursive=True)]
-    return cores[0]
 
 
 def health(url: str) -> httpx.Response:

@@ -20,9 +20,10 @@ from fastapi.testclient import TestClient
 
 from conftest import TINY_MODEL
 from float32_rounding import logit_error
+from programs import start_server
 from rl.config import RunConfig
 from rl.rundir import RunDir
-from programs import start_server
+
 
 pytestmark = pytest.mark.slow
 
@@ -306,7 +307,7 @@ def test_load_refusals(server, adapters):
 def test_unload_waits_for_no_generate_and_a_name_can_be_loaded_again(server, adapters):
     import signal
 
-    from test_engine_stalls_vllm import engine_core
+    from engine_processes import engine_core
 
     url, refs = server["url"], server["refs"]
     adapters(a=1, b=2)

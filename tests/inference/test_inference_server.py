@@ -17,10 +17,12 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from conftest import TINY_MODEL
+from programs import Program, launch_server, wait_healthy
 from rl.heartbeat import server_heartbeat_path
 from rl.inference_api import connector
 from rl.rundir import RunDir
-from programs import Program, launch_server, wait_healthy
+from server_calls import post, wait_running
+
 
 pytestmark = pytest.mark.slow
 
@@ -76,33 +78,10 @@ async def _warm_up(url: str) -> None:
         await generate(s, url, "warm-up", n=MAX_NUM_SEQS, **LONG)
 
 
-async def post(s: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, dict]:
-    async with s.post(url, json=body) as r:
-        return r.status, await r.json()
-
-
 async def generate(s, url: str, request_id: str, **body) -> dict:
     status, data = await post(s, f"{url}/generate", {"request_id": request_id, **body})
     assert status == 200, data
     return data
-
-
-async def wait_running(s, url: str, done, timeout: float = 30.0,
-                       task: asyncio.Task | None = None) -> float | None:
-    """Poll vLLM's own gauge of requests the engine runs (Prometheus /metrics) until
-    done(count); returns the seconds it took, or None if `task` ended first."""
-    start = time.perf_counter()
-    while True:
-        async with s.get(f"{url}/metrics") as r:
-            text = await r.text()
-        count = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                    if line.startswith("vllm:num_requests_running{"))
-        if done(count):
-            return time.perf_counter() - start
-        if task is not None and task.done():
-            return None
-        assert time.perf_counter() - start < timeout, f"vllm:num_requests_running stuck at {count}"
-        await asyncio.sleep(0.005)
 
 
 async def all_running(s, url: str, request_id: str, attempts: int = 3) -> asyncio.Task:

@@ -16,12 +16,13 @@ import openai
 import pytest
 
 from conftest import ROOT, free_port, rl_command
-from tasks.calculator import Calculator, rows
 from orchestrator.rollout.tool_functions import Tool
+from programs import launch_server, wait_healthy
 from rl.inference_api import connector
 from rl.rundir import RunDir
-from programs import launch_server, wait_healthy
-from test_inference_server import post, wait_running
+from server_calls import post, wait_running
+from tasks.calculator import Calculator, rows
+
 
 pytestmark = pytest.mark.slow
 

@@ -42,17 +42,18 @@ from fastapi import HTTPException
 from safetensors.torch import load_file, save_file
 
 from conftest import TINY_MODEL
+from engine_processes import engine_core
 from inference.access import WeightRoots
 from inference.adapters import AdaptersOff
 from inference.generation import Generations
 from inference.reload import ServedWeights
 from inference.reload_failure import Overdue
 from inference.reload_kinds import FilesReload
+from programs import launch_server, wait_healthy
 from rl.config import load_config
 from rl.inference_api import UpdateWeightsRequest, connector
 from rl.rundir import RunDir, mark_stable
-from programs import launch_server, wait_healthy
-from test_engine_stalls_vllm import engine_core
+
 
 SEQ_LEN = 1024  # the tiny model allowed 1,024 positions: a long greedy request runs for a second or more
 Z = 28  # "z": greedy, the tiny model writes "z" after "z" until max_tokens

@@ -19,7 +19,8 @@ from conftest import ROOT, free_port, rl_command
 from float32_rounding import U, float64_logprobs
 from rl.batch import Batch
 from rl.rundir import RunDir
-from test_tracking import scalars
+from tracker_files import scalars
+
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,8 @@ import pytest
 import yaml
 
 from conftest import ROOT, free_port, rl_command
-from test_prometheus_dashboard import expressions
+from prometheus_names import expressions
+
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("prometheus") is None,

@@ -19,6 +19,7 @@ import torch
 from fastapi import HTTPException
 
 from conftest import ROOT, TINY_MODEL, free_port, rl_command
+from prometheus_names import names_in
 from rl import prometheus
 from rl.config import RunConfig
 
@@ -27,24 +28,6 @@ import metrics_doc  # noqa: E402
 
 # Labels a series may carry of its own; run, rank, host and program come from the target file.
 BOUNDED_LABELS = {"outcome", "name", "kind", "code"}
-VLLM_LOGGERS = next((ROOT / ".venv" / "lib").glob("python3*/site-packages/vllm/v1/metrics/loggers.py"))
-
-
-def vllm_names() -> set[str]:
-    """The metric names vLLM's own /metrics serves (its Prometheus stat logger's source)."""
-    names = set(re.findall(r'name="(vllm:[a-z0-9_:]+)"', VLLM_LOGGERS.read_text()))
-    return {n + s for n in names for s in ("", "_total", "_bucket", "_sum", "_count")}
-
-
-def exported_names() -> set[str]:
-    """Every name a scrape of the three programs can show (asyncrl's and vLLM's)."""
-    ours = {shown for _, name, kind, _, _ in metrics_doc.metrics() for shown in metrics_doc.exposed(name, kind)}
-    return ours | vllm_names()
-
-
-def names_in(expr: str) -> set[str]:
-    """The metric names a PromQL expression reads."""
-    return set(re.findall(r"(?<![\w:])(asyncrl_\w+|vllm:[\w:]+|up)(?![\w:(])", expr))
 
 
 def test_names_follow_prometheus_conventions():

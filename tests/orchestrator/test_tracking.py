@@ -8,12 +8,10 @@ import logging
 import threading
 import time
 
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from tensorboard.util.tensor_util import make_ndarray
-
+from orchestrator.reporting.tracking import Tracker
 from rl.config import RunConfig
 from rl.rundir import RunDir, write_file_atomic
-from orchestrator.reporting.tracking import Tracker
+from tracker_files import scalars
 
 
 def config(tmp_path, **tracking) -> RunConfig:
@@ -24,15 +22,6 @@ def config(tmp_path, **tracking) -> RunConfig:
 def append(run: RunDir, *records) -> None:
     for r in records:
         run.append_metrics(r)
-
-
-def scalars(directory) -> dict[str, list[tuple[int, float]]]:
-    """What TensorBoard's own reader finds (its summary API stores scalars as tensors), all of it:
-    by default the reader keeps a random 10 points per tag."""
-    acc = EventAccumulator(str(directory), size_guidance={"tensors": 0})
-    acc.Reload()
-    return {tag: [(e.step, float(make_ndarray(e.tensor_proto))) for e in acc.Tensors(tag)]
-            for tag in acc.Tags()["tensors"]}
 
 
 def test_records_reach_tensorboard_and_wandb_and_a_resumed_tracker_goes_on(tmp_path, monkeypatch):

@@ -31,7 +31,7 @@ def test_sft_learns_and_publishes_a_model_transformers_loads(tmp_path):
     assert [r["step"] for r in steps] == list(range(1, 21))
     assert all(r["loss_tokens"] > 0 for r in steps)
     # Every record reached TensorBoard (through the tracker RL runs use), and the plot was drawn.
-    from test_tracking import scalars
+    from tracker_files import scalars
 
     seen = scalars(run / "tracking" / "tensorboard")
     assert [step for step, _ in seen["trainer/nll"]] == list(range(1, 21))
