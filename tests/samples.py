@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from rl.batch import Batch, Sample
 
 
@@ -25,3 +27,17 @@ def single_turn(prompt_ids: list[int], completion_ids: list[int], logprobs: list
 def write_batch(batch: Batch, directory: Path) -> None:
     """As the orchestrator's file transport writes it (atomically)."""
     Batch.write_encoded(*batch.encode(), directory)
+
+
+def variable_batch(seed: int = 0, n: int = 12, temperatures: list[float] = (1.0,)) -> Batch:
+    """Samples of random lengths; sample i is sampled at temperatures[i % len(temperatures)]."""
+    rng = np.random.default_rng(seed)
+    samples = []
+    for i in range(n):
+        prompt = rng.integers(2, 30, size=int(rng.integers(3, 9))).tolist()
+        completion = rng.integers(2, 30, size=int(rng.integers(1, 40))).tolist()
+        logprobs = (-rng.random(len(completion))).tolist()
+        samples.append(single_turn(prompt, completion, logprobs, [0] * len(completion),
+                                   reward=float(rng.random()), advantage=float(rng.normal()),
+                                   temperature=temperatures[i % len(temperatures)]))
+    return Batch.from_samples(1, samples)

@@ -9,6 +9,7 @@ import asyncio
 import inspect
 import json
 import logging
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,3 +168,14 @@ def check_rules(o: Outcome, every_prompt_batched_or_pending: bool = True) -> Non
 
 
 latencies = st.sampled_from(["uniform", "exponential", "long_tail"])
+
+
+async def copying_trainer(run: RunDir, steps: int) -> None:
+    """Consumes batch n, then publishes version n: the starting model's files again."""
+    for n in range(1, steps + 1):
+        while not run.rollout_dir(n).exists():
+            await asyncio.sleep(0.002)
+        staging = run.weights / f".step_{n}"
+        shutil.copytree(TINY_MODEL, staging)
+        mark_stable(staging)
+        staging.rename(run.weights_dir(n))

@@ -34,8 +34,7 @@ from orchestrator.servers.delivery import ANSWER_MARGIN_S
 from programs import launch_server, wait_healthy
 from rl.inference_api import connector
 from rl.rundir import RunDir, mark_stable
-from scenarios import Collect, make_config
-from test_scheduling_vllm import copying_trainer
+from scenarios import Collect, copying_trainer, make_config
 
 
 pytestmark = pytest.mark.slow

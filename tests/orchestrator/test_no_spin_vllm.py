@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY_MODEL
-from rl.rundir import RunDir
+from orchestrator_runs import ROWS, drawn_rows, run_orchestrator, the_error
 from programs import launch_server, wait_healthy
-from test_no_spin import ROWS, drawn_rows, run_orchestrator, the_error
+from rl.rundir import RunDir
+
 
 pytestmark = pytest.mark.slow
 

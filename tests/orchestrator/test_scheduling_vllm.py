@@ -24,9 +24,9 @@ from conftest import TINY_MODEL
 from float32_rounding import float64_logprobs
 from orchestrator.orchestrator import Orchestrator
 from rl.batch import Batch
-from rl.rundir import RunDir, mark_stable
+from rl.rundir import RunDir
 from programs import launch_server, wait_healthy
-from scenarios import Collect, Outcome, check_rules, make_config
+from scenarios import Collect, Outcome, check_rules, copying_trainer, make_config
 from rl.inference_api import connector
 
 pytestmark = pytest.mark.slow
@@ -57,17 +57,6 @@ def servers(server_pair) -> tuple[Path, list[str]]:
         if child.name != "heartbeats":
             shutil.rmtree(child) if child.is_dir() else child.unlink()
     return run, urls
-
-
-async def copying_trainer(run: RunDir, steps: int) -> None:
-    """Consumes batch n, then publishes version n: the starting model's files again."""
-    for n in range(1, steps + 1):
-        while not run.rollout_dir(n).exists():
-            await asyncio.sleep(0.002)
-        staging = run.weights / f".step_{n}"
-        shutil.copytree(TINY_MODEL, staging)
-        mark_stable(staging)
-        staging.rename(run.weights_dir(n))
 
 
 async def real_scenario(root: Path, urls: list[str], in_flight: bool) -> Outcome:

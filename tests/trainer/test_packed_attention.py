@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from float32_rounding import LAYERS, LOGIT_ERROR, U, WIDEST
 from rl.config import RunConfig
-from test_packing import variable_batch
+from samples import variable_batch
 from trainer import packed_attention
 from trainer.compiled_layers import compile_wanted
 from trainer.compute_dtype import cpu_flags, resolve_dtype, slow_bf16_warning
@@ -362,36 +362,6 @@ def test_blocks_equal_the_masked_row_within_float32_rounding():
 
 
 # --- which varlen kernel runs, decided from torch's signature (issue 60, item 5) -----------------
-
-
-def test_the_kernel_is_called_as_each_torch_signature_allows(monkeypatch):
-    """2.13's varlen_attn refuses Hq != Hkv without enable_gqa; 2.11's has no such argument and
-    passes the KV heads to flash's kernel (GQA native); a cuDNN path (no GQA) gets them expanded;
-    an is_causal-style signature is made causal that way. (The signatures themselves are pinned in
-    tests/trainer/test_torch_contract.py.)"""
-    from torch.nn.attention import varlen
-
-    from test_torch_contract import TORCH_2_11_VARLEN, params
-
-    installed, seen = params(varlen.varlen_attn), []
-    monkeypatch.setattr(varlen, "varlen_attn", lambda q, k, v, *args, **kw: seen.append((k, v, args, kw)) or q)
-    q, k, v = torch.randn(10, 4, 8), torch.randn(10, 2, 8), torch.randn(10, 2, 8)
-    cu = packed_attention.boundaries([4, 6], CPU)["cu_seq_lens_q"]
-    for parameters, cudnn, heads, keywords in [
-        (installed, False, 2, {"window_size": (-1, 0), "enable_gqa": True}),
-        (TORCH_2_11_VARLEN, False, 2, {"window_size": (-1, 0)}),
-        (TORCH_2_11_VARLEN, True, 4, {"window_size": (-1, 0)}),
-        (TORCH_2_11_VARLEN - {"window_size"} | {"is_causal"}, False, 2, {"is_causal": True}),
-    ]:
-        kernel = packed_attention.kernel_for(parameters, cudnn)
-        packed_attention.flash_varlen(q, k, v, cu, 6, 0.5, kernel)
-        got_k, got_v, args, kw = seen.pop()
-        assert got_k.shape[1] == got_v.shape[1] == heads and args == (cu, cu, 6, 6)
-        assert kw == {"scale": 0.5, **keywords}, kernel
-        if heads == 4:  # each query head's KV head as transformers' repeat_kv pairs them
-            assert torch.equal(got_k[:, 1], k[:, 0]) and torch.equal(got_k[:, 2], k[:, 1])
-    assert packed_attention.kernel_for(TORCH_2_11_VARLEN - {"window_size"}, False) is None
-    assert packed_attention.kernel_for(TORCH_2_11_VARLEN - {"scale"}, False) is None
 
 
 def test_the_start_up_line_says_which_kernel_runs(monkeypatch, caplog):

@@ -15,21 +15,7 @@ from conftest import TINY_MODEL
 from rl.batch import Batch, BatchError, Sample
 from trainer.data import assign_ranks, loss_weights, pack, rank_micro_batches
 from trainer.loss import token_logprobs_and_entropy
-from samples import single_turn
-
-
-def variable_batch(seed: int = 0, n: int = 12, temperatures: list[float] = (1.0,)) -> Batch:
-    """Samples of random lengths; sample i is sampled at temperatures[i % len(temperatures)]."""
-    rng = np.random.default_rng(seed)
-    samples = []
-    for i in range(n):
-        prompt = rng.integers(2, 30, size=int(rng.integers(3, 9))).tolist()
-        completion = rng.integers(2, 30, size=int(rng.integers(1, 40))).tolist()
-        logprobs = (-rng.random(len(completion))).tolist()
-        samples.append(single_turn(prompt, completion, logprobs, [0] * len(completion),
-                                          reward=float(rng.random()), advantage=float(rng.normal()),
-                                          temperature=temperatures[i % len(temperatures)]))
-    return Batch.from_samples(1, samples)
+from samples import single_turn, variable_batch
 
 
 def sample_gap(model, batch: Batch, i: int) -> torch.Tensor:

@@ -96,3 +96,31 @@ def test_transformers_passes_the_boundaries_to_the_attention_function():
     from transformers.modeling_flash_attention_utils import FlashAttentionKwargs
 
     assert {"cu_seq_lens_q", "max_length_q"} <= set(FlashAttentionKwargs.__annotations__)
+
+
+def test_the_kernel_is_called_as_each_torch_signature_allows(monkeypatch):
+    """2.13's varlen_attn refuses Hq != Hkv without enable_gqa; 2.11's has no such argument and
+    passes the KV heads to flash's kernel (GQA native); a cuDNN path (no GQA) gets them expanded;
+    an is_causal-style signature is made causal that way. (The signatures themselves are pinned
+    above.)"""
+    from torch.nn.attention import varlen
+
+    installed, seen = params(varlen.varlen_attn), []
+    monkeypatch.setattr(varlen, "varlen_attn", lambda q, k, v, *args, **kw: seen.append((k, v, args, kw)) or q)
+    q, k, v = torch.randn(10, 4, 8), torch.randn(10, 2, 8), torch.randn(10, 2, 8)
+    cu = packed_attention.boundaries([4, 6], torch.device("cpu"))["cu_seq_lens_q"]
+    for parameters, cudnn, heads, keywords in [
+        (installed, False, 2, {"window_size": (-1, 0), "enable_gqa": True}),
+        (TORCH_2_11_VARLEN, False, 2, {"window_size": (-1, 0)}),
+        (TORCH_2_11_VARLEN, True, 4, {"window_size": (-1, 0)}),
+        (TORCH_2_11_VARLEN - {"window_size"} | {"is_causal"}, False, 2, {"is_causal": True}),
+    ]:
+        kernel = packed_attention.kernel_for(parameters, cudnn)
+        packed_attention.flash_varlen(q, k, v, cu, 6, 0.5, kernel)
+        got_k, got_v, args, kw = seen.pop()
+        assert got_k.shape[1] == got_v.shape[1] == heads and args == (cu, cu, 6, 6)
+        assert kw == {"scale": 0.5, **keywords}, kernel
+        if heads == 4:  # each query head's KV head as transformers' repeat_kv pairs them
+            assert torch.equal(got_k[:, 1], k[:, 0]) and torch.equal(got_k[:, 2], k[:, 1])
+    assert packed_attention.kernel_for(TORCH_2_11_VARLEN - {"window_size"}, False) is None
+    assert packed_attention.kernel_for(TORCH_2_11_VARLEN - {"scale"}, False) is None
