@@ -60,6 +60,9 @@ def k3_error(x: float) -> float:
 
 
 LOGIT_ERROR = logit_error(6)  # per layer q/k/v, scores, values, o, gate/up, down: ~5.7e-4
+# With LoRA's A then B beside each of q/k/v, o, gate/up, down: 8 per layer, ~7.6e-4 (the larger
+# bound the LoRA, sampling-mask and packing tests use).
+LORA_LOGIT_ERROR = logit_error(8)
 
 
 def float64_logprobs(model, ids: list[int], error: float = LOGIT_ERROR):
@@ -80,3 +83,35 @@ def float64_logprobs(model, ids: list[int], error: float = LOGIT_ERROR):
     finally:
         hook.remove()
     return lp, bound
+
+
+# --- the same analysis in float64 (u = 2^-53), for computations compared in float64 ---------
+
+U64 = 2.0 ** -53
+# Chained products on the path to a logit (8 per layer with LoRA, then the lm_head), each a dot
+# product of at most WIDEST terms.
+CHAINED = LAYERS * 8 + 1
+
+
+def gamma64(n: int) -> float:
+    return n * U64 / (1 - n * U64)
+
+
+def assert_equal_within_rounding(got: dict, want: dict, chained: int = CHAINED) -> None:
+    """Logprobs: each side within 2 x its logits' error of exact (log_softmax adds at most the
+    largest), a logit within gamma(chained WIDEST) x max_v sum_j |E_vj h_j| (the reference's own
+    head input h: tests/float32_rounding.py's analysis); gradients: each entry a sum over the row's
+    tokens of terms through `chained` products forward and back, within gamma(2 chained WIDEST +
+    tokens) x tokens x the tensor's largest entry of exact, each side (taking each token's term
+    as at most the largest entry: the one assumption beyond the analysis)."""
+    mask = want["mask"] > 0
+    tokens = int(want["mask"].numel())
+    logprob_bound = 2 * 2 * gamma64(chained * WIDEST) * float(want["scale"])
+    diff = (got["logprobs"] - want["logprobs"])[mask].abs().max()
+    assert diff <= logprob_bound, f"logprobs differ by {diff:.3e} > {logprob_bound:.3e}"
+    grads = [k for k in want if k.startswith("grad.")]
+    assert grads and set(grads) == {k for k in got if k.startswith("grad.")}
+    for k in grads:
+        bound = 2 * gamma64(2 * chained * WIDEST + tokens) * tokens * float(want[k].abs().max())
+        diff = float((got[k] - want[k]).abs().max())
+        assert diff <= bound, f"{k}: gradients differ by {diff:.3e} > {bound:.3e}"

@@ -23,24 +23,16 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from conftest import ROOT, TINY_MODEL, free_port, rl_command
-from float32_rounding import LAYERS, WIDEST
+from float32_rounding import CHAINED, LAYERS, WIDEST, assert_equal_within_rounding, gamma64
 from rl.batch import Batch
 from samples import single_turn
 
 pytestmark = pytest.mark.slow
 
-U64 = 2.0 ** -53
-# Chained products on the path to a logit (tests/inference/test_inference_lora.py: 8 per layer, then the
-# lm_head), each a dot product of at most WIDEST terms.
-CHAINED = LAYERS * 8 + 1
 # models/tiny-moe: per layer q/k/v, scores, values, o, the router, gate/up, down, the weighted sum
 # of top_k outputs (tests/trainer/test_expert_parallel.py MOE_LOGIT_ERROR's count), then the lm_head.
 MOE_CHAINED = LAYERS * 10 + 1
 TINY_MOE = ROOT / "models" / "tiny-moe"
-
-
-def gamma64(n: int) -> float:
-    return n * U64 / (1 - n * U64)
 
 
 def packed_batch() -> Batch:
@@ -180,26 +172,6 @@ def run(tmp_path_factory):
         return load_file(out / f"{case_name(world, context, opts)}.safetensors")
 
     return result
-
-
-def assert_equal_within_rounding(got: dict, want: dict, chained: int = CHAINED) -> None:
-    """Logprobs: each side within 2 x its logits' error of exact (log_softmax adds at most the
-    largest), a logit within gamma(chained WIDEST) x max_v sum_j |E_vj h_j| (the reference's own
-    head input h: tests/float32_rounding.py's analysis); gradients: each entry a sum over the row's
-    tokens of terms through `chained` products forward and back, within gamma(2 chained WIDEST +
-    tokens) x tokens x the tensor's largest entry of exact, each side (taking each token's term
-    as at most the largest entry: the one assumption beyond the analysis)."""
-    mask = want["mask"] > 0
-    tokens = int(want["mask"].numel())
-    logprob_bound = 2 * 2 * gamma64(chained * WIDEST) * float(want["scale"])
-    diff = (got["logprobs"] - want["logprobs"])[mask].abs().max()
-    assert diff <= logprob_bound, f"logprobs differ by {diff:.3e} > {logprob_bound:.3e}"
-    grads = [k for k in want if k.startswith("grad.")]
-    assert grads and set(grads) == {k for k in got if k.startswith("grad.")}
-    for k in grads:
-        bound = 2 * gamma64(2 * chained * WIDEST + tokens) * tokens * float(want[k].abs().max())
-        diff = float((got[k] - want[k]).abs().max())
-        assert diff <= bound, f"{k}: gradients differ by {diff:.3e} > {bound:.3e}"
 
 
 @pytest.fixture(scope="module")

@@ -113,11 +113,11 @@ def routing_run(world: int, tmp_path, broken: bool = False) -> dict[str, torch.T
 
 def test_routing_replay_on_split_rows_equals_one_rank(tmp_path, monkeypatch):
     """CP = 2 with routing replay: logprobs and every gradient (the routers' included) equal one
-    rank's within float64 rounding's bound (tests/trainer/test_context_parallel.py's analysis, 3 MoE layers
+    rank's within float64 rounding's bound (tests/float32_rounding.py's float64 analysis, 3 MoE layers
     of 9 chained products each), and the agreement and replay counts summed over the group are the
     one rank's. Cutting the record at the wrong place (every rank given the first share's record)
     fails the comparison."""
-    from test_context_parallel import assert_equal_within_rounding
+    from float32_rounding import assert_equal_within_rounding
 
     want = routing_run(1, tmp_path)
     got = routing_run(2, tmp_path)

@@ -125,7 +125,7 @@ def test_packed_rows_as_one_row_give_the_same_logits():
     shapes = []
     model.register_forward_pre_hook(lambda m, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)),
                                     with_kwargs=True)
-    from test_inference_lora import LOGIT_ERROR
+    from float32_rounding import LORA_LOGIT_ERROR as LOGIT_ERROR
 
     head = model.get_output_embeddings()
     head_in = []

@@ -58,7 +58,7 @@ def logits_and_gap(model, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
     implementation's logits (the engine's) may differ from them: each is within LOGIT_ERROR *
     max_v sum_j |E_vj h_j| of the exact ones (tests/inference/test_inference_lora.py's bound, h the head's
     input), so the two within twice that."""
-    from test_inference_lora import LOGIT_ERROR
+    from float32_rounding import LORA_LOGIT_ERROR as LOGIT_ERROR
 
     head = model.get_output_embeddings()
     seen = []
