@@ -25,7 +25,6 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import ROOT
 from orchestrator.prompts.queue import Prompt
 from orchestrator.rendering import template_messages
 from orchestrator.rendering.tokenizer import load_tokenizer
