@@ -17,6 +17,7 @@ pictures in placeholder order.
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
 import logging
 import re
@@ -112,6 +113,27 @@ def written_by(r, text: str = " 3") -> list[int]:
 # --- without an engine -------------------------------------------------------------------------
 
 
+def test_the_python_forms_of_a_picture_become_openai_content():
+    from orchestrator.rollout.turn_images import content_of
+
+    png = board_of("forms")[0]
+    picture = Image.open(io.BytesIO(png))
+
+    def shown(part) -> list:
+        assert part["type"] == "image_url" and part["image_url"]["url"].startswith("data:image/png;base64,")
+        return pixels(base64.b64decode(part["image_url"]["url"].split(",", 1)[1])).tolist()
+
+    assert content_of("text") == "text"
+    assert [shown(p) for p in content_of(picture)] == [pixels(png).tolist()]
+    parts = content_of(["Board 7.", picture, {"type": "image", "image": picture}, {"type": "text", "text": "!"}])
+    assert parts[0] == {"type": "text", "text": "Board 7."} and parts[3] == {"type": "text", "text": "!"}
+    assert shown(parts[1]) == shown(parts[2]) == pixels(png).tolist()
+    url = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    assert content_of([url]) == [url]  # checked when rendered
+    assert content_of(["a", "b"]) is None and content_of([{"type": "text", "text": "a"}]) is None  # JSON, as before
+    assert content_of({"a": 1}) is None and content_of([]) is None and content_of([picture, 3]) is None
+
+
 def test_a_tool_that_returns_a_picture_sends_it_then_and_later_and_keeps_it_in_order():
     env = Recorded()
     r = rollouts(env, "tasks.shapes_tools:ShapesTools")
@@ -195,7 +217,8 @@ def test_a_bad_picture_from_a_tool_fails_the_episode_by_name(tool, says, caplog)
     r.kind.tool_episode.parser = Parser()
     written = written_by(r)
     with caplog.at_level(logging.WARNING, logger="orchestrator"):
-        group = asyncio.run(r.group(Prompt(0, {"prompt": "Look.", "board": "b", "answer": "3"}), "g5", Scripted(written)))
+        row = {"prompt": "Look.", "board": "b", "answer": "3"}
+        group = asyncio.run(r.group(Prompt(0, row), "g5", Scripted(written)))
     assert group.failed == 3 and group.samples == []
     assert group.error.startswith("ImageError: " + says), group.error
     if tool is bomb:

@@ -39,8 +39,8 @@ class TextEpisodes(EnvironmentKind):
         try:
             episode = self.env.episode(row)
             t = Trajectory([], [], [], [], 0.0)
-            t.add(pictures.keep(pictures.piece(*pictures.raw_text(turn_content(episode.start(), episode, "start"), "start"),
-                                               add_special_tokens=True, wrote="start()")))
+            start = pictures.raw_text(turn_content(episode.start(), episode, "start"), "start")
+            t.add(pictures.keep(pictures.piece(*start, add_special_tokens=True, wrote="start()")))
         except Exception as e:
             return self.failed(eid, e)
         for turn_index in range(o.environment.max_turns):

@@ -4,7 +4,8 @@
 
 The Python-side form (docs/tools.md, docs/vlm.md): a PIL image, or a list of content parts whose
 items are strings, PIL images or OpenAI parts (`{"type": "text", "text": ...}`,
-`{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`). `content_of` turns it
+`{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`, transformers'
+`{"type": "image", "image": <PIL image>}`). `content_of` turns it
 into OpenAI message content, each PIL image a PNG data: URL, so that the conversation a reward
 reads stays JSON; a string stays a string, anything else is the caller's to render as before.
 
@@ -50,8 +51,8 @@ def content_of(value) -> str | list[dict] | None:
         return None
     if not any(is_picture(v) or isinstance(v, dict) and v.get("type") != "text" for v in value):
         return None  # no picture: a list of strings stays JSON, as before
-    return [{"type": "text", "text": v} if isinstance(v, str) else image_part(v) if is_picture(v) else v
-            for v in value]
+    return [{"type": "text", "text": v} if isinstance(v, str) else image_part(v) if is_picture(v)
+            else image_part(v["image"]) if is_picture(v.get("image")) else v for v in value]
 
 
 def with_pictures(messages: list[dict]) -> list[dict]:
@@ -90,7 +91,8 @@ class EpisodeImages:
         if not pictures and not self.pngs:  # text so far: the text path's ids
             ids = self.encode(text, add_special_tokens=add_special_tokens)
             return ImagePrompt(ids, ids, [])
-        return expand_placeholders(self.images.support, self.images.tokenizer, text, pictures, add_special_tokens, wrote)
+        return expand_placeholders(self.images.support, self.images.tokenizer, text, pictures, add_special_tokens,
+                                   wrote)
 
     def keep(self, piece: ImagePrompt) -> list[int]:
         self.sent += piece.request_ids
