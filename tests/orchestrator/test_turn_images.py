@@ -337,6 +337,8 @@ def test_the_engine_expanded_each_turns_prompt_as_the_processor_does(engine):
     samples, eou = tool_samples(engine), played["eou"]
     with_two = 0
     for s in samples:
+        if not s.images:  # turn 0 cut at max_tokens, or the model wrote <image>: no picture shown
+            continue
         messages = conversation_of(s, played["conversations"])
         shown = boards_shown(messages)[:len(s.images)]
         with_two += len(shown) == 2
