@@ -10,6 +10,7 @@ the size is read from the file's header instead, before any pixel is decoded.
 from __future__ import annotations
 
 import io
+import re
 
 MAX_DECODE_PIXELS = 64 * 1024 * 1024
 
@@ -27,7 +28,7 @@ def open_image(raw: bytes):
     except Image.DecompressionBombError as e:
         raise ImageRefused(f"refused as a decompression bomb ({e})") from None
     except Exception as e:  # PIL raises many kinds for a broken file
-        raise ImageRefused(f"unreadable image: {type(e).__name__}: {e}") from None
+        raise ImageRefused(f"unreadable image: {type(e).__name__}: {without_address(e)}") from None
     width, height = image.size
     if width * height > MAX_DECODE_PIXELS:
         raise ImageRefused(f"refused as a decompression bomb ({width} x {height} pixels, more than "
@@ -35,5 +36,12 @@ def open_image(raw: bytes):
     try:
         image.load()
     except Exception as e:
-        raise ImageRefused(f"unreadable image: {type(e).__name__}: {e}") from None
+        raise ImageRefused(f"unreadable image: {type(e).__name__}: {without_address(e)}") from None
     return image.convert("RGB")
+
+
+def without_address(e: Exception) -> str:
+    """PIL's message without the buffer's address ("cannot identify image file <_io.BytesIO object
+    at 0x7f...>"): the same bad picture then says the same line, which is said once
+    (orchestrator/quiet_warning.py), not once per episode."""
+    return re.sub(r" ?<_io\.BytesIO object at 0x[0-9a-fA-F]+>", "", str(e))

@@ -7,7 +7,8 @@ placeholder order into the batch and the trainer.
 - Without an engine (the endpoint's generate scripted): what a request with pictures sends; how
   requests with pictures become samples; bad pictures named by part, their episode failed and
   counted while the group goes on.
-- On the real engine (`rl inference` on models/tiny-vlm, one server for the module):
+- On the real engine (`rl inference` on models/tiny-vlm, one server shared with
+  test_turn_images.py: vlm_engine.py):
   tasks/shapes_agent.py's two-turn agent, a board per turn; each sample's ids are AutoProcessor's
   for the conversation, its pictures the boards in order, the engine's logprobs float64
   transformers' with those pictures (not with them swapped), and the real trainer's logprobs on
@@ -249,37 +250,14 @@ class Transcripts(ShapesAgent):
         return messages
 
 
-@pytest.fixture(scope="module")
-def played(tmp_path_factory):
-    """Two groups of two episodes of Transcripts on `rl inference` (real vLLM, models/tiny-vlm);
-    the server is stopped once they are played (the trainer's run then has the cores)."""
-    import aiohttp
-
-    from rl.inference_api import InferenceClient
-    from programs import launch_server, wait_healthy
-
-    tmp = tmp_path_factory.mktemp("agent_images")
+async def play_agents(generate) -> dict:
+    """Two groups of two episodes of Transcripts through `generate` (the real engine's:
+    vlm_engine.py, whose server the turn-picture tests share)."""
     env = Transcripts()
     r = rollouts(env)
     rows = [row for row, _ in zip(env.dataset(0), range(2))]
-    proc, url = launch_server(tmp, "server", VLM, tmp / "run", seq_len=SEQ_LEN)
-    try:
-        wait_healthy(proc, url)
-
-        async def main():
-            async with aiohttp.ClientSession() as session:
-                client = InferenceClient(url, session)
-
-                async def generate(request):
-                    return await client.generate(request, timeout=120)
-
-                groups = [await r.group(Prompt(i, row), f"g{i}", generate) for i, row in enumerate(rows)]
-                await r.kind.endpoint.stop()
-                return groups
-
-        groups = asyncio.run(main())
-    finally:
-        proc.stop()
+    groups = [await r.group(Prompt(i, row), f"g{i}", generate) for i, row in enumerate(rows)]
+    await r.kind.endpoint.stop()
     episodes = []  # (the row, the episode's samples)
     for row, group in zip(rows, groups):
         assert group.failed == 0 and len(group.episodes) == 2, group
@@ -287,7 +265,17 @@ def played(tmp_path_factory):
         for e in group.episodes:
             episodes.append((row, group.samples[at:at + e["samples"]]))
             at += e["samples"]
-    return {"episodes": episodes, "kept": env.kept, "tmp": tmp, "tokenizer": r}
+    return {"episodes": episodes, "kept": env.kept}
+
+
+@pytest.fixture(scope="module")
+def played(tmp_path_factory):
+    """The agent's episodes on `rl inference` (real vLLM, models/tiny-vlm: vlm_engine.py, the
+    server stopped once every kind's episodes are played: the trainer's run then has the cores)."""
+    from vlm_engine import played_on_engine
+
+    shared = played_on_engine(tmp_path_factory)
+    return {**shared["agent"], "tmp": shared["tmp"]}
 
 
 def processor_ids(messages: list[dict], pictures: list[bytes]) -> list[int]:
@@ -374,7 +362,7 @@ def test_the_trainer_scores_the_episodes_as_the_engine_sampled_them(played, writ
     from rl.batch import Batch
     from rl.rundir import RunDir
     from samples import write_batch
-    from trainer_runs import run_trainer, trainer_metrics
+    from test_trainer import run_trainer, trainer_metrics
 
     samples = [s for _, pieces in played["episodes"] for s in pieces]
     assert sum(len(s.images) == 2 for s in samples) >= 4

@@ -118,7 +118,7 @@ def test_the_check_measures_the_ids_the_orchestrator_sends(tmp_path):
     rollouts = Rollouts(cfg, tokenizer_of(cfg.model), {}, None, env)
     measure = ToolEpisodes.start_up(cfg, env)(rollouts.fast)
 
-    async def first_turn(request_id, tokens):
+    async def first_turn(request_id, tokens, images):
         raise StopAsyncIteration  # the opening prompt, appended before the first turn, is all we need
 
     for _, row in zip(range(8), env.dataset(cfg.seed)):

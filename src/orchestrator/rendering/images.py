@@ -231,14 +231,21 @@ def render_image_prompt(template, support, tokenizer, messages: list[dict], root
         raise ImageError("the model has no image processor (processor_config.json): it reads text only")
     if len(sources) > support.max_images:
         raise ImageError(f"{len(sources)} images, more than the {support.max_images} a prompt may hold")
-    images = [png(decode(read_source(s, roots), support.max_pixels, f"image {i}")) for i, s in enumerate(sources)]
-    text = template.render(template_messages(messages), True, tools)
+    images = [decode(read_source(s, roots), support.max_pixels, f"image {i}") for i, s in enumerate(sources)]
+    return expand_placeholders(support, tokenizer, template.render(template_messages(messages), True, tools), images)
+
+
+def expand_placeholders(support, tokenizer, text: str, images: list, add_special_tokens: bool = False,
+                        wrote: str = "the chat template") -> ImagePrompt:
+    """`text` holding one placeholder per image (decoded PIL images, in order) -> its ids with each
+    placeholder expanded as the model's processor expands it, its ids as sent, and the PNGs.
+    `wrote`: what made the text, for the refusal when the counts differ."""
     found = text.count(support.image_token)
     if found != len(images):
-        raise ImageError(f"the chat template wrote {found} {support.image_token} for {len(images)} images")
+        raise ImageError(f"{wrote} wrote {found} {support.image_token} for {len(images)} images")
     expanded = text.replace(support.image_token, support.expansion())
-    return ImagePrompt(tokenizer.encode(expanded, add_special_tokens=False).ids,
-                       tokenizer.encode(text, add_special_tokens=False).ids, images)
+    return ImagePrompt(tokenizer.encode(expanded, add_special_tokens=add_special_tokens).ids,
+                       tokenizer.encode(text, add_special_tokens=add_special_tokens).ids, [png(i) for i in images])
 
 
 def images_at_start_up(model: Path, dataset: str, rows: list[tuple[object, str]], messages_key: str) -> None:

@@ -43,11 +43,7 @@ class AgentImages:
         if self.support is None:
             raise ImageError("an image part, and the model has no image processor (processor_config.json): "
                              "it reads text only")
-        parts = image_positions(messages)
-        if len(parts) > self.support.max_images:
-            raise ImageError(f"{parts[self.support.max_images][0]}: {len(parts)} images, more than the "
-                             f"{self.support.max_images} a prompt may hold")
-        pictures = iter([self.picture(where, url) for where, url in parts])
+        pictures = iter(self.pictures(image_positions(messages)))
         # Decoded once here, then handed on as images (transformers' {"type": "image", "image": ...}).
         filled = [m if not (isinstance(m, dict) and isinstance(m.get("content"), list)) else
                   {**m, "content": [{"type": "image", "image": next(pictures)}
@@ -56,11 +52,21 @@ class AgentImages:
                   for m in messages]
         return render_image_prompt(self.template, self.support, self.tokenizer, filled, [], tools=tools)
 
+    def pictures(self, parts: list[tuple[str, object]], before: int = 0) -> list:
+        """The decoded pictures of `parts` ((where, url) each, as image_positions gives them),
+        `before` pictures being in the prompt already (a multi-turn episode's earlier turns:
+        orchestrator/rollout/turn_images.py); raises ImageError naming the part."""
+        if before + len(parts) > self.support.max_images:
+            at = max(0, self.support.max_images - before)
+            raise ImageError(f"{parts[at][0]}: {before + len(parts)} images, more than the "
+                             f"{self.support.max_images} a prompt may hold")
+        return [self.picture(where, url) for where, url in parts]
+
     def picture(self, where: str, url):
         if not isinstance(url, str) or not url.startswith("data:"):
             shown = url[:60] if isinstance(url, str) else type(url).__name__
-            raise ImageError(f"{where}: {shown!r}: an agent's image_url must be a data: URL "
-                             "(data:image/png;base64,...); paths and remote URLs are not read")
+            raise ImageError(f"{where}: {shown!r}: an image_url from an agent, a tool or an environment must be a "
+                             "data: URL (data:image/png;base64,...); paths and remote URLs are not read")
         try:
             return decode(read_source(url, []), self.support.max_pixels, where)
         except ImageError as e:

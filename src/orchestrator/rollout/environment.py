@@ -9,7 +9,7 @@ A multi-turn environment is a class named in the config (`class = "module:Class"
         def episode(self, row) -> Episode:            # one fresh episode per rollout
 
     class MyEpisode:
-        def start(self) -> str:                       # the first prompt
+        def start(self) -> str:                       # the first prompt (or a picture: Turn.observation)
         def step(self, completion: str) -> Turn:      # sync or async
 
 The orchestrator appends each completion's tokens (trained on) and each observation's tokens (not
@@ -26,6 +26,10 @@ A tool environment talks through the model's chat template and gives it function
         def reward(self, messages, row) -> float:      # sync or async; the whole conversation
         def messages(self, row) -> list[dict]:         # optional: the opening messages (else the row's)
 
+A tool may return a picture (a PIL image, or a list of content parts: strings, PIL images, OpenAI
+`image_url` parts with data: URLs), and opening messages may hold image parts: a vision-language
+model sees them through its processor (orchestrator/rollout/turn_images.py, docs/vlm.md).
+
 Each tool's JSON schema comes from its signature and docstring; the model's calls are read by
 orchestrator.tools.parser, run under orchestrator.timeouts.tool_s, and answered with tool
 messages until it answers without a call (orchestrator/rollout/tool_episode.py). `messages` is the
@@ -41,8 +45,9 @@ from typing import Protocol
 
 @dataclass
 class Turn:
-    observation: str | None = None
-    """The environment's reply, shown to the model before its next call."""
+    observation: str | list | None = None
+    """The environment's reply, shown to the model before its next call: text, or a picture (a PIL
+    image, or content parts holding pictures: orchestrator/rollout/turn_images.py)."""
     reward: float = 0.0
     done: bool = False
 

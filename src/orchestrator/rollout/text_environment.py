@@ -1,7 +1,10 @@
 """The text environment kind: `orchestrator.environment.class` names a class with dataset(seed)
 and episode(row) (orchestrator/rollout/environment.py). Each episode talks in raw text: its start, the
 model's completion, the environment's observation, and so on; the model's ids are trained on,
-the rest is context."""
+the rest is context. A start or an observation may be a picture (a PIL image) or content parts
+holding pictures (orchestrator/rollout/turn_images.py): each picture is the model's placeholder
+token in the raw text, expanded as its processor expands it, and every later turn's request
+carries the episode's pictures."""
 
 from __future__ import annotations
 
@@ -9,10 +12,12 @@ import asyncio
 import inspect
 from collections.abc import Callable
 
-from orchestrator.rendering import Opening
+from orchestrator.rendering import ImageError, Opening, check_expanded
+from orchestrator.rollout.agent_images import AgentImages
 from orchestrator.rollout.environment import Turn
 from orchestrator.rollout.environment_base import EnvironmentKind
-from orchestrator.rollout.kind import Aborted, Generate, Trajectory
+from orchestrator.rollout.kind import Aborted, Generate, Toolkit, Trajectory
+from orchestrator.rollout.turn_images import EpisodeImages, content_of
 from rl.config import RunConfig
 
 
@@ -24,20 +29,33 @@ class TextEpisodes(EnvironmentKind):
     def start_up(cls, cfg: RunConfig, env) -> Callable[[object], Opening]:
         return lambda tokenizer: lambda row: opening_tokens(env, tokenizer, row)
 
+    def __init__(self, cfg: RunConfig, toolkit: Toolkit, renderer, sources, env, rewards=None):
+        super().__init__(cfg, toolkit, renderer, sources, env, rewards)
+        self.images = AgentImages(renderer.template, renderer.image_support, toolkit.fast)
+
     async def episode(self, row: dict, eid: str, generate: Generate) -> Trajectory | None:
-        o, encode = self.settings, self.toolkit.encode
+        o = self.settings
+        pictures = EpisodeImages(self.images, self.toolkit.encode)
         try:
             episode = self.env.episode(row)
             t = Trajectory([], [], [], [], 0.0)
-            t.add(encode(episode.start()))
+            start = pictures.raw_text(turn_content(episode.start(), episode, "start"), "start")
+            t.add(pictures.keep(pictures.piece(*start, add_special_tokens=True, wrote="start()")))
         except Exception as e:
             return self.failed(eid, e)
         for turn_index in range(o.environment.max_turns):
-            response = await generate(self.toolkit.request(f"{eid}-t{turn_index}", t.tokens, 1, self.env_sampling))
+            where, images = f"{eid}-t{turn_index}", pictures.request(t.tokens)
+            response = await generate(self.toolkit.request(where, t.tokens, 1, self.env_sampling, images=images))
             sample = response.samples[0]
             if sample.finish_reason == "abort":
                 raise Aborted(eid)
+            if images is not None:
+                try:  # the prompt the engine sampled after must be the one the trainer scores
+                    check_expanded(images, response.prompt_token_ids, where)
+                except ImageError as e:
+                    return self.failed(eid, e)
             t.add(sample.token_ids, sample)
+            pictures.sampled(sample.token_ids)
             t.truncated = sample.finish_reason == "length"
             try:
                 turn = episode.step(self.toolkit.decode(sample.token_ids))
@@ -50,11 +68,27 @@ class TextEpisodes(EnvironmentKind):
             t.reward += turn.reward
             if turn.done or not turn.observation or turn_index == o.environment.max_turns - 1:
                 break  # (a last observation no model turn answers would only cost tokens)
-            observation = encode(turn.observation, add_special_tokens=False)
-            if len(t.tokens) + len(observation) >= self.cfg.seq_len:
-                break  # no room for another model turn: the episode ends truncated
-            t.add(observation)
+            try:
+                said = f"turn {turn_index}: observation"
+                observation = pictures.piece(*pictures.raw_text(turn_content(turn.observation, episode, said), said),
+                                             wrote="the observation")
+            except (ImageError, TypeError) as e:
+                return self.failed(eid, e)
+            if len(t.tokens) + len(observation.token_ids) >= self.cfg.seq_len or not pictures.readable(observation):
+                break  # no room for another model turn (or no way to send it): the episode ends truncated
+            t.add(pictures.keep(observation))
+        t.images = pictures.pngs
         return t
+
+
+def turn_content(value, episode, what: str) -> str | list[dict]:
+    """An episode's start or observation as text or content parts with pictures
+    (orchestrator/rollout/turn_images.py); TypeError naming it otherwise."""
+    content = content_of(value)
+    if content is None:
+        raise TypeError(f"{type(episode).__name__}'s {what} is {type(value).__name__}: text, a picture "
+                        "(a PIL image) or a list of content parts is expected")
+    return content
 
 
 def opening_tokens(env, tokenizer, row: dict) -> int | None:
@@ -64,8 +98,11 @@ def opening_tokens(env, tokenizer, row: dict) -> int | None:
         episode = env.episode(row)
     except Exception:
         return None
-    try:
-        return len(tokenizer.encode(episode.start(), add_special_tokens=True).ids)
+    try:  # a picture counts as its one placeholder token here, not expanded (docs/vlm.md)
+        start = content_of(episode.start())
+        parts = [] if isinstance(start, str) else start
+        text = "".join(p.get("text", "") for p in parts) if parts else start
+        return len(tokenizer.encode(text, add_special_tokens=True).ids) + sum(p.get("type") != "text" for p in parts)
     except Exception:
         return None
     finally:  # an episode may hold a process or a connection

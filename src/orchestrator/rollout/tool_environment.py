@@ -10,7 +10,8 @@ from collections.abc import Callable
 import jinja2
 
 from orchestrator.callables import load_callable
-from orchestrator.rendering import ChatTemplate, Opening
+from orchestrator.rendering import ChatTemplate, ImageError, ImagePrompt, Opening, check_expanded
+from orchestrator.rollout.agent_images import AgentImages
 from orchestrator.rollout.environment_base import EnvironmentKind
 from orchestrator.rollout.kind import Aborted, Generate, Toolkit, Trajectory
 from orchestrator.rollout.tool_episode import TemplateDrift, ToolEpisode, opening_messages
@@ -31,29 +32,34 @@ class ToolEpisodes(EnvironmentKind):
         self.tool_episode = ToolEpisode(
             env, env_tools(cfg, env), needed_template(cfg, renderer.template), toolkit.fast, toolkit.encode,
             toolkit.decode, tool_parser(tools.parser), self.settings.timeouts.tool_s,
-            self.settings.environment.max_turns, cfg.seq_len)
+            self.settings.environment.max_turns, cfg.seq_len,
+            AgentImages(renderer.template, renderer.image_support, toolkit.fast))
 
     async def episode(self, row: dict, eid: str, generate: Generate) -> Trajectory | None:
         """One tool-calling episode; None if the template or the reward failed (a tool's failure
         is the model's to read)."""
         t = Trajectory([], [], [], [], 0.0)
 
-        async def sample_turn(request_id: str, tokens: list[int]) -> GeneratedSample:
-            sample = (await generate(self.toolkit.request(request_id, tokens, 1, self.env_sampling))).samples[0]
+        async def sample_turn(request_id: str, tokens: list[int], images: ImagePrompt | None) -> GeneratedSample:
+            request = self.toolkit.request(request_id, tokens, 1, self.env_sampling, images=images)
+            response = await generate(request)
+            sample = response.samples[0]
             if sample.finish_reason == "abort":
                 raise Aborted(eid)
+            if images is not None:  # the prompt the engine sampled after must be the one the trainer scores
+                check_expanded(images, response.prompt_token_ids, request_id)
             t.truncated = sample.finish_reason == "length"
             return sample
 
         try:
             log = await self.tool_episode.run(row, eid, sample_turn, t.add)
-        except (TemplateDrift, jinja2.TemplateError) as e:
+        except (TemplateDrift, jinja2.TemplateError, ImageError) as e:
             return self.failed(eid, e)
         try:
             t.reward = await self.tool_episode.reward(log, row)
         except Exception as e:
             return self.failed(eid, e)
-        t.episode = log.stats()
+        t.episode, t.images = log.stats(), log.images
         return t
 
     @classmethod

@@ -12,6 +12,11 @@ such a continuation: the episode fails naming it rather than train on ids the mo
 
 The trainer learns only from the model's ids (loss mask 1); the prompt, tool results and the
 template's markup between turns are context (mask 0).
+
+A tool's result or the opening messages may hold pictures (orchestrator/rollout/turn_images.py):
+their placeholders are expanded as the model's processor expands them, every later request
+carries all the episode's pictures (the ids sent holding one placeholder each), and the
+trajectory keeps them in placeholder order. A picture that cannot be used fails the episode.
 """
 
 from __future__ import annotations
@@ -21,13 +26,15 @@ import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from orchestrator.rendering import ChatTemplate, row_messages
+from orchestrator.rendering import ChatTemplate, ImagePrompt, row_messages, template_messages
+from orchestrator.rollout.agent_images import AgentImages, image_positions
 from orchestrator.rollout.tool_functions import Tool, ToolError
+from orchestrator.rollout.turn_images import EpisodeImages, named_pictures, with_pictures
 from orchestrator.rollout.tool_parsers import BadCall, ToolCall, ToolParser
 from rl.inference_api import GeneratedSample
 
-SampleTurn = Callable[[str, list[int]], Awaitable[GeneratedSample]]
-"""(request id, the episode's ids so far) -> the model's next turn."""
+SampleTurn = Callable[[str, list[int], ImagePrompt | None], Awaitable[GeneratedSample]]
+"""(request id, the episode's ids so far, its pictures and the ids sent or None) -> the model's next turn."""
 
 
 def opening_messages(env, row: dict) -> list[dict]:
@@ -50,6 +57,8 @@ class EpisodeLog:
     tool_errors: int = 0
     tokens: int = 0
     messages: list[dict] = field(default_factory=list)
+    images: list[bytes] = field(default_factory=list)
+    """The pictures of the episode's turns, PNG, in the order of their placeholders."""
 
     def stats(self) -> dict[str, float]:
         return {"turns": self.turns, "tool_calls": self.tool_calls, "tool_errors": self.tool_errors,
@@ -60,8 +69,10 @@ class ToolEpisode:
     """Runs episodes of one tool environment; `add(ids, sample)` is the trajectory's append."""
 
     def __init__(self, env, tools: dict[str, Tool], template: ChatTemplate, tokenizer, encode,
-                 decode, parser: ToolParser, timeout_s: float, max_turns: int, seq_len: int):
+                 decode, parser: ToolParser, timeout_s: float, max_turns: int, seq_len: int,
+                 images: AgentImages | None = None):
         self.env, self.tools, self.template = env, tools, template
+        self.images = images or AgentImages(template, None, tokenizer)  # the model's pictures (none: text only)
         self.encode, self.decode, self.parser = encode, decode, parser
         self.timeout_s, self.max_turns, self.seq_len = timeout_s, max_turns, seq_len
         self.schemas = [t.schema for t in tools.values()]
@@ -76,11 +87,15 @@ class ToolEpisode:
 
     async def run(self, row: dict, eid: str, sample_turn: SampleTurn, add) -> EpisodeLog:
         """The episode's conversation, turn by turn, into `add`; returns its log."""
-        log = EpisodeLog(messages=self.first_messages(row))
-        tokens = self.encode(self.template.render(log.messages, True, self.schemas), add_special_tokens=False)
+        log = EpisodeLog(messages=with_pictures(self.first_messages(row)))
+        pictures = EpisodeImages(self.images, self.encode)
+        opening = pictures.decoded(image_positions(log.messages))
+        tokens = pictures.keep(pictures.piece(self.template.render(template_messages(log.messages), True, self.schemas),
+                                              opening))
         add(tokens)
         for turn in range(self.max_turns):
-            sample = await sample_turn(f"{eid}-t{turn}", tokens)
+            sample = await sample_turn(f"{eid}-t{turn}", tokens, pictures.request(tokens))
+            pictures.sampled(sample.token_ids)
             tokens = tokens + sample.token_ids
             add(sample.token_ids, sample)
             log.turns += 1
@@ -92,17 +107,19 @@ class ToolEpisode:
             replies = [tool_message(call, text, turn, i) for i, (call, (text, _)) in enumerate(zip(calls, results))]
             log.tool_calls += len(calls)
             log.tool_errors += sum(failed for _, failed in results)
-            between = self.between_turns(log.messages, replies, sample.token_ids)
-            if len(tokens) + len(between) >= self.seq_len:
-                break  # no room for another model turn
+            shown = pictures.decoded([p for r in replies for p in
+                                      named_pictures(r["content"], f"turn {turn}: tool {r['name'] or '?'}")])
+            between = pictures.piece(self.between_turns(log.messages, replies, sample.token_ids), shown)
+            if len(tokens) + len(between.token_ids) >= self.seq_len or not pictures.readable(between):
+                break  # no room for another model turn (or no way to send it: EpisodeImages.readable)
             log.messages += replies
-            tokens = tokens + between
-            add(between)
-        log.tokens = len(tokens)
+            tokens = tokens + pictures.keep(between)
+            add(between.token_ids)
+        log.tokens, log.images = len(tokens), pictures.pngs
         return log
 
-    async def answer(self, call: ToolCall | BadCall) -> tuple[str, bool]:
-        """(the tool message's text, whether the call failed)."""
+    async def answer(self, call: ToolCall | BadCall) -> tuple[str | list[dict], bool]:
+        """(the tool message's content, whether the call failed)."""
         if isinstance(call, BadCall):
             return f"error: {call.error}", True
         tool = self.tools.get(call.name)
@@ -113,10 +130,11 @@ class ToolEpisode:
         except ToolError as e:
             return f"error: {e}", True
 
-    def between_turns(self, conversation: list[dict], replies: list[dict], sampled: list[int]) -> list[int]:
-        """The ids the template puts between the model's last token and its next turn."""
-        before = self.template.render(conversation, False, self.schemas)
-        after = self.template.render(conversation + replies, True, self.schemas)
+    def between_turns(self, conversation: list[dict], replies: list[dict], sampled: list[int]) -> str:
+        """The text the template puts between the model's last token and its next turn (a
+        picture in a reply: its placeholder)."""
+        before = self.template.render(template_messages(conversation), False, self.schemas)
+        after = self.template.render(template_messages(conversation + replies), True, self.schemas)
         if not after.startswith(before):
             raise TemplateDrift(f"the chat template ({self.template.origin}) renders the earlier turns "
                                 "differently once a tool message follows: the ids trained on would not be "
@@ -127,7 +145,7 @@ class ToolEpisode:
         closing = before[at + len(self.eot_text):] if at >= 0 else ""
         if self.eot_id is not None and sampled[-1:] != [self.eot_id]:
             closing = self.eot_text + closing
-        return self.encode(closing + after[len(before):], add_special_tokens=False)
+        return closing + after[len(before):]
 
     async def reward(self, log: EpisodeLog, row: dict) -> float:
         value = self.env.reward(log.messages, row)
@@ -148,7 +166,7 @@ def assistant_message(content: str, calls: list[ToolCall | BadCall], turn: int) 
     return message
 
 
-def tool_message(call: ToolCall | BadCall, text: str, turn: int, i: int) -> dict:
+def tool_message(call: ToolCall | BadCall, text: str | list[dict], turn: int, i: int) -> dict:
     name = call.name if isinstance(call, ToolCall) else ""
     return {"role": "tool", "tool_call_id": call_id(turn, i), "name": name, "content": text}
 

@@ -4,7 +4,8 @@ the model wrote, under a timeout.
 
 Whatever goes wrong in a call (an unknown name, missing or mistyped arguments, the function
 raising or hanging) becomes the text of the tool message the model reads next and is counted as
-a tool error: a tool never fails the episode, let alone the orchestrator. A sync tool runs on a
+a tool error: a tool never fails the episode, let alone the orchestrator (a picture it returns
+that cannot be used does: orchestrator/rollout/turn_images.py). A sync tool runs on a
 thread of its own pool (asyncio's default pool also serves the orchestrator's file writes); one
 that hangs past its timeout is answered with an error but keeps its thread until it returns,
 since Python cannot stop a thread: write tools that wait on I/O as async functions.
@@ -22,6 +23,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from orchestrator.rollout.turn_images import content_of
 
 JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array",
               dict: "object", type(None): "null"}
@@ -123,8 +126,10 @@ class Tool:
                 return f"argument {key}: {json.dumps(value)} is not {describe(spec['properties'][key])}"
         return None
 
-    async def call(self, arguments: dict, timeout_s: float) -> str:
-        """The tool's result as message text; raises ToolError with what to tell the model."""
+    async def call(self, arguments: dict, timeout_s: float) -> str | list[dict]:
+        """The tool's result as message content: its text, or OpenAI content parts when it is a
+        picture (orchestrator/rollout/turn_images.py content_of); raises ToolError with what to
+        tell the model."""
         why = self.argument_error(arguments)
         if why is not None:
             raise ToolError(f"{self.name}: {why}")
@@ -138,8 +143,9 @@ class Tool:
             raise ToolError(f"{self.name}: no result within {timeout_s:g} s") from None
         except Exception as e:
             raise ToolError(f"{self.name} raised {type(e).__name__}: {e}") from None
-        if isinstance(result, str):
-            return result
+        content = content_of(result)
+        if content is not None:
+            return content
         try:
             return json.dumps(result, ensure_ascii=False)
         except (TypeError, ValueError):

@@ -1,0 +1,407 @@
+"""Pictures in the built-in tool loop's and text environments' turns (issue 62;
+orchestrator/rollout/turn_images.py, tool_episode.py, text_environment.py): a tool that returns a
+picture (tasks/shapes_tools.py ShapesTools: `look(board)`), a text environment whose start and
+observation are pictures (ShapesTurns). Each turn's request carries one placeholder per picture
+of the episode so far and the PNGs; the engine's expansion is checked; the samples keep the
+pictures in placeholder order.
+
+- Without an engine (generate scripted, as test_agent_images.py's Scripted): the requests'
+  wire form turn by turn; the samples' ids are AutoProcessor's rendering of the whole
+  conversation with the pictures in order; bad pictures fail the episode by name and count;
+  a text-only model; an engine that expands otherwise; a model that writes the placeholder.
+- On the real engine (`rl inference` on models/tiny-vlm, shared with test_agent_images.py:
+  vlm_engine.py): every request's prompt as the engine expanded it is the trajectory so far,
+  whose pieces are AutoProcessor's; the engine's logprobs are float64 transformers' with the
+  episode's pictures within the derived bound, and miss it with the pictures swapped."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import logging
+import re
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from orchestrator.prompts.queue import Prompt
+from orchestrator.rendering import template_messages
+from orchestrator.rendering.tokenizer import load_tokenizer
+from orchestrator.rollout.groups import Rollouts
+from orchestrator.rollout.tool_parsers import ToolCall
+from rl.config import RunConfig
+from tasks.shapes import QUESTION
+from tasks.shapes_agent import AGAIN
+from tasks.shapes_tools import ShapesTools, ShapesTurns, board_of
+from test_agent_images import SEQ_LEN, TEXT_MODEL, VLM, Scripted, engine_against_float64, pixels
+
+EOU = "<end_of_utterance>"
+
+
+class AlwaysLooks:
+    """A tool parser that reads every answer as a call to look at a new board ("call0", "call1",
+    ...): the random tiny-vlm never writes a call itself, and the loop under test is what
+    follows one."""
+
+    calls = 0
+
+    def parse(self, text: str):
+        AlwaysLooks.calls += 1
+        return text, [ToolCall("look", {"board": f"call{AlwaysLooks.calls}"})]
+
+
+class Recorded(ShapesTools):
+    """ShapesTools keeping each episode's conversation (as its reward reads it)."""
+
+    def __init__(self, tools=None):
+        self.conversations: list[list[dict]] = []
+        if tools is not None:
+            self.tools = tools
+
+    def reward(self, messages: list[dict], row: dict) -> float:
+        self.conversations.append(messages)
+        return super().reward(messages, row)
+
+
+def rollouts(env, cls: str, model=VLM, max_turns: int = 3, group_size: int = 2, **sampling) -> Rollouts:
+    cfg = RunConfig.model_validate({"model": str(model), "seq_len": SEQ_LEN, "orchestrator": {
+        "environment": {"class": cls, "max_turns": max_turns},
+        "tools": {"parser": "test_turn_images:AlwaysLooks"},
+        "sampling": {"max_tokens": 8, **sampling}, "scheduling": {"group_size": group_size}}})
+    return Rollouts(cfg, load_tokenizer(cfg.model), {}, None, env)
+
+
+def processor():
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(VLM)
+
+
+def processor_ids(text: str, pictures: list[bytes]) -> list[int]:
+    inputs = processor()(text=[text], images=[[Image.open(io.BytesIO(p)) for p in pictures]] if pictures else None,
+                         return_tensors="pt")
+    return inputs["input_ids"][0].tolist()
+
+
+def chat_text(messages: list[dict], generation: bool) -> str:
+    return processor().apply_chat_template(template_messages(messages), add_generation_prompt=generation,
+                                           tokenize=False)
+
+
+def boards_shown(messages: list[dict]) -> list[bytes]:
+    """The PNGs of the boards the conversation's tool calls asked for, in order (the calls of
+    the last turn, which no turn would read, are not run)."""
+    return [board_of(c["function"]["arguments"]["board"])[0]
+            for m in messages[:-1] if m["role"] == "assistant" for c in m.get("tool_calls", [])]
+
+
+def conversation_of(sample, conversations: list[list[dict]]) -> list[dict]:
+    """The conversation whose boards are the sample's pictures (episodes end in any order)."""
+    got = [pixels(p).tolist() for p in sample.images]
+    [messages] = [m for m in conversations if [pixels(p).tolist() for p in boards_shown(m)[:len(got)]] == got]
+    return messages
+
+
+def written_by(r, text: str = " 3") -> list[int]:
+    """The model's turn: `text`, then the end-of-turn token."""
+    eou = r.fast.token_to_id(EOU)
+    return r.encode(text, add_special_tokens=False) + ([eou] if eou is not None else r.kind.stop_token_ids[:1])
+
+
+# --- without an engine -------------------------------------------------------------------------
+
+
+def test_the_python_forms_of_a_picture_become_openai_content():
+    from orchestrator.rollout.turn_images import content_of
+
+    png = board_of("forms")[0]
+    picture = Image.open(io.BytesIO(png))
+
+    def shown(part) -> list:
+        assert part["type"] == "image_url" and part["image_url"]["url"].startswith("data:image/png;base64,")
+        return pixels(base64.b64decode(part["image_url"]["url"].split(",", 1)[1])).tolist()
+
+    assert content_of("text") == "text"
+    assert [shown(p) for p in content_of(picture)] == [pixels(png).tolist()]
+    parts = content_of(["Board 7.", picture, {"type": "image", "image": picture}, {"type": "text", "text": "!"}])
+    assert parts[0] == {"type": "text", "text": "Board 7."} and parts[3] == {"type": "text", "text": "!"}
+    assert shown(parts[1]) == shown(parts[2]) == pixels(png).tolist()
+    url = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    assert content_of([url]) == [url]  # checked when rendered
+    assert content_of(["a", "b"]) is None and content_of([{"type": "text", "text": "a"}]) is None  # JSON, as before
+    assert content_of({"a": 1}) is None and content_of([]) is None and content_of([picture, 3]) is None
+
+
+def test_a_tool_that_returns_a_picture_sends_it_then_and_later_and_keeps_it_in_order():
+    env = Recorded()
+    r = rollouts(env, "tasks.shapes_tools:ShapesTools")
+    written = written_by(r)
+    generate = Scripted(written)
+    group = asyncio.run(r.group(Prompt(0, next(env.dataset(0))), "g0", generate))
+    assert group.failed == 0 and len(group.samples) == 2
+    image = load_tokenizer(str(VLM)).token_to_id("<image>")
+    requests = [q for q in generate.asked if q.request_id.startswith("g0-e0-")]
+    assert [q.request_id for q in requests] == ["g0-e0-t0", "g0-e0-t1", "g0-e0-t2"]
+    # One placeholder per picture so far, the pictures of every earlier turn carried again;
+    # each request's ids extend the previous one's with what was sampled.
+    assert [len(q.images or []) for q in requests] == [0, 1, 2]
+    assert [q.prompt_token_ids.count(image) for q in requests] == [0, 1, 2]
+    for before, after in zip(requests, requests[1:]):
+        assert after.prompt_token_ids[:len(before.prompt_token_ids) + len(written)] == before.prompt_token_ids + written
+        assert after.images[:len(before.images or [])] == (before.images or [])
+    for sample in group.samples:
+        messages = conversation_of(sample, env.conversations)
+        shown = boards_shown(messages)
+        assert len(shown) == 2 and pixels(shown[0]).tolist() != pixels(shown[1]).tolist()
+        assert [pixels(p).tolist() for p in sample.images] == [pixels(p).tolist() for p in shown]
+        # The whole conversation as AutoProcessor renders it (the model's turns " 3", which the
+        # template renders back as sampled), the boards in order, then the last turn's tokens.
+        said = [{**m, "content": m["content"].strip()} if m["role"] == "assistant" else m for m in messages]
+        want = processor_ids(chat_text(said[:-1], True), shown) + written
+        assert sample.tokens == want
+        assert [t for t, m in zip(sample.tokens, sample.loss_mask) if m] == written * 3
+
+
+def test_a_text_environments_pictures_are_the_processors_in_order():
+    env = ShapesTurns()
+    r = rollouts(env, "tasks.shapes_tools:ShapesTurns", max_turns=2)
+    written = written_by(r)
+    generate = Scripted(written)
+    row = next(env.dataset(0))
+    group = asyncio.run(r.group(Prompt(0, row), "g0", generate))
+    assert group.failed == 0 and len(group.samples) == 2
+    first, second = (board_of(name)[0] for name in row["boards"])
+    assert [len(q.images) for q in generate.asked if q.request_id.startswith("g0-e0-")] == [1, 2]
+    text = f"<image>{QUESTION} 3{EOU}\n<image>{AGAIN}"  # the episode in raw text, as the model reads it
+    for sample in group.samples:
+        assert sample.tokens == processor_ids(text, [first, second]) + written
+        assert [pixels(p).tolist() for p in sample.images] == [pixels(first).tolist(), pixels(second).tolist()]
+
+
+def junk(board: str):
+    """A tool whose picture is not one."""
+    return [{"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgpqdW5r"}}, "junk"]
+
+
+def bomb(board: str):
+    """A tool whose picture declares 81M pixels."""
+    out = io.BytesIO()
+    Image.new("1", (9000, 9000)).save(out, format="PNG")
+    return [Image.open(io.BytesIO(out.getvalue())), "big"]
+
+
+def three(board: str):
+    """Three boards a call: the second call's makes six pictures."""
+    return [Image.open(io.BytesIO(board_of(f"{board}/{i}")[0])) for i in range(3)]
+
+
+def a_path(board: str):
+    """A picture named by a path on the orchestrator's side."""
+    return [{"type": "image_url", "image_url": {"url": "/etc/passwd"}}]
+
+
+@pytest.mark.parametrize("tool, says", [
+    (junk, "turn 0: tool junk: content[0]: unreadable image"),
+    (bomb, "turn 0: tool bomb: content[0]: "),  # the decompression bomb, named below
+    (three, "turn 1: tool three: content[1]: 6 images, more than the 4"),
+    (a_path, "turn 0: tool a_path: content[0]: '/etc/passwd': an image_url from an agent, a tool or an environment "
+             "must be a data: URL")])
+def test_a_bad_picture_from_a_tool_fails_the_episode_by_name(tool, says, caplog):
+    class Parser(AlwaysLooks):
+        def parse(self, text):
+            return text, [ToolCall(tool.__name__, {"board": "b"})]
+
+    r = rollouts(Recorded(tools=[tool]), "tasks.shapes_tools:ShapesTools", group_size=3)
+    r.kind.tool_episode.parser = Parser()
+    written = written_by(r)
+    with caplog.at_level(logging.WARNING, logger="orchestrator"):
+        row = {"prompt": "Look.", "board": "b", "answer": "3"}
+        group = asyncio.run(r.group(Prompt(0, row), "g5", Scripted(written)))
+    assert group.failed == 3 and group.samples == []
+    assert group.error.startswith("ImageError: " + says), group.error
+    if tool is bomb:
+        assert "decompression bomb" in group.error
+    lines = [m for m in caplog.messages if "failed in" in m]
+    assert len(lines) == 1 and lines[0].startswith("episode g5-e") and says in lines[0], caplog.messages
+
+
+def test_a_bad_picture_in_a_text_environments_observation_fails_the_episode_by_name():
+    class Broken(ShapesTurns):
+        def episode(self, row):
+            episode = super().episode(row)
+            step = episode.step
+
+            def broken(completion):
+                turn = step(completion)
+                if turn.observation:
+                    turn.observation = [junk("")[0], "junk"]
+                return turn
+
+            episode.step = broken
+            return episode
+
+    r = rollouts(Broken(), "tasks.shapes_tools:ShapesTurns", max_turns=2)
+    written = written_by(r)
+    group = asyncio.run(r.group(Prompt(0, next(Broken().dataset(0))), "g6", Scripted(written)))
+    assert group.failed == 2 and group.error.startswith("ImageError: turn 0: observation: content[0]: unreadable image")
+    assert "0x" not in group.error  # (PIL names its buffer by address: each episode's line would differ)
+
+
+def test_a_picture_returning_tool_on_a_text_only_model_fails_with_one_line(caplog):
+    r = rollouts(Recorded(), "tasks.shapes_tools:ShapesTools", model=TEXT_MODEL)
+    written = written_by(r)
+
+    async def text_engine(request):
+        assert not request.images
+        return await Scripted(written)(request)
+
+    with caplog.at_level(logging.WARNING, logger="orchestrator"):
+        group = asyncio.run(r.group(Prompt(0, next(ShapesTools().dataset(0))), "g1", text_engine))
+    assert group.failed == 2
+    lines = [m for m in caplog.messages if "failed in" in m]
+    assert len(lines) == 1 and lines[0].endswith(
+        "ImageError: turn 0: tool look: content[0]: a picture, and the model has no image processor "
+        "(processor_config.json): it reads text only"), lines
+
+
+def test_an_engine_that_expands_otherwise_fails_the_episode():
+    r = rollouts(Recorded(), "tasks.shapes_tools:ShapesTools")
+    written = written_by(r)
+    group = asyncio.run(r.group(Prompt(0, next(ShapesTools().dataset(0))), "g2", Scripted(written, expanded=[1, 2])))
+    assert group.failed == 2 and re.search(r"^ImageError: g2-e[01]-t1: the server expanded the image placeholders to 2 "
+                                           r"ids, the model's processor to \d+", group.error), group.error
+
+
+def test_a_model_that_writes_the_placeholder_ends_its_episode_before_the_picture():
+    """The sampled <image> was text to the engine that sampled it; sent again beside a picture
+    it would be a second placeholder: the episode ends there (trained on, without the picture)."""
+    r = rollouts(Recorded(), "tasks.shapes_tools:ShapesTools")
+    written = written_by(r, " 3<image>")
+    generate = Scripted(written)
+    group = asyncio.run(r.group(Prompt(0, next(ShapesTools().dataset(0))), "g3", generate))
+    assert group.failed == 0 and [len(s.images) for s in group.samples] == [0, 0]
+    assert sorted(q.request_id for q in generate.asked) == ["g3-e0-t0", "g3-e1-t0"]
+
+
+# --- on the real engine ------------------------------------------------------------------------
+
+
+def recording(generate, seen: dict):
+    async def record(request):
+        response = await generate(request)
+        seen[request.request_id] = (request, response)
+        return response
+
+    return record
+
+
+async def play_tools(generate) -> dict:
+    """Two groups of two ShapesTools episodes, three model turns each (a look after each of the
+    first two), on the engine behind `generate` (vlm_engine.py). Common characters stop a turn:
+    the random model's turns end (finish "stop") before max_tokens, where the loop would stop."""
+    env, seen = Recorded(), {}
+    stop = list(" eaoinstrlhducmpgybwfkv.,!?12345")  # the 32 stop strings a request may have
+    r = rollouts(env, "tasks.shapes_tools:ShapesTools", stop=stop, temperature=1.0)
+    groups = [await r.group(Prompt(i, row), f"t{i}", recording(generate, seen))
+              for i, row in zip(range(2), env.dataset(0))]
+    return {"groups": groups, "conversations": env.conversations, "seen": seen, "eou": r.kind.stop_token_ids}
+
+
+async def play_turns(generate) -> dict:
+    """Two groups of two ShapesTurns episodes (two boards each) on the engine behind `generate`."""
+    env, seen = ShapesTurns(), {}
+    r = rollouts(env, "tasks.shapes_tools:ShapesTurns", max_turns=2, temperature=1.0)
+    rows = [row for _, row in zip(range(2), env.dataset(0))]
+    groups = [await r.group(Prompt(i, row), f"x{i}", recording(generate, seen)) for i, row in enumerate(rows)]
+    return {"groups": groups, "rows": rows, "seen": seen}
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from vlm_engine import played_on_engine
+
+    return played_on_engine(tmp_path_factory)
+
+
+def tool_samples(engine) -> list:
+    groups = engine["tools"]["groups"]
+    assert all(g.failed == 0 and len(g.samples) == 2 for g in groups), [g.error for g in groups]
+    return [s for g in groups for s in g.samples]
+
+
+@pytest.mark.slow
+def test_the_engine_expanded_each_turns_prompt_as_the_processor_does(engine):
+    played = engine["tools"]
+    samples, eou = tool_samples(engine), played["eou"]
+    with_two = 0
+    for s in samples:
+        if not s.images:  # turn 0 cut at max_tokens, or the model wrote <image>: no picture shown
+            continue
+        messages = conversation_of(s, played["conversations"])
+        shown = boards_shown(messages)[:len(s.images)]
+        with_two += len(shown) == 2
+        assert [pixels(p).tolist() for p in s.images] == [pixels(p).tolist() for p in shown]
+        # Pieces: the opening, each model turn as sampled, then the text the template puts
+        # between (the model's turn closed, the tool's message, the next generation prompt),
+        # each piece AutoProcessor's ids with that turn's board.
+        model = [i for i, m in enumerate(s.loss_mask) if m]
+        runs = np.split(np.asarray(model), np.where(np.diff(model) > 1)[0] + 1)
+        want = processor_ids(chat_text(messages[:1], True), [])
+        for k, run in enumerate(runs):
+            turn = s.tokens[run[0]:run[-1] + 1]
+            want += turn
+            if k + 1 < len(runs):
+                before = chat_text(messages[:2 + 2 * k], False)
+                after = chat_text(messages[:3 + 2 * k], True)
+                closing = before[before.rfind(EOU) + len(EOU):]  # the template's after the model's turn
+                closing = closing if turn[-1] in eou else EOU + closing  # (its end-of-turn, if another stop ended it)
+                want += processor_ids(closing + after[len(before):], [shown[k]])
+        assert s.tokens == want
+    assert with_two >= 2, with_two
+    # Each request as sent: one placeholder per picture; as the engine expanded it: the
+    # trajectory so far, a model turn next.
+    image = load_tokenizer(str(VLM)).token_to_id("<image>")
+    expanded = 0
+    for request, response in played["seen"].values():
+        assert request.prompt_token_ids.count(image) == len(request.images or [])
+        prompt = response.prompt_token_ids if request.images else request.prompt_token_ids  # (text: as sent)
+        expanded += bool(request.images)
+        [sample] = [s for s in samples if s.tokens[:len(prompt)] == prompt][:1]
+        assert sample.loss_mask[len(prompt)] == 1
+    assert expanded >= 4, expanded
+
+
+@pytest.mark.slow
+def test_the_text_environments_samples_are_the_processors_with_both_boards(engine):
+    played = engine["turns"]
+    for row, group in zip(played["rows"], played["groups"]):
+        assert group.failed == 0 and len(group.samples) == 2, group.error
+        first, second = (board_of(name)[0] for name in row["boards"])
+        for s in group.samples:
+            if len(s.images) < 2:  # the model wrote <image> or ran out of room: the episode ended
+                continue
+            start = processor_ids(f"<image>{QUESTION}", [first])
+            assert s.tokens[:len(start)] == start and not any(s.loss_mask[:len(start)])
+            answered = len(start) + next(i for i, m in enumerate(s.loss_mask[len(start):]) if not m)
+            observation = processor_ids(f"\n<image>{AGAIN}", [second])
+            assert s.tokens[answered:answered + len(observation)] == observation
+            assert all(s.loss_mask[answered + len(observation):])
+            assert [pixels(p).tolist() for p in s.images] == [pixels(first).tolist(), pixels(second).tolist()]
+
+
+def all_samples(engine) -> dict:
+    return {"episodes": [(None, [s]) for s in tool_samples(engine)]
+            + [(None, [s]) for g in engine["turns"]["groups"] for s in g.samples]}
+
+
+@pytest.mark.slow
+def test_the_engine_sampled_after_the_episodes_pictures_in_their_order(engine):
+    played = all_samples(engine)
+    own = engine_against_float64(played)
+    assert len(own) >= 16 and all(abs(e - x) <= tol for e, x, tol in own), [x for x in own if abs(x[0] - x[1]) > x[2]]
+    # The samples with two pictures, the pictures swapped: the model turns after both miss the bound.
+    swapped = engine_against_float64(played, lambda s: s.images[::-1] if len(s.images) == 2 else None)
+    moved = sum(abs(e - x) > tol for e, x, tol in swapped)
+    assert moved > len(swapped) // 2, (moved, len(swapped))
