@@ -362,7 +362,7 @@ def test_the_trainer_scores_the_episodes_as_the_engine_sampled_them(played, writ
     from rl.batch import Batch
     from rl.rundir import RunDir
     from samples import write_batch
-    from test_trainer import run_trainer, trainer_metrics
+    from trainer_runs import run_trainer, trainer_metrics
 
     samples = [s for _, pieces in played["episodes"] for s in pieces]
     assert sum(len(s.images) == 2 for s in samples) >= 4

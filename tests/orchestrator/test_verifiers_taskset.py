@@ -22,7 +22,7 @@ from orchestrator.rollout.verifiers_taskset import VerifiersTaskset  # noqa: E40
 from rl.config import ConfigError  # noqa: E402
 from orchestrator.preflight import orchestrator_code  # noqa: E402
 from orchestrator.rollout.tool_functions import load_tools  # noqa: E402
-from test_tool_episode import TOKENIZER, ScriptedModel, config  # noqa: E402
+from scripted_model import TOKENIZER, ScriptedModel, config  # noqa: E402
 
 ENV = "orchestrator.rollout.verifiers_taskset:VerifiersTaskset"
 TINY = "vf-tiny-taskset"
