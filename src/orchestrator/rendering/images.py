@@ -232,13 +232,21 @@ def render_image_prompt(template, support, tokenizer, messages: list[dict], root
     if len(sources) > support.max_images:
         raise ImageError(f"{len(sources)} images, more than the {support.max_images} a prompt may hold")
     images = [png(decode(read_source(s, roots), support.max_pixels, f"image {i}")) for i, s in enumerate(sources)]
-    text = template.render(template_messages(messages), True, tools)
+    text, expanded = expanded_text(template, support, messages, tools)
     found = text.count(support.image_token)
     if found != len(images):
         raise ImageError(f"the chat template wrote {found} {support.image_token} for {len(images)} images")
-    expanded = text.replace(support.image_token, support.expansion())
     return ImagePrompt(tokenizer.encode(expanded, add_special_tokens=False).ids,
                        tokenizer.encode(text, add_special_tokens=False).ids, images)
+
+
+def expanded_text(template, support, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, str]:
+    """(the chat's prompt text with one placeholder per image, the same with each placeholder
+    expanded as the model's processor expands it): what /generate takes and what the model
+    reads. The run's renderer (render_image_prompt) and the start-up fit check
+    (orchestrator/rendering/fit.py) both measure the second."""
+    text = template.render(template_messages(messages), True, tools)
+    return text, text.replace(support.image_token, support.expansion())
 
 
 def images_at_start_up(model: Path, dataset: str, rows: list[tuple[object, str]], messages_key: str) -> None:
