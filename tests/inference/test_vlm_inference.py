@@ -18,6 +18,7 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from conftest import ROOT
+from float32_rounding import U
 from orchestrator.rendering.chat import ChatTemplate
 from orchestrator.rendering.images import image_support, render_image_prompt, template_messages
 from orchestrator.rendering.tokenizer import load_tokenizer
@@ -298,8 +299,11 @@ def test_zzz_an_in_flight_update_keeps_image_requests_going_on_the_new_weights(s
     and some change mid-sample; every token's engine logprob is what float64 transformers gives
     for that switch (the old weights' keys and values up to the switch, the new weights' after,
     the new vision tower's encodings for a prompt first computed after it) within the derived
-    float32 bound, where the old weights alone miss it on most tokens after the switch. A
-    request after it, on a picture seen before the update, is served (encoded again)."""
+    float32 bound, where the old weights alone miss it on most tokens after the switch. Then a
+    picture encoded, a request on it running through another "keep" update, and the picture
+    again: served, its prompt logprobs float64 transformers' on the weights now served (the
+    picture encoded again by their vision tower; without the encoder cache reset the engine
+    died here: "Encoder cache miss")."""
     import asyncio
 
     import aiohttp
@@ -344,12 +348,25 @@ def test_zzz_an_in_flight_update_keeps_image_requests_going_on_the_new_weights(s
                 if any(len(set(smp["versions"])) == 2 for _, smp in samples):
                     break
                 version += 2
-            after = await post(s, "/generate", {"request_id": "after-keep", **fields(running[-1], 4)})
+            after = await again(s, old, version + 2)
             return version, old, new, update, samples, after
+
+    async def again(s, old: Path, version: int) -> dict:
+        """A picture encoded, a request on it running as another "keep" update lands, then the
+        same picture again: its encoding must be the new weights' (vLLM's scheduler still counted
+        the old one, which the reload had dropped: "Encoder cache miss" without the reset)."""
+        seen = running[-1]
+        await post(s, "/generate", {"request_id": "encode", **fields(seen, 1)})
+        going = asyncio.create_task(post(s, "/generate", {"request_id": "going", "n": 2,
+                                                          **fields(seen, SEQ_LEN - len(seen.token_ids))}))
+        await wait_running(s, server, lambda c: c >= 2, timeout=120, task=going)
+        await post(s, "/update_weights", {"path": str(old), "version": version, "mode": "keep"})
+        await going
+        return await post(s, "/generate", {"request_id": "after-keep", "prompt_logprobs": True, **fields(seen, 1)})
 
     version, old_path, new_path, update, samples, after = asyncio.run(main())
     assert update["version"] == version + 1
-    assert after["samples"][0]["versions"] == [version + 1] * 4  # served after the update, seen picture and all
+    assert after["samples"][0]["versions"] == [version + 2]  # served after the second update
     switched = [smp for _, smp in samples if len(set(smp["versions"])) == 2]
     assert switched, [smp["versions"] for _, smp in samples]
     # One thread for the test's own forwards (~60 small float64 ones): beside the engine on 2
@@ -359,8 +376,24 @@ def test_zzz_an_in_flight_update_keeps_image_requests_going_on_the_new_weights(s
     torch.set_num_threads(1)
     try:
         check_switched_samples(samples, version, old_path, new_path)
+        check_prompt(running[-1], after["prompt_logprobs"], old_path)
     finally:
         torch.set_num_threads(threads)
+
+
+def check_prompt(prompt, served: list, weights: Path) -> None:
+    """The engine's prompt logprobs are float64 transformers' on `weights` (its vision tower
+    included) within the derived bound."""
+    from test_vlm_run import vlm_logit_error
+
+    vision = float64_vision(weights)
+    ids = prompt.token_ids
+    lp, scale = switched_logprobs(vision, vision, ids, prompt.images, [False] * len(ids), len(ids))
+    error = vlm_logit_error()
+    assert len(served) == len(ids)
+    for i in range(1, len(ids)):
+        tol = 2 * error * float(scale[i - 1]) + abs(served[i]) * U
+        assert abs(served[i] - float(lp[i - 1, ids[i]])) <= tol, (i, served[i], float(lp[i - 1, ids[i]]), tol)
 
 
 def check_switched_samples(samples, version: int, old_path: Path, new_path: Path) -> None:
