@@ -322,6 +322,9 @@ def test_weights_published_each_step_reload_in_the_server(vlm_run):
         assert (run.weights_dir(n) / "STABLE").exists()
     versions = {v for step in (1, 2, 3) for v in Batch.read(run.rollout_dir(step)).token_versions.tolist() if v >= 0}
     assert max(versions) >= 1, versions  # batches sampled after a reload of the VLM's weights
+    for n in (1, 2, 3):  # max_async_level 1: batch n holds no token older than version n - 2
+        sampled = [v for v in Batch.read(run.rollout_dir(n)).token_versions.tolist() if v >= 0]
+        assert n - 2 <= min(sampled) and max(sampled) <= n - 1, (n, sorted(set(sampled)))
     # In flight ("keep"): the engine paused between two steps with image requests running, and lived.
     log = (run.root / "logs" / "inference.log").read_text(errors="replace")
     assert "(mode keep:" in log and "Encoder cache miss" not in log, log[-3000:]
