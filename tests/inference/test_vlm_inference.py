@@ -429,3 +429,59 @@ def check_switched_samples(samples, version: int, old_path: Path, new_path: Path
     print(f"\n{switched} of {len(samples)} samples switched mid-way; {compared} tokens within the bound, "
           f"{missed} of the {after_switch} after the switch off the old weights'; positions fed to the old weights "
           f"(from the prompt's end): {sorted(splits)}")
+
+
+def test_zzzz_aborted_image_requests_leave_the_engine_serving_their_pictures(server):
+    """Group cancellation's engine side with images (the orchestrator aborts a stale group's
+    requests by id, /abort): image requests decoding and others just sent (queued or in prefill)
+    are aborted; each returns what it had, marked "abort", and the same pictures right after are
+    served with prompt logprobs float64 transformers' on the served weights (no stale or missing
+    encoding left behind by the aborted ones)."""
+    import asyncio
+
+    import aiohttp
+
+    from test_inference_server import wait_running
+
+    pictures = [rendered(chat(picture(30 + 25 * i, 50, (60 * i, 200, 100)))) for i in range(4)]
+
+    async def post(s, route: str, body: dict) -> dict:
+        async with s.post(f"{server}{route}", json=body, timeout=aiohttp.ClientTimeout(total=180)) as r:
+            answer = await r.json()
+            assert r.status == 200, answer
+            return answer
+
+    def fields(prompt, max_tokens: int) -> dict:
+        return {"prompt_token_ids": prompt.request_ids, "max_tokens": max_tokens,
+                "images": [base64.b64encode(b).decode() for b in prompt.images]}
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            version = (await (await s.get(f"{server}/health")).json())["version"] + 1
+            await post(s, "/update_weights", {"path": str(NEW_WEIGHTS["path"]), "version": version, "mode": "wait"})
+            ids = [f"cancel-{i}" for i in range(len(pictures))]
+            long = [asyncio.create_task(post(s, "/generate", {"request_id": ids[i], "n": 4,
+                                                              **fields(pr, SEQ_LEN - len(pr.token_ids))}))
+                    for i, pr in enumerate(pictures[:2])]
+            await wait_running(s, server, lambda c: c >= 4, timeout=120, task=asyncio.gather(*long))
+            late = [asyncio.create_task(post(s, "/generate", {"request_id": ids[2 + i], "n": 4, **fields(pr, 24)}))
+                    for i, pr in enumerate(pictures[2:])]
+            await asyncio.sleep(0)
+            await post(s, "/abort", {"request_ids": ids})
+            cut = await asyncio.gather(*long, *late)
+            again = [await post(s, "/generate", {"request_id": f"again-{i}", "prompt_logprobs": True,
+                                                 "temperature": 0, **fields(pr, 1)}) for i, pr in enumerate(pictures)]
+            return version, cut, again
+
+    version, cut, again = asyncio.run(main())
+    reasons = [smp["finish_reason"] for answer in cut for smp in answer["samples"]]
+    assert "abort" in reasons and set(reasons) <= {"abort", "stop", "length"}, reasons
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for prompt, answer in zip(pictures, again):
+            assert answer["samples"][0]["versions"] == [version]
+            check_prompt(prompt, answer["prompt_logprobs"], NEW_WEIGHTS["path"])
+    finally:
+        torch.set_num_threads(threads)
+    print(f"\n{reasons.count('abort')} of {len(reasons)} image samples aborted")
