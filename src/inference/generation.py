@@ -155,8 +155,7 @@ class Generations:
             # Rendered input (not a raw TokensPrompt) keeps vLLM off its tokenizer thread pool.
             prompt = tokens_input(body.prompt_token_ids, cache_salt=weights.salt)
             if body.images:
-                prompt = await image_input(self.engine, body.prompt_token_ids, body.images, weights.salt,
-                                           body.max_tokens, self.seq_len)
+                prompt = await self.with_images(body, weights)
             # A TaskGroup: if one sample fails, the others are cancelled, which aborts their
             # engine requests instead of leaving them running for nobody.
             async with asyncio.TaskGroup() as group:
@@ -167,6 +166,12 @@ class Generations:
         if body.routed_experts:
             await self.attach_routing(gen, results)
         return results
+
+    async def with_images(self, body: GenerateRequest, weights: WeightsInUse):
+        """The engine input of a prompt with images, rendered by vLLM's multi-modal processor
+        (inference/multimodal.py)."""
+        return await image_input(self.engine, body.prompt_token_ids, body.images, weights.salt, body.max_tokens,
+                                 self.seq_len)
 
     async def attach_routing(self, gen: Generation, results: list[tuple[GeneratedSample, object]]) -> None:
         """Each sample's routed experts, taken from the workers once its engine request ended (one
@@ -186,11 +191,6 @@ class Generations:
 
         engine_id = gen.engine_ids[i]
         vocab = self.engine.model_config.get_vocab_size()
-        # Checked right before engine.generate, which registers the request before its first
-        # suspension: an /abort that ran earlier is seen here, a later one reaches the engine.
-        if gen.aborted:
-            return GeneratedSample(token_ids=[], logprobs=[], versions=[],
-                                   finish_reason="abort"), None
         params = SamplingParams(
             n=1, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
             max_tokens=body.max_tokens, stop=body.stop or None, stop_token_ids=body.stop_token_ids,
@@ -202,14 +202,27 @@ class Generations:
             # Stop strings are matched on text: only they need the detokenizer.
             output_kind=RequestOutputKind.FINAL_ONLY, detokenize=bool(body.stop),
         )
-        # An adapter request is registered as None: a full reload does not change what version
-        # its tokens are.
-        self.running[engine_id] = weights.version if weights.switches else None
-        try:
-            async for out in self.engine.generate(prompt, params, engine_id, lora_request=weights.lora):
-                final = out
-        finally:
-            del self.running[engine_id]
+        for attempt in range(2):
+            # Checked right before engine.generate, which registers the request before its first
+            # suspension: an /abort that ran earlier is seen here, a later one reaches the engine.
+            if gen.aborted:
+                return GeneratedSample(token_ids=[], logprobs=[], versions=[], finish_reason="abort"), None
+            # An adapter request is registered as None: a full reload does not change what version
+            # its tokens are.
+            self.running[engine_id] = weights.version if weights.switches else None
+            try:
+                async for out in self.engine.generate(prompt, params, engine_id, lora_request=weights.lora):
+                    final = out
+            finally:
+                del self.running[engine_id]
+            # vLLM's renderer (P0) sends a picture's data only when it believes the engine core
+            # (P1) caches it; a request rendered and then aborted before it reached the engine
+            # (an /abort between the render and engine.generate) leaves P0 believing so, and the
+            # next request with that picture ends "error" (vLLM: "P0/P1 cache drift", retryable:
+            # it drops the pictures from P0's record). Rendered again, they go with their data.
+            if not (body.images and final.outputs[0].finish_reason == "error" and attempt == 0):
+                break
+            prompt = await self.with_images(body, weights)
         if body.images:
             gen.prompt_token_ids = list(final.prompt_token_ids)
         return self.tagged(engine_id, final, weights, body, params, vocab)

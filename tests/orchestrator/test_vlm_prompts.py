@@ -182,3 +182,37 @@ def test_an_hf_datasets_image_column_with_image_parts(ours, hf):
         render_image_prompt(template, support, tokenizer, row["messages"], [], row["images"] * 2)
     with pytest.raises(ImageError, match="fewer"):
         render_image_prompt(template, support, tokenizer, row["messages"], [], row["images"][:1])
+
+
+@pytest.mark.parametrize("max_tokens,fits", [(40, False), (36, True)])
+def test_the_start_up_fit_check_measures_image_rows_expanded(tmp_path, max_tokens, fits):
+    """A row with one picture is 10 ids with one placeholder, 28 once expanded (tiny-vlm: 19
+    tokens in its place). seq_len 64 leaves a prompt 64 - max_tokens: 24 (max_tokens 40) fits the
+    unexpanded prompt but not the one the model reads: exit 2 before any engine starts, one line
+    naming the dataset, the row and the key; 28 (max_tokens 36) fits it exactly: the dry run
+    passes (a measure one token long would refuse it)."""
+    import json
+    import subprocess
+
+    from conftest import rl_command
+
+    row = {"messages": [{"role": "user", "content": [part(data_url(picture(8, 8))), {"type": "text", "text": "hi"}]}],
+           "answer": "1"}
+    (tmp_path / "images.jsonl").write_text(json.dumps(row) + "\n")
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(f'model = "{ROOT / "models" / "tiny-vlm"}"\noutput_dir = "{tmp_path / "out"}"\nseq_len = 64\n'
+                   f"[orchestrator.sampling]\nmax_tokens = {max_tokens}\n"
+                   f'[[orchestrator.datasets]]\nname = "pictures"\npath = "{tmp_path / "images.jsonl"}"\n'
+                   'reward = "math_verify"\n')
+    result = subprocess.run(rl_command("run", "@", str(cfg), "--dry-run"), capture_output=True, text=True,
+                            timeout=120)
+    if fits:
+        assert result.returncode == 0, result.stderr
+        return
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    said = lines[-1]
+    assert len([line for line in lines if "within seq_len" in line]) == 1, result.stderr
+    assert said.startswith("rl run: dataset pictures:") and "the longest is 28 tokens" in said, said
+    assert "images.jsonl row 0, its images expanded" in said and "orchestrator.sampling.max_tokens" in said, said
+    assert not (tmp_path / "out" / "logs" / "inference.log").exists()  # no engine started

@@ -36,6 +36,7 @@ import jinja2
 from orchestrator.callables import load_callable
 from orchestrator.prompts import draw_order, load_table, row_problem
 from orchestrator.rendering.chat import ChatTemplate, row_messages
+from orchestrator.rendering.images import expanded_text, has_images, image_support
 from rl.config import ConfigError, RunConfig
 from rl.config.datasets import Dataset
 
@@ -117,6 +118,7 @@ def measure(cfg: RunConfig, ds: Dataset, rows: list[tuple[dict, str]], template:
             continue  # a row that cannot make a prompt at all: skipped and counted when drawn
         try:
             text, messages = dataset_prompt(template, ds, row)
+            text, where = _expanded(cfg, template, text, messages, where)
         except jinja2.TemplateError:
             if i == 0:
                 raise
@@ -124,6 +126,21 @@ def measure(cfg: RunConfig, ds: Dataset, rows: list[tuple[dict, str]], template:
         if tokenizer is not None:
             longest.add(_count(tokenizer, text, special=messages is None), where, budget)
     return longest
+
+
+def _expanded(cfg: RunConfig, template: ChatTemplate | None, text: str, messages: list[dict] | None,
+              where: str) -> tuple[str, str]:
+    """An image row's prompt as the model reads it, each placeholder expanded as the run's
+    renderer expands it (orchestrator/rendering/images.py expanded_text): one placeholder token
+    per image let rows through that left no room once expanded (tiny-vlm: 19 tokens for 1).
+    Other rows, and image rows for a text-only model (refused before this: images_at_start_up),
+    as they are."""
+    if template is None or messages is None or not has_images(messages):
+        return text, where
+    support = image_support(cfg.model)
+    if support is None:
+        return text, where
+    return expanded_text(template, support, messages)[1], f"{where}, its images expanded"
 
 
 def judge(cfg: RunConfig, what: str, longest: Longest, max_tokens: int, keys: str) -> None:

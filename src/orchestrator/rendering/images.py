@@ -243,9 +243,23 @@ def expand_placeholders(support, tokenizer, text: str, images: list, add_special
     found = text.count(support.image_token)
     if found != len(images):
         raise ImageError(f"{wrote} wrote {found} {support.image_token} for {len(images)} images")
-    expanded = text.replace(support.image_token, support.expansion())
+    expanded = expand(support, text)
     return ImagePrompt(tokenizer.encode(expanded, add_special_tokens=add_special_tokens).ids,
                        tokenizer.encode(text, add_special_tokens=add_special_tokens).ids, [png(i) for i in images])
+
+
+def expanded_text(template, support, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, str]:
+    """(the chat's prompt text with one placeholder per image, the same with each placeholder
+    expanded as the model's processor expands it): what /generate takes and what the model
+    reads. The run's renderer (render_image_prompt) and the start-up fit check
+    (orchestrator/rendering/fit.py) both measure the second."""
+    text = template.render(template_messages(messages), True, tools)
+    return text, expand(support, text)
+
+
+def expand(support, text: str) -> str:
+    """Each placeholder in `text` replaced by the model's processor's expansion of it."""
+    return text.replace(support.image_token, support.expansion())
 
 
 def images_at_start_up(model: Path, dataset: str, rows: list[tuple[object, str]], messages_key: str) -> None:
