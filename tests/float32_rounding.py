@@ -115,3 +115,29 @@ def assert_equal_within_rounding(got: dict, want: dict, chained: int = CHAINED) 
         bound = 2 * gamma64(2 * chained * WIDEST + tokens) * tokens * float(want[k].abs().max())
         diff = float((got[k] - want[k]).abs().max())
         assert diff <= bound, f"{k}: gradients differ by {diff:.3e} > {bound:.3e}"
+
+
+# --- a model's float32 logits and how far another float32 engine's may be from them ---------
+
+
+def logits_and_gap(model, **inputs) -> tuple:
+    """The model's float32 logits [B, T, V] and, per position [B, T], how far another float32
+    implementation's logits (the engine's) may differ from them: each is within LORA_LOGIT_ERROR *
+    max_v sum_j |E_vj h_j| of the exact ones (LoRA's bound above, h the head's input), so the two within twice that."""
+    import torch
+
+    head = model.get_output_embeddings()
+    seen = []
+    hook = head.register_forward_hook(lambda m, i, o: seen.append(i[0].detach()))
+    try:
+        with torch.no_grad():
+            logits = model(**inputs, use_cache=False).logits
+    finally:
+        hook.remove()
+    scale = (seen[0].abs() @ head.weight.detach().abs().T).amax(-1)
+    return logits, 2 * LORA_LOGIT_ERROR * scale
+
+
+def k3(x):
+    """trainer/loss.py's mismatch_kl per token, exp(x) - x - 1 (x a tensor): for |x| <= b at most k3(b)."""
+    return x.exp() - x - 1

@@ -59,7 +59,7 @@ def on_policy_kl_bound(completions: list[list[int]]) -> float:
     trainer's logprobs and the base model's (write_batches'), temperature 1: each token's logits
     within gap of each other (tests/trainer/test_sampling_mask.py logits_and_gap), its logprob within
     2 * gap, its k3 at most k3(2 * gap)."""
-    from test_sampling_mask import k3, logits_and_gap
+    from float32_rounding import k3, logits_and_gap
 
     base = AutoModelForCausalLM.from_pretrained(TINY_MODEL, dtype=torch.float32)
     bounds = []

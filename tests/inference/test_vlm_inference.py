@@ -24,7 +24,7 @@ from orchestrator.rendering.images import image_support, render_image_prompt, te
 from orchestrator.rendering.tokenizer import load_tokenizer
 from rl.rundir import RunDir
 from programs import launch_server, wait_healthy
-from test_vlm_prompts import data_url, picture
+from vlm_pictures import data_url, picture
 
 pytestmark = pytest.mark.slow
 
@@ -308,7 +308,7 @@ def test_zzz_an_in_flight_update_keeps_image_requests_going_on_the_new_weights(s
 
     import aiohttp
 
-    from test_inference_server import wait_running
+    from server_calls import wait_running
 
     def fields(prompt, max_tokens: int) -> dict:
         return {"prompt_token_ids": prompt.request_ids, "max_tokens": max_tokens, "temperature": 1.0,
@@ -384,7 +384,7 @@ def test_zzz_an_in_flight_update_keeps_image_requests_going_on_the_new_weights(s
 def check_prompt(prompt, served: list, weights: Path) -> None:
     """The engine's prompt logprobs are float64 transformers' on `weights` (its vision tower
     included) within the derived bound."""
-    from test_vlm_run import vlm_logit_error
+    from vlm_checks import vlm_logit_error
 
     vision = float64_vision(weights)
     ids = prompt.token_ids
@@ -399,7 +399,7 @@ def check_prompt(prompt, served: list, weights: Path) -> None:
 def check_switched_samples(samples, version: int, old_path: Path, new_path: Path) -> None:
     """Each sample's tokens against float64 transformers with the update where the versions put
     it (fed_before); the tokens after it against the old weights alone."""
-    from test_vlm_run import vlm_logit_error
+    from vlm_checks import vlm_logit_error
 
     old, new = float64_vision(old_path), float64_vision(new_path)
     error = vlm_logit_error()
@@ -441,7 +441,7 @@ def test_zzzz_aborted_image_requests_leave_the_engine_serving_their_pictures(ser
 
     import aiohttp
 
-    from test_inference_server import wait_running
+    from server_calls import wait_running
 
     pictures = [rendered(chat(picture(30 + 25 * i, 50, (60 * i, 200, 100)))) for i in range(4)]
 

@@ -25,7 +25,8 @@ import pytest
 
 from rl.batch import Batch
 from rl.rundir import RunDir
-from test_vlm_run import MODEL, U, exact_logprobs, float64_model, records, vlm_logit_error
+from float32_rounding import U
+from vlm_checks import MODEL, exact_logprobs, float64_model, records, vlm_logit_error
 
 pytestmark = pytest.mark.slow
 

@@ -32,28 +32,18 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, free_port, rl_command
-from float32_rounding import LAYERS, U, WIDEST
+from conftest import free_port, rl_command
+from float32_rounding import U
 from rl.batch import Batch
 from rl.rundir import RunDir
-from test_vlm_prompts import data_url, encoded, part, picture
+from vlm_checks import MODEL, exact_logits, float64_model, records, vlm_logit_error
+from vlm_pictures import data_url, encoded, part, picture
 
 pytestmark = pytest.mark.slow
 
-MODEL = ROOT / "models" / "tiny-vlm"
-VISION_LAYERS = 2  # models/tiny-vlm/config.json vision_config.num_hidden_layers (widths 64, 128 < WIDEST)
 # Truncated sampling with the sampler's kept sets recorded (at most top_k + 1 ids: within
 # inference.max_logprobs 20): the trainer replays them; without them it rebuilds them.
 TOP_K, TOP_P = 8, 0.9
-
-
-def vlm_logit_error() -> float:
-    """tests/float32_rounding.py's logit_error(6) with the vision path chained in front: each
-    image token's hidden state is the patch embedding (192 terms), 2 encoder layers (6 chained
-    products each, as a decoder layer), the connector's projection (256 terms), then the
-    language model's 4 layers and the head; every width at most WIDEST."""
-    chained = LAYERS * 6 + VISION_LAYERS * 6 + 2 + 1
-    return chained * WIDEST * U / (1 - chained * WIDEST * U)
 
 
 def bad_rows(tmp) -> list[tuple[dict, str]]:
@@ -98,10 +88,6 @@ def vlm_run(tmp_path_factory):
     return {"run": RunDir(out), "bad": bad, "log": log, "rows": rows}
 
 
-def records(run: RunDir, program: str) -> list[dict]:
-    return [r for r in map(json.loads, run.metrics.read_text().splitlines()) if r["program"] == program]
-
-
 def test_bad_image_rows_are_named_skipped_and_counted_while_the_run_goes_on(vlm_run):
     orch = records(vlm_run["run"], "orchestrator")
     assert [r["step"] for r in orch] == [1, 2, 3]
@@ -113,34 +99,6 @@ def test_bad_image_rows_are_named_skipped_and_counted_while_the_run_goes_on(vlm_
         where = f"shapes.jsonl row {4 + k}"
         mine = [line for line in lines if where in line]
         assert len(mine) == 1 and says in mine[0], (where, says, lines)  # once, naming row and culprit
-
-
-def float64_model():
-    from transformers import Idefics3ForConditionalGeneration
-
-    from trainer.vision import vision_for
-
-    model = Idefics3ForConditionalGeneration.from_pretrained(MODEL, dtype=torch.float64, attn_implementation="eager")
-    return vision_for(model.eval(), MODEL)
-
-
-def exact_logits(vision, ids: list[int], images: list[bytes], sampled) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 logits [T-1, V] of ids with these images (temperature 1, the run's), and each
-    position's logit scale max_v sum_j |E_vj h_j| (the float32 bound's factor). `sampled`:
-    where the engine sampled the token (a sampled <image> is text to it)."""
-    head = vision.model.get_output_embeddings()
-    seen = []
-    hook = head.register_forward_hook(lambda m, i, o: seen.append((i[0][0].abs() @ m.weight.abs().T).amax(-1)))
-    pixels = vision.pixels
-    vision.pixels = lambda png: {k: v.double() if v.is_floating_point() else v for k, v in pixels(png).items()}
-    try:
-        with torch.no_grad():
-            logits = vision.logits(torch.tensor([ids]), torch.arange(len(ids))[None], images,
-                                   torch.as_tensor(np.asarray(sampled) >= 0)[None])[0]
-    finally:
-        hook.remove()
-        vision.pixels = pixels
-    return logits[:-1], seen[-1][:-1]
 
 
 def renormalised(logits: torch.Tensor, keep: torch.Tensor, token: int) -> float:
@@ -171,7 +129,7 @@ def check_token(c: Compared, logits, wrong, tol: float, gap: float, engine: floa
     the engine's rounding (`gap` on each logit), equal where those coincide, and the rebuilt
     set's logprob within `tol` + the spread of those sets' masses. With another picture
     (`wrong`), the replayed logprob and the rebuilt set move."""
-    from test_sampling_mask import kept_bounds
+    from float32_rounding import kept_bounds
 
     from trainer.sampling_mask import kept_mask
 
@@ -265,7 +223,7 @@ def trainer_step_on(batch: Batch, tmp_path, name: str) -> dict:
     """One step of `rl trainer` (tiny-vlm's base weights) on `batch`: its metrics record."""
     from conftest import rl_command
     from samples import write_batch
-    from test_trainer import run_trainer, trainer_metrics
+    from trainer_runs import run_trainer, trainer_metrics
 
     run = RunDir(tmp_path / name)
     write_batch(batch, run.rollout_dir(1))

@@ -8,7 +8,7 @@ placeholder order into the batch and the trainer.
   requests with pictures become samples; bad pictures named by part, their episode failed and
   counted while the group goes on.
 - On the real engine (`rl inference` on models/tiny-vlm, one server shared with
-  test_turn_images.py: vlm_engine.py):
+  test_turn_images.py: tests/picture_episodes.py):
   tasks/shapes_agent.py's two-turn agent, a board per turn; each sample's ids are AutoProcessor's
   for the conversation, its pictures the boards in order, the engine's logprobs float64
   transformers' with those pictures (not with them swapped), and the real trainer's logprobs on
@@ -28,43 +28,20 @@ import openai
 import pytest
 from PIL import Image
 
-from conftest import ROOT
 from orchestrator.prompts.queue import Prompt
 from orchestrator.rendering import ChatTemplate, image_support
 from orchestrator.rendering.images import render_image_prompt
 from orchestrator.rendering.tokenizer import load_tokenizer
 from orchestrator.rollout.agent_environment import rebuilt
-from orchestrator.rollout.groups import Rollouts
-from rl.config import load_config
-from rl.inference_api import GeneratedSample, GenerateResponse
+from picture_episodes import (SEQ_LEN, Scripted, TEXT_MODEL, VLM, agent_rollouts, engine_against_float64, pixels,
+                              sampled)
 from tasks.shapes import draw
 from tasks.shapes_agent import ShapesAgent, picture_part
-
-VLM = ROOT / "models" / "tiny-vlm"
-TEXT_MODEL = ROOT / "models" / "tiny-tool"
-SEQ_LEN = 256
-
-
-def sampled(ids: list[int], version: int = 0, finish: str = "stop") -> GeneratedSample:
-    return GeneratedSample(token_ids=ids, logprobs=[-0.5] * len(ids), versions=[version] * len(ids),
-                           finish_reason=finish)
 
 
 def boards(n: int, seed: str = "boards") -> list[bytes]:
     rng = random.Random(seed)
     return [draw(rng)[0] for _ in range(n)]
-
-
-def pixels(png: bytes) -> np.ndarray:
-    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
-
-
-def rollouts(env, model=VLM, group_size: int = 2, max_tokens: int = 12) -> Rollouts:
-    cfg, _ = load_config(["--model", str(model), "--seq_len", str(SEQ_LEN),
-                          "--orchestrator.environment.class", "tasks.shapes_agent:ShapesAgent",
-                          "--orchestrator.sampling.max_tokens", str(max_tokens),
-                          "--orchestrator.scheduling.group_size", str(group_size)])
-    return Rollouts(cfg, load_tokenizer(cfg.model), {}, None, env)
 
 
 def rendered(messages: list[dict]):
@@ -87,24 +64,8 @@ def test_a_growing_conversation_keeps_its_pictures_and_another_picture_starts_a_
     assert t.episode == {"turns": 3, "samples": 2, "tokens": 20}
 
 
-class Scripted:
-    """The endpoint's generate, scripted: each request answered with `written`, the engine's
-    expanded prompt being the orchestrator's (or `expanded`, when given)."""
-
-    def __init__(self, written: list[int], expanded=None):
-        self.written, self.expanded, self.asked = written, expanded, []
-
-    async def __call__(self, request):
-        self.asked.append(request)
-        support, tok = image_support(VLM), load_tokenizer(str(VLM))
-        image = tok.token_to_id(support.image_token)
-        expansion = tok.encode(support.expansion(), add_special_tokens=False).ids
-        ids = [x for t in request.prompt_token_ids for x in (expansion if t == image else [t])]
-        return GenerateResponse(samples=[sampled(self.written)], prompt_token_ids=self.expanded or ids)
-
-
 def test_a_request_with_pictures_sends_them_and_records_the_expanded_prompt():
-    r = rollouts(ShapesAgent())
+    r = agent_rollouts(ShapesAgent())
     kind = r.kind
     written = r.encode(" 3", add_special_tokens=False) + kind.stop_token_ids[:1]
     generate = Scripted(written)
@@ -148,7 +109,7 @@ def bad_parts(tmp) -> list[tuple[list, str]]:
 
 
 def test_bad_pictures_are_refused_naming_the_part_and_fail_the_episode(tmp_path):
-    kind = rollouts(ShapesAgent()).kind
+    kind = agent_rollouts(ShapesAgent()).kind
 
     async def nothing(request):
         raise AssertionError("nothing should be sampled")
@@ -179,7 +140,7 @@ def test_bad_pictures_are_refused_naming_the_part_and_fail_the_episode(tmp_path)
 
 
 def test_pictures_for_a_text_only_model_are_refused():
-    kind = rollouts(ShapesAgent(), model=TEXT_MODEL).kind
+    kind = agent_rollouts(ShapesAgent(), model=TEXT_MODEL).kind
 
     async def main():
         await kind.endpoint.start()
@@ -215,7 +176,7 @@ class OneBadBoard(ShapesAgent):
 
 def test_an_episode_with_a_bad_picture_fails_by_name_and_the_group_goes_on(caplog):
     env = OneBadBoard()
-    r = rollouts(env, group_size=3)
+    r = agent_rollouts(env, group_size=3)
     written = r.encode(" 2", add_special_tokens=False) + r.kind.stop_token_ids[:1]
     row = next(env.dataset(0))
     with caplog.at_level(logging.WARNING, logger="orchestrator"):
@@ -228,7 +189,7 @@ def test_an_episode_with_a_bad_picture_fails_by_name_and_the_group_goes_on(caplo
 
 
 def test_an_engine_that_expands_otherwise_fails_the_episode():
-    r = rollouts(ShapesAgent())
+    r = agent_rollouts(ShapesAgent())
     written = r.encode(" 1", add_special_tokens=False) + r.kind.stop_token_ids[:1]
     group = asyncio.run(r.group(Prompt(0, next(ShapesAgent().dataset(0))), "g8", Scripted(written, expanded=[1, 2, 3])))
     assert group.failed == 2 and group.samples == []
@@ -238,41 +199,11 @@ def test_an_engine_that_expands_otherwise_fails_the_episode():
 # --- on the real engine ------------------------------------------------------------------------
 
 
-class Transcripts(ShapesAgent):
-    """tasks/shapes_agent.py's agent, keeping each episode's conversation as it sent it."""
-
-    def __init__(self):
-        self.kept: list[list[dict]] = []
-
-    async def conversation(self, row: dict, access) -> list[dict]:
-        messages = await super().conversation(row, access)
-        self.kept.append(messages)
-        return messages
-
-
-async def play_agents(generate) -> dict:
-    """Two groups of two episodes of Transcripts through `generate` (the real engine's:
-    vlm_engine.py, whose server the turn-picture tests share)."""
-    env = Transcripts()
-    r = rollouts(env)
-    rows = [row for row, _ in zip(env.dataset(0), range(2))]
-    groups = [await r.group(Prompt(i, row), f"g{i}", generate) for i, row in enumerate(rows)]
-    await r.kind.endpoint.stop()
-    episodes = []  # (the row, the episode's samples)
-    for row, group in zip(rows, groups):
-        assert group.failed == 0 and len(group.episodes) == 2, group
-        at = 0
-        for e in group.episodes:
-            episodes.append((row, group.samples[at:at + e["samples"]]))
-            at += e["samples"]
-    return {"episodes": episodes, "kept": env.kept}
-
-
 @pytest.fixture(scope="module")
 def played(tmp_path_factory):
-    """The agent's episodes on `rl inference` (real vLLM, models/tiny-vlm: vlm_engine.py, the
+    """The agent's episodes on `rl inference` (real vLLM, models/tiny-vlm: tests/picture_episodes.py, the
     server stopped once every kind's episodes are played: the trainer's run then has the cores)."""
-    from vlm_engine import played_on_engine
+    from picture_episodes import played_on_engine
 
     shared = played_on_engine(tmp_path_factory)
     return {**shared["agent"], "tmp": shared["tmp"]}
@@ -313,26 +244,6 @@ def test_each_sample_is_the_processors_conversation_with_the_boards_in_order(pla
         else:
             assert len(samples) == 1 and sum(last.loss_mask[:len(ids)]) > 0
         assert {v for v, m in zip(last.versions, last.loss_mask) if m} == {0}
-
-
-def engine_against_float64(played, images=lambda s: s.images):
-    """Per sampled token: (the engine's logprob, float64 transformers' given `images(sample)`,
-    the float32 bound for one program: tests/integration/test_vlm_run.py); samples for which
-    `images` gives None are left out."""
-    from test_vlm_run import U, exact_logprobs, float64_model, vlm_logit_error
-
-    vision, error = float64_model(), vlm_logit_error()
-    out = []
-    for _, samples in played["episodes"]:
-        for s in samples:
-            if images(s) is None:
-                continue
-            lp, scale = exact_logprobs(vision, s.tokens, images(s), s.versions)
-            for t in range(1, len(s.tokens)):
-                if s.loss_mask[t]:
-                    out.append((s.logprobs[t], float(lp[t - 1, s.tokens[t]]),
-                                2 * error * float(scale[t - 1]) + abs(s.logprobs[t]) * U))
-    return out
 
 
 def own_pictures(played) -> list[tuple[float, float, float]]:

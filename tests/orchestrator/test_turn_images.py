@@ -10,7 +10,7 @@ pictures in placeholder order.
   conversation with the pictures in order; bad pictures fail the episode by name and count;
   a text-only model; an engine that expands otherwise; a model that writes the placeholder.
 - On the real engine (`rl inference` on models/tiny-vlm, shared with test_agent_images.py:
-  vlm_engine.py): every request's prompt as the engine expanded it is the trajectory so far,
+  tests/picture_episodes.py): every request's prompt as the engine expanded it is the trajectory so far,
   whose pieces are AutoProcessor's; the engine's logprobs are float64 transformers' with the
   episode's pictures within the derived bound, and miss it with the pictures swapped."""
 
@@ -29,48 +29,15 @@ from PIL import Image
 from orchestrator.prompts.queue import Prompt
 from orchestrator.rendering import template_messages
 from orchestrator.rendering.tokenizer import load_tokenizer
-from orchestrator.rollout.groups import Rollouts
 from orchestrator.rollout.tool_parsers import ToolCall
-from rl.config import RunConfig
+from picture_episodes import (AlwaysLooks, Recorded, Scripted, TEXT_MODEL, VLM, engine_against_float64, pixels,
+                              turn_rollouts)
 from tasks.shapes import QUESTION
 from tasks.shapes_agent import AGAIN
 from tasks.shapes_tools import ShapesTools, ShapesTurns, board_of
-from test_agent_images import SEQ_LEN, TEXT_MODEL, VLM, Scripted, engine_against_float64, pixels
+
 
 EOU = "<end_of_utterance>"
-
-
-class AlwaysLooks:
-    """A tool parser that reads every answer as a call to look at a new board ("call0", "call1",
-    ...): the random tiny-vlm never writes a call itself, and the loop under test is what
-    follows one."""
-
-    calls = 0
-
-    def parse(self, text: str):
-        AlwaysLooks.calls += 1
-        return text, [ToolCall("look", {"board": f"call{AlwaysLooks.calls}"})]
-
-
-class Recorded(ShapesTools):
-    """ShapesTools keeping each episode's conversation (as its reward reads it)."""
-
-    def __init__(self, tools=None):
-        self.conversations: list[list[dict]] = []
-        if tools is not None:
-            self.tools = tools
-
-    def reward(self, messages: list[dict], row: dict) -> float:
-        self.conversations.append(messages)
-        return super().reward(messages, row)
-
-
-def rollouts(env, cls: str, model=VLM, max_turns: int = 3, group_size: int = 2, **sampling) -> Rollouts:
-    cfg = RunConfig.model_validate({"model": str(model), "seq_len": SEQ_LEN, "orchestrator": {
-        "environment": {"class": cls, "max_turns": max_turns},
-        "tools": {"parser": "test_turn_images:AlwaysLooks"},
-        "sampling": {"max_tokens": 8, **sampling}, "scheduling": {"group_size": group_size}}})
-    return Rollouts(cfg, load_tokenizer(cfg.model), {}, None, env)
 
 
 def processor():
@@ -136,7 +103,7 @@ def test_the_python_forms_of_a_picture_become_openai_content():
 
 def test_a_tool_that_returns_a_picture_sends_it_then_and_later_and_keeps_it_in_order():
     env = Recorded()
-    r = rollouts(env, "tasks.shapes_tools:ShapesTools")
+    r = turn_rollouts(env, "tasks.shapes_tools:ShapesTools")
     written = written_by(r)
     generate = Scripted(written)
     group = asyncio.run(r.group(Prompt(0, next(env.dataset(0))), "g0", generate))
@@ -166,7 +133,7 @@ def test_a_tool_that_returns_a_picture_sends_it_then_and_later_and_keeps_it_in_o
 
 def test_a_text_environments_pictures_are_the_processors_in_order():
     env = ShapesTurns()
-    r = rollouts(env, "tasks.shapes_tools:ShapesTurns", max_turns=2)
+    r = turn_rollouts(env, "tasks.shapes_tools:ShapesTurns", max_turns=2)
     written = written_by(r)
     generate = Scripted(written)
     row = next(env.dataset(0))
@@ -213,7 +180,7 @@ def test_a_bad_picture_from_a_tool_fails_the_episode_by_name(tool, says, caplog)
         def parse(self, text):
             return text, [ToolCall(tool.__name__, {"board": "b"})]
 
-    r = rollouts(Recorded(tools=[tool]), "tasks.shapes_tools:ShapesTools", group_size=3)
+    r = turn_rollouts(Recorded(tools=[tool]), "tasks.shapes_tools:ShapesTools", group_size=3)
     r.kind.tool_episode.parser = Parser()
     written = written_by(r)
     with caplog.at_level(logging.WARNING, logger="orchestrator"):
@@ -242,7 +209,7 @@ def test_a_bad_picture_in_a_text_environments_observation_fails_the_episode_by_n
             episode.step = broken
             return episode
 
-    r = rollouts(Broken(), "tasks.shapes_tools:ShapesTurns", max_turns=2)
+    r = turn_rollouts(Broken(), "tasks.shapes_tools:ShapesTurns", max_turns=2)
     written = written_by(r)
     group = asyncio.run(r.group(Prompt(0, next(Broken().dataset(0))), "g6", Scripted(written)))
     assert group.failed == 2 and group.error.startswith("ImageError: turn 0: observation: content[0]: unreadable image")
@@ -250,7 +217,7 @@ def test_a_bad_picture_in_a_text_environments_observation_fails_the_episode_by_n
 
 
 def test_a_picture_returning_tool_on_a_text_only_model_fails_with_one_line(caplog):
-    r = rollouts(Recorded(), "tasks.shapes_tools:ShapesTools", model=TEXT_MODEL)
+    r = turn_rollouts(Recorded(), "tasks.shapes_tools:ShapesTools", model=TEXT_MODEL)
     written = written_by(r)
 
     async def text_engine(request):
@@ -267,7 +234,7 @@ def test_a_picture_returning_tool_on_a_text_only_model_fails_with_one_line(caplo
 
 
 def test_an_engine_that_expands_otherwise_fails_the_episode():
-    r = rollouts(Recorded(), "tasks.shapes_tools:ShapesTools")
+    r = turn_rollouts(Recorded(), "tasks.shapes_tools:ShapesTools")
     written = written_by(r)
     group = asyncio.run(r.group(Prompt(0, next(ShapesTools().dataset(0))), "g2", Scripted(written, expanded=[1, 2])))
     assert group.failed == 2 and re.search(r"^ImageError: g2-e[01]-t1: the server expanded the image placeholders to 2 "
@@ -277,7 +244,7 @@ def test_an_engine_that_expands_otherwise_fails_the_episode():
 def test_a_model_that_writes_the_placeholder_ends_its_episode_before_the_picture():
     """The sampled <image> was text to the engine that sampled it; sent again beside a picture
     it would be a second placeholder: the episode ends there (trained on, without the picture)."""
-    r = rollouts(Recorded(), "tasks.shapes_tools:ShapesTools")
+    r = turn_rollouts(Recorded(), "tasks.shapes_tools:ShapesTools")
     written = written_by(r, " 3<image>")
     generate = Scripted(written)
     group = asyncio.run(r.group(Prompt(0, next(ShapesTools().dataset(0))), "g3", generate))
@@ -288,39 +255,9 @@ def test_a_model_that_writes_the_placeholder_ends_its_episode_before_the_picture
 # --- on the real engine ------------------------------------------------------------------------
 
 
-def recording(generate, seen: dict):
-    async def record(request):
-        response = await generate(request)
-        seen[request.request_id] = (request, response)
-        return response
-
-    return record
-
-
-async def play_tools(generate) -> dict:
-    """Two groups of two ShapesTools episodes, three model turns each (a look after each of the
-    first two), on the engine behind `generate` (vlm_engine.py). Common characters stop a turn:
-    the random model's turns end (finish "stop") before max_tokens, where the loop would stop."""
-    env, seen = Recorded(), {}
-    stop = list(" eaoinstrlhducmpgybwfkv.,!?12345")  # the 32 stop strings a request may have
-    r = rollouts(env, "tasks.shapes_tools:ShapesTools", stop=stop, temperature=1.0)
-    groups = [await r.group(Prompt(i, row), f"t{i}", recording(generate, seen))
-              for i, row in zip(range(2), env.dataset(0))]
-    return {"groups": groups, "conversations": env.conversations, "seen": seen, "eou": r.kind.stop_token_ids}
-
-
-async def play_turns(generate) -> dict:
-    """Two groups of two ShapesTurns episodes (two boards each) on the engine behind `generate`."""
-    env, seen = ShapesTurns(), {}
-    r = rollouts(env, "tasks.shapes_tools:ShapesTurns", max_turns=2, temperature=1.0)
-    rows = [row for _, row in zip(range(2), env.dataset(0))]
-    groups = [await r.group(Prompt(i, row), f"x{i}", recording(generate, seen)) for i, row in enumerate(rows)]
-    return {"groups": groups, "rows": rows, "seen": seen}
-
-
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from vlm_engine import played_on_engine
+    from picture_episodes import played_on_engine
 
     return played_on_engine(tmp_path_factory)
 

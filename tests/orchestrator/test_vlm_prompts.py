@@ -10,35 +10,16 @@ import io
 import logging
 
 import pytest
-from PIL import Image, ImageDraw
+from PIL import Image
 
 from conftest import ROOT
 from orchestrator.rendering.chat import ChatTemplate
 from orchestrator.rendering.images import (ImageError, Shrunk, image_support, read_source, render_image_prompt,
                                          template_messages)
 from orchestrator.rendering.tokenizer import load_tokenizer
+from vlm_pictures import data_url, encoded, part, picture
 
 MODEL = ROOT / "models" / "tiny-vlm"
-
-
-def picture(w: int, h: int, colour=(200, 30, 30)) -> Image.Image:
-    image = Image.new("RGB", (w, h), (255, 255, 255))
-    ImageDraw.Draw(image).ellipse((w // 4, h // 4, w // 2, h // 2), fill=colour)
-    return image
-
-
-def encoded(image: Image.Image, fmt: str = "PNG") -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, format=fmt)
-    return buf.getvalue()
-
-
-def data_url(image: Image.Image) -> str:
-    return "data:image/png;base64," + base64.b64encode(encoded(image)).decode()
-
-
-def part(url) -> dict:
-    return {"type": "image_url", "image_url": {"url": url}}
 
 
 @pytest.fixture(scope="module")

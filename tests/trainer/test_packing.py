@@ -23,7 +23,7 @@ def sample_gap(model, batch: Batch, i: int) -> torch.Tensor:
     kernels), per predicting position [len - 1]: tests/trainer/test_sampling_mask.py logits_and_gap (each
     layout within LOGIT_ERROR * the scale of a logit's terms of the exact value, so the two
     within twice that). A logprob moves by at most twice that (its logit and the normaliser)."""
-    from test_sampling_mask import logits_and_gap
+    from float32_rounding import logits_and_gap
 
     tokens = torch.from_numpy(batch.tokens[batch.sample_slices()[i]])[None]
     return logits_and_gap(model, input_ids=tokens)[1][0, :-1]

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from float32_rounding import U, gamma, k3_error, log_softmax_error
+from float32_rounding import U, gamma, k3, k3_error, log_softmax_error, logits_and_gap
 from rl.batch import Batch
 from rl.config import LossConfig
 from trainer.data import loss_weights, rank_micro_batches
@@ -51,25 +51,6 @@ def vllm_kept(scaled: torch.Tensor, k: torch.Tensor, p: torch.Tensor, min_p: tor
     k = torch.where((k > 0) & (k < vocab), k, vocab).int()  # vLLM's "off" is k = vocab
     use_p = p if bool((p < 1).any()) else None  # vLLM passes None when no request uses top_p
     return apply_top_k_top_p_pytorch(x, k, use_p, allow_cpu_sync=True) > float("-inf")
-
-
-def logits_and_gap(model, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's float32 logits [B, T, V] and, per position [B, T], how far another float32
-    implementation's logits (the engine's) may differ from them: each is within LOGIT_ERROR *
-    max_v sum_j |E_vj h_j| of the exact ones (tests/inference/test_inference_lora.py's bound, h the head's
-    input), so the two within twice that."""
-    from float32_rounding import LORA_LOGIT_ERROR as LOGIT_ERROR
-
-    head = model.get_output_embeddings()
-    seen = []
-    hook = head.register_forward_hook(lambda m, i, o: seen.append(i[0].detach()))
-    try:
-        with torch.no_grad():
-            logits = model(**inputs, use_cache=False).logits
-    finally:
-        hook.remove()
-    scale = (seen[0].abs() @ head.weight.detach().abs().T).amax(-1)
-    return logits, 2 * LOGIT_ERROR * scale
 
 
 def kept_bounds(scaled: torch.Tensor, gap: float, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,11 +236,6 @@ def trainer_view(model, batch: Batch, mask: bool, bounds: bool = True) -> dict:
             "spread": as_tensor(spreads), "log_kept": as_tensor(log_kept),
             "log_possible": as_tensor(log_possible), "may_miss": torch.tensor(may_miss, dtype=torch.bool),
             "largest": as_tensor(largest)}
-
-
-def k3(x: torch.Tensor) -> torch.Tensor:
-    """trainer/loss.py's mismatch_kl per token, exp(x) - x - 1: for |x| <= b at most k3(b)."""
-    return torch.exp(x) - x - 1
 
 
 @pytest.mark.slow

@@ -203,7 +203,7 @@ def test_each_sample_is_scored_at_its_own_temperature_by_the_real_trainer(tmp_pa
     model's logprobs at its own temperature (what the engine reports): step 1 is on-policy, so
     the trainer agrees with the "engine" only if it scores each sample at that sample's own
     temperature (any one batch-wide temperature puts mismatch_kl orders of magnitude higher)."""
-    from test_sampling_mask import k3, logits_and_gap
+    from float32_rounding import k3, logits_and_gap
 
     run = RunDir(tmp_path / "run")
     base = AutoModelForCausalLM.from_pretrained(TINY_MODEL, dtype=torch.float32)

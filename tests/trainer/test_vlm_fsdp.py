@@ -93,7 +93,9 @@ def test_the_real_trainer_scores_each_sample_with_its_own_pictures(tmp_path, wri
     samples (what a trainer pairing images with the wrong samples would score) is far outside."""
     import numpy as np
 
-    from test_vlm_run import U, exact_logprobs, float64_model, vlm_logit_error
+    from float32_rounding import U
+
+    from vlm_checks import exact_logprobs, float64_model, vlm_logit_error
 
     vision, error = float64_model(), vlm_logit_error()
     close = vision.image_token_id  # the last placeholder; the block then closes with one more token

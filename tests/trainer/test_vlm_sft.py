@@ -20,7 +20,7 @@ from rl.config.datasets import DatasetConfig
 from rl.sft_data import SftData
 from tasks import shapes
 from sft_runs import config, records, sft
-from test_vlm_prompts import data_url, part, picture
+from vlm_pictures import data_url, part, picture
 
 MODEL = ROOT / "models" / "tiny-vlm"
 

@@ -15,7 +15,7 @@ from float32_rounding import LOGIT_ERROR
 from orchestrator.rendering.chat import ChatTemplate
 from orchestrator.rendering.images import image_support, render_image_prompt
 from orchestrator.rendering.tokenizer import load_tokenizer
-from test_vlm_prompts import data_url, part, picture
+from vlm_pictures import data_url, part, picture
 from trainer import packed_attention
 from trainer.vision import bidirectional, vision_for
 
