@@ -141,3 +141,36 @@ def logits_and_gap(model, **inputs) -> tuple:
 def k3(x):
     """trainer/loss.py's mismatch_kl per token, exp(x) - x - 1 (x a tensor): for |x| <= b at most k3(b)."""
     return x.exp() - x - 1
+
+
+def kept_bounds(scaled, gap: float, top_k: int, top_p: float) -> tuple:
+    """(surely, possibly) bool [V]: the tokens kept by top_k then top_p for every logit vector
+    within `gap` of `scaled` (per entry; temperature-scaled, as the sampler sees them), and those
+    kept for some. Two tokens' order may flip only if their logits are within 2 * gap; a kept
+    token's probability moves by at most a factor e^(2 * gap) (its logit and the normaliser by
+    e^gap each), whichever of the possible top-k sets it is normalised over; RHO: float32
+    rounding of the masses themselves (a softmax and a cumulative sum over at most the
+    candidates: a few units in the last place each)."""
+    import torch
+
+    y, g = scaled.double(), float(gap)
+    kth = y.topk(top_k).values[-1]
+    cand = (y >= kth - 2 * g).nonzero().flatten()  # below that, top_k surely ranks k tokens above
+    yc = y[cand]
+    surely_above = (y[None, :] > yc[:, None] + 2 * g).sum(1)
+    maybe_above = (y[None, :] >= yc[:, None] - 2 * g).sum(1) - 1
+    in_k_surely, in_k_maybe = maybe_above < top_k, surely_above < top_k
+    w = torch.exp(yc - yc.max())
+    low_norm, high_norm = w[in_k_surely].sum(), w[in_k_maybe].sum()
+    rho = 2 * (int(in_k_maybe.sum()) + 3) * U
+    # Mass ranked strictly above each candidate: at most (anything that may rank above, among
+    # the possible top-k, over the smallest normaliser), at least (what surely ranks above, among
+    # the sure top-k, over the largest normaliser).
+    maybe_before = (yc[None, :] >= yc[:, None] - 2 * g) & ~torch.eye(len(cand), dtype=torch.bool)
+    surely_before = yc[None, :] > yc[:, None] + 2 * g
+    most = math.exp(2 * g) * (maybe_before & in_k_maybe[None, :]).double() @ w / low_norm + rho
+    least = math.exp(-2 * g) * (surely_before & in_k_surely[None, :]).double() @ w / high_norm - rho
+    surely, possibly = torch.zeros(len(y), dtype=torch.bool), torch.zeros(len(y), dtype=torch.bool)
+    surely[cand] = in_k_surely & (most < top_p)
+    possibly[cand] = in_k_maybe & (least < top_p)
+    return surely, possibly

@@ -15,14 +15,13 @@ and equal each other wherever the two coincide (most positions)."""
 
 from __future__ import annotations
 
-import math
 
 import httpx
 import pytest
 import torch
 
 from conftest import ROOT
-from float32_rounding import U, gamma, k3, k3_error, log_softmax_error, logits_and_gap
+from float32_rounding import U, gamma, k3, k3_error, kept_bounds, log_softmax_error, logits_and_gap
 from rl.batch import Batch
 from rl.config import LossConfig
 from trainer.data import loss_weights, rank_micro_batches
@@ -51,39 +50,6 @@ def vllm_kept(scaled: torch.Tensor, k: torch.Tensor, p: torch.Tensor, min_p: tor
     k = torch.where((k > 0) & (k < vocab), k, vocab).int()  # vLLM's "off" is k = vocab
     use_p = p if bool((p < 1).any()) else None  # vLLM passes None when no request uses top_p
     return apply_top_k_top_p_pytorch(x, k, use_p, allow_cpu_sync=True) > float("-inf")
-
-
-def kept_bounds(scaled: torch.Tensor, gap: float, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(surely, possibly) bool [V]: the tokens kept by top_k then top_p for every logit vector
-    within `gap` of `scaled` (per entry; temperature-scaled, as the sampler sees them), and those
-    kept for some. Two tokens' order may flip only if their logits are within 2 * gap; a kept
-    token's probability moves by at most a factor e^(2 * gap) (its logit and the normaliser by
-    e^gap each), whichever of the possible top-k sets it is normalised over; RHO: float32
-    rounding of the masses themselves (a softmax and a cumulative sum over at most the
-    candidates: a few units in the last place each)."""
-    from float32_rounding import U
-
-    y, g = scaled.double(), float(gap)
-    kth = y.topk(top_k).values[-1]
-    cand = (y >= kth - 2 * g).nonzero().flatten()  # below that, top_k surely ranks k tokens above
-    yc = y[cand]
-    surely_above = (y[None, :] > yc[:, None] + 2 * g).sum(1)
-    maybe_above = (y[None, :] >= yc[:, None] - 2 * g).sum(1) - 1
-    in_k_surely, in_k_maybe = maybe_above < top_k, surely_above < top_k
-    w = torch.exp(yc - yc.max())
-    low_norm, high_norm = w[in_k_surely].sum(), w[in_k_maybe].sum()
-    rho = 2 * (int(in_k_maybe.sum()) + 3) * U
-    # Mass ranked strictly above each candidate: at most (anything that may rank above, among
-    # the possible top-k, over the smallest normaliser), at least (what surely ranks above, among
-    # the sure top-k, over the largest normaliser).
-    maybe_before = (yc[None, :] >= yc[:, None] - 2 * g) & ~torch.eye(len(cand), dtype=torch.bool)
-    surely_before = yc[None, :] > yc[:, None] + 2 * g
-    most = math.exp(2 * g) * (maybe_before & in_k_maybe[None, :]).double() @ w / low_norm + rho
-    least = math.exp(-2 * g) * (surely_before & in_k_surely[None, :]).double() @ w / high_norm - rho
-    surely, possibly = torch.zeros(len(y), dtype=torch.bool), torch.zeros(len(y), dtype=torch.bool)
-    surely[cand] = in_k_surely & (most < top_p)
-    possibly[cand] = in_k_maybe & (least < top_p)
-    return surely, possibly
 
 
 @pytest.mark.parametrize("case", ["top_k", "top_p", "min_p", "all", "mixed_rows"])
