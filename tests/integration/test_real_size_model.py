@@ -9,7 +9,7 @@ import sys
 import unicodedata
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoTokenizer
@@ -100,7 +100,10 @@ def test_chat_template_renders_tools(built, tokenizer):
 @given(text=st.text(max_size=60))
 def test_any_text_round_trips(tokenizer, text):
     """Byte-level: every character encodes, none to an unknown token; text comes back as NFC,
-    the normalizer Qwen2's tokenizer applies."""
+    the normalizer Qwen2's tokenizer applies. Text that spells an added token ("<|endoftext|>":
+    Hypothesis draws string constants from the code under test, and found it) encodes to that
+    token, as in HF tokenizers and vLLM alike: out of this property's scope."""
+    assume(not any(added in text for added in tokenizer.get_added_vocab()))
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert all(i < 151_643 for i in ids)
     assert tokenizer.decode(ids) == unicodedata.normalize("NFC", text)

@@ -63,6 +63,7 @@ RECEIVERS = (
     Receiver(GEN, "Generations.sample", "final", "vllm.outputs:RequestOutput"),
     Receiver(RELOAD, "", "self.engine.model_config", "vllm.config.model:ModelConfig"),
     Receiver(GEN, "Generations.tagged", "c", "vllm.outputs:CompletionOutput"),
+    Receiver(GEN, "Generations.sample", "final.outputs[0]", "vllm.outputs:CompletionOutput"),
     Receiver(GEN, "Generations.tagged", "c.logprobs[j][t]", "vllm.logprobs:Logprob"),
     Receiver(GEN, "Generations.tagged", "d[t]", "vllm.logprobs:Logprob"),
     # Our worker methods' answers, through collective_rpc.
