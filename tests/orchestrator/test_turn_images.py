@@ -252,6 +252,68 @@ def test_a_model_that_writes_the_placeholder_ends_its_episode_before_the_picture
     assert sorted(q.request_id for q in generate.asked) == ["g3-e0-t0", "g3-e1-t0"]
 
 
+class PictureFirst(ShapesTools):
+    """ShapesTools whose opening question holds its board (its own messages(row))."""
+
+    def messages(self, row: dict) -> list[dict]:
+        png = board_of(row["board"])[0]
+        return [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}},
+            {"type": "text", "text": row["prompt"]}]}]
+
+
+def test_the_start_up_room_check_measures_an_openings_pictures_as_the_model_reads_them():
+    """The opening's pictures counted expanded (as the processor expands them), not as their one
+    placeholder: a tool environment's opening is AutoProcessor's ids for it, tools included; a
+    text environment's start its text's tokens and each picture's expansion."""
+    from orchestrator.rendering import image_support
+    from orchestrator.rollout.text_environment import TextEpisodes
+    from orchestrator.rollout.tool_environment import ToolEpisodes
+    from orchestrator.rollout.tool_functions import load_tools
+    from rl.config import load_config
+
+    tokenizer, hf = load_tokenizer(str(VLM)), processor()
+    env = PictureFirst()
+    row = next(env.dataset(0))
+    cfg, _ = load_config(["--model", str(VLM), "--seq_len", "512", "--orchestrator.environment.class",
+                          "test_turn_images:PictureFirst"])
+    measured = ToolEpisodes.start_up(cfg, env)(tokenizer)(row)
+    schemas = [t.schema for t in load_tools(env.tools, "PictureFirst.tools").values()]
+    text = hf.apply_chat_template(template_messages(env.messages(row)), tools=schemas, add_generation_prompt=True,
+                                  tokenize=False)
+    assert measured == len(processor_ids(text, [board_of(row["board"])[0]]))
+
+    turns = ShapesTurns()
+    first = next(turns.dataset(0))
+    cfg, _ = load_config(["--model", str(VLM), "--seq_len", "512", "--orchestrator.environment.class",
+                          "tasks.shapes_tools:ShapesTurns"])
+    start = turns.episode(first).start()
+    words = "".join(p for p in start if isinstance(p, str)) if isinstance(start, list) else start
+    expansion = len(processor_ids(image_support(VLM).image_token, [board_of(first["boards"][0])[0]]))
+    assert TextEpisodes.start_up(cfg, turns)(tokenizer)(first) == len(tokenizer.encode(words).ids) + expansion
+
+
+def test_a_text_environment_whose_opening_fits_only_unexpanded_is_refused_at_start_up(tmp_path):
+    """`rl orchestrator --dry-run`: ShapesTurns' opening is 14 tokens with its picture as one
+    placeholder and 32 as the model reads it; with room for 31 it exits 2 naming the key, with
+    room for 32 it starts."""
+    import subprocess
+
+    from conftest import rl_command
+
+    def dry(seq_len: int) -> subprocess.CompletedProcess:
+        return subprocess.run(rl_command("orchestrator", "--model", str(VLM), "--output_dir", str(tmp_path / "run"),
+                                         "--seq_len", str(seq_len), "--orchestrator.sampling.max_tokens", "8",
+                                         "--orchestrator.environment.class", "tasks.shapes_tools:ShapesTurns",
+                                         "--dry-run"), capture_output=True, text=True, timeout=300)
+
+    refused, fits = dry(8 + 31), dry(8 + 32)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "orchestrator.environment.class = 'tasks.shapes_tools:ShapesTurns'" in refused.stderr
+    assert "the longest is 32 tokens" in refused.stderr, refused.stderr[-2000:]
+    assert fits.returncode == 0, fits.stderr[-2000:]
+
+
 # --- on the real engine ------------------------------------------------------------------------
 
 

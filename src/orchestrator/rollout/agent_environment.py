@@ -35,16 +35,14 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import jinja2
-
 from orchestrator.callables import load_callable
-from orchestrator.rendering import ChatTemplate, ImageError, Opening
+from orchestrator.rendering import ChatTemplate, ImageError, Opening, image_support
 from orchestrator.rollout.agent_endpoint import AgentEndpoint
 from orchestrator.rollout.agent_images import AgentImages
 from orchestrator.rollout.environment_base import EnvironmentKind
 from orchestrator.rollout.kind import Aborted, Generate, Toolkit, Trajectory
 from orchestrator.rollout.tool_environment import needed_template
-from orchestrator.rollout.tool_episode import opening_messages
+from orchestrator.rollout.tool_episode import opening_measure
 from orchestrator.rollout.tool_parsers import PARSERS, tool_parser
 from rl.config import ConfigError, RunConfig
 from rl.inference_api import GeneratedSample
@@ -123,18 +121,7 @@ class AgentEpisodes(EnvironmentKind):
         if cfg.orchestrator.tools.parser not in PARSERS:
             load_callable(cfg.orchestrator.tools.parser, "orchestrator.tools.parser")
         template = needed_template(cfg, ChatTemplate.configured(cfg.orchestrator, cfg.model))
-
-        def opening(tokenizer) -> Opening:
-            def tokens(row: dict) -> int | None:
-                try:
-                    text = template.render(opening_messages(env, row), True)
-                except (jinja2.TemplateError, KeyError):
-                    return None
-                return len(tokenizer.encode(text, add_special_tokens=False).ids)
-
-            return tokens
-
-        return opening
+        return opening_measure(env, template, image_support(cfg.model))
 
 
 def rebuilt(turns: list[tuple[list[int], GeneratedSample, list[bytes]]], reward: float) -> Trajectory:

@@ -12,7 +12,7 @@ import asyncio
 import inspect
 from collections.abc import Callable
 
-from orchestrator.rendering import ImageError, Opening, check_expanded
+from orchestrator.rendering import ImageError, Opening, check_expanded, image_support
 from orchestrator.rollout.agent_images import AgentImages
 from orchestrator.rollout.environment import Turn
 from orchestrator.rollout.environment_base import EnvironmentKind
@@ -27,7 +27,15 @@ class TextEpisodes(EnvironmentKind):
 
     @classmethod
     def start_up(cls, cfg: RunConfig, env) -> Callable[[object], Opening]:
-        return lambda tokenizer: lambda row: opening_tokens(env, tokenizer, row)
+        support = image_support(cfg.model)
+
+        def opening(tokenizer) -> Callable[[dict], int | None]:
+            # A picture counts as the model reads it: its placeholder expanded (one token for a
+            # model that reads text only, whose episode fails at run time on it anyway).
+            per_picture = len(tokenizer.encode(support.expansion(), add_special_tokens=False).ids) if support else 1
+            return lambda row: opening_tokens(env, tokenizer, row, per_picture)
+
+        return opening
 
     def __init__(self, cfg: RunConfig, toolkit: Toolkit, renderer, sources, env, rewards=None):
         super().__init__(cfg, toolkit, renderer, sources, env, rewards)
@@ -91,18 +99,19 @@ def turn_content(value, episode, what: str) -> str | list[dict]:
     return content
 
 
-def opening_tokens(env, tokenizer, row: dict) -> int | None:
-    """Tokens of the start of `row`'s episode; None where building or starting it raises (at
-    run time: that one rollout fails)."""
+def opening_tokens(env, tokenizer, row: dict, per_picture: int = 1) -> int | None:
+    """Tokens of the start of `row`'s episode, each picture `per_picture` tokens; None where
+    building or starting it raises (at run time: that one rollout fails)."""
     try:
         episode = env.episode(row)
     except Exception:
         return None
-    try:  # a picture counts as its one placeholder token here, not expanded (docs/vlm.md)
+    try:
         start = content_of(episode.start())
         parts = [] if isinstance(start, str) else start
         text = "".join(p.get("text", "") for p in parts) if parts else start
-        return len(tokenizer.encode(text, add_special_tokens=True).ids) + sum(p.get("type") != "text" for p in parts)
+        pictures = sum(p.get("type") != "text" for p in parts)
+        return len(tokenizer.encode(text, add_special_tokens=True).ids) + pictures * per_picture
     except Exception:
         return None
     finally:  # an episode may hold a process or a connection

@@ -10,11 +10,11 @@ from collections.abc import Callable
 import jinja2
 
 from orchestrator.callables import load_callable
-from orchestrator.rendering import ChatTemplate, ImageError, ImagePrompt, Opening, check_expanded
+from orchestrator.rendering import ChatTemplate, ImageError, ImagePrompt, Opening, check_expanded, image_support
 from orchestrator.rollout.agent_images import AgentImages
 from orchestrator.rollout.environment_base import EnvironmentKind
 from orchestrator.rollout.kind import Aborted, Generate, Toolkit, Trajectory
-from orchestrator.rollout.tool_episode import TemplateDrift, ToolEpisode, opening_messages
+from orchestrator.rollout.tool_episode import TemplateDrift, ToolEpisode, opening_measure
 from orchestrator.rollout.tool_functions import load_tools
 from orchestrator.rollout.tool_parsers import PARSERS, tool_parser
 from rl.config import ConfigError, RunConfig
@@ -65,18 +65,7 @@ class ToolEpisodes(EnvironmentKind):
     @classmethod
     def start_up(cls, cfg: RunConfig, env) -> Callable[[object], Opening]:
         template, schemas = checked(cfg, env)
-
-        def opening(tokenizer) -> Opening:
-            def tokens(row: dict) -> int | None:
-                try:
-                    text = template.render(opening_messages(env, row), True, schemas)
-                except jinja2.TemplateError:
-                    return None  # at run time: that one rollout fails
-                return len(tokenizer.encode(text, add_special_tokens=False).ids)
-
-            return tokens
-
-        return opening
+        return opening_measure(env, template, image_support(cfg.model), schemas)
 
 
 def checked(cfg: RunConfig, env) -> tuple[ChatTemplate, list[dict]]:

@@ -26,7 +26,9 @@ import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from orchestrator.rendering import ChatTemplate, ImagePrompt, row_messages, template_messages
+import jinja2
+
+from orchestrator.rendering import ChatTemplate, ImagePrompt, Opening, expand, row_messages, template_messages
 from orchestrator.rollout.agent_images import AgentImages, image_positions
 from orchestrator.rollout.tool_functions import Tool, ToolError
 from orchestrator.rollout.turn_images import EpisodeImages, named_pictures, with_pictures
@@ -43,6 +45,27 @@ def opening_messages(env, row: dict) -> list[dict]:
     if hasattr(env, "messages"):
         return env.messages(row)
     return row_messages(row, "prompt", "messages", getattr(env, "system_prompt", "") or "")
+
+
+def opening_measure(env, template: ChatTemplate, support, tools: list[dict] | None = None) -> Callable[[object], Opening]:
+    """tokenizer -> row -> tokens of the environment's opening as the model reads it (the start-up
+    room check, orchestrator/rendering/fit.py): its first messages through the chat template, with
+    the tools' schemas, each picture's placeholder expanded as the model's processor expands it
+    (`support`: image_support(model), None for a text model); None where the template or the
+    row fails (at run time: that one rollout fails)."""
+    def opening(tokenizer) -> Opening:
+        def tokens(row: dict) -> int | None:
+            try:
+                text = template.render(opening_messages(env, row), True, tools)
+            except (jinja2.TemplateError, KeyError):
+                return None
+            if support is not None:
+                text = expand(support, text)
+            return len(tokenizer.encode(text, add_special_tokens=False).ids)
+
+        return tokens
+
+    return opening
 
 
 class TemplateDrift(Exception):
