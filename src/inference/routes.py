@@ -27,8 +27,8 @@ from inference.generation import Generations
 from inference.openai_versions import VersionHeaders
 from inference.reload import ServedWeights
 from rl.config import RunConfig
-from rl.inference_api import ROUTES, Route, UpdateWeightsRequest, resolve_token
 from rl.heartbeat import current_instance
+from rl.inference_api import ROUTES, Route, UpdateWeightsRequest, resolve_token
 
 
 def validation_message(errors: list[dict]) -> str:
