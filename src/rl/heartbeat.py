@@ -77,6 +77,15 @@ def announced_url(path: Path) -> str | None:
     return lines[2][4:].strip().rstrip("/") if len(lines) >= 3 and lines[2].startswith("url ") else None
 
 
+def announced_instance(path: Path) -> str | None:
+    """The instance a heartbeat names (line 1); None: no heartbeat, or unreadable just now."""
+    try:
+        first = path.read_bytes().split(b"\n", 1)[0].decode(errors="replace").strip()
+    except OSError:  # not there (yet), or the share hiccuped: next look
+        return None
+    return first or None
+
+
 class Heartbeat:
     def __init__(self, path: Path, every_s: float = HEARTBEAT_EVERY_S, url: str | None = None):
         self.path, self.every_s = path, every_s

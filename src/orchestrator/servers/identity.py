@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from rl.heartbeat import server_heartbeat_path
+from rl.heartbeat import announced_instance, server_heartbeat_path
 
 
 class Identity:
@@ -28,18 +28,10 @@ class Identity:
         self.output_dir = output_dir
         self.own_url = own_url.rstrip("/") if own_url else None
 
-    def announced(self, url: str) -> tuple[Path, str | None]:
-        """The heartbeat file for `url` and the instance it names (None: no heartbeat now)."""
-        path = server_heartbeat_path(self.output_dir, url)
-        try:
-            first = path.read_bytes().split(b"\n", 1)[0].decode(errors="replace").strip()
-        except OSError:  # not there (yet), or the share hiccuped: asked again on the next try
-            return path, None
-        return path, first or None
-
     def problem(self, url: str, health: dict) -> str | None:
         """Why the server answering at `url` with `health` is not this run's; None if it is."""
-        path, announced = self.announced(url)
+        path = server_heartbeat_path(self.output_dir, url)
+        announced = announced_instance(path)
         answers = health.get("instance")
         if announced is None:
             if url.rstrip("/") == self.own_url:
